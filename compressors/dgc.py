@@ -1,0 +1,17 @@
+"""Deep Gradient Compression (Lin et al., 2018): top-k by a sampled threshold, with momentum
+correction and momentum-factor masking in the ``dgc`` error-feedback memory (its default).
+
+The threshold is estimated from a strided sample of the magnitudes, as in the paper; the payload
+is exactly k values + int32 indices so every rank sends the same bytes.
+"""
+from mergecomp.registry import register_compressor
+
+from .topk import TopKCompressor
+
+
+@register_compressor("dgc")
+class DGCCompressor(TopKCompressor):
+    default_memory = "dgc"
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        super().__init__(ratio, selection="threshold")

@@ -1,0 +1,32 @@
+"""PyTorch front end, shaped like Horovod's ``horovod.torch``.
+
+Example::
+
+    import mergecomp.torch as mc
+    mc.init()                                   # torchrun sets RANK/WORLD_SIZE
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * mc.size(), momentum=0.9)
+    opt = mc.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression="topk", memory="residual", groups=2)
+    mc.broadcast_parameters(model.state_dict(), root_rank=0)
+    mc.broadcast_optimizer_state(opt, root_rank=0)
+"""
+from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .optimizer import Average, DistributedOptimizer, Sum
+from .runtime import communicator, init, is_initialized, local_rank, rank, shutdown, size
+
+__all__ = [
+    "Average",
+    "DistributedOptimizer",
+    "Sum",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "communicator",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "rank",
+    "shutdown",
+    "size",
+]

@@ -1,0 +1,39 @@
+"""Compression by casting to a narrower floating dtype (fp16, bf16): summable by allreduce."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .compressor import Compressor, Payload
+
+__all__ = ["CastCompressor"]
+
+
+class CastCompressor(Compressor):
+    """Sends ``tensor.to(wire_dtype)``; the sum over ranks is taken in ``wire_dtype``.
+
+    ``prescale`` divides by the given factor before the cast and multiplies back after the sum
+    (Horovod's ``gradient_predivide_factor``): set it to the world size when gradients are
+    large enough that their fp16 sum could overflow (65504).
+    """
+
+    summable = True
+    #: dtype on the wire; None keeps the gradient's own dtype
+    wire_dtype: Optional[torch.dtype] = None
+
+    def __init__(self, prescale: float = 1.0) -> None:
+        super().__init__()
+        if prescale <= 0:
+            raise ValueError(f"prescale must be positive, got {prescale}")
+        self.prescale = float(prescale)
+
+    def compress(self, tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype]:
+        if self.prescale != 1.0:
+            tensor = tensor / self.prescale
+        return (tensor.to(self.wire_dtype or tensor.dtype),), tensor.dtype
+
+    def decompress(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
+        out = payload[0].to(ctx)
+        return out if self.prescale == 1.0 else out.mul_(self.prescale)

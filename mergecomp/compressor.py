@@ -1,0 +1,121 @@
+"""The one interface every compression algorithm implements.
+
+Contract (what the pipeline in :mod:`mergecomp.exchange` relies on):
+
+* ``compress(tensor, name, shapes)`` takes a flat, contiguous 1-D floating tensor (one merged
+  group's gradients, already error-compensated) and returns ``(payload, ctx)``.
+  ``payload`` is a tuple of tensors: the only thing that goes on the wire.  ``ctx`` is whatever
+  ``decompress`` needs besides the payload, and it must be *the same on every rank* (numel, dtype,
+  shapes, a step seed...): it is used to decode the payloads the other ranks sent.  Anything
+  rank-specific (norms, means, indices) belongs in the payload.
+* Payload sizes depend only on ``tensor.numel()``, its dtype and the compressor's settings, never
+  on the values, so every rank sends the same number of bytes (gloo cannot gather unequal sizes).
+* ``decompress(payload, ctx)`` returns a flat tensor with ``tensor``'s numel, dtype and device.
+* ``summable = True`` means the payload tensors can be added elementwise across ranks by an
+  allreduce and the sum decompresses to the sum of the inputs (fp16, rand-k with shared indices,
+  PowerSGD factors).  Otherwise payloads are allgathered and each rank's is decoded separately.
+* ``aggregate(payloads, ctx, world_size, average)`` turns what arrived (one summed payload, or one
+  payload per rank) into the final gradient: the mean or sum by default, the majority vote for the
+  sign methods.
+* A compressor that needs several communication rounds (PowerSGD) sets ``rounds > 1`` and
+  implements ``next_round``: after round ``r``'s payload was summed over ranks, it produces round
+  ``r + 1``'s payload.  Compressors never communicate themselves.
+* Per-group state (momentum, PowerSGD factors) lives in ``self.state[name]``, a dict of tensors,
+  so it can be checkpointed and carried over when the merge plan changes.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+Payload = Tuple[torch.Tensor, ...]
+
+__all__ = ["Compressor", "Payload", "check_ratio"]
+
+
+def check_ratio(ratio: float, option: str = "ratio") -> float:
+    """Validate a compression ratio in (0, 1]; raise ValueError naming ``option`` otherwise."""
+    ratio = float(ratio)
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"{option} must be in (0, 1], got {ratio}")
+    return ratio
+
+
+class Compressor(abc.ABC):
+    """Base class of all compressors; see the module docstring for the contract."""
+
+    #: registry name, set by :func:`mergecomp.register_compressor`
+    name: str = ""
+    #: payloads may be summed by allreduce (else: allgathered)
+    summable: bool = False
+    #: number of communication rounds per step
+    rounds: int = 1
+    #: name of the error-feedback memory used when the user does not choose one
+    default_memory: str = "none"
+    #: the result keeps its magnitude under op=Average (majority vote returns signs)
+    votes: bool = False
+
+    def __init__(self) -> None:
+        self.state: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    # -- the pipeline ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def compress(
+        self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]] = None
+    ) -> Tuple[Payload, Any]:
+        """Encode the flat 1-D ``tensor`` of group ``name``.
+
+        ``shapes`` lists the shapes of the parameters concatenated in ``tensor`` (in order);
+        ``None`` means a single 1-D tensor.  Returns ``(payload, ctx)``.
+        """
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        """Decode one payload (or the elementwise sum of several) into a flat tensor."""
+        raise NotImplementedError
+
+    def next_round(self, summed: Payload, ctx: Any) -> Tuple[Payload, Any]:
+        """Multi-round compressors: build the next round's payload from the summed one."""
+        raise NotImplementedError(f"compressor {self.name!r} has a single round")
+
+    def aggregate(
+        self, payloads: Sequence[Payload], ctx: Any, world_size: int, average: bool
+    ) -> torch.Tensor:
+        """Combine what arrived: one summed payload or one payload per rank.
+
+        Returns the mean over ranks if ``average`` else the sum.
+        """
+        total = self.decompress(payloads[0], ctx)
+        for payload in payloads[1:]:
+            total.add_(self.decompress(payload, ctx))
+        if average:
+            total.div_(world_size)
+        return total
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def group_state(self, name: str) -> Dict[str, torch.Tensor]:
+        """The mutable state dict of group ``name`` (created empty on first use)."""
+        return self.state.setdefault(name, {})
+
+    def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        return {name: dict(fields) for name, fields in self.state.items()}
+
+    def load_state_dict(self, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        self.state = {name: dict(fields) for name, fields in state.items()}
+
+    def bits_per_element(self, numel: int, dtype: torch.dtype = torch.float32) -> float:
+        """Bits one rank puts on the wire per input element (first round only)."""
+        payload, _ = self.compress(torch.zeros(numel, dtype=dtype), "__probe__")
+        self.state.pop("__probe__", None)
+        return 8.0 * sum(t.numel() * t.element_size() for t in payload) / numel
+
+    def settings(self) -> Dict[str, Any]:
+        """The hyperparameters that define this compressor (all ranks must agree on them)."""
+        return {k: v for k, v in vars(self).items() if k != "state" and not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,1 @@
+"""Communicator implementations over existing distributed libraries."""

@@ -1,0 +1,57 @@
+"""torch.distributed engine: gloo on CPU, NCCL on CUDA (launch with ``torchrun``)."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Communicator, Handle
+
+__all__ = ["TorchCommunicator", "init_process_group"]
+
+
+def init_process_group(backend: Optional[str], timeout: float) -> None:
+    """Initialise the default process group from torchrun's environment, if not done yet."""
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"torch engine: environment variables {missing} are not set; launch with "
+            f"`torchrun --nproc_per_node N script.py` or call torch.distributed.init_process_group first"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+class TorchCommunicator(Communicator):
+    """Collectives on a torch.distributed process group (default: the world)."""
+
+    engine = "torch"
+
+    def __init__(self, group=None, timeout: Optional[float] = None) -> None:
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
+        self.group = group
+
+    def _handle(self, work, result: torch.Tensor) -> Handle:
+        def wait(timeout: float) -> torch.Tensor:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            return result
+
+        return Handle(wait, self.timeout)
+
+    def allreduce_async(self, tensor: torch.Tensor) -> Handle:
+        return self._handle(dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+
+    def allgather_async(self, tensor: torch.Tensor) -> Handle:
+        out = tensor.new_empty(self.size * tensor.numel())
+        work = dist.all_gather_into_tensor(out, tensor.reshape(-1), group=self.group, async_op=True)
+        return self._handle(work, out.view(self.size, -1))
+
+    def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
+        return self._handle(work, tensor).wait(f"broadcast from rank {root}")

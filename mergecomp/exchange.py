@@ -1,0 +1,184 @@
+"""One merged group's trip through compression and communication, framework-agnostic.
+
+:class:`Exchange` chains, for each group::
+
+    check finite -> memory.compensate -> compressor.compress -> collective (async)
+                 -> memory.update          ...later: wait -> [next rounds] -> aggregate
+
+``start`` returns an :class:`InFlight` right after the first collective is issued; ``finish``
+waits for it, runs any further rounds, and returns the reduced flat gradient.  All collectives
+of a step must be started in the same order on every rank: callers start groups in plan order,
+and a multi-round compressor's later rounds are issued from ``finish``, again in plan order.
+
+Allgathered payloads travel as one byte buffer per group (one collective, not one per payload
+tensor); each tensor's bytes start on an 8-byte boundary so they can be viewed back in place.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .comm import Communicator, Handle
+from .compressor import Compressor, Payload
+from .memory import Memory
+from .plan import Group
+
+__all__ = ["Exchange", "InFlight", "pack_payload", "unpack_payload", "NONFINITE_POLICIES", "check_nonfinite"]
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+_ALIGN = 8
+
+Spec = Tuple[torch.dtype, torch.Size]
+
+
+def pack_payload(payload: Payload) -> Tuple[torch.Tensor, List[Spec]]:
+    """Concatenate the payload tensors' bytes into one uint8 tensor (8-byte aligned parts)."""
+    parts, specs = [], []
+    for tensor in payload:
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        pad = (-raw.numel()) % _ALIGN
+        if pad:
+            parts.append(raw.new_zeros(pad))
+        specs.append((tensor.dtype, tensor.shape))
+    return torch.cat(parts), specs
+
+
+def unpack_payload(raw: torch.Tensor, specs: Sequence[Spec]) -> Payload:
+    """Views of ``raw`` (one rank's packed bytes) as the payload tensors described by ``specs``."""
+    tensors, offset = [], 0
+    for dtype, shape in specs:
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        tensors.append(raw[offset:offset + nbytes].view(dtype).view(shape))
+        offset += nbytes + (-nbytes) % _ALIGN
+    return tuple(tensors)
+
+
+class InFlight:
+    """A group whose collective has been started; :meth:`Exchange.finish` completes it."""
+
+    def __init__(self, group: Group, compensated: torch.Tensor, finite: torch.Tensor) -> None:
+        self.group = group
+        self.compensated = compensated
+        self.finite = finite
+        self.round = 1
+        self.ctx: Any = None
+        self.payload: Payload = ()
+        self.specs: Optional[List[Spec]] = None
+        self.handle: Optional[Handle] = None
+
+
+class Exchange:
+    """Compress and communicate merged groups with one compressor and one memory.
+
+    Args:
+        compressor: encodes each group's flat buffer.
+        memory: error feedback, per group.
+        comm: the engine.
+        average: divide the sum over ranks by the world size (ignored by majority votes).
+        check_finite: zero a group holding NaN/Inf before it reaches the memory or the
+            compressor state, and report it through :attr:`InFlight.finite`.
+    """
+
+    def __init__(self, compressor: Compressor, memory: Memory, comm: Communicator,
+                 average: bool = True, check_finite: bool = True) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compression must be a compressor name or a mergecomp.Compressor, got {compressor!r}")
+        if not isinstance(memory, Memory):
+            raise TypeError(f"memory must be a memory name or a mergecomp.Memory, got {memory!r}")
+        self.compressor = compressor
+        self.memory = memory
+        self.comm = comm
+        self.average = average
+        self.check_finite = check_finite
+        self.step = 0
+
+    def start(self, group: Group, flat: torch.Tensor) -> InFlight:
+        """Compress ``flat`` (the group's gradients; modified in place) and start round 1."""
+        if self.check_finite:
+            finite = torch.isfinite(flat).all()
+            flat.masked_fill_(finite.logical_not(), 0)
+        else:
+            finite = flat.new_ones((), dtype=torch.bool)
+        compensated = self.memory.compensate(flat, group.name)
+        job = InFlight(group, compensated, finite)
+        job.payload, job.ctx = self.compressor.compress(compensated, group.name, group.shapes)
+        self._launch(job)
+        return job
+
+    def finish(self, job: InFlight) -> torch.Tensor:
+        """Wait for ``job``, run its remaining rounds, and return the reduced flat gradient."""
+        compressor, size = self.compressor, self.comm.size
+        while True:
+            arrived = self._wait(job)
+            if job.round == compressor.rounds:
+                return compressor.aggregate(arrived, job.ctx, size, self.average)
+            job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
+            job.round += 1
+            self._launch(job)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _what(self, job: InFlight) -> str:
+        return (f"round {job.round} of group {job.group.name!r} ({len(job.group.indices)} tensors, "
+                f"{job.group.numel} elements) at step {self.step} on rank {self.comm.rank}")
+
+    def _launch(self, job: InFlight) -> None:
+        compressor = self.compressor
+        last_round = job.round == compressor.rounds
+        if compressor.summable:
+            if last_round:
+                # The allreduce sums in place: decode this rank's part for the memory first.
+                self._remember(job)
+            if len(job.payload) == 1:
+                buffer = job.payload[0]
+            else:
+                buffer = torch.cat([t.reshape(-1) for t in job.payload])
+            job.handle = self.comm.allreduce_async(buffer)
+        else:
+            buffer, job.specs = pack_payload(job.payload)
+            job.handle = self.comm.allgather_async(buffer)
+            if last_round:
+                self._remember(job)
+
+    def _remember(self, job: InFlight) -> None:
+        if type(self.memory).update is not Memory.update:
+            transmitted = self.compressor.decompress(job.payload, job.ctx)
+            self.memory.update(job.compensated, job.group.name, transmitted)
+
+    def _wait(self, job: InFlight) -> List[Payload]:
+        result = job.handle.wait(self._what(job))
+        if self.compressor.summable:
+            if len(job.payload) == 1:
+                return [(result,)]
+            parts, offset = [], 0
+            for t in job.payload:
+                parts.append(result[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            return [tuple(parts)]
+        return [unpack_payload(row, job.specs) for row in result]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"step": self.step, "compressor": self.compressor.state_dict(),
+                "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.compressor.load_state_dict(state["compressor"])
+        self.memory.load_state_dict(state["memory"])
+
+
+def check_nonfinite(comm: Communicator, finite: Sequence[torch.Tensor], names: Sequence[str],
+                    step: int) -> List[Tuple[int, str]]:
+    """Agree across ranks on which (rank, group) pairs held NaN/Inf this step.
+
+    ``finite`` holds one 0-d bool tensor per group, in plan order (the same on every rank).
+    One small allreduce of a ``(size, groups)`` matrix; the same answer on every rank.
+    """
+    device = finite[0].device if finite else torch.device("cpu")
+    flags = torch.zeros(comm.size, len(finite), dtype=torch.int32, device=device)
+    if finite:
+        flags[comm.rank] = torch.stack([f.logical_not() for f in finite]).to(torch.int32)
+    comm.allreduce_(flags, f"non-finite gradient check at step {step}")
+    bad = flags.nonzero().tolist()
+    return [(rank, names[g]) for rank, g in bad]

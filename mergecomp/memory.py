@@ -1,0 +1,112 @@
+"""Error-feedback memories, kept per merged group.
+
+A memory sits around the compressor of each group::
+
+    x = memory.compensate(grad, name)            # fold in what earlier steps did not send
+    payload, ctx = compressor.compress(x, name)
+    memory.update(x, name, transmitted)          # transmitted = decode of this rank's payload
+
+All state is per-element (same numel as the group), stored in ``self.state[name]`` as a dict of
+flat tensors, so it can be checkpointed and remapped onto a new merge plan.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from .registry import register_memory
+
+__all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory"]
+
+
+class Memory:
+    """Base class: no error feedback (``compensate`` and ``update`` are identities)."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.state: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Return the tensor to compress for group ``name`` (may modify ``tensor`` in place)."""
+        return tensor
+
+    def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
+        """Remember what of ``compensated`` was not transmitted."""
+
+    def _buffer(self, name: str, field: str, like: torch.Tensor) -> torch.Tensor:
+        fields = self.state.setdefault(name, {})
+        buf = fields.get(field)
+        if buf is None or buf.numel() != like.numel() or buf.dtype != like.dtype:
+            buf = fields[field] = torch.zeros_like(like)
+        return buf
+
+    def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        return {name: dict(fields) for name, fields in self.state.items()}
+
+    def load_state_dict(self, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        self.state = {name: dict(fields) for name, fields in state.items()}
+
+    def settings(self) -> Dict[str, float]:
+        return {k: v for k, v in vars(self).items() if k != "state"}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
+        return f"{type(self).__name__}({args})"
+
+
+@register_memory("none")
+class NoMemory(Memory):
+    """No error feedback."""
+
+
+@register_memory("residual")
+class ResidualMemory(Memory):
+    """Residual error feedback: ``x = gamma * grad + beta * residual``; ``residual = x - sent``."""
+
+    def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
+        super().__init__()
+        self.beta = float(beta)
+        self.gamma = float(gamma)
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        residual = self.state.get(name, {}).get("residual")
+        if self.gamma != 1.0:
+            tensor.mul_(self.gamma)
+        if residual is not None and residual.numel() == tensor.numel():
+            tensor.add_(residual, alpha=self.beta)
+        return tensor
+
+    def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
+        torch.sub(compensated, transmitted, out=self._buffer(name, "residual", compensated))
+
+
+@register_memory("dgc")
+class DGCMemory(Memory):
+    """Deep Gradient Compression memory: momentum correction and momentum factor masking.
+
+    ``u = m * u + grad``; ``v = v + u``; ``v`` is compressed.  Elements that were sent are
+    cleared from both ``v`` and ``u`` (masking).  Use it with a momentum-free optimizer step:
+    the momentum is applied here, before compression (Lin et al., 2018).
+    """
+
+    def __init__(self, momentum: float = 0.9) -> None:
+        super().__init__()
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"dgc memory momentum must be in [0, 1), got {momentum}")
+        self.momentum = float(momentum)
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        u = self._buffer(name, "momentum", tensor)
+        v = self._buffer(name, "velocity", tensor)
+        u.mul_(self.momentum).add_(tensor)
+        v.add_(u)
+        tensor.copy_(v)
+        return tensor
+
+    def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
+        kept = transmitted == 0
+        fields = self.state[name]
+        torch.sub(compensated, transmitted, out=fields["velocity"])
+        fields["momentum"].mul_(kept)

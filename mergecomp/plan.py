@@ -1,0 +1,202 @@
+"""Merge plans: which parameters share one flat buffer, and where each one lives in it.
+
+A :class:`GroupPlan` is a plain value — a tuple of groups, each a tuple of parameter indices in
+backward (gradient-ready) order — so a scheduler can build, compare, broadcast and replace it
+between steps.  :func:`layout` turns a plan plus the parameters' shapes into :class:`Group`
+records with offsets.  :func:`remap_state` moves per-element state (error-feedback residuals,
+momenta) from one plan's buffers onto another's, so switching plans loses nothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["GroupPlan", "Group", "layout", "remap_state", "build_plan", "group_name"]
+
+PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Groups of parameter indices; concatenating the groups gives the backward order."""
+
+    groups: Tuple[Tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if any(len(g) == 0 for g in self.groups):
+            raise ValueError("a merge plan cannot contain an empty group")
+
+    @property
+    def order(self) -> Tuple[int, ...]:
+        return tuple(i for g in self.groups for i in g)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def to_json(self) -> List[List[int]]:
+        return [list(g) for g in self.groups]
+
+    @classmethod
+    def from_json(cls, groups: Sequence[Sequence[int]]) -> "GroupPlan":
+        return cls(tuple(tuple(int(i) for i in g) for g in groups))
+
+
+@dataclass(frozen=True)
+class Group:
+    """One merged buffer: parameter ``indices`` at ``offsets`` with ``shapes``; ``numel`` total."""
+
+    name: str
+    indices: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    shapes: Tuple[torch.Size, ...]
+    numel: int
+
+    def numels(self) -> Tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+
+def group_name(indices: Sequence[int]) -> str:
+    """Stable name of a group: the same on every rank for the same parameters."""
+    return f"g{indices[0]}-{indices[-1]}x{len(indices)}"
+
+
+def layout(plan: GroupPlan, shapes: Sequence[torch.Size]) -> List[Group]:
+    """Offsets of each parameter inside its group's flat buffer."""
+    groups = []
+    for members in plan.groups:
+        offsets, offset = [], 0
+        for i in members:
+            offsets.append(offset)
+            offset += math.prod(shapes[i])
+        groups.append(Group(group_name(members), tuple(members), tuple(offsets),
+                            tuple(torch.Size(shapes[i]) for i in members), offset))
+    return groups
+
+
+def _cut_by_bytes(order: Sequence[int], nbytes: Sequence[int], k: int) -> List[List[int]]:
+    """Split ``order`` into ``min(k, len(order))`` contiguous runs of about equal bytes.
+
+    Cut ``j`` goes at the tensor boundary whose prefix of bytes is nearest ``j / k`` of the
+    total, leaving room for one tensor in every later group.
+    """
+    n = len(order)
+    k = min(k, n)
+    prefix = [0]
+    for i in order:
+        prefix.append(prefix[-1] + nbytes[i])
+    cuts = [0]
+    for j in range(1, k):
+        target = prefix[-1] * j / k
+        candidates = range(cuts[-1] + 1, n - (k - j) + 1)
+        cuts.append(min(candidates, key=lambda b: abs(prefix[b] - target)))
+    cuts.append(n)
+    return [list(order[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+
+def build_plan(
+    spec: PlanSpec,
+    order: Sequence[int],
+    names: Sequence[str],
+    nbytes: Sequence[int],
+    kinds: Sequence[object] = (),
+) -> GroupPlan:
+    """Make a plan from a user spec.
+
+    Args:
+        spec: ``"layerwise"`` (one group per tensor), an int ``k`` (k groups of about equal bytes
+            along ``order``), a list of lists of parameter names, or a :class:`GroupPlan`.
+        order: parameter indices in backward order.
+        names: parameter names by index (for name lists and error messages).
+        nbytes: gradient bytes by index.
+        kinds: optional per-index key (dtype, device); a group never mixes two kinds, so
+            runs are additionally cut where the kind changes.
+    """
+    if isinstance(spec, GroupPlan):
+        groups = [list(g) for g in spec.groups]
+    elif isinstance(spec, str):
+        if spec != "layerwise":
+            raise ValueError(f"groups must be 'layerwise', an int, a list of name lists or a GroupPlan; got {spec!r}")
+        groups = [[i] for i in order]
+    elif isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ValueError(f"groups must be a positive number of groups, got {spec}")
+        groups = _cut_by_bytes(order, nbytes, spec)
+    else:
+        groups = _groups_from_names(spec, order, names)
+    if kinds:
+        groups = [run for g in groups for run in _split_kinds(g, kinds)]
+    plan = GroupPlan(tuple(tuple(g) for g in groups))
+    _check_covers(plan, order, names)
+    return plan
+
+
+def _groups_from_names(spec, order: Sequence[int], names: Sequence[str]) -> List[List[int]]:
+    index = {name: i for i, name in enumerate(names)}
+    try:
+        groups = [[index[n] for n in group] for group in spec]
+    except KeyError as err:
+        raise ValueError(f"groups names parameter {err.args[0]!r}, which is not among the optimizer's "
+                         f"named parameters") from None
+    except TypeError:
+        raise ValueError(f"groups must be 'layerwise', an int, a list of name lists or a GroupPlan; got {spec!r}") from None
+    listed = {i for g in groups for i in g}
+    missing = [i for i in order if i not in listed]
+    if missing:
+        # Parameters nobody listed form one trailing group, like Horovod's `groups=` option.
+        groups.append(missing)
+    return [g for g in groups if g]
+
+
+def _split_kinds(group: Sequence[int], kinds: Sequence[object]) -> List[List[int]]:
+    runs: List[List[int]] = []
+    for i in group:
+        if runs and kinds[runs[-1][-1]] == kinds[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _check_covers(plan: GroupPlan, order: Sequence[int], names: Sequence[str]) -> None:
+    seen: Dict[int, int] = {}
+    for i in plan.order:
+        if i in seen:
+            raise ValueError(f"parameter {names[i]!r} appears in more than one group")
+        seen[i] = 1
+    missing = set(order) - set(seen)
+    extra = set(seen) - set(order)
+    if missing or extra:
+        bad = sorted(missing | extra)
+        raise ValueError(f"merge plan does not match the parameters: {[names[i] for i in bad]}")
+
+
+def remap_state(
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    old: Sequence[Group],
+    new: Sequence[Group],
+) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Move per-element state fields from ``old`` groups' buffers into ``new`` groups' buffers.
+
+    A field whose numel equals its group's numel is per-element and follows its parameters;
+    any other field (e.g. low-rank factors) is dropped.  Parameters with no old state get zeros.
+    """
+    pieces: Dict[str, Dict[int, torch.Tensor]] = {}
+    templates: Dict[str, torch.Tensor] = {}
+    for group in old:
+        for field, tensor in state.get(group.name, {}).items():
+            if tensor.numel() != group.numel:
+                continue
+            templates.setdefault(field, tensor)
+            for i, offset, n in zip(group.indices, group.offsets, group.numels()):
+                pieces.setdefault(field, {})[i] = tensor[offset:offset + n]
+    remapped: Dict[str, Dict[str, torch.Tensor]] = {}
+    for group in new:
+        for field, by_param in pieces.items():
+            template = templates[field]
+            parts = [by_param[i] if i in by_param else template.new_zeros(n)
+                     for i, n in zip(group.indices, group.numels())]
+            remapped.setdefault(group.name, {})[field] = torch.cat(parts)
+    return remapped

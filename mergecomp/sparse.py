@@ -1,0 +1,106 @@
+"""Sparse payloads (values + int32 indices), written once for every sparsifier.
+
+Wire format of a :class:`SparseCompressor` payload: ``(values, indices)``, ``values`` in the
+gradient's dtype and ``indices`` int32, both of length ``k = max(1, ceil(ratio * numel))`` —
+a function of numel and ratio only, so every rank sends the same number of bytes.
+
+Also here: a fast top-k selection for large merged buffers (a threshold estimated from a strided
+sample, then an exact top-k among the candidates) and the shared-seed index trick used by rand-k.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .compressor import Compressor, Payload, check_ratio
+
+__all__ = [
+    "SparseCompressor",
+    "num_selected",
+    "topk_indices",
+    "shared_random_indices",
+    "stable_seed",
+]
+
+#: Candidates kept above the sampled threshold, relative to k: enough to rarely fall back to an
+#: exact top-k over the whole buffer, few enough that the final top-k among them is cheap.
+_OVERSAMPLE = 1.3
+_MIN_SAMPLE = 16384
+
+
+def num_selected(numel: int, ratio: float) -> int:
+    """How many elements a sparsifier with ``ratio`` keeps out of ``numel``."""
+    return min(numel, max(1, math.ceil(ratio * numel)))
+
+
+def topk_indices(magnitude: torch.Tensor, k: int, method: str = "exact") -> torch.Tensor:
+    """Indices (int64) of the ``k`` largest entries of the non-negative 1-D ``magnitude``.
+
+    ``method="exact"`` is ``torch.topk``.  ``method="threshold"`` returns the same set (ties
+    aside) faster on large buffers: it estimates the k-th largest value from a strided sample,
+    keeps the candidates above it and runs the exact top-k only among those, falling back to
+    the full top-k when the estimate kept fewer than ``k``.
+    """
+    n = magnitude.numel()
+    if k >= n:
+        return torch.arange(n, device=magnitude.device)
+    if method == "threshold":
+        sample_size = min(n, max(_MIN_SAMPLE, math.ceil(200 * n / k)))
+        sample = magnitude[:: max(1, n // sample_size)]
+        rank_in_sample = min(sample.numel(), math.ceil(_OVERSAMPLE * k * sample.numel() / n))
+        threshold = sample.topk(rank_in_sample, sorted=False).values.min()
+        candidates = torch.nonzero(magnitude >= threshold).view(-1)
+        if candidates.numel() >= k:
+            best = magnitude[candidates].topk(k, sorted=False).indices
+            return candidates[best]
+    elif method != "exact":
+        raise ValueError(f"top-k selection must be 'exact' or 'threshold', got {method!r}")
+    return magnitude.topk(k, sorted=False).indices
+
+
+def stable_seed(name: str, step: int) -> int:
+    """A seed that is the same on every rank and process for group ``name`` at ``step``."""
+    return (zlib.crc32(name.encode()) * 1_000_003 + step) % (2**63 - 1)
+
+
+def shared_random_indices(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``k`` indices drawn uniformly with replacement from ``[0, numel)``, identical on all ranks
+    for the same seed (CPU generator, then moved to ``device``)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(numel, (k,), generator=generator).to(device)
+
+
+class SparseCompressor(Compressor):
+    """Keeps ``k`` elements chosen by :meth:`select`; payload ``(values, int32 indices)``."""
+
+    default_memory = "residual"
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        super().__init__()
+        self.ratio = check_ratio(ratio)
+
+    def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
+        """Indices of the ``k`` elements of ``tensor`` to send."""
+        raise NotImplementedError
+
+    def compress(
+        self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]] = None
+    ) -> Tuple[Payload, Tuple[int, torch.dtype]]:
+        indices = self.select(tensor, num_selected(tensor.numel(), self.ratio), name)
+        return (tensor[indices], indices.to(torch.int32)), (tensor.numel(), tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
+        values, indices = payload
+        numel, dtype = ctx
+        dense = torch.zeros(numel, dtype=dtype, device=values.device)
+        return dense.index_add_(0, indices.long(), values.to(dtype))
+
+    def aggregate(self, payloads, ctx, world_size, average):
+        # One scatter-add over all ranks' entries instead of one dense decode per rank.
+        values = torch.cat([p[0] for p in payloads])
+        indices = torch.cat([p[1] for p in payloads])
+        total = self.decompress((values, indices), ctx)
+        return total.div_(world_size) if average else total

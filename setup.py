@@ -1,0 +1,36 @@
+"""mergecomp: merged gradient compression for data-parallel training.
+
+The source tree maps onto one installed package, ``mergecomp``:
+
+    mergecomp/            -> mergecomp               (core: interfaces, plans, engines)
+    compressors/          -> mergecomp.compressors   (one module per algorithm)
+    frameworks/torch/     -> mergecomp.torch         (PyTorch front end)
+"""
+from setuptools import setup
+
+setup(
+    name="mergecomp",
+    version="0.1.0",
+    description="Communication-efficient data-parallel training: merged gradient compression",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=[
+        "mergecomp",
+        "mergecomp.engines",
+        "mergecomp.compressors",
+        "mergecomp.torch",
+    ],
+    package_dir={
+        "mergecomp": "mergecomp",
+        "mergecomp.compressors": "compressors",
+        "mergecomp.torch": "frameworks/torch",
+    },
+    install_requires=["torch>=2.1,<2.14", "numpy"],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
+    },
+    entry_points={
+        "console_scripts": ["mergecomp=mergecomp.cli:main"],
+    },
+)
