@@ -49,7 +49,7 @@ class TorchCommunicator(Communicator):
 
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
         out = tensor.new_empty(self.size * tensor.numel())
-        work = dist.all_gather_into_tensor(out, tensor.reshape(-1), group=self.group, async_op=True)
+        work = dist.all_gather_single(out, tensor.reshape(-1), group=self.group, async_op=True)
         return self._handle(work, out.view(self.size, -1))
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:

@@ -1,0 +1,238 @@
+"""DistributedOptimizer on real processes (gloo over loopback): exactness, every compressor,
+gradient accumulation, unused parameters, non-finite gradients."""
+import math
+
+import pytest
+import torch
+
+import mergecomp
+from distributed import WorkerError, run_workers
+
+STEPS = 20
+BATCH = 32
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 32), torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )
+
+
+def make_data(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, 16, generator=g)
+    target_map = torch.randn(16, 4, generator=g)
+    y = (x @ target_map).argmax(dim=1)
+    return x, y
+
+
+def shard(tensor, rank, world):
+    per = tensor.shape[0] // world
+    return tensor[rank * per:(rank + 1) * per]
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def train(model, opt, x, y, steps=STEPS):
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# -- exactness ---------------------------------------------------------------------------------
+def _exact_worker(rank, groups, world):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression="none", groups=groups)
+    train(model, opt, shard(x, rank, world), shard(y, rank, world))
+    reference = make_model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    train(reference, ref_opt, x, y)
+    return (flat_params(model) - flat_params(reference)).abs().max().item(), len(opt.groups)
+
+
+@pytest.mark.parametrize("groups,expected_groups", [("layerwise", 6), (1, 1), (3, 3)])
+def test_none_matches_single_process_on_joined_batch(groups, expected_groups):
+    for diff, n_groups in run_workers(_exact_worker, 2, groups, 2):
+        assert n_groups == expected_groups
+        assert diff < 1e-5
+
+
+def test_none_matches_single_process_on_four_ranks():
+    for diff, _ in run_workers(_exact_worker, 4, 2, 4):
+        assert diff < 1e-5
+
+
+# -- every compressor ----------------------------------------------------------------------------
+def _all_compressors_worker(rank, names):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    out = {}
+    for name in names:
+        model = make_model()
+        # Momentum-free SGD: the dgc memory applies momentum correction itself.
+        opt = torch.optim.SGD(model.parameters(), lr=0.05 if name in ("signsgd", "signum", "efsignsgd") else 0.2)
+        opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=name, groups=2)
+        losses = train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=40)
+        full = torch.nn.functional.cross_entropy(model(x), y).item()
+        out[name] = (flat_params(model), losses, full)
+    return out
+
+
+def test_every_compressor_keeps_ranks_identical_and_learns():
+    names = mergecomp.compressor_names()
+    r0, r1 = run_workers(_all_compressors_worker, 2, names, timeout=300)
+    x, y = make_data()
+    initial = torch.nn.functional.cross_entropy(make_model()(x), y).item()
+    for name in names:
+        params0, losses, full = r0[name]
+        params1 = r1[name][0]
+        assert torch.equal(params0, params1), f"{name}: ranks diverged"
+        assert math.isfinite(full), name
+        assert full < 0.9 * initial, f"{name}: loss {initial:.3f} -> {full:.3f}"
+
+
+# -- gradient accumulation ---------------------------------------------------------------------
+def _accumulation_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), compression="none", groups=2,
+                                  backward_passes_per_step=2)
+    mine_x, mine_y = shard(x, rank, 2), shard(y, rank, 2)
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(2):
+            loss = torch.nn.functional.cross_entropy(model(shard(mine_x, micro, 2)), shard(mine_y, micro, 2)) / 2
+            loss.backward()
+        opt.step()
+    reference = make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    train(reference, ref_opt, x, y, steps=5)
+    return (flat_params(model) - flat_params(reference)).abs().max().item()
+
+
+def test_gradient_accumulation_matches_joined_batch():
+    for diff in run_workers(_accumulation_worker, 2):
+        assert diff < 1e-5
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(16, 8)
+        self.head_a = torch.nn.Linear(8, 4)
+        self.head_b = torch.nn.Linear(8, 4)
+        self.frozen = torch.nn.Linear(8, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.body(x))
+        return self.head_b(h) if use_b else self.head_a(h)
+
+
+def _unused_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = TwoHeads()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  compression="topk", groups=2)
+    for step in range(6):
+        # Rank 1 uses head_b on odd steps only; rank 0 never does.
+        use_b = rank == 1 and step % 2 == 1
+        loss = torch.nn.functional.cross_entropy(model(shard(x, rank, 2), use_b), shard(y, rank, 2))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return flat_params(model)
+
+
+def test_parameters_without_gradient_and_frozen_parameters():
+    p0, p1 = run_workers(_unused_worker, 2)
+    assert torch.equal(p0, p1)
+
+
+# -- non-finite gradients ----------------------------------------------------------------------
+def _nonfinite_worker(rank, policy):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  compression="topk", memory="residual", groups=2, nonfinite=policy)
+    train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=2)
+    before = flat_params(model)
+    if rank == 1:  # a NaN in one weight's gradient, produced during backward
+        model[4].weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
+    loss = torch.nn.functional.cross_entropy(model(shard(x, rank, 2)), shard(y, rank, 2))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    residuals = [t for fields in opt.memory.state.values() for t in fields.values()]
+    return (torch.equal(before, flat_params(model)), opt.skipped_steps,
+            all(torch.isfinite(t).all() for t in residuals))
+
+
+def test_nonfinite_gradient_raises_on_every_rank_naming_rank_and_group():
+    with pytest.raises(WorkerError) as err:
+        run_workers(_nonfinite_worker, 2, "raise")
+    assert sorted(err.value.tracebacks) == [0, 1]
+    for tb in err.value.tracebacks.values():
+        assert "FloatingPointError" in tb and "rank 1" in tb and "4.weight" in tb
+
+
+def test_nonfinite_gradient_skip_skips_on_all_ranks_and_keeps_memory_finite():
+    for unchanged, skipped, finite in run_workers(_nonfinite_worker, 2, "skip"):
+        assert unchanged and skipped == 1 and finite
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def _bad_input_worker(rank):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    other = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = {}
+    cases = {
+        "compressor": lambda: mc.DistributedOptimizer(sgd, model.named_parameters(), compression="nope"),
+        "memory": lambda: mc.DistributedOptimizer(sgd, model.named_parameters(), compression="topk", memory="nope"),
+        "ratio": lambda: mc.DistributedOptimizer(sgd, model.named_parameters(),
+                                                 compression=mergecomp.get_compressor("topk", ratio=1.5)),
+        "params": lambda: mc.DistributedOptimizer(sgd, other.named_parameters(), compression="none"),
+        "groups": lambda: mc.DistributedOptimizer(sgd, model.named_parameters(), compression="none",
+                                                  groups=[["0.weight", "missing.weight"]]),
+    }
+    for case, build in cases.items():
+        try:
+            build()
+        except ValueError as err:
+            errors[case] = str(err)
+    return errors
+
+
+def test_bad_input_is_rejected_with_a_message_naming_it():
+    errors = run_workers(_bad_input_worker, 1)[0]
+    assert "unknown compressor 'nope'" in errors["compressor"] and "topk" in errors["compressor"]
+    assert "unknown memory 'nope'" in errors["memory"]
+    assert "ratio" in errors["ratio"]
+    assert "named_parameters does not match" in errors["params"]
+    assert "missing.weight" in errors["groups"]
