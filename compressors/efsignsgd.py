@@ -1,0 +1,35 @@
+"""EF-SignSGD (Karimireddy et al., 2019): scaled sign compression with error feedback.
+
+Wire: the sign bits, 1 bit per element packed in uint8 (zeros sent as ``+``), and one fp32
+scale ``mean |x| = ||x||_1 / n``; an element decodes to ``±scale``.  Not summable (allgathered);
+the result is the mean (or sum) of the ranks' decodes.  Default memory: ``residual``.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from mergecomp.compressor import Compressor, Payload
+from mergecomp.quantize import work_dtype
+from mergecomp.registry import register_compressor
+from mergecomp.signs import pack_signs, unpack_signs
+
+Ctx = Tuple[int, torch.dtype]
+
+
+@register_compressor("efsignsgd")
+class EFSignSGDCompressor(Compressor):
+    default_memory = "residual"
+
+    def compress(self, tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
+        numel = tensor.numel()
+        total = tensor.abs().sum(dtype=work_dtype(tensor.dtype))
+        scale = (total / max(numel, 1)).to(torch.float32).reshape(1)
+        return (pack_signs(tensor), scale), (numel, tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        packed, scale = payload
+        numel, dtype = ctx
+        scale = scale.to(work_dtype(dtype))
+        bits = unpack_signs(packed, numel)
+        return torch.where(bits, scale, -scale).to(dtype)

@@ -1,0 +1,41 @@
+"""1-bit SGD (Seide et al., 2014): one bit per element, decoded to the mean of its side.
+
+Wire: the bits ``x >= 0``, 1 bit per element packed in uint8, and two fp32 means: that of the
+non-negative elements and that of the negative ones (0 for an empty side).  An element decodes
+to the mean of its side.  Not summable (allgathered).  Default memory: ``residual`` (the
+quantization error is carried to the next step, as in the paper).
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from mergecomp.compressor import Compressor, Payload
+from mergecomp.quantize import work_dtype
+from mergecomp.registry import register_compressor
+from mergecomp.signs import pack_signs, unpack_signs
+
+Ctx = Tuple[int, torch.dtype]
+
+
+@register_compressor("onebit")
+class OneBitCompressor(Compressor):
+    default_memory = "residual"
+
+    def compress(self, tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
+        work = work_dtype(tensor.dtype)
+        positive = tensor >= 0
+        x = tensor.to(work)
+        count_pos = positive.sum(dtype=work)
+        count_neg = tensor.numel() - count_pos
+        mean_pos = torch.where(positive, x, 0).sum() / count_pos.clamp_min(1)
+        mean_neg = torch.where(positive, 0, x).sum() / count_neg.clamp_min(1)
+        means = torch.stack([mean_pos, mean_neg]).to(torch.float32)
+        return (pack_signs(tensor), means), (tensor.numel(), tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        packed, means = payload
+        numel, dtype = ctx
+        means = means.to(work_dtype(dtype))
+        bits = unpack_signs(packed, numel)
+        return torch.where(bits, means[0], means[1]).to(dtype)

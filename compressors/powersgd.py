@@ -1,0 +1,214 @@
+"""PowerSGD (Vogels et al., 2019): rank-``r`` approximation by one step of power iteration.
+
+``shapes`` splits the flat buffer into its parameters (``None``: a single 1-D tensor).  A tensor
+with at least 2 dims is viewed as the matrix ``M`` (``shape[0]`` x the rest) and compressed when
+``(m + n) * rank * min_compression_rate < m * n`` and ``rank < min(m, n)``; every other tensor
+is sent raw.  Two summed (allreduced) rounds, in the gradient's dtype:
+
+1. ``P = M @ Q`` for every matrix (``m x r``), followed by the raw elements.
+2. Each summed ``P`` is orthogonalized (QR); ``Q = M^T @ P`` (``n x r``) for every matrix.
+
+The result is ``P @ Q_sum^T`` for the matrices and the round-1 sum for the raw elements.  The
+summed ``Q`` (columns normalized, which leaves the iteration unchanged) is the warm start of the
+next step, in ``state[name]["q"]`` (all matrices' ``Q`` concatenated, flat); the first ``Q`` is
+drawn from a generator seeded with ``stable_seed(name, 0)``, so it is the same on every rank.
+Wire, per element of a compressed matrix: ``(m + n) * r / (m * n)`` of the gradient's element.
+fp16/bf16 gradients are multiplied in fp32 and sent in their own dtype.
+
+Note: ``ctx`` holds this rank's input tensor (round 2 needs the local ``M``, and ``decompress``
+of the local payload returns this rank's own approximation, local raw elements included, for
+the error-feedback memory); the input must stay unchanged until the last round.
+Defaults: ``rank=1``, ``warm_start=True``, ``min_compression_rate=2``, memory ``residual``.
+"""
+import functools
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from mergecomp.compressor import Compressor, Payload
+from mergecomp.quantize import work_dtype
+from mergecomp.registry import register_compressor
+from mergecomp.sparse import stable_seed
+
+
+class Layout(NamedTuple):
+    matrices: Tuple[Tuple[int, int, int], ...]  # (offset, rows, cols) of each compressed tensor
+    raw: Tuple[Tuple[int, int], ...]  # (offset, length) of the raw runs, adjacent ones merged
+    rank: int
+
+    @property
+    def p_numel(self) -> int:
+        return sum(m for _, m, _ in self.matrices) * self.rank
+
+    @property
+    def q_numel(self) -> int:
+        return sum(n for _, _, n in self.matrices) * self.rank
+
+
+class PowerSGDCtx(NamedTuple):
+    name: str
+    numel: int
+    dtype: torch.dtype
+    layout: Layout
+    tensor: torch.Tensor  # this rank's input
+    ps: Tuple[torch.Tensor, ...] = ()  # round 2: the orthogonalized summed P's (work dtype)
+    raw_sum: Optional[torch.Tensor] = None  # round 2: the summed raw elements
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(shapes: Tuple[Tuple[int, ...], ...], rank: int, min_rate: float) -> Layout:
+    matrices, raw, offset = [], [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        m = shape[0] if len(shape) >= 2 else 0
+        n = size // m if m else 0
+        if m and rank < min(m, n) and (m + n) * rank * min_rate < m * n:
+            matrices.append((offset, m, n))
+        elif size:
+            if raw and raw[-1][0] + raw[-1][1] == offset:
+                raw[-1] = (raw[-1][0], raw[-1][1] + size)
+            else:
+                raw.append((offset, size))
+        offset += size
+    return Layout(tuple(matrices), tuple(raw), rank)
+
+
+def _orthogonalize(ps: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Orthonormal bases (reduced QR) of the ``m x r`` matrices ``ps``, batched by ``m``."""
+    out: List[Optional[torch.Tensor]] = [None] * len(ps)
+    by_rows = {}
+    for i, p in enumerate(ps):
+        by_rows.setdefault(p.shape[0], []).append(i)
+    for members in by_rows.values():
+        bases = torch.linalg.qr(torch.stack([ps[i] for i in members])).Q
+        for j, i in enumerate(members):
+            out[i] = bases[j]
+    return out
+
+
+@register_compressor("powersgd")
+class PowerSGDCompressor(Compressor):
+    summable = True
+    rounds = 2
+    default_memory = "residual"
+
+    def __init__(self, rank: int = 1, warm_start: bool = True,
+                 min_compression_rate: float = 2.0) -> None:
+        super().__init__()
+        if isinstance(rank, bool) or int(rank) != rank or rank < 1:
+            raise ValueError(f"powersgd rank must be a positive integer, got {rank!r}")
+        if not isinstance(warm_start, bool):
+            raise ValueError(f"powersgd warm_start must be a bool, got {warm_start!r}")
+        min_compression_rate = float(min_compression_rate)
+        if not min_compression_rate >= 0:
+            raise ValueError(f"powersgd min_compression_rate must be >= 0, got {min_compression_rate}")
+        self.rank = int(rank)
+        self.warm_start = warm_start
+        self.min_compression_rate = min_compression_rate
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _split(self, flat: torch.Tensor, layout: Layout, dim: int) -> List[torch.Tensor]:
+        """Views of ``flat`` as the ``(rows or cols) x r`` factor of each matrix (dim 1: P, 2: Q)."""
+        views, offset = [], 0
+        for matrix in layout.matrices:
+            size = matrix[dim] * layout.rank
+            views.append(flat[offset:offset + size].view(matrix[dim], layout.rank))
+            offset += size
+        return views
+
+    def _initial_q(self, name: str, layout: Layout, work: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+        state = self.group_state(name)
+        q = state.get("q")
+        if self.warm_start and q is not None and q.numel() == layout.q_numel:
+            if q.dtype != work or q.device != device:
+                q = state["q"] = q.to(device=device, dtype=work)
+            return q
+        step = 0
+        if not self.warm_start:
+            counter = state.setdefault("step", torch.zeros((), dtype=torch.int64))
+            step = int(counter)  # a CPU scalar: no device synchronization
+            counter.add_(1)
+        generator = torch.Generator().manual_seed(stable_seed(name, step))
+        q = torch.randn(layout.q_numel, generator=generator).to(device=device, dtype=work)
+        if self.warm_start:
+            state["q"] = q
+        return q
+
+    @staticmethod
+    def _matrix(ctx: PowerSGDCtx, offset: int, m: int, n: int, work: torch.dtype) -> torch.Tensor:
+        return ctx.tensor[offset:offset + m * n].view(m, n).to(work)
+
+    def _raw(self, tensor: torch.Tensor, layout: Layout) -> List[torch.Tensor]:
+        return [tensor[offset:offset + length] for offset, length in layout.raw]
+
+    # -- the pipeline -------------------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, PowerSGDCtx]:
+        numel = tensor.numel()
+        shapes = ((numel,),) if shapes is None else tuple(tuple(int(d) for d in s) for s in shapes)
+        if sum(math.prod(s) for s in shapes) != numel:
+            raise ValueError(f"powersgd: shapes {shapes} do not add up to the {numel} elements "
+                             f"of group {name!r}")
+        layout = _layout(shapes, self.rank, self.min_compression_rate)
+        ctx = PowerSGDCtx(name, numel, tensor.dtype, layout, tensor)
+        work = work_dtype(tensor.dtype)
+        parts = []
+        if layout.matrices:
+            q = self._initial_q(name, layout, work, tensor.device)
+            for (offset, m, n), qi in zip(layout.matrices, self._split(q, layout, 2)):
+                parts.append((self._matrix(ctx, offset, m, n, work) @ qi).view(-1).to(tensor.dtype))
+        parts += self._raw(tensor, layout)
+        # always a fresh tensor: the allreduce sums in place
+        payload = torch.cat(parts) if parts else tensor.new_empty(0)
+        return (payload,), ctx
+
+    def next_round(self, summed: Payload, ctx: PowerSGDCtx) -> Tuple[Payload, PowerSGDCtx]:
+        layout, work = ctx.layout, work_dtype(ctx.dtype)
+        flat = summed[0]
+        p_numel = layout.p_numel
+        ps = _orthogonalize([p.to(work) for p in self._split(flat[:p_numel], layout, 1)])
+        qs = [(self._matrix(ctx, offset, m, n, work).t() @ p).view(-1).to(ctx.dtype)
+              for (offset, m, n), p in zip(layout.matrices, ps)]
+        payload = torch.cat(qs) if qs else flat.new_empty(0)
+        return (payload,), ctx._replace(ps=tuple(ps), raw_sum=flat[p_numel:])
+
+    def _reconstruct(self, q_flat: torch.Tensor, ctx: PowerSGDCtx,
+                     raw: Sequence[torch.Tensor]) -> torch.Tensor:
+        if ctx.raw_sum is None:
+            raise ValueError("powersgd decodes only the last round's payload")
+        layout, work = ctx.layout, work_dtype(ctx.dtype)
+        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=q_flat.device)
+        qs = self._split(q_flat, layout, 2)
+        for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, qs):
+            out[offset:offset + m * n].view(m, n).copy_(p @ q.to(work).t())
+        for (offset, length), values in zip(layout.raw, raw):
+            out[offset:offset + length].copy_(values)
+        return out
+
+    def decompress(self, payload: Payload, ctx: PowerSGDCtx) -> torch.Tensor:
+        """This rank's own approximation: ``P @ Q_local^T`` and its own raw elements."""
+        return self._reconstruct(payload[0], ctx, self._raw(ctx.tensor, ctx.layout))
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: PowerSGDCtx, world_size: int,
+                  average: bool) -> torch.Tensor:
+        q_sum = payloads[0][0]
+        for payload in payloads[1:]:
+            q_sum = q_sum + payload[0]
+        layout = ctx.layout
+        raw, start = [], 0
+        for _, length in layout.raw:
+            if ctx.raw_sum is not None:
+                raw.append(ctx.raw_sum[start:start + length])
+            start += length
+        out = self._reconstruct(q_sum, ctx, raw)
+        if self.warm_start and layout.matrices:
+            work = work_dtype(ctx.dtype)
+            q = q_sum.to(work).clone()
+            for qi in self._split(q, layout, 2):
+                norms = torch.linalg.vector_norm(qi, dim=0, keepdim=True)
+                qi.div_(norms.clamp_min(torch.finfo(work).tiny))
+            self.group_state(ctx.name)["q"] = q
+        return out.div_(world_size) if average else out
+

@@ -1,0 +1,39 @@
+"""signSGD with majority vote (Bernstein et al., 2018).
+
+Wire: the sign bits of the gradient, 1 bit per element packed in uint8 (``ceil(n / 8)`` bytes);
+zeros are sent as ``+``, so an element decodes to ``+1`` or ``-1`` (never 0).  Not summable:
+payloads are allgathered and :meth:`aggregate` returns the majority vote, the sign of the sum of
+the ranks' signs (0 on a tie), whether or not ``average`` is set.  No options; no memory.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from mergecomp.compressor import Compressor, Payload
+from mergecomp.registry import register_compressor
+from mergecomp.signs import decode_signs, majority_vote, pack_signs
+
+Ctx = Tuple[int, torch.dtype]
+
+
+@register_compressor("signsgd")
+class SignSGDCompressor(Compressor):
+    votes = True
+    default_memory = "none"
+
+    def signal(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The tensor whose signs are sent (subclasses: e.g. a momentum)."""
+        return tensor
+
+    def compress(self, tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
+        return (pack_signs(self.signal(tensor, name)),), (tensor.numel(), tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        numel, dtype = ctx
+        return decode_signs(payload[0], numel, dtype)
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int,
+                  average: bool) -> torch.Tensor:
+        numel, dtype = ctx
+        return majority_vote([p[0] for p in payloads], numel, dtype)

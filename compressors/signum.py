@@ -1,0 +1,33 @@
+"""Signum: sign of the momentum, with majority vote (Bernstein et al., 2018).
+
+Each rank keeps a momentum per group, ``m = beta * m + (1 - beta) * x`` (flat, the group's
+numel, in ``state[name]["momentum"]``), and sends ``sign(m)``: 1 bit per element packed in uint8,
+zeros sent as ``+``.  Aggregation is the majority vote of :mod:`signsgd` (0 on a tie).
+Defaults: ``beta=0.9``; no error-feedback memory.
+"""
+import torch
+
+from mergecomp.registry import register_compressor
+
+from .signsgd import SignSGDCompressor
+
+
+@register_compressor("signum")
+class SignumCompressor(SignSGDCompressor):
+    def __init__(self, beta: float = 0.9) -> None:
+        super().__init__()
+        beta = float(beta)
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"signum beta must be in [0, 1), got {beta}")
+        self.beta = beta
+
+    def signal(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        state = self.group_state(name)
+        momentum = state.get("momentum")
+        if momentum is None or momentum.numel() != tensor.numel():
+            momentum = torch.zeros_like(tensor)
+        elif momentum.dtype != tensor.dtype or momentum.device != tensor.device:
+            momentum = momentum.to(dtype=tensor.dtype, device=tensor.device)
+        momentum.mul_(self.beta).add_(tensor, alpha=1.0 - self.beta)
+        state["momentum"] = momentum
+        return momentum

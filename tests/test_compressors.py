@@ -1,0 +1,592 @@
+"""Single-process tests of every registered compressor.
+
+Several ranks are simulated in-process: each fake rank has its own compressor instance (state is
+per rank), summable payloads are added elementwise, the others are handed over as a list.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mergecomp
+from mergecomp import bitpack
+from mergecomp.sparse import num_selected
+
+ALL = mergecomp.compressor_names()
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+NUMELS = [0, 1, 2, 7, 1000]
+
+EXPECTED_NAMES = {"none", "fp16", "bf16", "topk", "dgc", "qsgd", "terngrad", "onebit", "signsgd",
+                  "efsignsgd", "signum", "randk", "powersgd"}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def make(name, **kwargs):
+    return mergecomp.get_compressor(name, **kwargs)
+
+
+def add_payloads(payloads):
+    """Elementwise sum of several ranks' payloads (what the allreduce does)."""
+    return tuple(torch.stack(parts).sum(dim=0).to(parts[0].dtype) for parts in zip(*payloads))
+
+
+def run_rounds(compressors, xs, group="g", shapes=None):
+    """Compress on every fake rank and run the intermediate rounds: the last round's
+    (payload, ctx) per rank."""
+    steps = [c.compress(x, group, shapes) for c, x in zip(compressors, xs)]
+    for _ in range(compressors[0].rounds - 1):
+        summed = add_payloads([p for p, _ in steps])
+        steps = [c.next_round(summed, ctx) for c, (_, ctx) in zip(compressors, steps)]
+    return steps
+
+
+def finish(compressors, steps, average=True):
+    """What every rank gets from the last round's payloads: one result per rank."""
+    payloads = [p for p, _ in steps]
+    arrived = [add_payloads(payloads)] if compressors[0].summable else payloads
+    # every rank receives its own copy (aggregate may reuse the received buffers)
+    return [c.aggregate([tuple(t.clone() for t in p) for p in arrived], ctx, len(steps), average)
+            for c, (_, ctx) in zip(compressors, steps)]
+
+
+def exchange(compressors, xs, group="g", shapes=None, average=True):
+    """One step on ``len(xs)`` fake ranks.  Returns (aggregate per rank, local decode per rank)."""
+    steps = run_rounds(compressors, xs, group, shapes)
+    local = [c.decompress(p, ctx) for c, (p, ctx) in zip(compressors, steps)]
+    return finish(compressors, steps, average), local
+
+
+def roundtrip(c, x, group="g", shapes=None):
+    """Single rank: (local decode, aggregate with world_size 1)."""
+    results, local = exchange([c], [x], group, shapes)
+    return local[0], results[0]
+
+
+def same(a, b):
+    """Structural equality of ctx objects (tensors compared by value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def pm_sign(x):
+    """The sign convention of the sign compressors: +1 for x >= 0, -1 otherwise."""
+    return torch.where(x >= 0, 1.0, -1.0)
+
+
+def nbytes(payload):
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+# -- registry and flags ----------------------------------------------------------------------
+def test_all_compressors_registered():
+    assert EXPECTED_NAMES <= set(ALL)
+
+
+@pytest.mark.parametrize("name, summable, votes, memory, rounds", [
+    ("none", True, False, "none", 1), ("fp16", True, False, "none", 1),
+    ("bf16", True, False, "none", 1), ("topk", False, False, "residual", 1),
+    ("dgc", False, False, "dgc", 1), ("qsgd", False, False, "none", 1),
+    ("terngrad", False, False, "none", 1), ("onebit", False, False, "residual", 1),
+    ("signsgd", False, True, "none", 1), ("efsignsgd", False, False, "residual", 1),
+    ("signum", False, True, "none", 1), ("randk", True, False, "residual", 1),
+    ("powersgd", True, False, "residual", 2),
+])
+def test_flags(name, summable, votes, memory, rounds):
+    c = make(name)
+    assert (c.summable, c.votes, c.default_memory, c.rounds) == (summable, votes, memory, rounds)
+    assert memory in mergecomp.memory_names()
+
+
+# -- generic contract ------------------------------------------------------------------------
+@pytest.mark.parametrize("numel", NUMELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ALL)
+def test_roundtrip_shape_dtype_device(name, dtype, numel):
+    x = torch.randn(numel, dtype=dtype)
+    original = x.clone()
+    c = make(name)
+    payload, _ = c.compress(x, "g")
+    assert isinstance(payload, tuple) and all(isinstance(t, torch.Tensor) for t in payload)
+    if c.summable and len(payload) > 1:
+        assert len({t.dtype for t in payload}) == 1
+    local, result = roundtrip(make(name), x)
+    for out in (local, result):
+        assert out.shape == (numel,) and out.dtype == dtype and out.device == x.device
+        assert torch.isfinite(out).all()
+    assert torch.equal(x, original), "compress must not modify its input"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_payload_and_ctx_do_not_depend_on_values(name):
+    n = 777
+    inputs = [torch.randn(n), torch.zeros(n), -torch.rand(n) * 1e4, torch.full((n,), 3.0)]
+    specs, ctxs = [], []
+    for x in inputs:
+        payload, ctx = make(name).compress(x, "g")
+        specs.append([(t.dtype, t.shape) for t in payload])
+        ctxs.append(ctx)
+    assert all(s == specs[0] for s in specs)
+    if not make(name).summable:  # ctx decodes the other ranks' payloads: must agree
+        assert all(same(ctx, ctxs[0]) for ctx in ctxs)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_aggregate_of_three_ranks(name):
+    n = 300
+    compressors = [make(name) for _ in range(3)]
+    steps = run_rounds(compressors, [torch.randn(n) for _ in compressors])
+    local = [c.decompress(p, ctx) for c, (p, ctx) in zip(compressors, steps)]
+    mean = finish(compressors, steps, average=True)
+    total = finish(compressors, steps, average=False)
+    for r in range(1, 3):  # every rank ends with the same result
+        assert torch.equal(mean[r], mean[0]) and torch.equal(total[r], total[0])
+    if compressors[0].votes:
+        assert torch.equal(mean[0], total[0])
+    else:
+        torch.testing.assert_close(mean[0], total[0] / 3)
+        if not compressors[0].summable:  # allgather: the sum of the ranks' decodes
+            torch.testing.assert_close(total[0], torch.stack(local).sum(0))
+
+
+@settings(max_examples=15, deadline=None)
+@given(numel=st.integers(0, 300), dtype=st.sampled_from(DTYPES), ranks=st.integers(1, 3))
+@pytest.mark.parametrize("name", ALL)
+def test_property_sizes(name, numel, dtype, ranks):
+    xs = [torch.randn(numel, dtype=dtype) for _ in range(ranks)]
+    results, local = exchange([make(name) for _ in xs], xs)
+    for out in results + local:
+        assert out.shape == (numel,) and out.dtype == dtype
+        assert torch.isfinite(out).all()
+
+
+def test_state_is_per_group():
+    c = make("signum")
+    c.compress(torch.randn(5), "a")
+    c.compress(torch.randn(9), "b")
+    assert c.state["a"]["momentum"].shape == (5,) and c.state["b"]["momentum"].shape == (9,)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_through_the_exchange_pipeline(name):
+    """Single rank through the real pipeline (LocalCommunicator, default memory), 3 steps."""
+    from mergecomp.comm import LocalCommunicator
+    from mergecomp.exchange import Exchange
+    from mergecomp.plan import GroupPlan, layout
+
+    shapes = [torch.Size([16, 12]), torch.Size([12]), torch.Size([3, 2, 2])]
+    group = layout(GroupPlan(((0, 1, 2),)), shapes)[0]
+    c = make(name)
+    ex = Exchange(c, mergecomp.get_memory(c.default_memory), LocalCommunicator())
+    for _ in range(3):
+        flat = torch.randn(group.numel)
+        out = ex.finish(ex.start(group, flat.clone()))
+        assert out.shape == (group.numel,) and out.dtype == torch.float32
+        assert torch.isfinite(out).all()
+        if name == "none":
+            torch.testing.assert_close(out, flat)
+
+
+# -- casts -----------------------------------------------------------------------------------
+def normal_values(n, low, high, dtype=torch.float32):
+    mags = torch.exp2(torch.empty(n, dtype=torch.float64).uniform_(low, high))
+    signs = torch.where(torch.rand(n) < 0.5, -1.0, 1.0).double()
+    return (mags * signs).to(dtype)
+
+
+@pytest.mark.parametrize("name, exponent", [("fp16", 11), ("bf16", 8)])
+def test_cast_rounding_bound(name, exponent):
+    x = normal_values(10_000, -13, 15)
+    out, _ = roundtrip(make(name), x)
+    rel = ((out - x).abs() / x.abs()).max()
+    assert rel <= 2.0 ** -exponent
+
+
+def test_none_is_exact():
+    x = torch.randn(1000, dtype=torch.float64)
+    out, _ = roundtrip(make("none"), x)
+    assert torch.equal(out, x)
+
+
+def test_fp16_prescale():
+    x = torch.full((4,), 60000.0)
+    results, _ = exchange([make("fp16", prescale=4) for _ in range(4)], [x.clone() for _ in range(4)],
+                          average=False)
+    assert torch.isfinite(results[0]).all()
+    torch.testing.assert_close(results[0], 4 * x, rtol=1e-3, atol=0)
+
+
+# -- sparsifiers -----------------------------------------------------------------------------
+@pytest.mark.parametrize("selection", ["exact", "threshold"])
+@pytest.mark.parametrize("n", [1000, 100_000])
+def test_topk_keeps_the_k_largest(selection, n):
+    signs = torch.where(torch.rand(n) < 0.5, -1.0, 1.0)
+    x = (torch.randperm(n) + 1).float() * signs  # distinct magnitudes
+    c = make("topk", ratio=0.01, selection=selection)
+    (values, indices), ctx = c.compress(x, "g")
+    k = num_selected(n, 0.01)
+    assert indices.dtype == torch.int32 and indices.numel() == k
+    expected = set(x.abs().topk(k).indices.tolist())
+    assert set(indices.tolist()) == expected
+    assert torch.equal(values, x[indices.long()])
+    dense = c.decompress((values, indices), ctx)
+    assert torch.count_nonzero(dense) == k
+    assert torch.equal(dense[indices.long()], values)
+
+
+@pytest.mark.parametrize("n", [10, 5000, 200_000])
+def test_dgc_returns_exactly_k(n):
+    x = torch.randn(n)
+    c = make("dgc", ratio=0.01)
+    (values, indices), _ = c.compress(x, "g")
+    k = num_selected(n, 0.01)
+    assert values.numel() == indices.numel() == k
+    assert indices.unique().numel() == k
+    # a threshold selection: every kept magnitude is at least (nearly) every dropped one
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[indices.long()] = True
+    if k < n:
+        assert x[kept].abs().min() >= x[~kept].abs().max()
+
+
+def test_randk_shared_indices():
+    x = torch.randn(1000)
+    a, b = make("randk", ratio=0.05), make("randk", ratio=0.05)
+    (_, ctx_a), (_, ctx_b) = a.compress(x, "g"), b.compress(torch.randn(1000), "g")
+    assert torch.equal(ctx_a.indices, ctx_b.indices)  # same name, same step, fresh instances
+    assert ctx_a.indices.numel() == num_selected(1000, 0.05)
+    (_, next_a) = a.compress(x, "g")
+    assert not torch.equal(next_a.indices, ctx_a.indices)  # the next step draws anew
+    assert a.state["g"]["step"].dim() == 0 and a.state["g"]["step"].dtype == torch.int64
+    assert int(a.state["g"]["step"]) == 2
+    (_, other) = b.compress(x, "h")  # another group has its own counter and seed
+    assert int(b.state["h"]["step"]) == 1 and not torch.equal(other.indices, ctx_a.indices)
+
+
+def test_randk_sum_over_ranks():
+    xs = [torch.randn(500) for _ in range(3)]
+    results, _ = exchange([make("randk", ratio=0.1) for _ in xs], xs)
+    _, ctx = make("randk", ratio=0.1).compress(xs[0], "g")
+    mask = torch.zeros(500, dtype=torch.bool)
+    mask[ctx.indices] = True
+    expected = torch.where(mask, torch.stack(xs).mean(0), 0)
+    torch.testing.assert_close(results[0], expected)
+
+
+def test_randk_repeated_index_decode():
+    randk = make("randk", ratio=0.5)
+    ctx_type = type(randk.compress(torch.randn(4), "g")[1])
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    ctx = ctx_type(5, torch.float32, torch.tensor([1, 1, 3]))
+    values = (x[ctx.indices],)
+    # biased: each selected element kept once; unbiased: counted per draw, scaled by n / k
+    assert torch.equal(randk.decompress(values, ctx), torch.tensor([0.0, 2.0, 0.0, 4.0, 0.0]))
+    scaled = make("randk", ratio=0.5, unbiased=True).decompress(values, ctx)
+    torch.testing.assert_close(scaled, torch.tensor([0.0, 4.0, 0.0, 4.0, 0.0]) * 5 / 3)
+
+
+def test_randk_unbiased_on_average():
+    n, draws = 20, 4000
+    c = make("randk", ratio=0.25, unbiased=True)
+    k = num_selected(n, 0.25)
+    x = torch.randn(n, dtype=torch.float64)
+    total = torch.zeros(n, dtype=torch.float64)
+    for _ in range(draws):
+        total += roundtrip(c, x)[0]
+    var = (n / k) * (1 - 1 / n) * x ** 2
+    assert ((total / draws - x).abs() <= 6 * (var / draws).sqrt() + 1e-9).all()
+
+
+# -- quantizers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("levels, bucket", [(64, 512), (4, 64), (1, 7)])
+def test_qsgd_wire_format(levels, bucket):
+    n = 1000
+    x = torch.randn(n)
+    (q, norms), _ = make("qsgd", levels=levels, bucket_size=bucket).compress(x, "g")
+    assert q.dtype == torch.int8 and q.shape == (n,)
+    assert norms.dtype == torch.float32 and norms.shape == (math.ceil(n / bucket),)
+    assert q.abs().max() <= levels
+    torch.testing.assert_close(norms[0], x[:bucket].norm())
+
+
+@pytest.mark.parametrize("bucket", [64, None])
+def test_qsgd_unbiased(bucket):
+    m, draws, levels = 64, 20_000, 4
+    x = torch.randn(m, dtype=torch.float64)
+    c = make("qsgd", levels=levels, bucket_size=bucket)
+    if bucket is None:  # one norm for the whole buffer: draw one call at a time
+        draws = 3000
+        out = torch.stack([roundtrip(c, x)[0] for _ in range(draws)])
+    else:  # many copies of x, one per bucket, in a single call
+        out = roundtrip(c, x.repeat(draws))[0].view(draws, m)
+    step = x.norm() / levels
+    bound = 6 * (step / 2) / math.sqrt(draws)  # Bernoulli variance <= step^2 / 4
+    assert ((out.mean(0) - x).abs() <= bound + 1e-9).all()
+
+
+def test_terngrad_unbiased_without_clipping():
+    m, draws = 50, 20_000
+    x = torch.randn(m, dtype=torch.float64)
+    c = make("terngrad", clip=None)
+    out = roundtrip(c, x.repeat(draws))[0].view(draws, m)
+    s = x.abs().max()
+    assert ((out.mean(0) - x).abs() <= 6 * (s / 2) / math.sqrt(draws) + 1e-9).all()
+
+
+def test_terngrad_clipping_and_ternary_codes():
+    x = torch.randn(1000)
+    x[3] = 100.0
+    (packed, scalar), ctx = make("terngrad").compress(x, "g")
+    assert packed.dtype == torch.uint8 and packed.numel() == bitpack.packed_size(1000, 2)
+    assert scalar.dtype == torch.float32 and scalar.shape == (1,)
+    bound = 2.5 * x.std()
+    torch.testing.assert_close(scalar[0], bound)  # the outlier was clipped
+    out = make("terngrad").decompress((packed, scalar), ctx)
+    assert set((out / scalar).unique().tolist()) <= {-1.0, 0.0, 1.0}
+    assert torch.all((out == 0) | (torch.sign(out) == torch.sign(x)))
+
+
+def test_terngrad_constant_tensor_not_clipped_to_zero():
+    x = torch.full((100,), 0.5)
+    out, _ = roundtrip(make("terngrad"), x)
+    assert torch.equal(out, x)  # std 0: no clipping, probability 1 everywhere
+
+
+# -- sign methods ----------------------------------------------------------------------------
+def test_signsgd_majority_vote():
+    xs = [torch.randn(1001) for _ in range(3)]
+    xs[0][:5] = 0.0
+    c = make("signsgd")
+    payloads = [c.compress(x, "g")[0] for x in xs]
+    _, ctx = c.compress(xs[0], "g")
+    expected = torch.sign(sum(pm_sign(x) for x in xs))
+    for average in (True, False):
+        assert torch.equal(c.aggregate(payloads, ctx, 3, average), expected)
+    assert torch.equal(c.decompress(payloads[0], ctx), pm_sign(xs[0]))  # 0 decodes to +1
+    # a tie gives 0
+    tie = c.aggregate([payloads[0], c.compress(-xs[0] - 1e-3, "g")[0]], ctx, 2, True)
+    assert torch.equal(tie, torch.zeros(1001))
+
+
+def test_signum_momentum():
+    beta = 0.9
+    c = make("signum", beta=beta)
+    x1, x2 = torch.randn(100), torch.randn(100)
+    c.compress(x1, "g")
+    payload, ctx = c.compress(x2, "g")
+    momentum = beta * (1 - beta) * x1 + (1 - beta) * x2
+    torch.testing.assert_close(c.state["g"]["momentum"], momentum)
+    assert c.state["g"]["momentum"].shape == (100,)
+    assert torch.equal(c.decompress(payload, ctx), pm_sign(momentum))
+    assert payload[0].numel() == bitpack.packed_size(100, 1)
+
+
+def test_onebit_decodes_to_side_means():
+    x = torch.tensor([1.0, 2.0, -3.0, 0.0, -1.0])
+    c = make("onebit")
+    (packed, means), ctx = c.compress(x, "g")
+    assert means.dtype == torch.float32 and torch.equal(means, torch.tensor([1.0, -2.0]))
+    assert torch.equal(c.decompress((packed, means), ctx), torch.tensor([1.0, 1.0, -2.0, 1.0, -2.0]))
+    (_, means), _ = c.compress(torch.tensor([0.5, 1.5]), "g")
+    assert torch.equal(means, torch.tensor([1.0, 0.0]))  # no negative element
+
+
+def test_efsignsgd_scale():
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0, 0.0])
+    c = make("efsignsgd")
+    (packed, scale), ctx = c.compress(x, "g")
+    assert scale.dtype == torch.float32 and scale.shape == (1,)
+    torch.testing.assert_close(scale[0], x.abs().sum() / 5)
+    torch.testing.assert_close(c.decompress((packed, scale), ctx), pm_sign(x) * 2.0)
+
+
+# -- PowerSGD --------------------------------------------------------------------------------
+def low_rank(m, n, r, dtype=torch.float64):
+    return torch.randn(m, r, dtype=dtype) @ torch.randn(r, n, dtype=dtype)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_powersgd_exact_for_low_rank(rank):
+    c = make("powersgd", rank=rank)
+    shapes = [torch.Size([32, 24]), torch.Size([10])]
+    for _ in range(3):  # the first step from the random Q, then warm starts
+        x = torch.cat([low_rank(32, 24, rank).view(-1), torch.randn(10, dtype=torch.float64)])
+        local, result = roundtrip(c, x, shapes=shapes)
+        torch.testing.assert_close(result, x)
+        torch.testing.assert_close(local, x)
+    assert c.state["g"]["q"].shape == (24 * rank,)
+
+
+def test_powersgd_payload_sizes():
+    c = make("powersgd", rank=2)
+    shapes = [torch.Size([256, 128]), torch.Size([128]), torch.Size([4, 4])]
+    x = torch.randn(256 * 128 + 128 + 16)
+    (p,), ctx = c.compress(x, "g", shapes)
+    assert p.numel() == 256 * 2 + 128 + 16  # P of the big matrix, then the raw elements
+    (q,), _ = c.next_round((p,), ctx)
+    assert q.numel() == 128 * 2
+    assert (p.numel() + q.numel()) / x.numel() < 1 / 30
+
+
+def test_powersgd_raw_paths_are_exact():
+    c = make("powersgd")
+    x = torch.randn(100)
+    local, result = roundtrip(c, x)  # shapes None: one 1-D tensor, sent raw
+    assert torch.equal(result, x) and torch.equal(local, x)
+    assert c.bits_per_element(100) == 32
+    # 4x4 at rank 1: (4 + 4) * 1 * 2 >= 16, not worth compressing
+    (p,), ctx = c.compress(x[:16], "h", [torch.Size([4, 4])])
+    assert p.numel() == 16
+    (q,), ctx = c.next_round((p,), ctx)
+    assert q.numel() == 0
+    assert torch.equal(c.aggregate([(q,)], ctx, 1, False), x[:16])
+
+
+def test_powersgd_three_ranks_local_and_summed():
+    u = torch.randn(30, 2, dtype=torch.float64)
+    shapes = [torch.Size([30, 20]), torch.Size([5])]
+    xs = [torch.cat([(u @ torch.randn(2, 20, dtype=torch.float64)).view(-1),
+                     torch.randn(5, dtype=torch.float64)]) for _ in range(3)]
+    results, local = exchange([make("powersgd", rank=2) for _ in xs], xs, shapes=shapes)
+    torch.testing.assert_close(results[0], torch.stack(xs).mean(0))  # shared column space
+    for r in range(3):
+        assert torch.equal(results[r], results[0])
+        torch.testing.assert_close(local[r], xs[r])  # this rank's own part, own raw elements
+
+
+def test_powersgd_warm_start_converges_to_best_rank_one():
+    u, _ = torch.linalg.qr(torch.randn(40, 5, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(30, 5, dtype=torch.float64))
+    m = u @ torch.diag(torch.tensor([10.0, 5.0, 2.0, 1.0, 0.5], dtype=torch.float64)) @ v.T
+    c = make("powersgd", rank=1)
+    for _ in range(25):
+        _, result = roundtrip(c, m.reshape(-1).clone(), shapes=[m.shape])
+    best = math.sqrt(5.0 ** 2 + 2.0 ** 2 + 1.0 ** 2 + 0.5 ** 2)
+    assert (result.view(40, 30) - m).norm() <= best * (1 + 1e-6)
+
+
+def test_powersgd_without_warm_start_draws_new_q():
+    c = make("powersgd", warm_start=False)
+    x = torch.randn(20 * 30)
+    shapes = [torch.Size([20, 30])]
+    (p1,), _ = c.compress(x, "g", shapes)
+    (p2,), _ = c.compress(x, "g", shapes)
+    assert "q" not in c.state["g"] and int(c.state["g"]["step"]) == 2
+    assert not torch.equal(p1, p2)
+    (p3,), _ = make("powersgd", warm_start=False).compress(x, "g", shapes)
+    assert torch.equal(p1, p3)  # the same draw on every rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_powersgd_low_precision(dtype):
+    x = low_rank(16, 12, 1, torch.float32).to(dtype).view(-1)
+    local, result = roundtrip(make("powersgd"), x, shapes=[torch.Size([16, 12])])
+    assert result.dtype == dtype and local.dtype == dtype
+    torch.testing.assert_close(result.float(), x.float(), rtol=0.05, atol=0.05 * x.float().abs().max().item())
+
+
+def test_powersgd_shapes_must_match():
+    with pytest.raises(ValueError, match="shapes"):
+        make("powersgd").compress(torch.randn(10), "g", [torch.Size([3, 3])])
+
+
+# -- bits on the wire ------------------------------------------------------------------------
+N_BITS = 2 ** 16
+K = num_selected(N_BITS, 0.01)
+
+
+@pytest.mark.parametrize("name, kwargs, nominal, exact", [
+    ("none", {}, 32, 32),
+    ("fp16", {}, 16, 16),
+    ("bf16", {}, 16, 16),
+    ("signsgd", {}, 1, 1),
+    ("signum", {}, 1, 1),
+    ("efsignsgd", {}, 1, 1 + 32 / N_BITS),
+    ("onebit", {}, 1, 1 + 64 / N_BITS),
+    ("terngrad", {}, 2, 2 + 32 / N_BITS),
+    ("qsgd", {}, 8 + 32 / 512, 8 + 32 / 512),
+    ("qsgd", {"bucket_size": None}, 8, 8 + 32 / N_BITS),
+    ("topk", {"ratio": 0.01}, 64 * 0.01, 64 * K / N_BITS),
+    ("dgc", {"ratio": 0.01}, 64 * 0.01, 64 * K / N_BITS),
+    ("randk", {"ratio": 0.01}, 32 * 0.01, 32 * K / N_BITS),
+    ("powersgd", {}, 32, 32),  # no shapes: one 1-D tensor, sent raw
+])
+def test_bits_per_element(name, kwargs, nominal, exact):
+    c = make(name, **kwargs)
+    bits = c.bits_per_element(N_BITS)
+    assert bits == pytest.approx(exact)
+    assert bits == pytest.approx(nominal, rel=0.01)
+    assert "__probe__" not in c.state
+
+
+# -- hyperparameter validation ---------------------------------------------------------------
+@pytest.mark.parametrize("name, kwargs, option", [
+    ("fp16", {"prescale": 0}, "prescale"),
+    ("topk", {"ratio": 0}, "ratio"),
+    ("topk", {"ratio": 1.5}, "ratio"),
+    ("topk", {"selection": "random"}, "selection"),
+    ("dgc", {"ratio": -0.1}, "ratio"),
+    ("randk", {"ratio": 0}, "ratio"),
+    ("randk", {"unbiased": "yes"}, "unbiased"),
+    ("qsgd", {"levels": 0}, "levels"),
+    ("qsgd", {"levels": 128}, "levels"),
+    ("qsgd", {"levels": 2.5}, "levels"),
+    ("qsgd", {"bucket_size": 0}, "bucket_size"),
+    ("terngrad", {"clip": 0}, "clip"),
+    ("terngrad", {"clip": -1.0}, "clip"),
+    ("signum", {"beta": 1.0}, "beta"),
+    ("signum", {"beta": -0.1}, "beta"),
+    ("powersgd", {"rank": 0}, "rank"),
+    ("powersgd", {"rank": 1.5}, "rank"),
+    ("powersgd", {"min_compression_rate": -1}, "min_compression_rate"),
+    ("powersgd", {"warm_start": None}, "warm_start"),
+])
+def test_bad_hyperparameters(name, kwargs, option):
+    with pytest.raises(ValueError, match=option):
+        make(name, **kwargs)
+
+
+# -- error feedback --------------------------------------------------------------------------
+EF_CASES = {
+    "topk": ({"ratio": 0.1}, None, 0.1),
+    "randk": ({"ratio": 0.1}, None, 0.1),
+    "onebit": ({}, None, 0.3),
+    "efsignsgd": ({}, None, 0.3),
+    "powersgd": ({"rank": 1}, [torch.Size([12, 20]), torch.Size([60])], 1 / 12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EF_CASES))
+def test_error_feedback_conserves_the_gradient(name):
+    kwargs, shapes, delta = EF_CASES[name]
+    n, steps = 300, 200
+    c, memory = make(name, **kwargs), mergecomp.get_memory("residual")
+    sent = torch.zeros(n, dtype=torch.float64)
+    total = torch.zeros(n, dtype=torch.float64)
+    norms, largest = [], 0.0
+    for _ in range(steps):
+        grad = torch.randn(n, dtype=torch.float64)
+        total += grad
+        x = memory.compensate(grad.clone(), "g")
+        _, local = exchange([c], [x], shapes=shapes)
+        memory.update(x, "g", local[0])
+        sent += local[0]
+        residual = memory.state["g"]["residual"]
+        norms.append(residual.norm().item())
+        largest = max(largest, grad.norm().item())
+    torch.testing.assert_close(sent + residual, total, rtol=0, atol=1e-9 * steps)
+    # a delta-contraction keeps ||e|| below sqrt(1 - delta) / (1 - sqrt(1 - delta)) * max ||g||
+    shrink = math.sqrt(1 - delta)
+    assert max(norms) <= shrink / (1 - shrink) * largest
+    # not growing (an unbounded random walk would grow by sqrt(175 / 75) ~ 1.5 here)
+    assert sum(norms[-50:]) / 50 <= 1.25 * sum(norms[50:100]) / 50
