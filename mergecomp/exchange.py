@@ -15,6 +15,7 @@ tensor); each tensor's bytes start on an 8-byte boundary so they can be viewed b
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,6 +24,7 @@ from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
 from .plan import Group
+from .registry import get_compressor
 
 __all__ = ["Exchange", "InFlight", "pack_payload", "unpack_payload", "NONFINITE_POLICIES", "check_nonfinite"]
 
@@ -58,8 +60,10 @@ def unpack_payload(raw: torch.Tensor, specs: Sequence[Spec]) -> Payload:
 class InFlight:
     """A group whose collective has been started; :meth:`Exchange.finish` completes it."""
 
-    def __init__(self, group: Group, compensated: torch.Tensor, finite: torch.Tensor) -> None:
+    def __init__(self, group: Group, compressor: Compressor, compensated: torch.Tensor,
+                 finite: torch.Tensor) -> None:
         self.group = group
+        self.compressor = compressor
         self.compensated = compensated
         self.finite = finite
         self.round = 1
@@ -67,10 +71,16 @@ class InFlight:
         self.payload: Payload = ()
         self.specs: Optional[List[Spec]] = None
         self.handle: Optional[Handle] = None
+        #: seconds spent encoding (compensate, compress, start) and decoding on this process
+        self.encode_seconds = 0.0
+        self.decode_seconds = 0.0
 
 
 class Exchange:
     """Compress and communicate merged groups with one compressor and one memory.
+
+    Besides the configured compressor (codec ``"compressed"``), a group may be sent with the
+    codec ``"fp16"`` or ``"none"`` (a plain allreduce): the scheduler picks per group.
 
     Args:
         compressor: encodes each group's flat buffer.
@@ -88,32 +98,47 @@ class Exchange:
         if not isinstance(memory, Memory):
             raise TypeError(f"memory must be a memory name or a mergecomp.Memory, got {memory!r}")
         self.compressor = compressor
+        self.codecs: Dict[str, Compressor] = {"compressed": compressor}
         self.memory = memory
         self.comm = comm
         self.average = average
         self.check_finite = check_finite
         self.step = 0
 
-    def start(self, group: Group, flat: torch.Tensor) -> InFlight:
+    def codec(self, name: str) -> Compressor:
+        """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"`` or ``"none"``)."""
+        if name not in self.codecs:
+            if name not in ("fp16", "none"):
+                raise ValueError(f"codec must be 'compressed', 'fp16' or 'none', got {name!r}")
+            self.codecs[name] = get_compressor(name)
+        return self.codecs[name]
+
+    def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed") -> InFlight:
         """Compress ``flat`` (the group's gradients; modified in place) and start round 1."""
+        began = time.perf_counter()
+        compressor = self.codec(codec)
         if self.check_finite:
             finite = torch.isfinite(flat).all()
             flat.masked_fill_(finite.logical_not(), 0)
         else:
             finite = flat.new_ones((), dtype=torch.bool)
         compensated = self.memory.compensate(flat, group.name)
-        job = InFlight(group, compensated, finite)
-        job.payload, job.ctx = self.compressor.compress(compensated, group.name, group.shapes)
+        job = InFlight(group, compressor, compensated, finite)
+        job.payload, job.ctx = compressor.compress(compensated, group.name, group.shapes)
         self._launch(job)
+        job.encode_seconds = time.perf_counter() - began
         return job
 
     def finish(self, job: InFlight) -> torch.Tensor:
         """Wait for ``job``, run its remaining rounds, and return the reduced flat gradient."""
-        compressor, size = self.compressor, self.comm.size
+        compressor, size = job.compressor, self.comm.size
         while True:
             arrived = self._wait(job)
             if job.round == compressor.rounds:
-                return compressor.aggregate(arrived, job.ctx, size, self.average)
+                began = time.perf_counter()
+                result = compressor.aggregate(arrived, job.ctx, size, self.average)
+                job.decode_seconds = time.perf_counter() - began
+                return result
             job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
             job.round += 1
             self._launch(job)
@@ -124,7 +149,7 @@ class Exchange:
                 f"{job.group.numel} elements) at step {self.step} on rank {self.comm.rank}")
 
     def _launch(self, job: InFlight) -> None:
-        compressor = self.compressor
+        compressor = job.compressor
         last_round = job.round == compressor.rounds
         if compressor.summable:
             if last_round:
@@ -143,12 +168,12 @@ class Exchange:
 
     def _remember(self, job: InFlight) -> None:
         if type(self.memory).update is not Memory.update:
-            transmitted = self.compressor.decompress(job.payload, job.ctx)
+            transmitted = job.compressor.decompress(job.payload, job.ctx)
             self.memory.update(job.compensated, job.group.name, transmitted)
 
     def _wait(self, job: InFlight) -> List[Payload]:
         result = job.handle.wait(self._what(job))
-        if self.compressor.summable:
+        if job.compressor.summable:
             if len(job.payload) == 1:
                 return [(result,)]
             parts, offset = [], 0

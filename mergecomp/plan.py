@@ -21,13 +21,23 @@ PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """Groups of parameter indices; concatenating the groups gives the backward order."""
+    """Groups of parameter indices; concatenating the groups gives the backward order.
+
+    ``codecs`` optionally names each group's codec (``"compressed"``, ``"fp16"``, ``"none"``);
+    empty means every group uses the configured compressor.
+    """
 
     groups: Tuple[Tuple[int, ...], ...]
+    codecs: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if any(len(g) == 0 for g in self.groups):
             raise ValueError("a merge plan cannot contain an empty group")
+        if self.codecs and len(self.codecs) != len(self.groups):
+            raise ValueError(f"a merge plan with {len(self.groups)} groups needs as many codecs, got {len(self.codecs)}")
+
+    def codec(self, g: int) -> str:
+        return self.codecs[g] if self.codecs else "compressed"
 
     @property
     def order(self) -> Tuple[int, ...]:
@@ -36,12 +46,13 @@ class GroupPlan:
     def __len__(self) -> int:
         return len(self.groups)
 
-    def to_json(self) -> List[List[int]]:
-        return [list(g) for g in self.groups]
+    def to_json(self) -> Dict[str, list]:
+        return {"groups": [list(g) for g in self.groups], "codecs": list(self.codecs)}
 
     @classmethod
-    def from_json(cls, groups: Sequence[Sequence[int]]) -> "GroupPlan":
-        return cls(tuple(tuple(int(i) for i in g) for g in groups))
+    def from_json(cls, data: Mapping[str, Sequence]) -> "GroupPlan":
+        return cls(tuple(tuple(int(i) for i in g) for g in data["groups"]),
+                   tuple(str(c) for c in data.get("codecs", ())))
 
 
 @dataclass(frozen=True)
@@ -114,8 +125,10 @@ def build_plan(
         kinds: optional per-index key (dtype, device); a group never mixes two kinds, so
             runs are additionally cut where the kind changes.
     """
+    codecs: List[str] = []
     if isinstance(spec, GroupPlan):
         groups = [list(g) for g in spec.groups]
+        codecs = [spec.codec(g) for g in range(len(groups))] if spec.codecs else []
     elif isinstance(spec, str):
         if spec != "layerwise":
             raise ValueError(f"groups must be 'layerwise', an int, a list of name lists or a GroupPlan; got {spec!r}")
@@ -127,8 +140,11 @@ def build_plan(
     else:
         groups = _groups_from_names(spec, order, names)
     if kinds:
-        groups = [run for g in groups for run in _split_kinds(g, kinds)]
-    plan = GroupPlan(tuple(tuple(g) for g in groups))
+        runs = [_split_kinds(g, kinds) for g in groups]
+        if codecs:
+            codecs = [c for c, split in zip(codecs, runs) for _ in split]
+        groups = [run for split in runs for run in split]
+    plan = GroupPlan(tuple(tuple(g) for g in groups), tuple(codecs))
     _check_covers(plan, order, names)
     return plan
 

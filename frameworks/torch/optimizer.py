@@ -20,8 +20,10 @@ and the plan rebuilt once, carrying error-feedback state over (:func:`mergecomp.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
+import time
 import warnings
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -33,6 +35,7 @@ from mergecomp.exchange import NONFINITE_POLICIES, Exchange, InFlight, check_non
 from mergecomp.memory import Memory
 from mergecomp.plan import Group, GroupPlan, build_plan, layout, remap_state
 from mergecomp.registry import get_compressor, get_memory
+from mergecomp.scheduler import MergeScheduler, SchedulerConfig
 
 from .runtime import communicator
 
@@ -68,9 +71,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             messages.  Default: ``param.<i>`` in the optimizer's order.
         compression: compressor name (see ``mergecomp.compressor_names()``) or instance.
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
-        groups: merge plan: ``"layerwise"``, an int ``k`` (k groups of about equal bytes),
-            a list of lists of parameter names, a :class:`~mergecomp.plan.GroupPlan`, or ``None``
-            (groups of about 25 MB, at most 4).
+        groups: merge plan: ``"auto"`` (default: the online scheduler searches the partition
+            and each group's codec, see :mod:`mergecomp.scheduler`), ``"layerwise"``, an int
+            ``k`` (k groups of about equal bytes), a list of lists of parameter names, a
+            :class:`~mergecomp.plan.GroupPlan`, or ``None`` (groups of about 25 MB, at most 4).
+        scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``
+            (warm-up and probe steps, maximum groups, plan cache path...).
         backward_passes_per_step: gradients are accumulated locally over this many backward
             passes and exchanged once.
         op: ``mc.Average`` (default) or ``mc.Sum`` over ranks.
@@ -92,10 +98,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
         compression: Union[str, Compressor] = "dgc",
         memory: Union[str, Memory, None] = None,
-        groups=None,
+        groups="auto",
         backward_passes_per_step: int = 1,
         op: str = Average,
         nonfinite: str = "raise",
+        scheduler: Optional[SchedulerConfig] = None,
     ) -> None:
         # Deliberately not calling Optimizer.__init__: param_groups, state and defaults are the
         # wrapped optimizer's own (properties below), so nothing is copied or re-created.
@@ -128,13 +135,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self._params, self.param_names = self._collect(named_parameters)
         self._index = {p: i for i, p in enumerate(self._params)}
-        self._groups_spec = groups
+        self._auto = groups == "auto"
+        self._groups_spec = None if self._auto else groups
+        self._scheduler_config = scheduler or SchedulerConfig()
+        self.scheduler: Optional[MergeScheduler] = None
         self._order_final = isinstance(groups, (list, tuple, GroupPlan))
         initial_order = list(reversed(range(len(self._params))))
         self._install(self._make_plan(initial_order))
 
         self._passes = [0] * len(self._params)
         self._observed: List[int] = []
+        self._ready_at = [0.0] * len(self._params)
+        self._encode_spent = 0.0
+        self._last_step_end: Optional[float] = None
         self._synchronized = False
         self._step_skipped = False
         self._should_synchronize = True
@@ -273,7 +286,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"backward_passes_per_step={self.backward_passes_per_step}. Call optimizer.step() (or "
                 f"synchronize()) after every {self.backward_passes_per_step} backward pass(es)")
         if self._passes[i] == self.backward_passes_per_step:
-            self._observed.append(i)
+            # Compute time only: what our own hook work delayed the backward pass by is removed.
+            self._ready_at[i] = time.perf_counter() - self._encode_spent
+            if not self._order_final:
+                self._observed.append(i)
             self._fill(i)
             self._launch_ready()
 
@@ -301,7 +317,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         while (self._next_group < len(self._groups)
                and self._ready[self._next_group] == len(self._groups[self._next_group].indices)):
             g = self._next_group
-            self._jobs[g] = self.exchange.start(self._groups[g], self._buffers[g])
+            job = self.exchange.start(self._groups[g], self._buffers[g], self._plan.codec(g))
+            self._encode_spent += job.encode_seconds
+            self._jobs[g] = job
             self._next_group += 1
 
     # -- step ---------------------------------------------------------------------------------
@@ -327,9 +345,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._write_grads(results)
         step = self.exchange.step
         self.exchange.step += 1
+        filled_in_backward = all(self._passes)
         self._passes = [0] * len(self._params)
         self._reset_step()
         self._adopt_observed_order()
+        self._schedule(filled_in_backward)
         if bad:
             self._handle_nonfinite(bad, step)
 
@@ -368,6 +388,56 @@ class DistributedOptimizer(torch.optim.Optimizer):
         plan = self._make_plan(order_tensor.tolist())
         if plan != self._plan:
             self.set_plan(plan)
+        if self._auto:
+            self._start_scheduler()
+
+    def _schedule(self, timed: bool) -> None:
+        """Feed the finished step to the scheduler; switch plans when it says so."""
+        now = time.perf_counter()
+        previous, self._last_step_end = self._last_step_end, now
+        if self.scheduler is None or previous is None:
+            return
+        order = self._plan.order
+        first = min(self._ready_at[i] for i in order) if timed else 0.0
+        ready = [self._ready_at[i] - first if timed else 0.0 for i in order]
+        plan = self.scheduler.observe(now - previous, ready, self._plan)
+        if plan is not None and plan != self._plan:
+            self.set_plan(plan)
+
+    def schedule_report(self) -> Dict[str, Any]:
+        """What the scheduler did: candidates with predicted and measured seconds per step, the
+        chosen plan, search cost in steps.  Fixed plans report ``{"phase": "fixed"}``."""
+        if self.scheduler is None:
+            return {"phase": "fixed" if not self._auto else "starting", "groups": len(self._groups)}
+        return self.scheduler.report()
+
+    def _start_scheduler(self) -> None:
+        compressor = self.exchange.compressor
+        config = self._scheduler_config
+        if compressor.name == "none" or compressor.votes:
+            # Exactness (none) and the vote's update rule (sign methods) must hold for every group.
+            config = SchedulerConfig(**{**vars(config), "codecs": ("compressed",)})
+        codecs = {name: self.exchange.codec(name) for name in config.codecs}
+        order = list(self._plan.order)
+        first = self._params[order[0]]
+
+        def make_plan(cuts, codecs_):
+            edges = [0, *cuts, len(order)]
+            plan = GroupPlan(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs_))
+            return self._make_plan(order, plan)
+
+        self.scheduler = MergeScheduler(
+            self.comm, codecs, order, [p.numel() * p.element_size() for p in self._params],
+            [p.shape for p in self._params], first.dtype, first.device, make_plan, self._signature(), config)
+        cached = self.scheduler.initial_plan()
+        if cached is not None:
+            self.set_plan(cached)
+
+    def _signature(self) -> str:
+        """Model (names, shapes, dtypes), compressor, memory, world size and engine, hashed."""
+        parts = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.param_names, self._params)]
+        parts += [repr(self.compressor), repr(self.memory), str(self.comm.size), self.comm.engine]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     def step(self, closure=None):
         """Synchronize (unless inside :meth:`skip_synchronize`) and run the wrapped optimizer's step.

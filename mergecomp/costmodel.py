@@ -1,0 +1,255 @@
+"""Step-time model of merged, compressed gradient exchange, and the search over partitions.
+
+Everything here is a plain function of plain numbers, shared by the online scheduler
+(:mod:`mergecomp.scheduler`) and the offline planner (``mergecomp plan``).
+
+The timeline of one backward pass, for a partition of the tensors (in backward order) into
+contiguous groups, each with a codec (``"compressed"``, ``"fp16"`` or ``"none"``)::
+
+    compute thread: grad ready ... [encode g0] ... grad ready ... [encode g1] ...   (encodes delay
+                                                                                    later grads)
+    network:                  [collective g0 ......]   [collective g1 ....]       (in plan order)
+    after backward:                                  [decode g0]     [decode g1]  (in plan order)
+
+* tensor ``i``'s gradient is ready ``ready[i]`` seconds after the first one, plus the encode
+  time already spent on the compute thread;
+* group ``g`` is encoded when its last gradient is ready and every earlier group was started
+  (collectives start in plan order on every rank);
+* the network runs one collective at a time: ``start = max(encoded, previous end)``;
+* decoding starts after the backward pass and the group's collective, in plan order.
+
+Costs are affine fits ``a + b * bytes`` (:class:`Affine`): per codec for encode and decode
+(input bytes), per collective kind for the network (bytes one rank contributes).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "Affine",
+    "CodecCost",
+    "Profile",
+    "Prediction",
+    "fit_affine",
+    "predict",
+    "search",
+    "ring_allreduce",
+    "ring_allgather",
+    "CODECS",
+]
+
+#: codec names a group may use: the configured compressor, a cast to fp16, or nothing
+CODECS = ("compressed", "fp16", "none")
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``seconds = fixed + per_byte * bytes``."""
+
+    fixed: float = 0.0
+    per_byte: float = 0.0
+
+    def __call__(self, nbytes: float) -> float:
+        return self.fixed + self.per_byte * nbytes
+
+
+def fit_affine(nbytes: Sequence[float], seconds: Sequence[float]) -> Affine:
+    """Least-squares fit of ``seconds = fixed + per_byte * nbytes`` (both clamped at >= 0)."""
+    n = len(nbytes)
+    if n == 0:
+        raise ValueError("fit_affine needs at least one measurement")
+    if n == 1 or max(nbytes) == min(nbytes):
+        mean_rate = sum(seconds) / max(sum(nbytes), 1e-30)
+        return Affine(0.0, max(mean_rate, 0.0))
+    mx, my = sum(nbytes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in nbytes)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds))
+    per_byte = max(sxy / sxx, 0.0)
+    return Affine(max(my - per_byte * mx, 0.0), per_byte)
+
+
+def ring_allreduce(latency: float, bandwidth: float, world_size: int) -> Affine:
+    """α-β cost of a ring allreduce of B bytes: 2(N-1) steps, each moving B/N bytes."""
+    if world_size <= 1:
+        return Affine()
+    steps = 2 * (world_size - 1)
+    return Affine(steps * latency, steps / world_size / bandwidth)
+
+
+def ring_allgather(latency: float, bandwidth: float, world_size: int) -> Affine:
+    """α-β cost of a ring allgather where each rank contributes B bytes: (N-1) steps of B bytes.
+
+    The received volume grows with N: sparse and quantized payloads lose to allreduce at scale.
+    """
+    if world_size <= 1:
+        return Affine()
+    return Affine((world_size - 1) * latency, (world_size - 1) / bandwidth)
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """What one codec costs: payload bytes per input byte, encode/decode time, collective."""
+
+    ratio: float
+    encode: Affine
+    decode: Affine
+    network: Affine
+
+
+@dataclass
+class Profile:
+    """Inputs of the predictor.
+
+    Attributes:
+        sizes: gradient bytes per tensor, in backward order.
+        ready: seconds from the first gradient to each tensor's gradient, backward order
+            (compute only: without any time spent encoding).
+        codecs: cost of each codec name that may be used.
+    """
+
+    sizes: List[int]
+    ready: List[float]
+    codecs: Dict[str, CodecCost]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.ready):
+            raise ValueError(f"profile has {len(self.sizes)} sizes but {len(self.ready)} ready times")
+
+
+@dataclass
+class Prediction:
+    """Predicted time from the first gradient to the last decoded group, and its parts."""
+
+    cuts: Tuple[int, ...]
+    codecs: Tuple[str, ...]
+    total: float
+    backward_end: float = 0.0
+    encode: float = 0.0
+    network: float = 0.0
+    decode: float = 0.0
+    exposed_network: float = 0.0
+    groups: List[Dict[str, float]] = field(default_factory=list)
+
+
+def _bounds(cuts: Sequence[int], n: int) -> List[Tuple[int, int]]:
+    edges = [0, *cuts, n]
+    return list(zip(edges, edges[1:]))
+
+
+def predict(profile: Profile, cuts: Sequence[int], codecs: Sequence[str]) -> Prediction:
+    """Predict one partition: ``cuts`` are the tensor indices where groups 1.. start."""
+    n = len(profile.sizes)
+    bounds = _bounds(cuts, n)
+    if len(codecs) != len(bounds):
+        raise ValueError(f"{len(bounds)} groups but {len(codecs)} codecs")
+    compute_delay = 0.0   # encode time spent so far on the compute thread
+    net_free = 0.0
+    encoded_prev = 0.0
+    ends, parts = [], []
+    total_encode = total_network = 0.0
+    for (a, b), codec in zip(bounds, codecs):
+        cost = profile.codecs[codec]
+        nbytes = sum(profile.sizes[a:b])
+        ready = profile.ready[b - 1] + compute_delay
+        encode = cost.encode(nbytes)
+        encoded = max(ready, encoded_prev) + encode
+        compute_delay += encode
+        encoded_prev = encoded
+        network = cost.network(nbytes * cost.ratio)
+        start = max(encoded, net_free)
+        net_free = start + network
+        ends.append(net_free)
+        total_encode += encode
+        total_network += network
+        parts.append({"bytes": nbytes, "ready": ready, "encode": encode, "network": network,
+                      "network_end": net_free})
+    backward_end = profile.ready[-1] + compute_delay
+    clock = backward_end
+    total_decode = 0.0
+    for (a, b), codec, end, part in zip(bounds, codecs, ends, parts):
+        decode = profile.codecs[codec].decode(part["bytes"])
+        clock = max(clock, end) + decode
+        total_decode += decode
+        part["decode"] = decode
+    exposed = max(0.0, max(ends) - backward_end)
+    return Prediction(tuple(cuts), tuple(codecs), clock, backward_end, total_encode, total_network,
+                      total_decode, exposed, parts)
+
+
+def candidate_cuts(sizes: Sequence[int], points: int = 24) -> List[int]:
+    """Up to ``points`` tensor boundaries at about equal byte quantiles (the search grid)."""
+    n = len(sizes)
+    if n <= points + 1:
+        return list(range(1, n))
+    total = sum(sizes)
+    grid, prefix, i = [], 0, 0
+    for i, size in enumerate(sizes[:-1]):
+        prefix += size
+        if prefix >= total * (len(grid) + 1) / (points + 1):
+            grid.append(i + 1)
+    return sorted(set(grid))
+
+
+def _total(prefix: Sequence[int], ready: Sequence[float], costs: Sequence[CodecCost],
+           edges: Sequence[int]) -> float:
+    """``predict(...).total`` without the breakdown (the search's inner loop)."""
+    delay = encoded = net_free = 0.0
+    ends = []
+    for g, cost in enumerate(costs):
+        a, b = edges[g], edges[g + 1]
+        nbytes = prefix[b] - prefix[a]
+        enc = cost.encode.fixed + cost.encode.per_byte * nbytes
+        encoded = max(ready[b - 1] + delay, encoded) + enc
+        delay += enc
+        net_free = max(encoded, net_free) + cost.network.fixed + cost.network.per_byte * nbytes * cost.ratio
+        ends.append(net_free)
+    clock = ready[-1] + delay
+    for g, cost in enumerate(costs):
+        nbytes = prefix[edges[g + 1]] - prefix[edges[g]]
+        clock = max(clock, ends[g]) + cost.decode.fixed + cost.decode.per_byte * nbytes
+    return clock
+
+
+def search(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS,
+           top: int = 3, grid_points: int = 16) -> List[Prediction]:
+    """The ``top`` best plans by predicted time, exhaustive over 1..``max_groups`` groups cut on
+    a byte-quantile grid and over each group's codec.
+
+    The candidates differ in kind: the fastest plan of each (codec carrying most bytes, number
+    of groups) pair competes, and each codec's best comes before any codec's second best;
+    the result is sorted fastest first.
+    """
+    if max_groups < 1:
+        raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+    unknown = [c for c in codecs if c not in profile.codecs]
+    if unknown:
+        raise ValueError(f"no cost known for codecs {unknown}")
+    n = len(profile.sizes)
+    prefix = [0]
+    for size in profile.sizes:
+        prefix.append(prefix[-1] + size)
+    grid = candidate_cuts(profile.sizes, grid_points)
+    best: Dict[Tuple[str, int], Tuple[float, Tuple[int, ...], Tuple[str, ...]]] = {}
+    for k in range(1, min(max_groups, n) + 1):
+        for assignment in itertools.product(codecs, repeat=k):
+            costs = [profile.codecs[c] for c in assignment]
+            for cuts in itertools.combinations(grid, k - 1):
+                edges = (0, *cuts, n)
+                total = _total(prefix, profile.ready, costs, edges)
+                share: Dict[str, int] = {}
+                for g, codec in enumerate(assignment):
+                    share[codec] = share.get(codec, 0) + prefix[edges[g + 1]] - prefix[edges[g]]
+                key = (max(share, key=share.get), k)
+                if key not in best or total < best[key][0]:
+                    best[key] = (total, cuts, assignment)
+    ranked = sorted(best.items(), key=lambda item: item[1][0])
+    leaders, seen = [], set()
+    for (dominant, _), entry in ranked:
+        if dominant not in seen:
+            seen.add(dominant)
+            leaders.append(entry)
+    chosen = leaders + [entry for _, entry in ranked if entry not in leaders]
+    return [predict(profile, cuts, assignment) for _, cuts, assignment in sorted(chosen[:top])]

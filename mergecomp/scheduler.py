@@ -1,0 +1,363 @@
+"""Online merge scheduler: profile, predict, verify a few plans, keep the measured best, re-tune.
+
+Driven by a front end that calls :meth:`MergeScheduler.observe` once per completed step on
+every rank (the same number of times everywhere), it goes through these phases::
+
+    warmup (W steps, not measured)
+      -> profile (1 step): gradient-ready times of that step, plus micro-benchmarks of each
+         codec's encode/decode and of the engine's collectives at three sizes; the numbers of all
+         ranks are gathered and the slowest kept, so every rank builds the same cost model
+      -> predict: :func:`mergecomp.costmodel.search` ranks plans of 1..K groups x codecs;
+         the top few plus the best uncompressed plan (plain fused allreduce) become candidates
+      -> verify: each candidate runs ``settle + probe`` steps; the median of the probe steps,
+         max over ranks, is its measured time
+      -> monitor: the measured best is kept (a retune must beat the incumbent by
+         ``min_improvement``); every ``retune_window`` steps the ranks compare the window's
+         median with the chosen plan's time, and all re-profile together if it drifted by more
+         than ``retune_threshold``.
+
+All decisions are taken from numbers every rank has after the same collective, so all ranks
+switch plans at the same step.  Plans can be cached in a JSON file keyed by a model signature.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .comm import Communicator
+from .compressor import Compressor
+from .costmodel import CODECS, CodecCost, Prediction, Profile, fit_affine, predict, search
+from .plan import GroupPlan
+
+__all__ = ["MergeScheduler", "SchedulerConfig"]
+
+logger = logging.getLogger("mergecomp")
+
+MakePlan = Callable[[Sequence[int], Sequence[str]], GroupPlan]
+
+
+@dataclass
+class SchedulerConfig:
+    """Settings of the online search (all ranks must use the same)."""
+
+    max_groups: int = 4
+    warmup_steps: int = 5
+    settle_steps: int = 1
+    probe_steps: int = 4
+    candidates: int = 3
+    min_improvement: float = 0.03
+    retune_threshold: float = 0.15
+    retune_window: int = 50
+    codecs: Tuple[str, ...] = CODECS
+    cache_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_groups", "probe_steps", "candidates", "retune_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"scheduler {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "settle_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"scheduler {name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_improvement < 1 or self.retune_threshold <= 0:
+            raise ValueError("scheduler min_improvement must be in [0, 1) and retune_threshold > 0")
+        bad = [c for c in self.codecs if c not in CODECS]
+        if bad or not self.codecs:
+            raise ValueError(f"scheduler codecs must be drawn from {CODECS}, got {self.codecs}")
+
+
+@dataclass
+class Candidate:
+    plan: GroupPlan
+    source: str
+    predicted: Optional[float] = None
+    measured: Optional[float] = None
+
+
+class MergeScheduler:
+    """See the module docstring.
+
+    Args:
+        comm: the engine (used for the profile's micro-benchmarks and for agreement).
+        codecs: codec name -> compressor, as the exchange uses them.
+        order: parameter indices in backward order.
+        sizes: gradient bytes by parameter index.
+        shapes: parameter shapes by parameter index (for realistic encode benchmarks).
+        dtype, device: of the gradient buffers.
+        make_plan: ``(cuts, codecs) -> GroupPlan`` over the backward order.
+        signature: identifies model, compressor and world size for the plan cache.
+    """
+
+    def __init__(self, comm: Communicator, codecs: Dict[str, Compressor], order: Sequence[int],
+                 sizes: Sequence[int], shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device,
+                 make_plan: MakePlan, signature: str, config: Optional[SchedulerConfig] = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.comm = comm
+        self.codecs = codecs
+        self._size_of = dict(enumerate(sizes))
+        self.sizes = [sizes[i] for i in order]
+        self.shapes = [shapes[i] for i in order]
+        self.dtype = dtype
+        self.device = device
+        self.make_plan = make_plan
+        self.signature = signature
+        self.phase = "warmup"
+        self.steps = 0
+        self.search_steps = 0
+        self.searches = 0
+        self.chosen: Optional[Candidate] = None
+        self.candidates: List[Candidate] = []
+        self.history: List[Dict] = []
+        self._pending: List[Candidate] = []
+        self._probe: List[float] = []
+        self._window: List[float] = []
+        self._countdown = self.config.warmup_steps
+        self._cached = self._load_cache()
+        if self._cached is not None:
+            self.phase = "monitor"
+
+    # -- the front end's calls ---------------------------------------------------------------
+    def initial_plan(self) -> Optional[GroupPlan]:
+        """A cached plan to start from, if the cache holds one for this signature."""
+        return self._cached.plan if self._cached is not None else None
+
+    def observe(self, step_seconds: float, ready: Sequence[float], current: GroupPlan) -> Optional[GroupPlan]:
+        """Record a finished step: its wall time, per-tensor ready times in backward order
+        (seconds after the first) and the plan it ran.  Returns a plan to switch to before the
+        next step, or None."""
+        self.steps += 1
+        if self.phase != "monitor":
+            self.search_steps += 1
+        self._current = current
+        handler = getattr(self, f"_{self.phase}")
+        return handler(step_seconds, list(ready))
+
+    def report(self) -> Dict:
+        """Candidates tried (predicted and measured seconds), the chosen plan and the search cost."""
+        def describe(c: Candidate) -> Dict:
+            return {"source": c.source, "groups": len(c.plan), "codecs": list(c.plan.codecs),
+                    "sizes": [sum(self._size_of[i] for i in g) for g in c.plan.groups],
+                    "predicted_s": c.predicted, "measured_s": c.measured}
+
+        return {"phase": self.phase, "steps": self.steps, "search_steps": self.search_steps,
+                "searches": self.searches, "candidates": [describe(c) for c in self.candidates],
+                "chosen": describe(self.chosen) if self.chosen else None, "history": self.history}
+
+    # -- phases ------------------------------------------------------------------------------
+    def _warmup(self, step_seconds, ready):
+        self._countdown -= 1
+        if self._countdown > 0:
+            return None
+        self.phase = "profile"
+        return None
+
+    def _profile(self, step_seconds, ready):
+        self.searches += 1
+        profile, offset = self._build_profile(ready, step_seconds)
+        predictions = search(profile, self.config.max_groups, self.config.codecs, self.config.candidates)
+        candidates = [self._candidate(p, "predicted", offset) for p in predictions]
+        if "none" in self.config.codecs:
+            fused = search(profile, self.config.max_groups, ("none",), 1)[0]
+            candidates.append(self._candidate(fused, "uncompressed", offset))
+        if self.chosen is not None:
+            candidates.append(Candidate(self.chosen.plan, "incumbent"))
+        unique: Dict[GroupPlan, Candidate] = {}
+        for c in candidates:
+            unique.setdefault(c.plan, c)
+        self.candidates = list(unique.values())
+        self._pending = list(self.candidates)
+        return self._next_candidate()
+
+    def _verify(self, step_seconds, ready):
+        self._countdown -= 1
+        if self._countdown >= self.config.probe_steps:
+            return None  # settling
+        self._probe.append(step_seconds)
+        if self._countdown > 0:
+            return None
+        current = self._pending.pop(0)
+        current.measured = self._slowest(statistics.median(self._probe))
+        self._probe = []
+        if self._pending:
+            return self._next_candidate()
+        return self._decide()
+
+    def _monitor(self, step_seconds, ready):
+        self._window.append(step_seconds)
+        if len(self._window) < self.config.retune_window:
+            return None
+        recent = self._slowest(statistics.median(self._window))
+        self._window = []
+        reference = self.chosen.measured if self.chosen and self.chosen.measured else None
+        if reference is None:
+            self.chosen = self.chosen or Candidate(self._cached.plan, "cache")
+            self.chosen.measured = recent
+            return None
+        if recent > reference * (1 + self.config.retune_threshold):
+            logger.info("mergecomp: step time drifted from %.4fs to %.4fs; re-tuning the merge plan",
+                        reference, recent)
+            self.history.append({"step": self.steps, "event": "retune", "from_s": reference, "to_s": recent})
+            self.phase = "profile"
+        return None
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _next_candidate(self) -> GroupPlan:
+        self.phase = "verify"
+        self._countdown = self.config.settle_steps + self.config.probe_steps
+        return self._pending[0].plan
+
+    def _decide(self) -> GroupPlan:
+        measured = [c for c in self.candidates if c.measured is not None]
+        best = min(measured, key=lambda c: c.measured)
+        incumbent = next((c for c in measured if c.source == "incumbent"), None)
+        if incumbent is not None and best.measured > incumbent.measured * (1 - self.config.min_improvement):
+            best = incumbent
+        self.chosen = best
+        self.phase = "monitor"
+        self._window = []
+        self.history.append({"step": self.steps, "event": "chosen", "source": best.source,
+                             "groups": len(best.plan), "measured_s": best.measured})
+        logger.info("mergecomp: chose a %d-group plan (%s, codecs %s): %.4fs/step measured, %s predicted; "
+                    "search took %d steps", len(best.plan), best.source, list(best.plan.codecs),
+                    best.measured, "n/a" if best.predicted is None else f"{best.predicted:.4f}s",
+                    self.search_steps)
+        self._save_cache(best)
+        return best.plan
+
+    def _candidate(self, prediction: Prediction, source: str, offset: float) -> Candidate:
+        plan = self.make_plan(prediction.cuts, prediction.codecs)
+        return Candidate(plan, source, predicted=prediction.total + offset)
+
+    def _slowest(self, value: float) -> float:
+        """The maximum of ``value`` over ranks (every rank gets the same number)."""
+        gathered = self.comm.allgather(torch.tensor([value], dtype=torch.float64, device=self.device),
+                                       "scheduler agreement")
+        return float(gathered.max())
+
+    # -- profiling ---------------------------------------------------------------------------
+    def _build_profile(self, ready: Sequence[float], step_seconds: float) -> Tuple[Profile, float]:
+        """Measure codec and network costs; agree on everything by taking the max over ranks."""
+        samples = self._probe_sizes()
+        local: List[float] = list(ready)
+        ratios: Dict[str, float] = {}
+        for name in self.config.codecs:
+            encode, decode, wire = self._time_codec(self.codecs[name], samples)
+            ratios[name] = wire
+            local += encode + decode
+        for name in self.config.codecs:
+            local += self._time_network(self.codecs[name], [n * ratios[name] for n, _ in samples])
+        local.append(step_seconds)
+        agreed = self.comm.allgather(torch.tensor(local, dtype=torch.float64, device=self.device),
+                                     "scheduler profile").max(dim=0).values.tolist()
+        n = len(ready)
+        ready_agreed, rest = agreed[:n], agreed[n:]
+        for i in range(1, n):  # gradients become ready in backward order
+            ready_agreed[i] = max(ready_agreed[i], ready_agreed[i - 1])
+        k = len(samples)
+        nbytes = [b for b, _ in samples]
+        costs = {}
+        for j, name in enumerate(self.config.codecs):
+            encode = rest[2 * k * j: 2 * k * j + k]
+            decode = rest[2 * k * j + k: 2 * k * (j + 1)]
+            network = rest[2 * k * len(self.config.codecs) + k * j:][:k]
+            costs[name] = CodecCost(ratios[name], fit_affine(nbytes, encode), fit_affine(nbytes, decode),
+                                    fit_affine([b * ratios[name] for b in nbytes], network))
+        profile = Profile(self.sizes, ready_agreed, costs)
+        # What the timeline does not model (forward, optimizer, data) is the same for every plan:
+        # calibrate it on the step just measured so predictions read as whole-step seconds.
+        cuts, codecs = self._cuts_of(self._current)
+        offset = max(0.0, rest[-1] - predict(profile, cuts, codecs).total)
+        return profile, offset
+
+    def _cuts_of(self, plan: GroupPlan) -> Tuple[List[int], List[str]]:
+        cuts, position = [], 0
+        for group in plan.groups[:-1]:
+            position += len(group)
+            cuts.append(position)
+        return cuts, [plan.codec(g) for g in range(len(plan))]
+
+    def _probe_sizes(self) -> List[Tuple[int, int]]:
+        """(bytes, number of leading tensors) for prefixes of about 1/16, 1/4 and all the bytes."""
+        total = sum(self.sizes)
+        out, prefix, count = [], 0, 0
+        for fraction in (1 / 16, 1 / 4, 1.0):
+            while count < len(self.sizes) and (prefix < total * fraction or count == 0):
+                prefix += self.sizes[count]
+                count += 1
+            out.append((prefix, count))
+        return out
+
+    def _time_codec(self, compressor: Compressor, samples) -> Tuple[List[float], List[float], float]:
+        encode, decode, wire = [], [], 1.0
+        element = torch.empty((), dtype=self.dtype).element_size()
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        for nbytes, count in samples:
+            data = torch.randn(nbytes // element, generator=generator, dtype=torch.float32).to(self.dtype)
+            data = data.to(self.device)
+            name = "__scheduler_probe__"
+            began = time.perf_counter()
+            payload, ctx = compressor.compress(data.clone(), name, self.shapes[:count])
+            for _ in range(compressor.rounds - 1):
+                payload, ctx = compressor.next_round(payload, ctx)
+            middle = time.perf_counter()
+            arrived = [payload] if compressor.summable else [payload] * self.comm.size
+            compressor.aggregate(arrived, ctx, self.comm.size, True)
+            done = time.perf_counter()
+            compressor.state.pop(name, None)
+            encode.append(middle - began)
+            decode.append(done - middle)
+            wire = sum(t.numel() * t.element_size() for t in payload) / max(nbytes, 1)
+        return encode, decode, wire
+
+    def _time_network(self, compressor: Compressor, payload_bytes: Sequence[float]) -> List[float]:
+        out = []
+        for nbytes in payload_bytes:
+            nbytes = max(8, int(nbytes))
+            if compressor.summable:
+                tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
+                run = self.comm.allreduce_async
+            else:
+                tensor = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                run = self.comm.allgather_async
+            times = []
+            for _ in range(2):
+                began = time.perf_counter()
+                run(tensor).wait("scheduler network probe")
+                times.append(time.perf_counter() - began)
+            out.append(min(times))
+        return out
+
+    # -- plan cache --------------------------------------------------------------------------
+    def _load_cache(self) -> Optional[Candidate]:
+        path = self.config.cache_path
+        if not path or not os.path.exists(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            entries = json.load(f)
+        entry = entries.get(self.signature)
+        if entry is None:
+            logger.info("mergecomp: plan cache %s has no plan for this model/compressor/world size "
+                        "(signature %s); searching", path, self.signature[:12])
+            return None
+        logger.info("mergecomp: using the cached merge plan from %s", path)
+        return Candidate(GroupPlan.from_json(entry["plan"]), "cache", measured=entry.get("measured_s"))
+
+    def _save_cache(self, best: Candidate) -> None:
+        path = self.config.cache_path
+        if not path or self.comm.rank != 0:
+            return
+        entries = {}
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                entries = json.load(f)
+        entries[self.signature] = {"plan": best.plan.to_json(), "measured_s": best.measured}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(entries, f, indent=1)
+        os.replace(tmp, path)

@@ -1,0 +1,114 @@
+"""The step-time predictor and the partition search (plain functions, no processes)."""
+import itertools
+
+import pytest
+
+from mergecomp.costmodel import (Affine, CodecCost, Profile, candidate_cuts, fit_affine, predict,
+                                 ring_allgather, ring_allreduce, search)
+
+FREE = Affine()
+
+
+def profile(sizes, ready, **codecs):
+    return Profile(list(sizes), list(ready), codecs)
+
+
+def test_timeline_by_hand():
+    # Two tensors ready at 0 s and 1 s; network 1 s per 1000 bytes plus 0.5 s per collective.
+    net = CodecCost(1.0, FREE, Affine(0.1, 0.0), Affine(0.5, 1e-3))
+    p = profile([1000, 1000], [0.0, 1.0], none=net)
+    two = predict(p, [1], ["none", "none"])
+    # g0: sent 0 -> 1.5; g1: ready 1, network free at 1.5 -> 3.0.
+    # Decodes start after backward (1.0), in order: g0 1.5 -> 1.6, g1 3.0 -> 3.1.
+    assert two.groups[0]["network_end"] == pytest.approx(1.5)
+    assert two.groups[1]["network_end"] == pytest.approx(3.0)
+    assert two.total == pytest.approx(3.1)
+    one = predict(p, [], ["none"])
+    assert one.total == pytest.approx(1.0 + 2.5 + 0.1)
+
+
+def test_encode_time_delays_later_gradients():
+    slow_encode = CodecCost(0.5, Affine(1.0, 0.0), FREE, FREE)
+    p = profile([10, 10], [0.0, 0.5], c=slow_encode)
+    layerwise = predict(p, [1], ["c", "c"])
+    assert layerwise.groups[1]["ready"] == pytest.approx(0.5 + 1.0)  # g0's encode delays g1's grad
+    assert layerwise.backward_end == pytest.approx(0.5 + 2.0)       # both encodes on the compute thread
+    assert layerwise.encode == pytest.approx(2.0)
+
+
+def _brute_force(p, max_groups, codecs):
+    n = len(p.sizes)
+    best = None
+    for k in range(1, max_groups + 1):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            for assignment in itertools.product(codecs, repeat=k):
+                total = predict(p, cuts, assignment).total
+                if best is None or total < best[0]:
+                    best = (total, cuts, assignment)
+    return best
+
+
+@pytest.mark.parametrize("bandwidth", [1e8, 1e9, 1e10])
+def test_search_finds_the_brute_force_optimum(bandwidth):
+    sizes = [4_000_000, 100, 2_000_000, 300, 8_000_000, 1_000_000, 50, 6_000_000]
+    ready = [0.002 * i for i in range(len(sizes))]
+    net = ring_allreduce(1e-4, bandwidth, 4)
+    gather = ring_allgather(1e-4, bandwidth, 4)
+    p = profile(sizes, ready,
+                none=CodecCost(1.0, FREE, FREE, net),
+                fp16=CodecCost(0.5, Affine(1e-5, 2e-11), Affine(1e-5, 2e-11), net),
+                compressed=CodecCost(0.02, Affine(2e-4, 5e-10), Affine(1e-4, 3e-10), gather))
+    expected_total, _, _ = _brute_force(p, 3, ("none", "fp16", "compressed"))
+    found = search(p, max_groups=3, grid_points=len(sizes))[0]
+    assert found.total == pytest.approx(expected_total)
+
+
+def test_prediction_is_monotone_in_bandwidth_and_latency():
+    sizes = [1_000_000] * 6
+    ready = [0.01 * i for i in range(6)]
+    totals = []
+    for bandwidth in (1e8, 1e9, 1e10, 1e11):
+        p = profile(sizes, ready, none=CodecCost(1.0, FREE, FREE, ring_allreduce(1e-4, bandwidth, 8)))
+        totals.append(predict(p, [2, 4], ["none"] * 3).total)
+    assert totals == sorted(totals, reverse=True)
+    slower = [predict(profile(sizes, ready, none=CodecCost(1.0, FREE, FREE, ring_allreduce(lat, 1e9, 8))),
+                      [3], ["none"] * 2).total for lat in (1e-5, 1e-4, 1e-3)]
+    assert slower == sorted(slower)
+
+
+def test_compression_pays_on_a_slow_link_and_not_on_a_fast_one():
+    sizes = [4_000_000] * 25            # 100 MB of gradients
+    ready = [0.004 * i for i in range(25)]
+
+    def compressed_share(bandwidth):
+        net = ring_allreduce(5e-5, bandwidth, 2)
+        p = profile(sizes, ready,
+                    none=CodecCost(1.0, FREE, FREE, net),
+                    compressed=CodecCost(1 / 32, Affine(1e-4, 1e-9), Affine(1e-4, 1e-9), net))
+        best = search(p, max_groups=4, codecs=("none", "compressed"))[0]
+        return sum(g["bytes"] for g, c in zip(best.groups, best.codecs) if c == "compressed") / sum(sizes)
+
+    assert compressed_share(1.25e8) > 0.5    # 1 Gbit/s: most bytes compressed
+    assert compressed_share(1.25e11) == 0.0  # 1 Tbit/s: plain allreduce
+
+
+def test_fit_affine_recovers_a_line():
+    fit = fit_affine([1e3, 1e5, 1e7], [0.001 + 2e-9 * x for x in (1e3, 1e5, 1e7)])
+    assert fit.fixed == pytest.approx(0.001)
+    assert fit.per_byte == pytest.approx(2e-9)
+    assert fit_affine([100], [1.0]).per_byte == pytest.approx(0.01)
+
+
+def test_ring_costs_follow_the_alpha_beta_model():
+    assert ring_allreduce(1e-3, 1e9, 4)(4e9) == pytest.approx(6e-3 + 6.0)
+    assert ring_allgather(1e-3, 1e9, 4)(1e9) == pytest.approx(3e-3 + 3.0)   # grows with N
+    assert ring_allreduce(1e-3, 1e9, 1)(1e9) == 0.0
+
+
+def test_candidate_grid_and_bad_input():
+    grid = candidate_cuts([1] * 100, points=9)
+    assert len(grid) == 9 and grid == sorted(grid) and 0 < grid[0] and grid[-1] < 100
+    with pytest.raises(ValueError, match="max_groups"):
+        search(profile([1], [0.0], none=CodecCost(1.0, FREE, FREE, FREE)), max_groups=0)
+    with pytest.raises(ValueError, match="codecs"):
+        search(profile([1], [0.0], none=CodecCost(1.0, FREE, FREE, FREE)), codecs=("fp16",))
