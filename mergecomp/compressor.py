@@ -26,9 +26,11 @@ Contract (what the pipeline in :mod:`mergecomp.exchange` relies on):
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
+
+from .stateful import GroupStateful
 
 Payload = Tuple[torch.Tensor, ...]
 
@@ -43,7 +45,7 @@ def check_ratio(ratio: float, option: str = "ratio") -> float:
     return ratio
 
 
-class Compressor(abc.ABC):
+class Compressor(GroupStateful, abc.ABC):
     """Base class of all compressors; see the module docstring for the contract."""
 
     #: registry name, set by :func:`mergecomp.register_compressor`
@@ -56,9 +58,6 @@ class Compressor(abc.ABC):
     default_memory: str = "none"
     #: the result keeps its magnitude under op=Average (majority vote returns signs)
     votes: bool = False
-
-    def __init__(self) -> None:
-        self.state: Dict[str, Dict[str, torch.Tensor]] = {}
 
     # -- the pipeline ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -96,26 +95,8 @@ class Compressor(abc.ABC):
         return total
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def group_state(self, name: str) -> Dict[str, torch.Tensor]:
-        """The mutable state dict of group ``name`` (created empty on first use)."""
-        return self.state.setdefault(name, {})
-
-    def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
-        return {name: dict(fields) for name, fields in self.state.items()}
-
-    def load_state_dict(self, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        self.state = {name: dict(fields) for name, fields in state.items()}
-
     def bits_per_element(self, numel: int, dtype: torch.dtype = torch.float32) -> float:
         """Bits one rank puts on the wire per input element (first round only)."""
         payload, _ = self.compress(torch.zeros(numel, dtype=dtype), "__probe__")
         self.state.pop("__probe__", None)
         return 8.0 * sum(t.numel() * t.element_size() for t in payload) / numel
-
-    def settings(self) -> Dict[str, Any]:
-        """The hyperparameters that define this compressor (all ranks must agree on them)."""
-        return {k: v for k, v in vars(self).items() if k != "state" and not k.startswith("_")}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
-        return f"{type(self).__name__}({args})"

@@ -24,9 +24,9 @@ from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
 from .plan import Group
-from .registry import get_compressor
+from .registry import get_compressor, get_memory
 
-__all__ = ["Exchange", "InFlight", "pack_payload", "unpack_payload", "NONFINITE_POLICIES", "check_nonfinite"]
+__all__ = ["Exchange", "InFlight", "pack_payload", "unpack_payload", "NONFINITE_POLICIES", "NonfiniteCheck"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 _ALIGN = 8
@@ -104,6 +104,20 @@ class Exchange:
         self.average = average
         self.check_finite = check_finite
         self.step = 0
+
+    @classmethod
+    def create(cls, compression, memory, comm: Communicator, average: bool = True,
+               check_finite: bool = True) -> "Exchange":
+        """Build from names or instances: ``compression`` a compressor name or
+        :class:`Compressor`; ``memory`` a memory name, a :class:`Memory`, or None for the
+        compressor's ``default_memory``.  Front ends call this so all resolve names alike."""
+        if isinstance(compression, str):
+            compression = get_compressor(compression)
+        if memory is None and isinstance(compression, Compressor):
+            memory = compression.default_memory
+        if isinstance(memory, str):
+            memory = get_memory(memory)
+        return cls(compression, memory, comm, average=average, check_finite=check_finite)
 
     def codec(self, name: str) -> Compressor:
         """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"`` or ``"none"``)."""
@@ -193,17 +207,22 @@ class Exchange:
         self.memory.load_state_dict(state["memory"])
 
 
-def check_nonfinite(comm: Communicator, finite: Sequence[torch.Tensor], names: Sequence[str],
-                    step: int) -> List[Tuple[int, str]]:
+class NonfiniteCheck:
     """Agree across ranks on which (rank, group) pairs held NaN/Inf this step.
 
     ``finite`` holds one 0-d bool tensor per group, in plan order (the same on every rank).
-    One small allreduce of a ``(size, groups)`` matrix; the same answer on every rank.
+    One small allreduce of a ``(size, groups)`` matrix, started now; :meth:`culprits` waits and
+    gives the same answer on every rank.
     """
-    device = finite[0].device if finite else torch.device("cpu")
-    flags = torch.zeros(comm.size, len(finite), dtype=torch.int32, device=device)
-    if finite:
-        flags[comm.rank] = torch.stack([f.logical_not() for f in finite]).to(torch.int32)
-    comm.allreduce_(flags, f"non-finite gradient check at step {step}")
-    bad = flags.nonzero().tolist()
-    return [(rank, names[g]) for rank, g in bad]
+
+    def __init__(self, comm: Communicator, finite: Sequence[torch.Tensor], step: int) -> None:
+        device = finite[0].device if finite else torch.device("cpu")
+        flags = torch.zeros(comm.size, len(finite), dtype=torch.int32, device=device)
+        if finite:
+            flags[comm.rank] = torch.stack([f.logical_not() for f in finite]).to(torch.int32)
+        self._what = f"non-finite gradient check at step {step} on rank {comm.rank}"
+        self._handle = comm.allreduce_async(flags)
+
+    def culprits(self, names: Sequence[str]) -> List[Tuple[int, str]]:
+        flags = self._handle.wait(self._what)
+        return [(rank, names[g]) for rank, g in flags.nonzero().tolist()]

@@ -11,22 +11,18 @@ flat tensors, so it can be checkpointed and remapped onto a new merge plan.
 """
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
 from .registry import register_memory
+from .stateful import GroupStateful
 
 __all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory"]
 
 
-class Memory:
+class Memory(GroupStateful):
     """Base class: no error feedback (``compensate`` and ``update`` are identities)."""
 
     name = ""
-
-    def __init__(self) -> None:
-        self.state: Dict[str, Dict[str, torch.Tensor]] = {}
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Return the tensor to compress for group ``name`` (may modify ``tensor`` in place)."""
@@ -41,19 +37,6 @@ class Memory:
         if buf is None or buf.numel() != like.numel() or buf.dtype != like.dtype:
             buf = fields[field] = torch.zeros_like(like)
         return buf
-
-    def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
-        return {name: dict(fields) for name, fields in self.state.items()}
-
-    def load_state_dict(self, state: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        self.state = {name: dict(fields) for name, fields in state.items()}
-
-    def settings(self) -> Dict[str, float]:
-        return {k: v for k, v in vars(self).items() if k != "state"}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
-        return f"{type(self).__name__}({args})"
 
 
 @register_memory("none")

@@ -191,6 +191,26 @@ class MergeScheduler:
                 "searches": self.searches, "candidates": [describe(c) for c in self.candidates],
                 "chosen": describe(self.chosen) if self.chosen else None, "history": self.history}
 
+    def state_dict(self) -> Dict:
+        """The chosen plan and counters; a search in progress restarts after a resume."""
+        chosen = self.chosen
+        return {"chosen": chosen.plan.to_json() if chosen else None,
+                "chosen_source": chosen.source if chosen else None,
+                "measured_s": chosen.measured if chosen else None,
+                "steps": self.steps, "search_steps": self.search_steps, "searches": self.searches,
+                "history": list(self.history)}
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.steps, self.search_steps = int(state["steps"]), int(state["search_steps"])
+        self.searches, self.history = int(state["searches"]), list(state["history"])
+        self._window, self._probe, self._pending = [], [], []
+        if state["chosen"] is not None:
+            self.chosen = Candidate(GroupPlan.from_json(state["chosen"]), state["chosen_source"],
+                                    measured=state["measured_s"])
+            self.phase = "monitor"
+        else:
+            self.chosen, self.phase, self._countdown = None, "warmup", self.config.warmup_steps
+
     # -- phases ------------------------------------------------------------------------------
     def _warmup(self, step_seconds, ready):
         self._countdown -= 1

@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from mergecomp.compressor import Compressor
-from mergecomp.exchange import NONFINITE_POLICIES, Exchange, InFlight, check_nonfinite
+from mergecomp.exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
 from mergecomp.memory import Memory
 from mergecomp.plan import Group, GroupPlan, build_plan, layout, remap_state
 from mergecomp.registry import get_compressor, get_memory
@@ -151,6 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._step_skipped = False
         self._should_synchronize = True
+        self._check_ranks_agree()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
 
     # -- the wrapped optimizer's attributes ---------------------------------------------------
@@ -229,6 +230,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not params:
             raise ValueError("the optimizer has no parameter that requires a gradient")
         return params, param_names
+
+    def _check_ranks_agree(self) -> None:
+        """Raise on every rank if the ranks built different models, compressors, memories or
+        settings: mismatched collectives would otherwise hang or silently mix gradients."""
+        parts = {
+            "parameters (names, shapes, dtypes)": [(n, tuple(p.shape), str(p.dtype))
+                                                   for n, p in zip(self.param_names, self._params)],
+            "compressor": repr(self.compressor),
+            "memory": repr(self.memory),
+            "groups": repr(self._groups_spec if not self._auto else ("auto", self._scheduler_config)),
+            "backward_passes_per_step, op, nonfinite": (self.backward_passes_per_step, self.exchange.average,
+                                                       self.nonfinite),
+            "engine": self.comm.engine,
+        }
+        mine = torch.tensor([int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little")
+                             for v in parts.values()], dtype=torch.int64)
+        gathered = self.comm.allgather(mine.to(self._params[0].device),
+                                       "the cross-rank configuration check").cpu()
+        differ = [(rank, name) for rank in range(1, gathered.shape[0])
+                  for name, a, b in zip(parts, gathered[0], gathered[rank]) if a != b]
+        if differ:
+            where = "; ".join(f"rank {rank} differs from rank 0 in its {name}" for rank, name in differ)
+            raise ValueError(f"DistributedOptimizer on rank {self.comm.rank}: the ranks were not built the "
+                             f"same way: {where}. Every rank must wrap the same model with the same settings")
 
     def _warn_double_momentum(self, memory: Memory) -> None:
         if memory.name == "dgc" and any(g.get("momentum", 0) for g in self._optimizer.param_groups):
@@ -334,11 +359,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not filled:
                 self._fill(i)
         self._launch_ready()
-        bad: List[Tuple[int, str]] = []
+        check = None
         if self.nonfinite != "ignore":
-            bad = check_nonfinite(self.comm, [job.finite for job in self._jobs],
-                                  [group.name for group in self._groups], self.exchange.step)
+            check = NonfiniteCheck(self.comm, [job.finite for job in self._jobs], self.exchange.step)
         results = [self.exchange.finish(job) for job in self._jobs]
+        bad = check.culprits([group.name for group in self._groups]) if check else []
         self._synchronized = True
         self._step_skipped = bool(bad)
         if not bad:
@@ -478,21 +503,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's state dict plus ``"mergecomp"``: plan, step, compressor
-        state and error-feedback memory (this rank's)."""
+        state, error-feedback memory (this rank's) and the scheduler's choice."""
         state = self._optimizer.state_dict()
         state["mergecomp"] = {"plan": self._plan.to_json(), "order_final": self._order_final,
-                              "skipped_steps": self.skipped_steps, **self.exchange.state_dict()}
+                              "skipped_steps": self.skipped_steps, **self.exchange.state_dict(),
+                              "scheduler": self.scheduler.state_dict() if self.scheduler else None}
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or a plain one of the wrapped optimizer).
+        Call it between steps, on every rank, with each rank's own checkpoint."""
         state_dict = dict(state_dict)
         ours = state_dict.pop("mergecomp", None)
         self._optimizer.load_state_dict(state_dict)
-        if ours is not None:
-            self._install(GroupPlan.from_json(ours["plan"]))
-            self._order_final = bool(ours["order_final"])
-            self.skipped_steps = int(ours["skipped_steps"])
-            self.exchange.load_state_dict(ours)
+        if ours is None:
+            return
+        self._install(self._make_plan(self._plan.order, GroupPlan.from_json(ours["plan"])))
+        self._order_final = bool(ours["order_final"])
+        self.skipped_steps = int(ours["skipped_steps"])
+        self.exchange.load_state_dict(ours)
+        self._last_step_end = None
+        if self._auto and self._order_final:
+            if self.scheduler is None:
+                self._start_scheduler()
+            if ours.get("scheduler"):
+                self.scheduler.load_state_dict(ours["scheduler"])
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise NotImplementedError("add_param_group() after wrapping is not supported: add the parameters "
