@@ -62,6 +62,8 @@ class Communicator(abc.ABC):
     """Collectives over one group of processes."""
 
     engine = ""
+    #: where this engine's collectives take their tensors (NCCL: the current CUDA device)
+    device = torch.device("cpu")
 
     def __init__(self, rank: int, size: int, timeout: Optional[float] = None) -> None:
         self.rank = rank

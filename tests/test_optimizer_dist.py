@@ -236,3 +236,26 @@ def test_bad_input_is_rejected_with_a_message_naming_it():
     assert "ratio" in errors["ratio"]
     assert "named_parameters does not match" in errors["params"]
     assert "missing.weight" in errors["groups"]
+
+
+# -- broadcasts --------------------------------------------------------------------------------
+def _broadcast_worker(rank):
+    import mergecomp.torch as mc
+
+    model = make_model(seed=rank)                      # different initial weights per rank
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1), momentum=0.9)
+    x, y = make_data(seed=rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    sgd.step()                                         # different momentum buffers per rank
+    opt = mc.DistributedOptimizer(sgd, model.named_parameters(), compression="none", groups=1)
+    mc.broadcast_parameters(model.state_dict(), root_rank=0)
+    mc.broadcast_optimizer_state(opt, root_rank=0)
+    momenta = torch.cat([sgd.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    return flat_params(model), momenta, sgd.param_groups[0]["lr"], mc.broadcast_object({"rank": rank}, 1)
+
+
+def test_broadcast_parameters_optimizer_state_and_objects_from_root():
+    (p0, m0, lr0, obj0), (p1, m1, lr1, obj1) = run_workers(_broadcast_worker, 2)
+    assert torch.equal(p0, p1) and torch.equal(m0, m1)
+    assert lr0 == lr1 == pytest.approx(0.1)
+    assert obj0 == obj1 == {"rank": 1}

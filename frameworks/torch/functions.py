@@ -46,11 +46,11 @@ def broadcast_object(obj, root_rank: int = 0):
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    length = comm.broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank)
+    length = comm.broadcast_(torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device), root_rank)
     if comm.rank != root_rank:
         payload = torch.empty(int(length), dtype=torch.uint8)
-    comm.broadcast_(payload, root_rank)
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    payload = comm.broadcast_(payload.to(comm.device), root_rank)
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:

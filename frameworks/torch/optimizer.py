@@ -408,7 +408,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._order_final = True
         seen = set(self._observed)
         order = self._observed + [i for i in reversed(range(len(self._params))) if i not in seen]
-        order_tensor = self.comm.broadcast_(torch.tensor(order, dtype=torch.int64), 0)
+        order_tensor = self.comm.broadcast_(torch.tensor(order, dtype=torch.int64, device=self.comm.device), 0)
         self._observed = []
         plan = self._make_plan(order_tensor.tolist())
         if plan != self._plan:

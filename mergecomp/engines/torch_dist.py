@@ -36,6 +36,8 @@ class TorchCommunicator(Communicator):
     def __init__(self, group=None, timeout: Optional[float] = None) -> None:
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
         self.group = group
+        if dist.get_backend(group) == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def _handle(self, work, result: torch.Tensor) -> Handle:
         def wait(timeout: float) -> torch.Tensor:
