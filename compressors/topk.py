@@ -8,7 +8,7 @@ residual memory by default, so what is not sent now is sent later.
 import torch
 
 from mergecomp.registry import register_compressor
-from mergecomp.sparse import SparseCompressor, topk_indices
+from mergecomp.sparse import SparseCompressor, topk_abs_indices
 
 _SELECTIONS = ("exact", "threshold")
 
@@ -22,4 +22,4 @@ class TopKCompressor(SparseCompressor):
         self.selection = selection
 
     def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
-        return topk_indices(tensor.abs(), k, self.selection)
+        return topk_abs_indices(tensor, k, self.selection)

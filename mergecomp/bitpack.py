@@ -2,15 +2,35 @@
 
 ``pack(codes, bits)`` takes a 1-D integer/bool tensor with values in ``[0, 2**bits)`` and returns
 ``ceil(n * bits / 8)`` bytes; element ``i`` lives in byte ``i // (8 // bits)`` at bit offset
-``bits * (i % (8 // bits))``.  ``unpack(packed, bits, n)`` inverts it (returns uint8 codes).
+``bits * (i % (8 // bits))``.  ``unpack(packed, bits, n)`` inverts it (returns uint8 codes), and
+``decode(packed, bits, n, values)`` returns ``values[code]`` for each code directly (for a
+decoder that maps codes to numbers: one pass instead of unpack, convert, scale, shift).
+
+How (both directions are one pass over the codes, no per-lane loops):
+
+* ``pack`` views the ``8 // bits`` code bytes that share an output byte as one integer lane
+  (int64 for 1 bit, int32 for 2, int16 for 4) and multiplies it by a constant that moves code
+  ``j`` to bit ``bits * j`` of the lane's top byte; the other partial products either overflow
+  out of the lane or stay below the top byte without carrying into it (checked exhaustively by
+  the tests).  The top byte is the packed byte.  A tail of fewer than ``8 // bits`` codes is
+  packed separately into the last byte (no padded copy of the input).
+* ``unpack`` looks every byte up in a 256-entry table whose entries are the ``8 // bits`` code
+  bytes of that byte, read as one integer lane: one gather writes the codes.  ``decode`` does the
+  same with a 256-row table of the ``8 // bits`` values of each byte.
 """
 from __future__ import annotations
 
+import sys
+from typing import Dict, Tuple
+
 import torch
 
-__all__ = ["pack", "unpack", "packed_size"]
+__all__ = ["pack", "unpack", "decode", "packed_size"]
 
 _SUPPORTED = (1, 2, 4)
+#: integer type holding the ``8 // bits`` code bytes of one packed byte
+_LANE = {1: torch.int64, 2: torch.int32, 4: torch.int16}
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _per_byte(bits: int) -> int:
@@ -25,24 +45,81 @@ def packed_size(n: int, bits: int) -> int:
     return (n + per - 1) // per
 
 
+def _multiplier(bits: int) -> int:
+    """Lane multiplier moving code ``j`` (at bit ``8 j``) to bit ``8 (per - 1) + bits * j``."""
+    per = 8 // bits
+    return sum(1 << (8 * (per - 1) - (8 - bits) * j) for j in range(per))
+
+
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+
+
+def _pack_slow(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Reference packing of a short uint8 tail (fewer than one lane's worth of codes)."""
+    per = 8 // bits
+    padded = torch.zeros(per, dtype=torch.uint8, device=codes.device)
+    padded[:codes.numel()] = codes
+    # The shifted lanes occupy disjoint bits, so their sum is their bitwise OR.
+    return (padded << _shifts(bits, codes.device)).sum(dtype=torch.uint8).reshape(1)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per = _per_byte(bits)
     n = codes.numel()
-    codes = codes.reshape(-1).to(torch.uint8)
-    pad = (-n) % per
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad)])
-    lanes = codes.view(-1, per) << _shifts(bits, codes.device)
-    # The shifted lanes occupy disjoint bits, so their sum is their bitwise OR.
-    return lanes.sum(dim=1, dtype=torch.uint8)
+    codes = codes.reshape(-1)
+    if codes.dtype == torch.bool:
+        codes = codes.contiguous().view(torch.uint8)  # bools are stored as bytes 0/1
+    elif codes.dtype != torch.uint8:
+        codes = codes.to(torch.uint8)
+    else:
+        codes = codes.contiguous()
+    out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=codes.device)
+    full = n // per
+    if full:
+        body = codes[:full * per]
+        if body.storage_offset() % per:
+            body = body.clone()  # the lane view needs lane-aligned storage
+        product = body.view(_LANE[bits]) * _multiplier(bits)
+        if _LITTLE_ENDIAN:
+            out[:full] = product.view(torch.uint8)[per - 1::per]
+        else:
+            out[:full] = product >> (8 * (per - 1))  # keeps the low byte
+    if n % per:
+        out[full:] = _pack_slow(codes[full * per:], bits)
+    return out
+
+
+_TABLES: Dict[Tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _table(bits: int, device: torch.device) -> torch.Tensor:
+    """256 lanes: lane ``b`` holds the ``8 // bits`` codes of byte ``b`` as bytes."""
+    key = (bits, device)
+    table = _TABLES.get(key)
+    if table is None:
+        mask = (1 << bits) - 1
+        codes = (torch.arange(256, dtype=torch.uint8).reshape(-1, 1) >> _shifts(bits, "cpu")) & mask
+        table = _TABLES[key] = codes.contiguous().view(_LANE[bits]).reshape(256).to(device)
+    return table
 
 
 def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     _per_byte(bits)
-    mask = (1 << bits) - 1
-    codes = (packed.reshape(-1, 1) >> _shifts(bits, packed.device)) & mask
-    return codes.reshape(-1)[:n]
+    index = packed.reshape(-1).to(torch.int32)
+    lanes = torch.index_select(_table(bits, packed.device), 0, index)
+    return lanes.view(torch.uint8)[:n]
+
+
+def decode(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor) -> torch.Tensor:
+    """``values[unpack(packed, bits, n)]`` in one gather: ``values`` is a 1-D tensor with one
+    entry per code (``2 ** bits`` of them, on ``packed``'s device); returns ``n`` entries in its
+    dtype.  E.g. sign bits to ``±1``: ``decode(packed, 1, n, torch.tensor([-1.0, 1.0]))``."""
+    per = _per_byte(bits)
+    if values.dim() != 1 or values.numel() != 1 << bits:
+        raise ValueError(f"decode needs {1 << bits} values for {bits}-bit codes, got shape "
+                         f"{tuple(values.shape)}")
+    codes = _table(bits, values.device).view(torch.uint8).view(256, per)
+    rows = values[codes.long()]  # (256, per): the values of every possible byte
+    index = packed.reshape(-1).to(torch.int32)
+    return torch.index_select(rows, 0, index).view(-1)[:n]

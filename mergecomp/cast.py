@@ -30,9 +30,12 @@ class CastCompressor(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype]:
-        if self.prescale != 1.0:
-            tensor = tensor / self.prescale
-        return (tensor.to(self.wire_dtype or tensor.dtype),), tensor.dtype
+        wire_dtype = self.wire_dtype or tensor.dtype
+        if self.prescale == 1.0:
+            return (tensor.to(wire_dtype),), tensor.dtype
+        # Divide in the gradient's dtype and round to the wire dtype in the same pass.
+        wire = torch.empty(tensor.shape, dtype=wire_dtype, device=tensor.device)
+        return (torch.div(tensor, self.prescale, out=wire),), tensor.dtype
 
     def decompress(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
         out = payload[0].to(ctx)

@@ -1,0 +1,225 @@
+"""Micro-benchmark: encode + decode time of every compressor on ResNet-50's gradients,
+layer-wise versus merged, against a memcpy of the same bytes.
+
+Run (the full run takes a few minutes on 2 CPU cores)::
+
+    python scripts/bench_compressors.py                        # all registered compressors
+    python scripts/bench_compressors.py --json bench.json      # also write the results as JSON
+    python scripts/bench_compressors.py --compressors fp16,topk --repeats 3 --threads 2
+
+What is timed, per compressor with its default settings (no error-feedback memory, world size 1):
+``compress`` then ``decompress`` of this rank's payload, for every group of a plan.  A compressor
+with ``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
+round's payload to the next as if allreduced over one rank.  The gradient set is the 161 tensors
+of torchvision's resnet50 (25,557,032 fp32 elements, randn values) in backward order, cut into:
+
+* ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
+* ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.plan.build_plan`` with an
+  int spec), each passed its members' shapes.
+
+Each case runs once to warm up (state, allocator), then ``--repeats`` times; the median is
+reported.  The baseline is ``dst.copy_(src)`` of the 25.6 M floats.
+
+Prints the machine (CPU model, torch version, threads), then a markdown table: bits per element on
+the wire (merged 1, all rounds), the medians in ms, the ratios ``merged 1 / memcpy``,
+``best merged / memcpy`` and ``layerwise / best merged``, and PASS/FAIL against the targets below
+(reported, never asserted).  ``n`` is the number of timed repeats (fewer for very slow cases, see
+``--budget``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+import mergecomp
+from mergecomp.plan import build_plan, layout
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gradient_sets import RESNET50_NUMEL, RESNET50_TENSORS, resnet50_shapes  # noqa: E402
+
+# -- defaults ------------------------------------------------------------------------------------
+REPEATS = 5
+WARMUP = 1
+THREADS = 2
+MERGED_GROUPS = (1, 2, 4)
+#: seconds one case (one compressor, one plan) may take in total; slower cases get fewer repeats
+BUDGET_S = 20.0
+SEED = 0
+#: targets: merged (best of 1/2/4 groups) time at most this many times memcpy
+ELEMENTWISE = ("fp16", "bf16", "signsgd", "onebit", "terngrad", "qsgd", "efsignsgd", "signum")
+SPARSIFIERS = ("topk", "dgc", "randk")
+TARGET_X_MEMCPY = {**{name: 3.0 for name in ELEMENTWISE}, **{name: 6.0 for name in SPARSIFIERS}}
+
+# -- arguments -----------------------------------------------------------------------------------
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--compressors", default="",
+                    help="comma-separated names (default: every registered compressor)")
+parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per case (median)")
+parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs per case (>= 1)")
+parser.add_argument("--threads", type=int, default=THREADS, help="torch.set_num_threads")
+parser.add_argument("--budget", type=float, default=BUDGET_S,
+                    help="seconds per case; a case whose warm-up says it would exceed this gets "
+                         "fewer repeats (at least 1)")
+parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+args = parser.parse_args()
+
+# -- setup ---------------------------------------------------------------------------------------
+torch.set_num_threads(args.threads)
+torch.manual_seed(SEED)
+names = args.compressors.split(",") if args.compressors else mergecomp.compressor_names()
+
+cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+            if line.startswith("model name")), platform.processor() or "unknown CPU")
+thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
+machine = {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "python": platform.python_version(),
+           "THP_MEM_ALLOC_ENABLE": thp}
+print(f"machine: {cpu}, {os.cpu_count()} CPUs; torch {torch.__version__}; "
+      f"{torch.get_num_threads()} threads; python {platform.python_version()}; "
+      f"THP_MEM_ALLOC_ENABLE={thp}")
+print("load average (1, 5, 15 min) at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+# glibc serves allocations above its mmap threshold with fresh pages (a page fault per 4 KiB on
+# first touch) and raises that threshold, up to 32 MiB, when such a block is freed.  Free one
+# block just under the cap first, so every case sees the same allocator whatever ran before it.
+torch.empty(30 << 20, dtype=torch.uint8).fill_(0)
+
+shapes = [torch.Size(s) for s in resnet50_shapes()]
+numels = [math.prod(s) for s in shapes]
+assert len(shapes) == RESNET50_TENSORS == 161
+assert sum(numels) == RESNET50_NUMEL == 25_557_032
+order = list(range(len(shapes)))
+param_names = [f"p{i}" for i in order]
+nbytes = [4 * n for n in numels]
+grads = torch.randn(RESNET50_NUMEL)  # the backward-ordered gradients, one flat fp32 buffer
+
+plans = {"layerwise": build_plan("layerwise", order, param_names, nbytes)}
+for k in MERGED_GROUPS:
+    plans[f"merged{k}"] = build_plan(k, order, param_names, nbytes)
+# Each group is a contiguous run of the backward order, hence a contiguous slice of `grads`.
+cases = {}
+for case, plan in plans.items():
+    groups = layout(plan, shapes)
+    start = 0
+    cases[case] = []
+    for g in groups:
+        cases[case].append((g.name, grads[start:start + g.numel], list(g.shapes)))
+        start += g.numel
+    assert start == RESNET50_NUMEL
+print(f"gradients: resnet50, {len(shapes)} tensors, {RESNET50_NUMEL:,} fp32 elements; "
+      + ", ".join(f"{case}: {len(groups)} groups" for case, groups in cases.items()))
+
+
+def run_case(compressor, groups):
+    """Encode + decode every group once; returns the payload bytes over all rounds."""
+    wire = 0
+    for name, flat, group_shapes in groups:
+        payload, ctx = compressor.compress(flat, name, group_shapes)
+        wire += sum(t.numel() * t.element_size() for t in payload)
+        for _ in range(compressor.rounds - 1):
+            payload, ctx = compressor.next_round(payload, ctx)  # world size 1: the sum is ours
+            wire += sum(t.numel() * t.element_size() for t in payload)
+        compressor.decompress(payload, ctx)
+    return wire
+
+
+def median_ms(fn, repeats, warmup, budget):
+    """Median wall time of ``fn()`` in ms, all timed runs (ms), the page faults per timed run
+    and the warm-up's result.  The (last) warm-up run decides whether ``repeats`` runs fit in
+    ``budget`` seconds."""
+    spent, result = 0.0, None
+    for _ in range(max(1, warmup)):
+        t0 = time.perf_counter()
+        result = fn()
+        spent = time.perf_counter() - t0
+    if spent * repeats > budget:
+        repeats = max(1, int(budget // max(spent, 1e-9)))
+    times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / repeats
+    return statistics.median(times), times, faults, result
+
+
+# -- measurement ---------------------------------------------------------------------------------
+dst = torch.empty_like(grads)
+memcpy_ms, _, _, _ = median_ms(lambda: dst.copy_(grads), max(args.repeats, 10), max(args.warmup, 1), 1e9)
+print(f"memcpy baseline: {memcpy_ms:.2f} ms for {RESNET50_NUMEL:,} floats "
+      f"({4 * RESNET50_NUMEL / memcpy_ms / 1e6:.2f} GB/s read)")
+
+results = []
+for name in names:
+    compressor = mergecomp.get_compressor(name)
+    row = {"compressor": name, "settings": {k: repr(v) for k, v in compressor.settings().items()},
+           "rounds": compressor.rounds, "ms": {}, "repeats": {}, "runs_ms": {},
+           "page_faults": {}}
+    for case, groups in cases.items():
+        compressor.state.clear()
+        row["ms"][case], row["runs_ms"][case], row["page_faults"][case], wire = median_ms(
+            lambda: run_case(compressor, groups), args.repeats, args.warmup, args.budget)
+        row["repeats"][case] = len(row["runs_ms"][case])
+        row["bits_per_element" if case == "merged1" else f"bits_{case}"] = 8 * wire / RESNET50_NUMEL
+        print(f"  {name:10s} {case:10s} {row['ms'][case]:9.2f} ms  (n={row['repeats'][case]}, "
+              f"{row['page_faults'][case]:.0f} page faults per run)", file=sys.stderr, flush=True)
+    merged = {k: row["ms"][f"merged{k}"] for k in MERGED_GROUPS}
+    best_k = min(merged, key=merged.get)
+    row["best_merged"] = best_k
+    row["merged1_x_memcpy"] = merged[1] / memcpy_ms
+    row["best_x_memcpy"] = merged[best_k] / memcpy_ms
+    row["layerwise_x_best"] = row["ms"]["layerwise"] / merged[best_k]
+    target = TARGET_X_MEMCPY.get(name)
+    row["target_x_memcpy"] = target
+    row["pass_target"] = None if target is None else row["best_x_memcpy"] <= target
+    row["pass_merged_vs_layerwise"] = max(merged.values()) <= row["ms"]["layerwise"]
+    results.append(row)
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def verdict(ok):
+    return "-" if ok is None else ("PASS" if ok else "FAIL")
+
+
+header = ["compressor", "bits/elem", "layerwise ms"] + [f"merged{k} ms" for k in MERGED_GROUPS] + [
+    "merged1/memcpy", "best/memcpy", "layerwise/best", "target", "merged<=target",
+    "merged<=layerwise", "n"]
+print()
+print(f"memcpy: {memcpy_ms:.2f} ms (25,557,032 fp32, dst.copy_(src))")
+print()
+print("| " + " | ".join(header) + " |")
+print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+for row in results:
+    ms = row["ms"]
+    repeats = sorted(set(row["repeats"].values()))
+    cells = [row["compressor"], f"{row['bits_per_element']:.3g}", f"{ms['layerwise']:.1f}"]
+    cells += [f"{ms[f'merged{k}']:.1f}" + ("*" if k == row["best_merged"] else "")
+              for k in MERGED_GROUPS]
+    cells += [f"{row['merged1_x_memcpy']:.2f}x", f"{row['best_x_memcpy']:.2f}x",
+              f"{row['layerwise_x_best']:.2f}x",
+              "-" if row["target_x_memcpy"] is None else f"<= {row['target_x_memcpy']:g}x",
+              verdict(row["pass_target"]), verdict(row["pass_merged_vs_layerwise"]),
+              "/".join(str(r) for r in repeats)]
+    print("| " + " | ".join(cells) + " |")
+print()
+print("load average (1, 5, 15 min) at end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+print("* = best merged plan. merged<=target: best merged / memcpy within the target; "
+      "merged<=layerwise: every merged plan at most the layer-wise time.")
+
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump({"machine": machine, "load_average_end": os.getloadavg(), "memcpy_ms": memcpy_ms, "repeats": args.repeats,
+                   "warmup": args.warmup, "numel": RESNET50_NUMEL, "tensors": RESNET50_TENSORS,
+                   "results": results}, f, indent=2)
+    print(f"wrote {args.json}")

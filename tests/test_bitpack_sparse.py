@@ -1,0 +1,134 @@
+"""The vectorized kernels under the compressors: bit packing and the threshold top-k selection.
+
+Both are checked against plain reference implementations (the straightforward versions they
+replaced), exhaustively where the input space is small.
+"""
+import math
+
+import pytest
+import torch
+
+from mergecomp import bitpack
+from mergecomp.sparse import (
+    SparseCompressor,
+    _flat_nonzero,
+    num_selected,
+    topk_abs_indices,
+    topk_indices,
+)
+
+
+def reference_pack(codes, bits):
+    per = 8 // bits
+    codes = codes.reshape(-1).to(torch.uint8)
+    pad = (-codes.numel()) % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return (codes.view(-1, per) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def reference_unpack(packed, bits, n):
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((packed.reshape(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("copies", [1, 3, 4097])  # short (scalar) and long (vectorized) kernels
+def test_pack_every_byte(bits, copies):
+    every = torch.arange(256, dtype=torch.uint8)
+    codes = reference_unpack(every, bits, 256 * 8 // bits).repeat(copies)
+    assert torch.equal(bitpack.pack(codes, bits), every.repeat(copies))
+    assert torch.equal(bitpack.unpack(every.repeat(copies), bits, codes.numel()), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("n", list(range(0, 19)) + [1001, 65537])
+def test_pack_matches_reference(bits, n):
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 1 << bits, (n,), generator=g)
+    for src in (codes, codes.to(torch.uint8), codes.float(), codes.to(torch.int8)):
+        packed = bitpack.pack(src, bits)
+        assert packed.dtype == torch.uint8 and packed.numel() == bitpack.packed_size(n, bits)
+        assert torch.equal(packed, reference_pack(src, bits))
+        unpacked = bitpack.unpack(packed, bits, n)
+        assert unpacked.dtype == torch.uint8 and torch.equal(unpacked.long(), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_pack_views(bits):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(0, 1 << bits, (1000,), dtype=torch.uint8, generator=g)
+    for offset in range(9):  # storage offsets that break the lane alignment
+        for view in (base[offset:], base[offset::3], base[offset:offset + 17]):
+            assert torch.equal(bitpack.pack(view, bits), reference_pack(view, bits))
+    signs = torch.randn(2001, generator=g) >= 0
+    for view in (signs[3:], signs[::2], signs[5:900]):
+        assert torch.equal(bitpack.pack(view, 1), reference_pack(view, 1))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int32])
+def test_decode_is_a_lookup(bits, dtype):
+    g = torch.Generator().manual_seed(bits)
+    for n in (0, 1, 7, 8, 9, 1003):
+        codes = torch.randint(0, 1 << bits, (n,), generator=g)
+        values = (torch.randn(1 << bits, generator=g) * 10).to(dtype)
+        out = bitpack.decode(bitpack.pack(codes, bits), bits, n, values)
+        assert out.dtype == dtype and out.shape == (n,)
+        assert torch.equal(out, values[codes])
+    with pytest.raises(ValueError, match="values"):
+        bitpack.decode(torch.zeros(1, dtype=torch.uint8), bits, 1, torch.zeros(3))
+
+
+def reference_threshold_topk(magnitude, k):
+    """The threshold selection as first written: full |x|, one mask, one nonzero."""
+    n = magnitude.numel()
+    if k >= n:
+        return torch.arange(n)
+    sample_size = min(n, max(16384, math.ceil(200 * n / k)))
+    sample = magnitude[:: max(1, n // sample_size)]
+    rank = min(sample.numel(), math.ceil(1.3 * k * sample.numel() / n))
+    threshold = sample.topk(rank, sorted=False).values.min()
+    candidates = torch.nonzero(magnitude >= threshold).view(-1)
+    if candidates.numel() >= k:
+        return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+    return magnitude.topk(k, sorted=False).indices
+
+
+@pytest.mark.parametrize("n", [1, 9, 1000, 16385, 100_003, (1 << 20) + 13, 3 * (1 << 20) + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_threshold_topk_matches_reference(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g).to(dtype)
+    if n > 10:
+        x[::7] = 0  # ties at the bottom
+        x[3::11] = x[5]  # ties in the middle
+    for ratio in (0.001, 0.01, 0.3):
+        k = num_selected(n, ratio)
+        expected = reference_threshold_topk(x.abs(), k)
+        assert torch.equal(topk_indices(x.abs(), k, "threshold"), expected)
+        assert torch.equal(topk_abs_indices(x, k, "threshold"), expected)
+        assert torch.equal(topk_abs_indices(x, k, "exact"), x.abs().topk(k, sorted=False).indices)
+
+
+def test_flat_nonzero():
+    g = torch.Generator().manual_seed(0)
+    for n in range(0, 70):
+        for offset in range(3):
+            mask = (torch.rand(n + offset, generator=g) < 0.3)[offset:]
+            assert torch.equal(_flat_nonzero(mask), torch.nonzero(mask).view(-1))
+    mask = torch.rand(1_000_003, generator=g) < 0.01
+    assert torch.equal(_flat_nonzero(mask), torch.nonzero(mask).view(-1))
+
+
+def test_sparse_decode_adds_repeated_indices():
+    class Keep(SparseCompressor):
+        def select(self, tensor, k, name):
+            return torch.arange(k)
+
+    c = Keep(ratio=0.5)
+    values = torch.tensor([1.0, 2.0, 3.0])
+    indices = torch.tensor([4, 1, 4], dtype=torch.int32)
+    expected = torch.tensor([0.0, 2.0, 0.0, 0.0, 4.0, 0.0])
+    assert torch.equal(c.decompress((values, indices), (6, torch.float32)), expected)
