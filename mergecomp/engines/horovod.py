@@ -1,0 +1,205 @@
+"""Horovod engine over ``horovod.torch``'s public async API (launch with ``horovodrun``).
+
+Install with ``bash scripts/install_horovod.sh`` (Horovod 0.28.1 with PyTorch, gloo and MPI).
+Works under both of horovodrun's controllers (``--gloo`` and ``--mpi``).
+
+Horovod settings, applied by :func:`init_horovod` before ``hvd.init()`` (a value the user set,
+e.g. with ``horovodrun --fusion-threshold-mb``, is kept, with a warning):
+
+* ``HOROVOD_FUSION_THRESHOLD=0`` -- no tensor fusion.  mergecomp hands Horovod groups that are
+  already merged (and compressed); fusion would copy each of them into Horovod's fusion buffer
+  and out again, and would merge groups that happen to be ready in the same cycle, undoing the
+  partition the merge scheduler chose and timed.
+* ``HOROVOD_CACHE_CAPACITY=0`` -- every collective has a fresh name
+  (``mergecomp.<kind>.<counter>``), so the response cache could never hit.
+* ``HOROVOD_AUTOTUNE`` is warned about: it retunes fusion threshold and cycle time.
+* ``HOROVOD_CYCLE_TIME`` is left at Horovod's default (1 ms).  With fusion off a shorter cycle
+  could only cut latency, but the background thread negotiates every cycle, busy or not; on
+  2 cores 0.5 ms measured no better (docs/engines.md).
+
+Contracts, beyond :mod:`mergecomp.comm`:
+
+* Names are unique per collective and issued in the same order on every rank (the caller's
+  guarantee), so Horovod never matches the wrong tensors.
+* Allgather and broadcast move raw bytes (uint8 views), so any dtype travels unchanged.
+  Horovod cannot sum bfloat16: it is reduced in fp32 (convert, reduce, convert back); 8- and
+  16-bit integers are summed in int32.
+* CUDA tensors are staged through host memory unless Horovod was built with CUDA.
+* Every wait polls ``hvd.poll`` until a deadline (sleeping ``POLL_SLEEP`` between polls after a
+  first busy millisecond), then ``hvd.synchronize``; expiry raises naming rank and operation.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from ..comm import Communicator, Handle
+
+__all__ = ["HorovodCommunicator", "init_horovod", "HOROVOD_SETTINGS", "POLL_SLEEP"]
+
+#: Set before ``hvd.init()`` unless the user set them (see the module docstring).
+HOROVOD_SETTINGS = {
+    "HOROVOD_FUSION_THRESHOLD": "0",
+    "HOROVOD_CACHE_CAPACITY": "0",
+}
+#: Seconds slept between two ``hvd.poll`` calls once the first millisecond of a wait has passed.
+POLL_SLEEP = 200e-6
+_SPIN_SECONDS = 1e-3
+#: dtypes horovod.torch sums natively; others are summed in a wider type (see _sum_dtype).
+_SUMMABLE = (torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
+_WIDER = {torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
+
+
+def _sum_dtype(dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype Horovod sums ``dtype`` in: itself, int32 for small integers (the conversion back
+    wraps around like an integer sum would), fp32 for bfloat16 and other floats; None if none."""
+    if dtype in _SUMMABLE:
+        return dtype
+    if dtype in _WIDER:
+        return _WIDER[dtype]
+    return torch.float32 if dtype.is_floating_point else None
+
+
+def init_horovod():
+    """Apply :data:`HOROVOD_SETTINGS` (unless set) and ``hvd.init()``; returns ``horovod.torch``."""
+    import horovod.torch as hvd
+
+    if hvd.is_initialized():
+        warnings.warn("Horovod was initialised before mergecomp.torch.init(): its fusion threshold and "
+                      "cache are whatever they were set to then (mergecomp wants "
+                      f"{HOROVOD_SETTINGS})", stacklevel=3)
+        return hvd
+    for key, value in HOROVOD_SETTINGS.items():
+        current = os.environ.get(key)
+        if current is None:
+            os.environ[key] = value
+        elif current != value:
+            warnings.warn(f"{key}={current} is set; mergecomp recommends {value} (see mergecomp.engines.horovod)",
+                          stacklevel=3)
+    if os.environ.get("HOROVOD_AUTOTUNE", "0") not in ("", "0"):
+        warnings.warn("HOROVOD_AUTOTUNE is on: it retunes Horovod's fusion threshold and cycle time, which "
+                      "mergecomp sets to keep its merged groups intact", stacklevel=3)
+    hvd.init()
+    return hvd
+
+
+def _poll(hvd, handle, timeout: float, describe: Callable[[], str]):
+    """Wait for ``handle`` with ``hvd.poll`` until ``timeout`` seconds have passed."""
+    if not hvd.poll(handle):
+        start = time.monotonic()
+        deadline = start + timeout
+        while not hvd.poll(handle):
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"{describe()} did not complete within {timeout:g}s")
+            if now - start > _SPIN_SECONDS:
+                time.sleep(POLL_SLEEP)
+    return hvd.synchronize(handle)
+
+
+class HorovodCommunicator(Communicator):
+    """Collectives on Horovod's global process set.
+
+    Attributes: ``local_rank``/``local_size``, ``controller`` (``"gloo"`` or ``"mpi"``).
+    """
+
+    engine = "horovod"
+
+    def __init__(self, timeout: Optional[float] = None) -> None:
+        hvd = init_horovod()
+        self.hvd = hvd
+        super().__init__(hvd.rank(), hvd.size(), timeout)
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        self.controller = "gloo" if hvd.gloo_enabled() else "mpi"
+        self._cuda = hvd.cuda_built()
+        self._counter = itertools.count()
+
+    def _name(self, kind: str) -> str:
+        return f"mergecomp.{kind}.{next(self._counter)}"
+
+    def _describe(self, op: str, name: str, tensor: torch.Tensor) -> Callable[[], str]:
+        return lambda: (f"Horovod {op} {name!r} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} "
+                        f"elements on rank {self.rank} of {self.size}")
+
+    def _host(self, tensor: torch.Tensor) -> bool:
+        """Does ``tensor`` have to be staged through host memory?"""
+        return tensor.is_cuda and not self._cuda
+
+    def _handle(self, handle, finish: Callable[[torch.Tensor], torch.Tensor],
+                describe: Callable[[], str]) -> Handle:
+        def wait(timeout: float) -> torch.Tensor:
+            return finish(_poll(self.hvd, handle, timeout, describe))
+
+        return Handle(wait, self.timeout)
+
+    @staticmethod
+    def _done(result: torch.Tensor) -> Handle:
+        return Handle(lambda _: result, float("inf"))
+
+    # -- collectives --------------------------------------------------------------------------
+    def allreduce_async(self, tensor: torch.Tensor) -> Handle:
+        name = self._name("allreduce")
+        describe = self._describe("allreduce", name, tensor)
+        if tensor.numel() == 0 or self.size == 1:
+            return self._done(tensor)
+        dtype = _sum_dtype(tensor.dtype)
+        if dtype is None:
+            raise TypeError(f"{describe()}: Horovod cannot sum {tensor.dtype} tensors")
+        direct = dtype == tensor.dtype and not self._host(tensor) and tensor.is_contiguous()
+        if direct:
+            work = tensor.detach()
+        else:  # bf16, small ints, CUDA without CUDA Horovod, or strided: reduce a contiguous copy
+            device = "cpu" if self._host(tensor) else tensor.device
+            work = tensor.detach().to(device, dtype, memory_format=torch.contiguous_format, copy=True)
+        handle = self.hvd.allreduce_async_(work, name=name, op=self.hvd.Sum)
+
+        def finish(_) -> torch.Tensor:
+            if not direct:
+                with torch.no_grad():
+                    tensor.copy_(work)
+            return tensor
+
+        return self._handle(handle, finish, describe)
+
+    def allgather_async(self, tensor: torch.Tensor) -> Handle:
+        name = self._name("allgather")
+        describe = self._describe("allgather", name, tensor)
+        flat = tensor.detach().reshape(-1)
+        if self._host(flat):
+            flat = flat.cpu()
+        flat = flat.contiguous()
+        if flat.numel() == 0 or self.size == 1:
+            return self._done(flat.view(1, -1).expand(self.size, -1).clone().to(tensor.device))
+        handle = self.hvd.allgather_async(flat.view(torch.uint8), name=name)
+
+        def finish(out: torch.Tensor) -> torch.Tensor:
+            return out.view(flat.dtype).view(self.size, -1).to(tensor.device)
+
+        return self._handle(handle, finish, describe)
+
+    def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        name = self._name("broadcast")
+        describe = self._describe(f"broadcast from rank {root}", name, tensor)
+        if tensor.numel() == 0 or self.size == 1:
+            return tensor
+        direct = not self._host(tensor) and tensor.is_contiguous()
+        work = tensor.detach() if direct else tensor.detach().to(
+            "cpu" if self._host(tensor) else tensor.device, memory_format=torch.contiguous_format, copy=True)
+        handle = self.hvd.broadcast_async_(work.reshape(-1).view(torch.uint8), root, name=name)
+
+        def finish(_) -> torch.Tensor:
+            if not direct:
+                with torch.no_grad():
+                    tensor.copy_(work)
+            return tensor
+
+        return self._handle(handle, finish, describe).wait(f"broadcast from rank {root}")
+
+    def close(self) -> None:
+        """``hvd.shutdown()`` (call only when no collective is in flight)."""
+        self.hvd.shutdown()

