@@ -5,6 +5,7 @@ The source tree maps onto one installed package, ``mergecomp``:
     mergecomp/            -> mergecomp               (core: interfaces, plans, engines)
     compressors/          -> mergecomp.compressors   (one module per algorithm)
     frameworks/torch/     -> mergecomp.torch         (PyTorch front end)
+    frameworks/tensorflow/ -> mergecomp.tensorflow   (TensorFlow 2 / Keras 3 front end)
 """
 from setuptools import setup
 
@@ -20,15 +21,18 @@ setup(
         "mergecomp.engines",
         "mergecomp.compressors",
         "mergecomp.torch",
+        "mergecomp.tensorflow",
     ],
     package_dir={
         "mergecomp": "mergecomp",
         "mergecomp.compressors": "compressors",
         "mergecomp.torch": "frameworks/torch",
+        "mergecomp.tensorflow": "frameworks/tensorflow",
     },
     install_requires=["torch>=2.1,<2.14", "numpy"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
+        "tf": ["tensorflow-cpu>=2.16"],  # Keras 3 on the TensorFlow backend
     },
     entry_points={
         "console_scripts": ["mergecomp=mergecomp.cli:main"],

@@ -24,9 +24,8 @@ Costs are affine fits ``a + b * bytes`` (:class:`Affine`): per codec for encode 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 __all__ = [
     "Affine",

@@ -11,6 +11,7 @@ Example::
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
 """
+from .ddp_hook import ddp_comm_hook
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import Average, DistributedOptimizer, Sum
 from .runtime import communicator, init, is_initialized, local_rank, rank, shutdown, size
@@ -23,6 +24,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "communicator",
+    "ddp_comm_hook",
     "init",
     "is_initialized",
     "local_rank",

@@ -34,7 +34,6 @@ from mergecomp.compressor import Compressor
 from mergecomp.exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
 from mergecomp.memory import Memory
 from mergecomp.plan import Group, GroupPlan, build_plan, layout, remap_state
-from mergecomp.registry import get_compressor, get_memory
 from mergecomp.scheduler import MergeScheduler, SchedulerConfig
 
 from .runtime import communicator
@@ -49,14 +48,6 @@ _OPS = (Average, Sum)
 #: Bytes per group of the default plan, like DDP's ``bucket_cap_mb=25``.
 _DEFAULT_GROUP_BYTES = 25 * 2**20
 _DEFAULT_MAX_GROUPS = 4
-
-
-def _resolve(kind: str, value, factory, base):
-    if isinstance(value, base):
-        return value
-    if isinstance(value, str):
-        return factory(value)
-    raise TypeError(f"{kind} must be a name or a {base.__module__}.{base.__name__} instance, got {value!r}")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -123,12 +114,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: Dict[int, Any] = OrderedDict()
 
         self.comm = communicator()
-        compressor = _resolve("compression", compression, get_compressor, Compressor)
-        memory = _resolve("memory", memory if memory is not None else compressor.default_memory,
-                          get_memory, Memory)
-        self._warn_double_momentum(memory)
-        self.exchange = Exchange(compressor, memory, self.comm, average=op == Average,
-                                 check_finite=nonfinite != "ignore")
+        self.exchange = Exchange.create(compression, memory, self.comm, average=op == Average,
+                                        check_finite=nonfinite != "ignore")
+        self._warn_double_momentum(self.exchange.memory)
         self.nonfinite = nonfinite
         self.backward_passes_per_step = backward_passes_per_step
         self.skipped_steps = 0

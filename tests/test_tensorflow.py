@@ -1,0 +1,204 @@
+"""mergecomp.tensorflow on real processes (gloo over loopback): Keras ``model.fit`` in graph mode
+and ``DistributedGradientTape`` against single-process training, compressors, sparse gradients,
+errors.  TensorFlow is imported only in the spawned workers (slow import: several checks each)."""
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+
+from distributed import run_workers
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None,
+    reason="tensorflow / keras 3 not installed (pip install -e '.[tf]')")
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
+BATCH = 32
+
+
+def make_data(seed: int = 1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BATCH, 16)).astype("float32")
+    y = (x @ rng.standard_normal((16, 4))).argmax(axis=1).astype("int32")
+    return x, y
+
+
+def shard(array, rank, world=2):
+    per = array.shape[0] // world
+    return array[rank * per:(rank + 1) * per]
+
+
+def _setup():
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+
+
+def make_model(seed: int = 0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="tanh"),
+                             keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(4)])
+
+
+def make_embedding_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(50, 8),
+                             keras.layers.Flatten(), keras.layers.Dense(4)])
+
+
+def weights(model):
+    return np.concatenate([np.asarray(w).reshape(-1) for w in model.trainable_weights])
+
+
+def loss_fn():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def fit(model, optimizer, x, y, epochs, **compile_args):
+    model.compile(optimizer=optimizer, loss=loss_fn(), **compile_args)
+    history = model.fit(x, y, batch_size=x.shape[0], epochs=epochs, shuffle=False, verbose=0)
+    return history.history["loss"]
+
+
+# -- training on two ranks ---------------------------------------------------------------------
+def _training_worker(rank):
+    import warnings
+
+    import keras
+    import tensorflow as tf
+
+    import mergecomp.tensorflow as mct
+
+    _setup()
+    x, y = make_data()
+    mine = shard(x, rank), shard(y, rank)
+    out = {}
+
+    # Reference: one process on the joined batch.
+    reference = make_model()
+    fit(reference, keras.optimizers.SGD(0.1, momentum=0.9), x, y, epochs=8)
+
+    # model.fit, graph mode; rank 1 starts from other weights and gets rank 0's by broadcast.
+    model = make_model(seed=rank)
+    model.compile(optimizer=mct.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                     compression="none", groups=2), loss=loss_fn())
+    mct.broadcast_variables(model.variables, root_rank=0)
+    model.fit(*mine, batch_size=mine[0].shape[0], epochs=8, shuffle=False, verbose=0)
+    out["fit_none"] = (np.abs(weights(model) - weights(reference)).max(), model.run_eagerly,
+                       len(model.optimizer.mergecomp_reducer.groups))
+
+    # DistributedGradientTape in a tf.function, wrapper re-created every step (Horovod's pattern).
+    model = make_model()
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    loss = loss_fn()
+
+    @tf.function
+    def step(features, labels):
+        with tf.GradientTape() as tape:
+            value = loss(labels, model(features, training=True))
+        tape = mct.DistributedGradientTape(tape, compression="none", groups="layerwise")
+        grads = tape.gradient(value, model.trainable_variables)
+        sgd.apply_gradients(zip(grads, model.trainable_variables))
+
+    for _ in range(8):
+        step(*mine)
+    out["tape_none"] = np.abs(weights(model) - weights(reference)).max()
+
+    # Compressors learn and keep the ranks identical.
+    for name, lr in (("topk", 0.2), ("signsgd", 0.02), ("qsgd", 0.2)):
+        model = make_model()
+        losses = fit(model, mct.DistributedOptimizer(keras.optimizers.SGD(lr), compression=name, groups=2),
+                     *mine, epochs=30)
+        full = float(loss(y, model(x)))
+        out[name] = (weights(model), losses[0], full)
+
+    # Sparse gradients (embedding): densified with a warning, exact with `none`.
+    ids = np.random.default_rng(2).integers(0, 50, size=(BATCH, 3)).astype("int32")
+    reference = make_embedding_model()
+    fit(reference, keras.optimizers.SGD(0.5), ids, y, epochs=3)
+    model = make_embedding_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, mct.DistributedOptimizer(keras.optimizers.SGD(0.5), compression="none", groups=1),
+            shard(ids, rank), shard(y, rank), epochs=3)
+    out["sparse"] = (np.abs(weights(model) - weights(reference)).max(),
+                     [str(w.message) for w in caught if "sparse gradient" in str(w.message)])
+    return out
+
+
+def test_keras_and_tape_on_two_ranks():
+    r0, r1 = run_workers(_training_worker, 2, env=ENV, timeout=170)
+    for result in (r0, r1):
+        diff, eager, groups = result["fit_none"]
+        assert not eager and groups == 2
+        assert diff < 1e-5, f"model.fit with none differs from single-process training by {diff}"
+        assert result["tape_none"] < 1e-5
+        diff, messages = result["sparse"]
+        assert diff < 1e-5
+        assert messages and "embedding" in messages[0] and "densely" in messages[0]
+    x, y = make_data()
+    for name in ("topk", "signsgd", "qsgd"):
+        params0, first, full = r0[name]
+        assert np.array_equal(params0, r1[name][0]), f"{name}: ranks diverged"
+        assert math.isfinite(full) and full < 0.9 * first, f"{name}: loss {first:.3f} -> {full:.3f}"
+
+
+# -- one process: scheduler, errors ---------------------------------------------------------------
+def _single_worker(rank):
+    import keras
+    import tensorflow as tf
+
+    import mergecomp.tensorflow as mct
+    from mergecomp.scheduler import SchedulerConfig
+
+    _setup()
+    x, y = make_data()
+    out = {}
+
+    model = make_model()
+    config = SchedulerConfig(warmup_steps=2, probe_steps=2, settle_steps=0, candidates=2)
+    opt = mct.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="topk", scheduler=config)
+    losses = fit(model, opt, x, y, epochs=20)
+    report = opt.mergecomp_reducer.schedule_report()
+    out["auto"] = (report["phase"], report["chosen"] is not None, losses[0], losses[-1])
+
+    def error(build):
+        try:
+            build()
+        except Exception as err:  # noqa: BLE001 - the message is what is checked
+            return f"{type(err).__name__}: {err}"
+        return "no error"
+
+    model = make_model()
+    out["xla"] = error(lambda: fit(model, mct.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="none"),
+                                   x, y, epochs=1, jit_compile=True))
+    used = keras.optimizers.SGD(0.1)
+    used.build(model.trainable_variables)
+    out["built"] = error(lambda: mct.DistributedOptimizer(used))
+    out["type"] = error(lambda: mct.DistributedOptimizer(tf.Variable(1.0)))
+    out["compressor"] = error(lambda: mct.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="nope"))
+    reducer = mct.GradientReducer("none", groups=1)
+    other = make_model()
+    out["other_model"] = error(lambda: [mct.allreduce_gradients(reducer, [tf.zeros_like(v) for v in m.trainable_variables],
+                                                                m.trainable_variables) for m in (model, other)])
+    return out
+
+
+def test_scheduler_and_errors_in_one_process():
+    out = run_workers(_single_worker, 1, env=ENV, timeout=170)[0]
+    phase, chosen, first, last = out["auto"]
+    assert phase == "monitor" and chosen, out["auto"]
+    assert last < first
+    assert "jit_compile=False" in out["xla"]
+    assert "ValueError" in out["built"] and "before it is used" in out["built"]
+    assert "TypeError" in out["type"] and "keras.optimizers.Optimizer" in out["type"]
+    assert "unknown compressor 'nope'" in out["compressor"]
+    assert "ValueError" in out["other_model"] and "one reducer per model" in out["other_model"]
