@@ -46,7 +46,7 @@ def _has(module):
 MPIRUN = _tool("mpirun")
 HOROVODRUN = _tool("horovodrun")
 needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="no mpirun: pip install \"mergecomp[mpi]\"")
-needs_mpi = pytest.mark.skipif(MPIRUN is None or not _has("mpi4py"),
+needs_mpi = pytest.mark.skipif(MPIRUN is None or not _has("mpi4py.MPI"),
                                reason="mpi4py or mpirun not installed: pip install \"mergecomp[mpi]\"")
 needs_horovod = pytest.mark.skipif(HOROVODRUN is None or not _has("horovod.torch"),
                                    reason="horovod not installed: bash scripts/install_horovod.sh")
