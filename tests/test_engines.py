@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -296,3 +297,25 @@ def test_missing_engine_library_says_how_to_install(monkeypatch, engine, module,
 def test_unknown_engine():
     with pytest.raises(ValueError, match="engine must be one of"):
         mc.init(engine="nccl")
+
+
+# -- a worker killed under each launcher ---------------------------------------------------------
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun"])
+def test_killed_worker_ends_the_job_nonzero_under_every_launcher(launcher, tmp_path):
+    from test_reliability_dist import KILLED_WORKER
+
+    if launcher == "mpirun" and (MPIRUN is None or not _has("mpi4py.MPI")):
+        pytest.skip("mpi4py or mpirun not installed")
+    if launcher == "horovodrun" and (HOROVODRUN is None or not _has("horovod.torch")):
+        pytest.skip("horovod not installed")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_WORKER.format(tests=HERE))
+    cmd = {"torchrun": torchrun_cmd()[:-1], "mpirun": _mpirun_args(),
+           "horovodrun": [HOROVODRUN, "-np", "2", "--gloo"]}[launcher]
+    if launcher != "torchrun":
+        cmd = cmd + [sys.executable]
+    began = time.monotonic()
+    rc, _, text = launch(cmd + [str(script)], timeout=90)
+    assert rc != 0, text[-3000:]
+    assert time.monotonic() - began < 60
+    assert "finished without noticing" not in text
