@@ -177,6 +177,13 @@ def main(argv=None) -> int:
                       help="assume this encode/decode throughput (Gbit/s) instead of measuring here")
     plan.add_argument("--json", help="also write the rows to this JSON file")
     plan.set_defaults(run=_cmd_plan)
+    sub.add_parser("bench", add_help=False, help="throughput benchmark: mergecomp plans vs DDP anchors, optionally "
+                                                 "on a bandwidth-limited namespace cluster (mergecomp bench --help)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its options are mergecomp.bench's own
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     return args.run(args)
 

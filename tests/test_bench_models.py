@@ -1,0 +1,76 @@
+"""Benchmark models: the real gradient sets at full width, a working forward/backward scaled down."""
+import pytest
+import torch
+
+from mergecomp import model_zoo
+from mergecomp.bench_models import MODELS, build_model
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_full_width_parameters_match_the_model_zoo(name):
+    model, _ = build_model(name)
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert named == model_zoo.named_shapes(name)
+    assert sum(p.numel() for p in model.parameters()) == model_zoo.numel(name)
+
+
+@pytest.mark.parametrize("name,input_size", [("resnet50", 16), ("resnet18", 16), ("vgg16", 32), ("gpt2-small", 8)])
+def test_forward_backward_at_small_scale(name, input_size):
+    torch.set_num_threads(1)
+    model, make_batch = build_model(name, width=0.125, input_size=input_size)
+    data, target = make_batch(2, torch.Generator().manual_seed(0))
+    loss = model.loss(model(data), target)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_unknown_model_and_bad_width():
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("alexnet")
+    with pytest.raises(ValueError, match="width"):
+        build_model("resnet18", width=0)
+
+
+def test_bench_cli_runs_in_one_process(tmp_path):
+    """`mergecomp bench` with a tiny model, one process (local engine): every plan gets a record."""
+    import json
+    import subprocess
+    import sys
+
+    out_json = tmp_path / "bench.jsonl"
+    out = subprocess.run([sys.executable, "-m", "mergecomp.cli", "bench", "--model", "resnet18", "--width", "0.125",
+                          "--input-size", "16", "--batch-size", "2", "--compressor", "topk",
+                          "--plan", "auto,layerwise,1,fp32", "--steps", "1", "--rounds", "1", "--warmup", "1",
+                          "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out_json.read_text().splitlines()]
+    assert [r["plan"] for r in records] == ["auto", "layerwise", "1", "fp32"]
+    assert all(r["status"] == "ok" and r["step_s"] > 0 for r in records)
+    assert records[0]["search_steps_total"] <= 30
+    assert records[3]["codecs"] == ["none"]
+
+
+def test_cluster_runs_one_worker_per_namespace_and_tears_down():
+    """mergecomp.cluster (needs root and iproute2; skipped otherwise): the workers get torchrun's
+    variables, a timeout kills them, and no namespace survives the run."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from mergecomp.cluster import Cluster, ClusterError
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        pytest.skip("needs root and iproute2")
+    check = ("import os, sys; e = os.environ; sys.exit(0 if e['MASTER_ADDR'] == '10.77.0.1' and "
+             "e['GLOO_SOCKET_IFNAME'] == 'eth0' and e['WORLD_SIZE'] == '2' else 3)")
+    try:
+        with Cluster(2, "1gbit") as cluster:
+            names = [*cluster.host_ns, cluster.bridge_ns]
+            assert cluster.run([sys.executable, "-c", check], timeout=60) == [0, 0]
+            assert cluster.run(["sleep", "30"], timeout=1) == [124, 124]
+    except ClusterError as err:  # e.g. a container without CAP_SYS_ADMIN
+        pytest.skip(str(err))
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names)
