@@ -30,7 +30,6 @@ exceeds ``--timeout`` is reported as such.
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import json
 import math
@@ -43,6 +42,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from .cli import keyword_args
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "local")
 
@@ -88,19 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per cluster run")
     cluster.add_argument("--result", default=None, help=argparse.SUPPRESS)  # worker -> launcher
     return p
-
-
-def _keyword_args(pairs) -> Dict[str, object]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"mergecomp bench: -C takes KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
 
 
 def _plan_spec(label: str):
@@ -163,7 +151,7 @@ def make_optimizer(w: _Worker, args, groups, scheduler=None):
     from mergecomp.scheduler import SchedulerConfig
 
     mc.init()
-    compressor = mergecomp.get_compressor(args.compressor, **_keyword_args(args.compressor_arg))
+    compressor = mergecomp.get_compressor(args.compressor, **keyword_args(args.compressor_arg))
     memory = args.memory or compressor.default_memory
     momentum = 0.0 if memory == "dgc" else 0.9
     w.optimizer = mc.DistributedOptimizer(_sgd(w.model.parameters(), args.lr, momentum),

@@ -38,7 +38,9 @@ __all__ = ["main", "plan_table"]
 DEFAULT_WORLD_SIZES = "2,4,8,16,32,64,128,256,512,1024"
 
 
-def _keyword_args(pairs: Sequence[str]) -> Dict[str, object]:
+def keyword_args(pairs: Sequence[str]) -> Dict[str, object]:
+    """``["ratio=0.05", "selection=exact"]`` -> ``{"ratio": 0.05, "selection": "exact"}``
+    (values parsed as Python literals where they are, else kept as strings)."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -133,7 +135,7 @@ def _cmd_plan(args) -> int:
     if any(n < 1 for n in world_sizes):
         raise SystemExit("mergecomp: --world-sizes must be positive integers")
     try:
-        rows = plan_table(shapes, args.compressor, _keyword_args(args.compressor_arg), world_sizes,
+        rows = plan_table(shapes, args.compressor, keyword_args(args.compressor_arg), world_sizes,
                           args.bandwidth, args.latency, args.backward_ms, args.max_groups, args.codec_gbps)
     except (ValueError, TypeError) as err:
         raise SystemExit(f"mergecomp: {err}") from None
