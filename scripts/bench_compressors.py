@@ -18,10 +18,12 @@ of torchvision's resnet50 (25,557,032 fp32 elements, randn values) in backward o
   int spec), each passed its members' shapes.
 
 Each case runs once to warm up (state, allocator), then ``--repeats`` times; the median is
-reported.  The baseline is ``dst.copy_(src)`` of the 25.6 M floats.
+reported (``--stat min``: the fastest run, steadier on a machine shared with other jobs).
+The baseline is ``dst.copy_(src)`` of the 25.6 M floats, measured again before each compressor
+(ratios use that compressor's own baseline).
 
 Prints the machine (CPU model, torch version, threads), then a markdown table: bits per element on
-the wire (merged 1, all rounds), the medians in ms, the ratios ``merged 1 / memcpy``,
+the wire (merged 1, all rounds), the medians (or minima) in ms, the ratios ``merged 1 / memcpy``,
 ``best merged / memcpy`` and ``layerwise / best merged``, and PASS/FAIL against the targets below
 (reported, never asserted).  ``n`` is the number of timed repeats (fewer for very slow cases, see
 ``--budget``).
@@ -48,6 +50,7 @@ from gradient_sets import RESNET50_NUMEL, RESNET50_TENSORS, resnet50_shapes  # n
 
 # -- defaults ------------------------------------------------------------------------------------
 REPEATS = 5
+STAT = "median"
 WARMUP = 1
 THREADS = 2
 MERGED_GROUPS = (1, 2, 4)
@@ -64,7 +67,9 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--compressors", default="",
                     help="comma-separated names (default: every registered compressor)")
-parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per case (median)")
+parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per case")
+parser.add_argument("--stat", choices=("median", "min"), default=STAT,
+                    help="statistic of the timed runs that is reported")
 parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs per case (>= 1)")
 parser.add_argument("--threads", type=int, default=THREADS, help="torch.set_num_threads")
 parser.add_argument("--budget", type=float, default=BUDGET_S,
@@ -72,6 +77,7 @@ parser.add_argument("--budget", type=float, default=BUDGET_S,
                          "fewer repeats (at least 1)")
 parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 args = parser.parse_args()
+STATISTICS = {"median": statistics.median, "min": min}
 
 # -- setup ---------------------------------------------------------------------------------------
 torch.set_num_threads(args.threads)
@@ -133,10 +139,10 @@ def run_case(compressor, groups):
     return wire
 
 
-def median_ms(fn, repeats, warmup, budget):
-    """Median wall time of ``fn()`` in ms, all timed runs (ms), the page faults per timed run
-    and the warm-up's result.  The (last) warm-up run decides whether ``repeats`` runs fit in
-    ``budget`` seconds."""
+def time_ms(fn, repeats, warmup, budget):
+    """Wall time of ``fn()`` in ms (``--stat`` of the timed runs), all timed runs (ms), the page
+    faults per timed run and the warm-up's result.  The (last) warm-up run decides whether
+    ``repeats`` runs fit in ``budget`` seconds."""
     spent, result = 0.0, None
     for _ in range(max(1, warmup)):
         t0 = time.perf_counter()
@@ -150,24 +156,32 @@ def median_ms(fn, repeats, warmup, budget):
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / repeats
-    return statistics.median(times), times, faults, result
+    return STATISTICS[args.stat](times), times, faults, result
 
 
 # -- measurement ---------------------------------------------------------------------------------
 dst = torch.empty_like(grads)
-memcpy_ms, _, _, _ = median_ms(lambda: dst.copy_(grads), max(args.repeats, 10), max(args.warmup, 1), 1e9)
-print(f"memcpy baseline: {memcpy_ms:.2f} ms for {RESNET50_NUMEL:,} floats "
-      f"({4 * RESNET50_NUMEL / memcpy_ms / 1e6:.2f} GB/s read)")
+
+
+def memcpy_ms():
+    return time_ms(lambda: dst.copy_(grads), max(args.repeats, 10), args.warmup, 1e9)[0]
+
+
+memcpy_start = memcpy_ms()
+print(f"memcpy baseline: {memcpy_start:.2f} ms for {RESNET50_NUMEL:,} floats "
+      f"({4 * RESNET50_NUMEL / memcpy_start / 1e6:.2f} GB/s read)")
 
 results = []
 for name in names:
     compressor = mergecomp.get_compressor(name)
+    # The baseline is measured again right before each compressor, so that the ratios compare
+    # numbers taken under the same conditions on a machine shared with other jobs.
     row = {"compressor": name, "settings": {k: repr(v) for k, v in compressor.settings().items()},
-           "rounds": compressor.rounds, "ms": {}, "repeats": {}, "runs_ms": {},
-           "page_faults": {}}
+           "rounds": compressor.rounds, "memcpy_ms": memcpy_ms(), "ms": {}, "repeats": {},
+           "runs_ms": {}, "page_faults": {}}
     for case, groups in cases.items():
         compressor.state.clear()
-        row["ms"][case], row["runs_ms"][case], row["page_faults"][case], wire = median_ms(
+        row["ms"][case], row["runs_ms"][case], row["page_faults"][case], wire = time_ms(
             lambda: run_case(compressor, groups), args.repeats, args.warmup, args.budget)
         row["repeats"][case] = len(row["runs_ms"][case])
         row["bits_per_element" if case == "merged1" else f"bits_{case}"] = 8 * wire / RESNET50_NUMEL
@@ -176,8 +190,8 @@ for name in names:
     merged = {k: row["ms"][f"merged{k}"] for k in MERGED_GROUPS}
     best_k = min(merged, key=merged.get)
     row["best_merged"] = best_k
-    row["merged1_x_memcpy"] = merged[1] / memcpy_ms
-    row["best_x_memcpy"] = merged[best_k] / memcpy_ms
+    row["merged1_x_memcpy"] = merged[1] / row["memcpy_ms"]
+    row["best_x_memcpy"] = merged[best_k] / row["memcpy_ms"]
     row["layerwise_x_best"] = row["ms"]["layerwise"] / merged[best_k]
     target = TARGET_X_MEMCPY.get(name)
     row["target_x_memcpy"] = target
@@ -192,18 +206,20 @@ def verdict(ok):
     return "-" if ok is None else ("PASS" if ok else "FAIL")
 
 
-header = ["compressor", "bits/elem", "layerwise ms"] + [f"merged{k} ms" for k in MERGED_GROUPS] + [
+header = ["compressor", "bits/elem", "memcpy ms", "layerwise ms"] + [f"merged{k} ms" for k in MERGED_GROUPS] + [
     "merged1/memcpy", "best/memcpy", "layerwise/best", "target", "merged<=target",
     "merged<=layerwise", "n"]
 print()
-print(f"memcpy: {memcpy_ms:.2f} ms (25,557,032 fp32, dst.copy_(src))")
+print(f"times: the {args.stat} of the timed runs; memcpy: dst.copy_(src) of the 25,557,032 "
+      f"fp32, measured before each compressor ({memcpy_start:.2f} ms at the start)")
 print()
 print("| " + " | ".join(header) + " |")
 print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
 for row in results:
     ms = row["ms"]
     repeats = sorted(set(row["repeats"].values()))
-    cells = [row["compressor"], f"{row['bits_per_element']:.3g}", f"{ms['layerwise']:.1f}"]
+    cells = [row["compressor"], f"{row['bits_per_element']:.3g}", f"{row['memcpy_ms']:.1f}",
+             f"{ms['layerwise']:.1f}"]
     cells += [f"{ms[f'merged{k}']:.1f}" + ("*" if k == row["best_merged"] else "")
               for k in MERGED_GROUPS]
     cells += [f"{row['merged1_x_memcpy']:.2f}x", f"{row['best_x_memcpy']:.2f}x",
@@ -219,7 +235,8 @@ print("* = best merged plan. merged<=target: best merged / memcpy within the tar
 
 if args.json:
     with open(args.json, "w") as f:
-        json.dump({"machine": machine, "load_average_end": os.getloadavg(), "memcpy_ms": memcpy_ms, "repeats": args.repeats,
-                   "warmup": args.warmup, "numel": RESNET50_NUMEL, "tensors": RESNET50_TENSORS,
-                   "results": results}, f, indent=2)
+        json.dump({"machine": machine, "load_average_end": os.getloadavg(), "stat": args.stat,
+                   "memcpy_ms_start": memcpy_start, "repeats": args.repeats, "warmup": args.warmup,
+                   "numel": RESNET50_NUMEL, "tensors": RESNET50_TENSORS, "results": results},
+                  f, indent=2)
     print(f"wrote {args.json}")
