@@ -6,19 +6,10 @@ import math
 import torch
 
 from distributed import run_workers
+from test_optimizer_dist import flat_params, make_data, make_model, shard
 
-BATCH = 32
 #: small buckets: the models below span several DDP buckets
 BUCKET_MB = 0.002
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.Tanh(),
-        torch.nn.Linear(32, 32), torch.nn.Tanh(),
-        torch.nn.Linear(32, 4),
-    )
 
 
 class OutOfOrder(torch.nn.Module):
@@ -33,22 +24,6 @@ class OutOfOrder(torch.nn.Module):
 
     def forward(self, x):
         return self.head(torch.tanh(self.body(torch.tanh(self.stem(x)))))
-
-
-def make_data(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(BATCH, 16, generator=g)
-    y = (x @ torch.randn(16, 4, generator=g)).argmax(dim=1)
-    return x, y
-
-
-def shard(tensor, rank, world=2):
-    per = tensor.shape[0] // world
-    return tensor[rank * per:(rank + 1) * per]
-
-
-def flat_params(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def ddp(model, compression=None, per_tensor=False, **hook_args):

@@ -29,7 +29,7 @@ def make_data(seed: int = 1):
     return x, y
 
 
-def shard(tensor, rank, world):
+def shard(tensor, rank, world=2):
     per = tensor.shape[0] // world
     return tensor[rank * per:(rank + 1) * per]
 
