@@ -11,7 +11,7 @@ import torch
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
-from mergecomp.signs import pack_signs, unpack_signs
+from mergecomp.signs import decode_signs, pack_signs
 
 Ctx = Tuple[int, torch.dtype]
 
@@ -23,13 +23,11 @@ class EFSignSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
-        total = tensor.abs().sum(dtype=work_dtype(tensor.dtype))
+        total = torch.linalg.vector_norm(tensor, 1, dtype=work_dtype(tensor.dtype))
         scale = (total / max(numel, 1)).to(torch.float32).reshape(1)
         return (pack_signs(tensor), scale), (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, scale = payload
         numel, dtype = ctx
-        scale = scale.to(work_dtype(dtype))
-        bits = unpack_signs(packed, numel)
-        return torch.where(bits, scale, -scale).to(dtype)
+        return decode_signs(packed, numel, dtype, negative=-scale, positive=scale)

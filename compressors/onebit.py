@@ -12,7 +12,8 @@ import torch
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
-from mergecomp.signs import pack_signs, unpack_signs
+from mergecomp import bitpack
+from mergecomp.signs import decode_signs
 
 Ctx = Tuple[int, torch.dtype]
 
@@ -25,17 +26,18 @@ class OneBitCompressor(Compressor):
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         work = work_dtype(tensor.dtype)
         positive = tensor >= 0
-        x = tensor.to(work)
-        count_pos = positive.sum(dtype=work)
+        count_pos = torch.count_nonzero(positive).to(work)
         count_neg = tensor.numel() - count_pos
-        mean_pos = torch.where(positive, x, 0).sum() / count_pos.clamp_min(1)
-        mean_neg = torch.where(positive, 0, x).sum() / count_neg.clamp_min(1)
+        # The sides' sums from two fused reductions, no masked copies:
+        # sum(x) = pos + neg and sum(|x|) = pos - neg.
+        total = tensor.sum(dtype=work)
+        magnitude = torch.linalg.vector_norm(tensor, 1, dtype=work)
+        mean_pos = (total + magnitude) / 2 / count_pos.clamp_min(1)
+        mean_neg = (total - magnitude) / 2 / count_neg.clamp_min(1)
         means = torch.stack([mean_pos, mean_neg]).to(torch.float32)
-        return (pack_signs(tensor), means), (tensor.numel(), tensor.dtype)
+        return (bitpack.pack(positive, 1), means), (tensor.numel(), tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, means = payload
         numel, dtype = ctx
-        means = means.to(work_dtype(dtype))
-        bits = unpack_signs(packed, numel)
-        return torch.where(bits, means[0], means[1]).to(dtype)
+        return decode_signs(packed, numel, dtype, negative=means[1], positive=means[0])

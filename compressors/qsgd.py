@@ -9,13 +9,12 @@ Wire: int8 levels in ``[-levels, levels]`` (8 bits per element) and one fp32 nor
 ``8 + 32 / bucket_size`` bits per element.  Not summable (allgathered).
 Defaults: ``levels=64`` (at most 127), ``bucket_size=512``; no error-feedback memory.
 """
-import math
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from mergecomp.compressor import Compressor, Payload
-from mergecomp.quantize import stochastic_round, work_dtype
+from mergecomp.quantize import per_bucket, per_bucket_scale, stochastic_round_, work_dtype
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
@@ -33,36 +32,27 @@ class QSGDCompressor(Compressor):
         self.levels = int(levels)
         self.bucket_size = None if bucket_size is None else int(bucket_size)
 
-    def _buckets(self, numel: int) -> Tuple[int, int]:
-        """(number of buckets, bucket length) for a buffer of ``numel`` elements."""
-        if self.bucket_size is None:
-            return 1, numel
-        return math.ceil(numel / self.bucket_size), self.bucket_size
-
-    def _padded(self, flat: torch.Tensor, count: int, size: int) -> torch.Tensor:
-        pad = count * size - flat.numel()
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        return flat.view(count, size)
+    def _bucket_size(self, numel: int) -> int:
+        return numel if self.bucket_size is None else self.bucket_size
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
-        count, size = self._buckets(numel)
-        x = self._padded(tensor.to(work_dtype(tensor.dtype)), count, size)
-        # Quantize against the norm as it is sent (fp32), so the decode is unbiased.
-        norms = torch.linalg.vector_norm(x, dim=1).to(torch.float32)
-        norm = norms.to(x.dtype).unsqueeze(1)
-        scaled = torch.where(norm > 0, x.abs() / norm, 0).mul_(self.levels)
-        level = stochastic_round(scaled).clamp_(max=self.levels)
-        level = level.mul_(x.sign()).view(-1)[:numel].to(torch.int8)
+        work = work_dtype(tensor.dtype)
+        norms = per_bucket(tensor, self._bucket_size(numel),
+                           lambda rows: torch.linalg.vector_norm(rows, dim=1, dtype=work))
+        norms = norms.to(torch.float32)
+        # Quantize against the norms as they are sent (fp32), so the decode is unbiased.
+        sent = norms.to(work)
+        scale = torch.where(sent > 0, self.levels / sent, 0)
+        scaled = torch.empty(numel, dtype=work, device=tensor.device)
+        per_bucket_scale(tensor, scale, self._bucket_size(numel), out=scaled)
+        level = stochastic_round_(scaled).to(torch.int8).clamp_(-self.levels, self.levels)
         return (level, norms), (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         level, norms = payload
         numel, dtype = ctx
-        count, size = self._buckets(numel)
-        work = work_dtype(dtype)
-        x = self._padded(level.to(work), count, size)
-        x = x.mul_(norms.to(work).unsqueeze(1) / self.levels)
-        return x.view(-1)[:numel].to(dtype)
+        step = norms.to(work_dtype(dtype)) / self.levels
+        out = level.to(dtype)  # then scale in place: no mixed int8 x float arithmetic
+        return per_bucket_scale(out, step, self._bucket_size(numel), out=out)

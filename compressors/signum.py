@@ -28,6 +28,6 @@ class SignumCompressor(SignSGDCompressor):
             momentum = torch.zeros_like(tensor)
         elif momentum.dtype != tensor.dtype or momentum.device != tensor.device:
             momentum = momentum.to(dtype=tensor.dtype, device=tensor.device)
-        momentum.mul_(self.beta).add_(tensor, alpha=1.0 - self.beta)
+        momentum.lerp_(tensor, 1.0 - self.beta)  # beta m + (1 - beta) x, one pass
         state["momentum"] = momentum
         return momentum

@@ -121,5 +121,18 @@ def decode(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor) -> tor
                          f"{tuple(values.shape)}")
     codes = _table(bits, values.device).view(torch.uint8).view(256, per)
     rows = values[codes.long()]  # (256, per): the values of every possible byte
+    # Gather each row as one wide word where the row's bytes allow it: index_select is several
+    # times faster on a 1-D table of 16-byte words than on a (256, 4) float table.
+    row_bytes = per * rows.element_size()
+    lane = next(t for t in _GATHER_LANES if row_bytes % _itemsize(t) == 0)
+    table = rows.view(torch.uint8).view(lane).view(256, -1).squeeze(1)
     index = packed.reshape(-1).to(torch.int32)
-    return torch.index_select(rows, 0, index).view(-1)[:n]
+    return torch.index_select(table, 0, index).view(values.dtype).view(-1)[:n]
+
+
+#: word types ``decode`` gathers rows as, widest first
+_GATHER_LANES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

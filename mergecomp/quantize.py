@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["work_dtype", "stochastic_round"]
+__all__ = ["work_dtype", "stochastic_round_", "per_bucket", "per_bucket_scale", "RANDOM_BITS"]
+
+#: resolution of the uniform draws behind stochastic rounding: each element's rounding
+#: probability is exact to within ``2 ** -(RANDOM_BITS + 1)``
+RANDOM_BITS = 16
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -11,8 +15,52 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def stochastic_round(r: torch.Tensor) -> torch.Tensor:
-    """Unbiased rounding of the non-negative ``r`` to an integer-valued tensor of its dtype:
-    ``floor(r) + Bernoulli(r - floor(r))``, so that ``E[result] = r``."""
-    low = r.floor()
-    return low.add_(torch.rand_like(r) < r - low)
+def stochastic_round_(a: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """Round the floating tensor ``a`` in place to a neighbouring integer, unbiased, plus the
+    integer ``shift``: ``floor(a + u) + shift`` with ``u`` uniform in ``(0, 1)``, so
+    ``E[result] = a + shift`` (to ``2 ** -17``) and ``|result - shift| <= ceil(|a|)``.
+    Returns ``a``.
+
+    ``u = (k + 0.5) / 2**16`` with ``k`` uniform in ``[0, 2**16)``: every generated 64-bit word
+    feeds four elements.  torch's CPU generator costs the same per word whatever its width, so
+    this is 4x cheaper than ``rand_like`` (25.6 M elements on 2 cores: 27 ms instead of 90 ms);
+    the rest is four passes over ``a`` without mixed-dtype arithmetic.
+    """
+    n = a.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=a.device)
+    k = words.random_(-2 ** 63, None).view(torch.int16)[:n].view(a.shape)  # signed 16 bits
+    u = k.to(a.dtype).add_(2 ** (RANDOM_BITS - 1) + 0.5 + shift * 2 ** RANDOM_BITS)
+    return a.add_(u, alpha=2.0 ** -RANDOM_BITS).floor_()
+
+
+def per_bucket(flat: torch.Tensor, size: int, reduce) -> torch.Tensor:
+    """``reduce`` applied to the rows of ``flat`` cut into buckets of ``size`` elements (the
+    last one may be shorter): ``reduce`` maps a ``(rows, size)`` view to ``rows`` values.
+    Returns one value per bucket, ``ceil(numel / size)`` in all; no padded copy of ``flat``."""
+    numel = flat.numel()
+    full = numel // size if size else 0
+    parts = []
+    if full:
+        parts.append(reduce(flat[:full * size].view(full, size)))
+    if numel > full * size:
+        parts.append(reduce(flat[full * size:].view(1, -1)))
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return reduce(flat.view(0, 1))
+    return torch.cat(parts)
+
+
+def per_bucket_scale(flat: torch.Tensor, scale: torch.Tensor, size: int,
+                     out: torch.Tensor) -> torch.Tensor:
+    """``out = flat * scale[bucket]`` elementwise for buckets of ``size`` elements (the last one
+    may be shorter), in one pass; ``out`` has ``flat``'s numel and may be of another dtype.
+    Returns ``out``."""
+    numel = flat.numel()
+    full = numel // size if size else 0
+    if full:
+        torch.mul(flat[:full * size].view(full, size), scale[:full].unsqueeze(1),
+                  out=out[:full * size].view(full, size))
+    if numel > full * size:
+        torch.mul(flat[full * size:], scale[full:full + 1], out=out[full * size:])
+    return out

@@ -1,19 +1,21 @@
 """Sign bits shared by the sign-based compressors (signSGD, Signum, EF-SignSGD, 1-bit SGD).
 
 ``pack_signs(x)`` sends 1 bit per element: ``x >= 0`` (so zeros travel as ``+``), packed 8 per
-byte with :mod:`mergecomp.bitpack`.  ``unpack_signs`` returns the bits as a bool tensor,
-``decode_signs`` as ``±1`` in a float dtype, and ``majority_vote`` takes the sign of the sum of
-several ranks' ``±1`` (ties give 0).
+byte with :mod:`mergecomp.bitpack`.  ``decode_signs`` maps the bits straight to two values
+(``±1``, ``±scale``, or two means) in one gather, and ``majority_vote`` takes the sign of the sum
+of several ranks' ``±1`` (ties give 0).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 from . import bitpack
 
-__all__ = ["pack_signs", "unpack_signs", "decode_signs", "majority_vote"]
+__all__ = ["pack_signs", "decode_signs", "majority_vote"]
+
+Value = Union[float, torch.Tensor]
 
 
 def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
@@ -21,22 +23,28 @@ def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
     return bitpack.pack(tensor >= 0, 1)
 
 
-def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The ``numel`` sign bits of ``packed`` as a bool tensor (True where the element was >= 0)."""
-    return bitpack.unpack(packed, 1, numel).bool()
-
-
-def decode_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``+1`` where the element was >= 0, ``-1`` elsewhere, in ``dtype``."""
-    bits = bitpack.unpack(packed, 1, numel)
-    return bits.to(dtype).mul_(2).sub_(1)
+def decode_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype,
+                 negative: Value = -1.0, positive: Value = 1.0) -> torch.Tensor:
+    """``positive`` where the element was >= 0, ``negative`` elsewhere: ``numel`` values in
+    ``dtype`` on ``packed``'s device (the two values may be floats or 0-d/1-element tensors)."""
+    values = torch.stack([torch.as_tensor(v, device=packed.device).reshape(())
+                          for v in (negative, positive)]).to(dtype)
+    return bitpack.decode(packed, 1, numel, values)
 
 
 def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Sign of the sum of the ranks' ``±1`` votes: ``+1``, ``-1``, or 0 on a tie."""
+    """Sign of the sum of the ranks' ``±1`` votes: ``+1``, ``-1``, or 0 on a tie.
+
+    Counts the ``+`` votes ``c`` per element in bytes (int32 above 255 voters); the vote is
+    ``sign(2 c - voters) = sign(c - voters / 2)``.
+    """
     voters = len(packed)
     if voters == 0:
         raise ValueError("majority_vote needs at least one payload")
-    ones = torch.stack([bitpack.unpack(p, 1, numel) for p in packed]).sum(dim=0, dtype=torch.int32)
-    # sum of ±1 votes = 2 * (#plus) - voters
-    return (ones.mul_(2).sub_(voters)).sign_().to(dtype)
+    ones = bitpack.unpack(packed[0], 1, numel)
+    if voters > 1:
+        ones = ones.to(torch.uint8 if voters < 256 else torch.int32, copy=True)
+        for p in packed[1:]:
+            ones.add_(bitpack.unpack(p, 1, numel))
+    # uint8/int32 minus a Python float promotes to the default float dtype: one pass.
+    return torch.sub(ones, voters / 2).sign_().to(dtype)

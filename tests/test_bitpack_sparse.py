@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from mergecomp import bitpack
+from mergecomp.quantize import stochastic_round_
+from mergecomp.signs import majority_vote, pack_signs
 from mergecomp.sparse import (
     SparseCompressor,
     _flat_nonzero,
@@ -132,3 +134,23 @@ def test_sparse_decode_adds_repeated_indices():
     indices = torch.tensor([4, 1, 4], dtype=torch.int32)
     expected = torch.tensor([0.0, 2.0, 0.0, 0.0, 4.0, 0.0])
     assert torch.equal(c.decompress((values, indices), (6, torch.float32)), expected)
+
+
+@pytest.mark.parametrize("voters", [1, 2, 3, 300])
+def test_majority_vote_counts_any_number_of_voters(voters):
+    g = torch.Generator().manual_seed(voters)
+    xs = torch.randn(voters, 77, generator=g)
+    votes = torch.where(xs >= 0, 1, -1).sum(0)
+    out = majority_vote([pack_signs(x) for x in xs], 77, torch.float64)
+    assert out.dtype == torch.float64 and torch.equal(out, votes.sign().double())
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_stochastic_round_is_unbiased_and_stays_between_neighbours(shift):
+    a = torch.tensor([-2.75, -1.0, -0.3, 0.0, 0.001, 0.5, 1.25, 3.0]).repeat(40_000)
+    rounded = stochastic_round_(a.clone(), shift=shift) - shift
+    assert torch.equal(rounded, rounded.round())
+    assert ((rounded >= a.floor()) & (rounded <= a.ceil())).all()
+    mean = rounded.view(40_000, 8).mean(0)
+    # Bernoulli variance <= 1/4 per draw: 6 sigma over 40k draws is 0.015
+    torch.testing.assert_close(mean, a[:8], atol=0.015, rtol=0)
