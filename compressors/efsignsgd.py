@@ -30,4 +30,5 @@ class EFSignSGDCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, scale = payload
         numel, dtype = ctx
-        return decode_signs(packed, numel, dtype, negative=-scale, positive=scale)
+        return decode_signs(packed, numel, dtype, negative=-scale, positive=scale,
+                            out=self.scratch(numel, dtype, packed.device))

@@ -40,4 +40,5 @@ class OneBitCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, means = payload
         numel, dtype = ctx
-        return decode_signs(packed, numel, dtype, negative=means[1], positive=means[0])
+        return decode_signs(packed, numel, dtype, negative=means[1], positive=means[0],
+                            out=self.scratch(numel, dtype, packed.device))

@@ -45,14 +45,14 @@ class QSGDCompressor(Compressor):
         # Quantize against the norms as they are sent (fp32), so the decode is unbiased.
         sent = norms.to(work)
         scale = torch.where(sent > 0, self.levels / sent, 0)
-        scaled = torch.empty(numel, dtype=work, device=tensor.device)
+        scaled = self.scratch(numel, work, tensor.device)
         per_bucket_scale(tensor, scale, self._bucket_size(numel), out=scaled)
-        level = stochastic_round_(scaled).to(torch.int8).clamp_(-self.levels, self.levels)
+        level = stochastic_round_(scaled, empty=self.scratch).to(torch.int8).clamp_(-self.levels, self.levels)
         return (level, norms), (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         level, norms = payload
         numel, dtype = ctx
         step = norms.to(work_dtype(dtype)) / self.levels
-        out = level.to(dtype)  # then scale in place: no mixed int8 x float arithmetic
+        out = self.scratch(numel, dtype, level.device).copy_(level)  # no mixed int8 x float math
         return per_bucket_scale(out, step, self._bucket_size(numel), out=out)

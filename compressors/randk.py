@@ -60,7 +60,7 @@ class RandKCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: RandKCtx) -> torch.Tensor:
         values = payload[0].to(ctx.dtype)
-        dense = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+        dense = self.scratch(ctx.numel, ctx.dtype, values.device).zero_()
         if not self.unbiased:
             # All ranks share the indices, so a repeated index carries equal (summed) values.
             return dense.index_put_((ctx.indices,), values)

@@ -31,9 +31,10 @@ class SignSGDCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         numel, dtype = ctx
-        return decode_signs(payload[0], numel, dtype)
+        return decode_signs(payload[0], numel, dtype, out=self.scratch(numel, dtype, payload[0].device))
 
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int,
                   average: bool) -> torch.Tensor:
         numel, dtype = ctx
-        return majority_vote([p[0] for p in payloads], numel, dtype)
+        return majority_vote([p[0] for p in payloads], numel, dtype,
+                             out=self.scratch(numel, dtype, payloads[0][0].device))

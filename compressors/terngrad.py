@@ -51,8 +51,9 @@ class TernGradCompressor(Compressor):
         # t = sign(x) * Bernoulli(min(|x|, s) / s), against the scalar as it is sent (fp32):
         # |x| / s clamped to 1 does the clipping.
         sent = scalar.to(work)
-        scaled = torch.mul(tensor, torch.where(sent > 0, 1 / sent, 0)).clamp_(-1, 1)
-        codes = stochastic_round_(scaled, shift=1)  # t + 1 in {0, 1, 2}
+        scaled = self.scratch(numel, work, tensor.device)
+        torch.mul(tensor, torch.where(sent > 0, 1 / sent, 0), out=scaled).clamp_(-1, 1)
+        codes = stochastic_round_(scaled, shift=1, empty=self.scratch)  # t + 1 in {0, 1, 2}
         return (bitpack.pack(codes, 2), scalar), (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
@@ -60,4 +61,5 @@ class TernGradCompressor(Compressor):
         numel, dtype = ctx
         s = scalar.to(dtype).reshape(())
         zero = torch.zeros((), dtype=dtype, device=s.device)
-        return bitpack.decode(packed, 2, numel, torch.stack([-s, zero, s, zero]))
+        return bitpack.decode(packed, 2, numel, torch.stack([-s, zero, s, zero]),
+                              out=self.scratch(numel, dtype, packed.device))

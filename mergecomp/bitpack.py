@@ -21,7 +21,7 @@ How (both directions are one pass over the codes, no per-lane loops):
 from __future__ import annotations
 
 import sys
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -111,10 +111,12 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return lanes.view(torch.uint8)[:n]
 
 
-def decode(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor) -> torch.Tensor:
+def decode(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``values[unpack(packed, bits, n)]`` in one gather: ``values`` is a 1-D tensor with one
     entry per code (``2 ** bits`` of them, on ``packed``'s device); returns ``n`` entries in its
-    dtype.  E.g. sign bits to ``±1``: ``decode(packed, 1, n, torch.tensor([-1.0, 1.0]))``."""
+    dtype, written into ``out`` (contiguous, ``n`` elements of that dtype) when it is given.
+    E.g. sign bits to ``±1``: ``decode(packed, 1, n, torch.tensor([-1.0, 1.0]))``."""
     per = _per_byte(bits)
     if values.dim() != 1 or values.numel() != 1 << bits:
         raise ValueError(f"decode needs {1 << bits} values for {bits}-bit codes, got shape "
@@ -127,7 +129,17 @@ def decode(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor) -> tor
     lane = next(t for t in _GATHER_LANES if row_bytes % _itemsize(t) == 0)
     table = rows.view(torch.uint8).view(lane).view(256, -1).squeeze(1)
     index = packed.reshape(-1).to(torch.int32)
-    return torch.index_select(table, 0, index).view(values.dtype).view(-1)[:n]
+    if out is None:
+        return torch.index_select(table, 0, index).view(values.dtype).view(-1)[:n]
+    full = n // per
+    body = out[:full * per]
+    if full and body.data_ptr() % _itemsize(lane) == 0:
+        torch.index_select(table, 0, index[:full], out=body.view(lane).view(full, -1).squeeze(1))
+    elif full:
+        body.copy_(torch.index_select(table, 0, index[:full]).view(values.dtype).view(-1))
+    if n > full * per:
+        out[full * per:] = torch.index_select(table, 0, index[full:]).view(values.dtype).view(-1)[:n - full * per]
+    return out
 
 
 #: word types ``decode`` gathers rows as, widest first

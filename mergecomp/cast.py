@@ -31,12 +31,15 @@ class CastCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype]:
         wire_dtype = self.wire_dtype or tensor.dtype
+        if self.prescale == 1.0 and wire_dtype == tensor.dtype:
+            return (tensor,), tensor.dtype
+        wire = self.scratch(tensor.numel(), wire_dtype, tensor.device)
         if self.prescale == 1.0:
-            return (tensor.to(wire_dtype),), tensor.dtype
+            return (wire.copy_(tensor),), tensor.dtype
         # Divide in the gradient's dtype and round to the wire dtype in the same pass.
-        wire = torch.empty(tensor.shape, dtype=wire_dtype, device=tensor.device)
         return (torch.div(tensor, self.prescale, out=wire),), tensor.dtype
 
     def decompress(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
-        out = payload[0].to(ctx)
+        wire = payload[0]
+        out = wire if wire.dtype == ctx else self.scratch(wire.numel(), ctx, wire.device).copy_(wire)
         return out if self.prescale == 1.0 else out.mul_(self.prescale)

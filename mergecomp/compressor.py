@@ -22,6 +22,10 @@ Contract (what the pipeline in :mod:`mergecomp.exchange` relies on):
   ``r + 1``'s payload.  Compressors never communicate themselves.
 * Per-group state (momentum, PowerSGD factors) lives in ``self.state[name]``, a dict of tensors,
   so it can be checkpointed and carried over when the merge plan changes.
+* Full-size outputs and temporaries come from :meth:`Compressor.scratch`.  When the pipeline
+  attached a :class:`~mergecomp.workspace.Workspace` (on CPU), they are recycled step by step:
+  what ``decompress``/``aggregate`` return is then valid until the pipeline's next step, and a
+  caller that keeps it longer must copy it.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 
 from .stateful import GroupStateful
+from .workspace import Workspace
 
 Payload = Tuple[torch.Tensor, ...]
 
@@ -58,6 +63,8 @@ class Compressor(GroupStateful, abc.ABC):
     default_memory: str = "none"
     #: the result keeps its magnitude under op=Average (majority vote returns signs)
     votes: bool = False
+    #: step-scoped buffer pool attached by the pipeline; None: plain allocations
+    workspace: Optional[Workspace] = None
 
     # -- the pipeline ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -93,6 +100,13 @@ class Compressor(GroupStateful, abc.ABC):
         if average:
             total.div_(world_size)
         return total
+
+    def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialized flat tensor: from the attached workspace (valid until the next
+        step), or freshly allocated when there is none."""
+        if self.workspace is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        return self.workspace.empty(numel, dtype, device)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def bits_per_element(self, numel: int, dtype: torch.dtype = torch.float32) -> float:

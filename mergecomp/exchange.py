@@ -25,6 +25,7 @@ from .compressor import Compressor, Payload
 from .memory import Memory
 from .plan import Group
 from .registry import get_compressor, get_memory
+from .workspace import Workspace
 
 __all__ = ["Exchange", "InFlight", "pack_payload", "unpack_payload", "NONFINITE_POLICIES", "NonfiniteCheck"]
 
@@ -99,10 +100,15 @@ class Exchange:
         average: divide the sum over ranks by the world size (ignored by majority votes).
         check_finite: zero a group holding NaN/Inf before it reaches the memory or the
             compressor state, and report it through :attr:`InFlight.finite`.
+        recycle: on a CPU engine, attach a :class:`~mergecomp.workspace.Workspace` to the
+            codecs, so their full-size outputs are reused from step to step instead of being
+            allocated (and page-faulted in) again.  A result returned by :meth:`finish` is then
+            valid until the next step's :meth:`start`; front ends that hand results to user
+            code which may keep them (TensorFlow) pass False.
     """
 
     def __init__(self, compressor: Compressor, memory: Memory, comm: Communicator,
-                 average: bool = True, check_finite: bool = True) -> None:
+                 average: bool = True, check_finite: bool = True, recycle: bool = True) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compression must be a compressor name or a mergecomp.Compressor, got {compressor!r}")
         if not isinstance(memory, Memory):
@@ -114,10 +120,12 @@ class Exchange:
         self.average = average
         self.check_finite = check_finite
         self.step = 0
+        self.workspace = Workspace() if recycle and torch.device(comm.device).type == "cpu" else None
+        compressor.workspace = self.workspace
 
     @classmethod
     def create(cls, compression, memory, comm: Communicator, average: bool = True,
-               check_finite: bool = True) -> "Exchange":
+               check_finite: bool = True, recycle: bool = True) -> "Exchange":
         """Build from names or instances: ``compression`` a compressor name or
         :class:`Compressor`; ``memory`` a memory name, a :class:`Memory`, or None for the
         compressor's ``default_memory``.  Front ends call this so all resolve names alike."""
@@ -127,7 +135,8 @@ class Exchange:
             memory = compression.default_memory
         if isinstance(memory, str):
             memory = get_memory(memory)
-        return cls(compression, memory, comm, average=average, check_finite=check_finite)
+        return cls(compression, memory, comm, average=average, check_finite=check_finite,
+                   recycle=recycle)
 
     def codec(self, name: str) -> Compressor:
         """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"`` or ``"none"``)."""
@@ -135,11 +144,14 @@ class Exchange:
             if name not in ("fp16", "none"):
                 raise ValueError(f"codec must be 'compressed', 'fp16' or 'none', got {name!r}")
             self.codecs[name] = get_compressor(name)
+            self.codecs[name].workspace = self.workspace
         return self.codecs[name]
 
     def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed") -> InFlight:
         """Compress ``flat`` (the group's gradients; modified in place) and start round 1."""
         began = time.perf_counter()
+        if self.workspace is not None:
+            self.workspace.advance(self.step)
         compressor = self.codec(codec)
         finite = _all_finite(flat) if self.check_finite else flat.new_ones((), dtype=torch.bool)
         if self.check_finite:

@@ -1,6 +1,8 @@
 """Small helpers shared by the quantizing compressors (QSGD, TernGrad, 1-bit, EF-SignSGD)."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 __all__ = ["work_dtype", "stochastic_round_", "per_bucket", "per_bucket_scale", "RANDOM_BITS"]
@@ -15,11 +17,12 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def stochastic_round_(a: torch.Tensor, shift: int = 0) -> torch.Tensor:
+def stochastic_round_(a: torch.Tensor, shift: int = 0, empty: Optional[Callable] = None) -> torch.Tensor:
     """Round the floating tensor ``a`` in place to a neighbouring integer, unbiased, plus the
     integer ``shift``: ``floor(a + u) + shift`` with ``u`` uniform in ``(0, 1)``, so
     ``E[result] = a + shift`` (to ``2 ** -17``) and ``|result - shift| <= ceil(|a|)``.
-    Returns ``a``.
+    Returns ``a``.  ``empty(numel, dtype, device)`` allocates the temporaries (e.g. a
+    compressor's :meth:`~mergecomp.Compressor.scratch`); default ``torch.empty``.
 
     ``u = (k + 0.5) / 2**16`` with ``k`` uniform in ``[0, 2**16)``: every generated 64-bit word
     feeds four elements.  torch's CPU generator costs the same per word whatever its width, so
@@ -27,9 +30,11 @@ def stochastic_round_(a: torch.Tensor, shift: int = 0) -> torch.Tensor:
     the rest is four passes over ``a`` without mixed-dtype arithmetic.
     """
     n = a.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=a.device)
+    empty = empty or (lambda numel, dtype, device: torch.empty(numel, dtype=dtype, device=device))
+    words = empty((n + 3) // 4, torch.int64, a.device)
     k = words.random_(-2 ** 63, None).view(torch.int16)[:n].view(a.shape)  # signed 16 bits
-    u = k.to(a.dtype).add_(2 ** (RANDOM_BITS - 1) + 0.5 + shift * 2 ** RANDOM_BITS)
+    u = empty(n, a.dtype, a.device).view(a.shape).copy_(k)
+    u.add_(2 ** (RANDOM_BITS - 1) + 0.5 + shift * 2 ** RANDOM_BITS)
     return a.add_(u, alpha=2.0 ** -RANDOM_BITS).floor_()
 
 

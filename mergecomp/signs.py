@@ -7,7 +7,7 @@ of several ranks' ``±1`` (ties give 0).
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -24,19 +24,23 @@ def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def decode_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype,
-                 negative: Value = -1.0, positive: Value = 1.0) -> torch.Tensor:
+                 negative: Value = -1.0, positive: Value = 1.0,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``positive`` where the element was >= 0, ``negative`` elsewhere: ``numel`` values in
-    ``dtype`` on ``packed``'s device (the two values may be floats or 0-d/1-element tensors)."""
+    ``dtype`` on ``packed``'s device (the two values may be floats or 0-d/1-element tensors),
+    written into ``out`` when given."""
     values = torch.stack([torch.as_tensor(v, device=packed.device).reshape(())
                           for v in (negative, positive)]).to(dtype)
-    return bitpack.decode(packed, 1, numel, values)
+    return bitpack.decode(packed, 1, numel, values, out=out)
 
 
-def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sign of the sum of the ranks' ``±1`` votes: ``+1``, ``-1``, or 0 on a tie.
 
     Counts the ``+`` votes ``c`` per element in bytes (int32 above 255 voters); the vote is
-    ``sign(2 c - voters) = sign(c - voters / 2)``.
+    ``sign(2 c - voters) = sign(c - voters / 2)``, written into ``out`` (``numel`` elements
+    of ``dtype``) when given.
     """
     voters = len(packed)
     if voters == 0:
@@ -46,5 +50,6 @@ def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype
         ones = ones.to(torch.uint8 if voters < 256 else torch.int32, copy=True)
         for p in packed[1:]:
             ones.add_(bitpack.unpack(p, 1, numel))
-    # uint8/int32 minus a Python float promotes to the default float dtype: one pass.
-    return torch.sub(ones, voters / 2).sign_().to(dtype)
+    # Convert first: mixed integer/float arithmetic takes a slow path (5x slower here).
+    votes = ones.to(dtype) if out is None else out.copy_(ones)
+    return votes.sub_(voters / 2).sign_()

@@ -143,7 +143,7 @@ class SparseCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
         values, indices = payload
         numel, dtype = ctx
-        dense = torch.zeros(numel, dtype=dtype, device=values.device)
+        dense = self.scratch(numel, dtype, values.device).zero_()
         # scatter_add_ accumulates repeated indices like index_add_, and is faster on CPU.
         return dense.scatter_add_(0, indices.long(), values.to(dtype))
 
@@ -151,5 +151,6 @@ class SparseCompressor(Compressor):
         # One scatter-add over all ranks' entries instead of one dense decode per rank.
         values = torch.cat([p[0] for p in payloads])
         indices = torch.cat([p[1] for p in payloads])
-        total = self.decompress((values, indices), ctx)
-        return total.div_(world_size) if average else total
+        if average:  # k values per rank, not the dense buffer
+            values = values.div_(world_size)
+        return self.decompress((values, indices), ctx)

@@ -31,8 +31,10 @@ class GroupStateful:
         self.state = {name: {k: v.clone() for k, v in fields.items()} for name, fields in state.items()}
 
     def settings(self) -> Dict[str, Any]:
-        """The hyperparameters (every public attribute but ``state``): all ranks must agree."""
-        return {k: v for k, v in vars(self).items() if k != "state" and not k.startswith("_")}
+        """The hyperparameters (every public attribute but ``state`` and ``workspace``): all
+        ranks must agree."""
+        return {k: v for k, v in vars(self).items()
+                if k not in ("state", "workspace") and not k.startswith("_")}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())

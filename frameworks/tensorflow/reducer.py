@@ -58,7 +58,8 @@ class GradientReducer:
             comm = communicator()
         self.comm = comm
         self.exchange = Exchange.create(compression, memory, comm, average=op == "average",
-                                        check_finite=nonfinite != "ignore")
+                                        check_finite=nonfinite != "ignore",
+                                        recycle=False)  # results go to user code as tensors
         self.nonfinite = nonfinite
         self._auto = groups == "auto"
         self._spec = None if self._auto else groups

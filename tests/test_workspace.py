@@ -1,0 +1,53 @@
+"""The step-scoped buffer pool behind the codecs' full-size outputs on CPU."""
+import torch
+
+import mergecomp
+from mergecomp.comm import LocalCommunicator
+from mergecomp.exchange import Exchange
+from mergecomp.plan import build_plan, layout
+from mergecomp.workspace import Workspace
+
+CPU = torch.device("cpu")
+
+
+def test_buffers_are_distinct_within_a_step_and_recycled_on_the_next():
+    ws = Workspace()
+    a, b = ws.empty(10, torch.float32, CPU), ws.empty(10, torch.float32, CPU)
+    assert a.data_ptr() != b.data_ptr()
+    ws.advance(1)
+    again = {ws.empty(10, torch.float32, CPU).data_ptr() for _ in range(2)}
+    assert again == {a.data_ptr(), b.data_ptr()}
+    assert ws.empty(10, torch.float64, CPU).dtype == torch.float64  # other keys: fresh
+    ws.advance(2)
+    ws.advance(3)  # nothing taken in step 2: step 1's buffers were dropped, not kept forever
+    assert not ws._free.get((10, torch.float32, CPU))
+
+
+def test_workspace_is_not_a_setting_and_results_stay_valid_within_the_step():
+    comm = LocalCommunicator()
+    exchange = Exchange.create("topk", None, comm)
+    assert exchange.workspace is not None
+    assert "workspace" not in exchange.compressor.settings()
+    assert "workspace" not in repr(exchange.compressor)
+    shapes = [torch.Size([300]), torch.Size([200])]
+    plan = build_plan(2, [0, 1], ["a", "b"], [1200, 800])
+    groups = layout(plan, shapes)
+    grads = [torch.randn(g.numel) for g in groups]
+    jobs = [exchange.start(g, x.clone()) for g, x in zip(groups, grads)]
+    results = [exchange.finish(job) for job in jobs]
+    kept = [r.clone() for r in results]
+    assert results[0].data_ptr() != results[1].data_ptr()
+    for r, k in zip(results, kept):
+        assert torch.equal(r, k)
+    step0 = {t.data_ptr() for ts in exchange.workspace._taken.values() for t in ts}
+    exchange.step += 1
+    # Next step: step 0's buffers come back (no fresh allocation for the same group sizes).
+    jobs = [exchange.start(g, x.clone()) for g, x in zip(groups, grads)]
+    again = [exchange.finish(job) for job in jobs]
+    assert {r.data_ptr() for r in again} <= step0
+
+
+def test_tensorflow_style_exchange_does_not_recycle():
+    exchange = Exchange.create("signsgd", None, LocalCommunicator(), recycle=False)
+    assert exchange.workspace is None and exchange.compressor.workspace is None
+    assert isinstance(exchange.compressor, mergecomp.Compressor)
