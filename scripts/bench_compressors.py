@@ -10,8 +10,9 @@ Run (the full run takes a few minutes on 2 CPU cores)::
 What is timed, per compressor with its default settings (no error-feedback memory, world size 1):
 ``compress`` then ``decompress`` of this rank's payload, for every group of a plan.  A compressor
 with ``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
-round's payload to the next as if allreduced over one rank.  The gradient set is the 161 tensors
-of torchvision's resnet50 (25,557,032 fp32 elements, randn values) in backward order, cut into:
+round's payload to the next as if allreduced over one rank.  As in the pipeline on CPU, each run
+is one step of a :class:`mergecomp.workspace.Workspace` (outputs recycled; ``--no-workspace``:
+fresh allocations).  The gradient set is the 161 tensors of torchvision's resnet50 (25,557,032 fp32 elements, randn values) in backward order, cut into:
 
 * ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
 * ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.plan.build_plan`` with an
@@ -44,6 +45,7 @@ import torch
 
 import mergecomp
 from mergecomp.plan import build_plan, layout
+from mergecomp.workspace import Workspace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gradient_sets import RESNET50_NUMEL, RESNET50_TENSORS, resnet50_shapes  # noqa: E402
@@ -76,6 +78,9 @@ parser.add_argument("--budget", type=float, default=BUDGET_S,
                     help="seconds per case; a case whose warm-up says it would exceed this gets "
                          "fewer repeats (at least 1)")
 parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+parser.add_argument("--no-workspace", action="store_true",
+                    help="allocate every output afresh instead of recycling it step by step as "
+                         "the pipeline does on CPU (mergecomp.workspace)")
 args = parser.parse_args()
 STATISTICS = {"median": statistics.median, "min": min}
 
@@ -89,10 +94,10 @@ cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
 thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
 machine = {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "python": platform.python_version(),
-           "THP_MEM_ALLOC_ENABLE": thp}
+           "THP_MEM_ALLOC_ENABLE": thp, "workspace": not args.no_workspace}
 print(f"machine: {cpu}, {os.cpu_count()} CPUs; torch {torch.__version__}; "
       f"{torch.get_num_threads()} threads; python {platform.python_version()}; "
-      f"THP_MEM_ALLOC_ENABLE={thp}")
+      f"THP_MEM_ALLOC_ENABLE={thp}; workspace {'off' if args.no_workspace else 'on'}")
 print("load average (1, 5, 15 min) at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 # glibc serves allocations above its mmap threshold with fresh pages (a page fault per 4 KiB on
@@ -127,7 +132,9 @@ print(f"gradients: resnet50, {len(shapes)} tensors, {RESNET50_NUMEL:,} fp32 elem
 
 
 def run_case(compressor, groups):
-    """Encode + decode every group once; returns the payload bytes over all rounds."""
+    """Encode + decode every group once (one step); returns the payload bytes over all rounds."""
+    if compressor.workspace is not None:
+        compressor.workspace.advance(compressor.workspace.step + 1)
     wire = 0
     for name, flat, group_shapes in groups:
         payload, ctx = compressor.compress(flat, name, group_shapes)
@@ -174,6 +181,8 @@ print(f"memcpy baseline: {memcpy_start:.2f} ms for {RESNET50_NUMEL:,} floats "
 results = []
 for name in names:
     compressor = mergecomp.get_compressor(name)
+    if not args.no_workspace:
+        compressor.workspace = Workspace()  # as the pipeline attaches on CPU
     # The baseline is measured again right before each compressor, so that the ratios compare
     # numbers taken under the same conditions on a machine shared with other jobs.
     row = {"compressor": name, "settings": {k: repr(v) for k, v in compressor.settings().items()},
