@@ -16,7 +16,6 @@ One process (mc.init() picks the local engine, no communication):
 import argparse
 import ast
 import math
-import os
 import sys
 import time
 

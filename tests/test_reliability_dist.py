@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from distributed import WorkerError, free_port, run_workers
+from distributed import free_port, run_workers
 from test_optimizer_dist import flat_params, make_data, make_model, shard, train
 
 import mergecomp
