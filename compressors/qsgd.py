@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from mergecomp.compressor import Compressor, Payload
-from mergecomp.quantize import per_bucket, per_bucket_scale, stochastic_round_, work_dtype
+from mergecomp.quantize import bucket_norms, per_bucket_scale, stochastic_round_, work_dtype
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
@@ -39,9 +39,7 @@ class QSGDCompressor(Compressor):
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
         work = work_dtype(tensor.dtype)
-        norms = per_bucket(tensor, self._bucket_size(numel),
-                           lambda rows: torch.linalg.vector_norm(rows, dim=1, dtype=work))
-        norms = norms.to(torch.float32)
+        norms = bucket_norms(tensor, self._bucket_size(numel), work).to(torch.float32)
         # Quantize against the norms as they are sent (fp32), so the decode is unbiased.
         sent = norms.to(work)
         scale = torch.where(sent > 0, self.levels / sent, 0)

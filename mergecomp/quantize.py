@@ -1,11 +1,11 @@
 """Small helpers shared by the quantizing compressors (QSGD, TernGrad, 1-bit, EF-SignSGD)."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["work_dtype", "stochastic_round_", "per_bucket", "per_bucket_scale", "RANDOM_BITS"]
+__all__ = ["work_dtype", "stochastic_round_", "bucket_norms", "per_bucket_scale", "RANDOM_BITS"]
 
 #: resolution of the uniform draws behind stochastic rounding: each element's rounding
 #: probability is exact to within ``2 ** -(RANDOM_BITS + 1)``
@@ -38,22 +38,24 @@ def stochastic_round_(a: torch.Tensor, shift: int = 0, empty: Optional[Callable]
     return a.add_(u, alpha=2.0 ** -RANDOM_BITS).floor_()
 
 
-def per_bucket(flat: torch.Tensor, size: int, reduce) -> torch.Tensor:
-    """``reduce`` applied to the rows of ``flat`` cut into buckets of ``size`` elements (the
-    last one may be shorter): ``reduce`` maps a ``(rows, size)`` view to ``rows`` values.
-    Returns one value per bucket, ``ceil(numel / size)`` in all; no padded copy of ``flat``."""
+def _buckets(flat: torch.Tensor, size: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``flat`` cut into buckets of ``size`` elements, as views: the full buckets as a
+    ``(rows, size)`` matrix and the shorter last bucket (None where there is none)."""
     numel = flat.numel()
     full = numel // size if size else 0
-    parts = []
-    if full:
-        parts.append(reduce(flat[:full * size].view(full, size)))
-    if numel > full * size:
-        parts.append(reduce(flat[full * size:].view(1, -1)))
-    if len(parts) == 1:
-        return parts[0]
-    if not parts:
-        return reduce(flat.view(0, 1))
-    return torch.cat(parts)
+    body = flat[:full * size].view(full, size) if full else None
+    tail = flat[full * size:] if numel > full * size else None
+    return body, tail
+
+
+def bucket_norms(flat: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The L2 norm (in ``dtype``) of each bucket of ``size`` elements of ``flat`` (the last one
+    may be shorter): ``ceil(numel / size)`` values, without a padded copy of ``flat``."""
+    body, tail = _buckets(flat, size)
+    parts = [torch.linalg.vector_norm(body, dim=1, dtype=dtype)] if body is not None else []
+    if tail is not None:
+        parts.append(torch.linalg.vector_norm(tail, dtype=dtype).reshape(1))
+    return torch.cat(parts) if parts else flat.new_empty(0, dtype=dtype)
 
 
 def per_bucket_scale(flat: torch.Tensor, scale: torch.Tensor, size: int,
@@ -61,11 +63,10 @@ def per_bucket_scale(flat: torch.Tensor, scale: torch.Tensor, size: int,
     """``out = flat * scale[bucket]`` elementwise for buckets of ``size`` elements (the last one
     may be shorter), in one pass; ``out`` has ``flat``'s numel and may be of another dtype.
     Returns ``out``."""
-    numel = flat.numel()
-    full = numel // size if size else 0
-    if full:
-        torch.mul(flat[:full * size].view(full, size), scale[:full].unsqueeze(1),
-                  out=out[:full * size].view(full, size))
-    if numel > full * size:
-        torch.mul(flat[full * size:], scale[full:full + 1], out=out[full * size:])
+    body, tail = _buckets(flat, size)
+    out_body, out_tail = _buckets(out, size)
+    if body is not None:
+        torch.mul(body, scale[:body.shape[0]].unsqueeze(1), out=out_body)
+    if tail is not None:
+        torch.mul(tail, scale[-1:], out=out_tail)
     return out

@@ -43,6 +43,3 @@ class Workspace:
         self._taken.setdefault(key, []).append(tensor)
         return tensor
 
-    def clear(self) -> None:
-        self._free, self._taken = {}, {}
-
