@@ -32,6 +32,7 @@ setup(
         "mergecomp.torch": "frameworks/torch",
         "mergecomp.tensorflow": "frameworks/tensorflow",
     },
+    package_data={"mergecomp": ["csrc/*.cpp"]},  # compiled on first use by mergecomp.native
     install_requires=["torch>=2.1,<2.14", "numpy"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],

@@ -8,6 +8,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp import bitpack, native
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
@@ -23,9 +24,15 @@ class EFSignSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
-        total = torch.linalg.vector_norm(tensor, 1, dtype=work_dtype(tensor.dtype))
+        work = work_dtype(tensor.dtype)
+        if native.usable(tensor):  # bits and sum |x| in one pass
+            packed, stats = native.pack_signs(
+                tensor, self.scratch(bitpack.packed_size(numel, 1), torch.uint8, tensor.device))
+            total = stats[1].to(work)
+        else:
+            packed, total = pack_signs(tensor), torch.linalg.vector_norm(tensor, 1, dtype=work)
         scale = (total / max(numel, 1)).to(torch.float32).reshape(1)
-        return (pack_signs(tensor), scale), (numel, tensor.dtype)
+        return (packed, scale), (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, scale = payload

@@ -12,7 +12,7 @@ import torch
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
-from mergecomp import bitpack
+from mergecomp import bitpack, native
 from mergecomp.signs import decode_signs
 
 Ctx = Tuple[int, torch.dtype]
@@ -25,17 +25,23 @@ class OneBitCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         work = work_dtype(tensor.dtype)
-        positive = tensor >= 0
-        count_pos = torch.count_nonzero(positive).to(work)
+        if native.usable(tensor):  # bits and the three sums below in one pass
+            packed, stats = native.pack_signs(
+                tensor, self.scratch(bitpack.packed_size(tensor.numel(), 1), torch.uint8, tensor.device))
+            total, magnitude, count_pos = stats.to(work).unbind()
+        else:
+            positive = tensor >= 0
+            packed = bitpack.pack(positive, 1)
+            count_pos = torch.count_nonzero(positive).to(work)
+            # The sides' sums from two fused reductions, no masked copies:
+            # sum(x) = pos + neg and sum(|x|) = pos - neg.
+            total = tensor.sum(dtype=work)
+            magnitude = torch.linalg.vector_norm(tensor, 1, dtype=work)
         count_neg = tensor.numel() - count_pos
-        # The sides' sums from two fused reductions, no masked copies:
-        # sum(x) = pos + neg and sum(|x|) = pos - neg.
-        total = tensor.sum(dtype=work)
-        magnitude = torch.linalg.vector_norm(tensor, 1, dtype=work)
         mean_pos = (total + magnitude) / 2 / count_pos.clamp_min(1)
         mean_neg = (total - magnitude) / 2 / count_neg.clamp_min(1)
         means = torch.stack([mean_pos, mean_neg]).to(torch.float32)
-        return (bitpack.pack(positive, 1), means), (tensor.numel(), tensor.dtype)
+        return (packed, means), (tensor.numel(), tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, means = payload

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from mergecomp import bitpack
+from mergecomp import native
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import stochastic_round_, work_dtype
 from mergecomp.registry import register_compressor
@@ -38,12 +39,16 @@ class TernGradCompressor(Compressor):
         if numel == 0:
             return (bitpack.pack(tensor.new_empty(0, dtype=torch.uint8), 2),
                     torch.zeros(1, device=tensor.device)), (numel, tensor.dtype)
-        low, high = torch.aminmax(tensor)
+        fast = native.usable(tensor)
+        if fast:  # min, max, sum and sum of squares in one pass
+            low, high, total, squares = native.moments(tensor).to(work).unbind()
+        else:
+            low, high = torch.aminmax(tensor)
         s = torch.maximum(-low, high).to(work)
         if self.clip is not None and numel >= 2:
-            # std from two fused reductions (sum and sum of squares): 3x cheaper than x.std()
-            total = tensor.sum(dtype=work)
-            squares = torch.linalg.vector_norm(tensor, dtype=work).square()
+            if not fast:  # two fused reductions: 3x cheaper than x.std()
+                total = tensor.sum(dtype=work)
+                squares = torch.linalg.vector_norm(tensor, dtype=work).square()
             std = ((squares - total * total / numel).clamp_min(0) / (numel - 1)).sqrt()
             bound = std * self.clip
             s = torch.where(bound > 0, torch.minimum(s, bound), s)
@@ -51,8 +56,13 @@ class TernGradCompressor(Compressor):
         # t = sign(x) * Bernoulli(min(|x|, s) / s), against the scalar as it is sent (fp32):
         # |x| / s clamped to 1 does the clipping.
         sent = scalar.to(work)
+        inverse = torch.where(sent > 0, 1 / sent, 0)
+        if fast:  # t + 1 in {0, 1, 2}, drawn and packed in one pass
+            packed = self.scratch(bitpack.packed_size(numel, 2), torch.uint8, tensor.device)
+            return (native.stochastic_codes(tensor, inverse, numel, -1, 1, 1, 2, packed),
+                    scalar), (numel, tensor.dtype)
         scaled = self.scratch(numel, work, tensor.device)
-        torch.mul(tensor, torch.where(sent > 0, 1 / sent, 0), out=scaled).clamp_(-1, 1)
+        torch.mul(tensor, inverse, out=scaled).clamp_(-1, 1)
         codes = stochastic_round_(scaled, shift=1, empty=self.scratch)  # t + 1 in {0, 1, 2}
         return (bitpack.pack(codes, 2), scalar), (numel, tensor.dtype)
 
@@ -61,5 +71,8 @@ class TernGradCompressor(Compressor):
         numel, dtype = ctx
         s = scalar.to(dtype).reshape(())
         zero = torch.zeros((), dtype=dtype, device=s.device)
-        return bitpack.decode(packed, 2, numel, torch.stack([-s, zero, s, zero]),
-                              out=self.scratch(numel, dtype, packed.device))
+        values = torch.stack([-s, zero, s, zero])
+        out = self.scratch(numel, dtype, packed.device)
+        if native.usable(out):
+            return native.decode_codes(packed, 2, numel, values, out)
+        return bitpack.decode(packed, 2, numel, values, out=out)

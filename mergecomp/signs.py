@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import bitpack
+from . import bitpack, native
 
 __all__ = ["pack_signs", "decode_signs", "majority_vote"]
 
@@ -20,6 +20,9 @@ Value = Union[float, torch.Tensor]
 
 def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
     """``ceil(n / 8)`` uint8 bytes holding ``tensor >= 0`` (1 bit per element)."""
+    if native.usable(tensor):
+        out = torch.empty(bitpack.packed_size(tensor.numel(), 1), dtype=torch.uint8)
+        return native.pack_signs(tensor.reshape(-1), out)[0]
     return bitpack.pack(tensor >= 0, 1)
 
 
@@ -31,6 +34,10 @@ def decode_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype,
     written into ``out`` when given."""
     values = torch.stack([torch.as_tensor(v, device=packed.device).reshape(())
                           for v in (negative, positive)]).to(dtype)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=packed.device)
+    if native.usable(out):
+        return native.decode_codes(packed, 1, numel, values, out)
     return bitpack.decode(packed, 1, numel, values, out=out)
 
 

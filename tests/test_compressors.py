@@ -2,6 +2,8 @@
 
 Several ranks are simulated in-process: each fake rank has its own compressor instance (state is
 per rank), summable payloads are added elementwise, the others are handed over as a list.
+Every test runs twice: with the native fp32 CPU kernels (mergecomp.native) and on the eager
+torch path.
 """
 import math
 
@@ -11,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mergecomp
-from mergecomp import bitpack
+from mergecomp import bitpack, native
 from mergecomp.sparse import num_selected
 
 ALL = mergecomp.compressor_names()
@@ -25,6 +27,15 @@ EXPECTED_NAMES = {"none", "fp16", "bf16", "topk", "dgc", "qsgd", "terngrad", "on
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(autouse=True, params=["native", "eager"])
+def codec_path(request):
+    if request.param == "eager":
+        with native.disabled():
+            yield request.param
+    else:
+        yield request.param
 
 
 # -- helpers ---------------------------------------------------------------------------------

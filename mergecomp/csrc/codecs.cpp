@@ -1,0 +1,293 @@
+// Fused CPU kernels for the elementwise codecs (mergecomp.native loads this file).
+//
+// Each kernel makes one pass over a contiguous fp32 buffer where the eager torch code makes
+// four to eight, and draws its random numbers from a counter-based hash instead of torch's
+// generator.  Layouts match mergecomp.bitpack: element i of a ``bits``-bit code stream lives
+// in byte i / (8 / bits) at bit offset bits * (i % (8 / bits)); a short last byte is padded
+// with zero codes.
+//
+// Work is cut into fixed blocks of BLOCK elements that threads take in contiguous runs, and
+// every reduction is summed per block and then in block order, so results do not depend on
+// the thread count.  The random draw of element i depends only on (seed, i).
+//
+// Built by mergecomp.native with: -O3 -march=native -fopenmp-simd -fno-math-errno
+// -fno-trapping-math (no OpenMP runtime: threads are std::thread).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 1 << 15;  // elements per block: a multiple of 8
+constexpr int64_t MIN_PER_THREAD = 1 << 18;
+
+// Runs body(first, last) over the units [0, units) of `unit` elements each, in contiguous
+// runs on up to `threads` threads (fewer when there is little work).
+template <typename Body>
+void parallel_for(int64_t units, int64_t unit, int threads, Body body) {
+  const int64_t work = units * unit;
+  const int64_t workers = std::min({static_cast<int64_t>(std::max(threads, 1)),
+                                    std::max<int64_t>(1, work / MIN_PER_THREAD), units});
+  if (workers <= 1) {
+    body(int64_t{0}, units);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(workers - 1);
+  const int64_t per = units / workers, extra = units % workers;
+  int64_t first = 0;
+  for (int64_t w = 0; w < workers; ++w) {
+    const int64_t last = first + per + (w < extra ? 1 : 0);
+    if (w + 1 == workers) {
+      body(first, last);
+    } else {
+      pool.emplace_back(body, first, last);
+    }
+    first = last;
+  }
+  for (auto& t : pool) t.join();
+}
+
+// parallel_for over the blocks of BLOCK elements covering [0, n).
+template <typename Body>
+void parallel_blocks(int64_t n, int threads, Body body) {
+  parallel_for((n + BLOCK - 1) / BLOCK, BLOCK, threads, body);
+}
+
+// A 32-bit integer hash (lowbias32, Wellons: full avalanche, a bijection of the counter) of
+// the counter keyed by a 64-bit seed.  One round is enough for stochastic rounding: only the
+// marginal of each draw matters, and neighbouring counters give unrelated words.
+inline uint32_t hash32(uint32_t counter, uint32_t key_lo, uint32_t key_hi) {
+  uint32_t x = (counter ^ key_lo) * 0x9e3779b9U + key_hi;
+  x ^= x >> 16; x *= 0x7feb352dU;
+  x ^= x >> 15; x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// The 16-bit draws of elements [start, start + len): element i takes half (i % 2) of
+// hash(i / 2).  `buf` is scratch; the result points into it.
+inline const uint16_t* draw16(int64_t start, int64_t len, uint64_t seed, std::vector<uint32_t>& buf) {
+  const uint32_t key_lo = static_cast<uint32_t>(seed), key_hi = static_cast<uint32_t>(seed >> 32);
+  const int64_t pair0 = start / 2, pairs = (start + len + 1) / 2 - pair0;
+  buf.resize(pairs);
+  uint32_t* d = buf.data();
+#pragma omp simd
+  for (int64_t j = 0; j < pairs; ++j) d[j] = hash32(static_cast<uint32_t>(pair0 + j), key_lo, key_hi);
+  return reinterpret_cast<const uint16_t*>(d) + (start & 1);
+}
+
+// dst[k] = floor(clamp(src[k] * s, lo, hi) + (r[k] + 0.5) / 2**16) + shift, k < len.
+inline void round_run(const float* src, const uint16_t* r, int64_t len, float s, float lo, float hi,
+                      float shift, int8_t* dst) {
+#pragma omp simd
+  for (int64_t k = 0; k < len; ++k) {
+    const float v = std::min(std::max(src[k] * s, lo), hi);
+    const float u = (static_cast<float>(r[k]) + 0.5f) * (1.0f / 65536.0f);
+    dst[k] = static_cast<int8_t>(static_cast<int32_t>(std::floor(v + u) + shift));
+  }
+}
+
+// Packs `count` codes (each < 2**bits, one per byte, zero-padded to a multiple of 8 / bits)
+// into count * bits / 8 bytes of `out`.
+void pack_codes(const uint8_t* codes, int64_t count, int bits, uint8_t* out) {
+  const int64_t bytes = count * bits / 8;
+  if (bits == 1) {
+    for (int64_t j = 0; j < bytes; ++j) {
+      uint64_t w;
+      std::memcpy(&w, codes + 8 * j, 8);
+      out[j] = static_cast<uint8_t>((w * 0x0102040810204080ULL) >> 56);
+    }
+  } else if (bits == 2) {
+#pragma omp simd
+    for (int64_t j = 0; j < bytes; ++j) {
+      uint32_t w;
+      std::memcpy(&w, codes + 4 * j, 4);
+      out[j] = static_cast<uint8_t>((w & 0x3U) | ((w >> 6) & 0xcU) | ((w >> 12) & 0x30U) |
+                                    ((w >> 18) & 0xc0U));
+    }
+  } else {  // 4
+#pragma omp simd
+    for (int64_t j = 0; j < bytes; ++j) {
+      out[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int mc_abi_version() { return 2; }
+
+// Stochastic rounding of scaled, clamped values to small integer codes:
+//   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
+// with u_i = (r + 0.5) / 2**16, r a 16-bit draw from hash(seed, i / 2) (two draws per hash),
+// so E[code] = clamp(...) + shift to within 2**-17.  bits == 8 writes int8 codes to `out`
+// (n bytes); bits in {1, 2, 4} packs them (codes must lie in [0, 2**bits)).
+void mc_stochastic_codes(const float* x, int64_t n, const float* scales, int64_t bucket,
+                         float lo, float hi, float shift, uint64_t seed, int bits, uint8_t* out,
+                         int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    std::vector<uint32_t> draws;
+    std::vector<uint8_t> codes(bits == 8 ? 0 : BLOCK);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const uint16_t* r = draw16(start, len, seed, draws);
+      int8_t* dst = bits == 8 ? reinterpret_cast<int8_t*>(out + start)
+                              : reinterpret_cast<int8_t*>(codes.data());
+      for (int64_t i = 0; i < len;) {  // runs of one bucket
+        const int64_t g = start + i, stop = std::min(len, i + (bucket - g % bucket));
+        round_run(x + g, r + i, stop - i, scales[g / bucket], lo, hi, shift, dst + i);
+        i = stop;
+      }
+      if (bits != 8) {
+        const int64_t per = 8 / bits, padded = (len + per - 1) / per * per;
+        std::fill(codes.begin() + len, codes.begin() + padded, 0);
+        pack_codes(codes.data(), padded, bits, out + start / per);
+      }
+    }
+  });
+}
+
+// QSGD's encode in one pass over memory: for each bucket of `bucket` elements (the last may be
+// shorter), norms[b] = its L2 norm (summed in fp64, stored as fp32) and
+//   levels[i] = floor(levels * x[i] / norms[b] + u_i)   (0 where the norm is 0)
+// with the draws of mc_stochastic_codes.  A bucket is read twice, the second time from cache
+// when it is small (QSGD's default 512 elements).
+void mc_qsgd_encode(const float* x, int64_t n, int64_t bucket, int levels, uint64_t seed,
+                    int8_t* out, float* norms, int threads) {
+  const int64_t buckets = (n + bucket - 1) / bucket;
+  const int64_t per_unit = std::max<int64_t>(1, BLOCK / bucket);  // buckets per unit of work
+  const float top = static_cast<float>(levels);
+  parallel_for((buckets + per_unit - 1) / per_unit, per_unit * bucket, threads,
+               [=](int64_t first, int64_t last) {
+    std::vector<uint32_t> draws;
+    for (int64_t b = first * per_unit; b < std::min(buckets, last * per_unit); ++b) {
+      const int64_t start = b * bucket, len = std::min(bucket, n - start);
+      const float* src = x + start;
+      double squares = 0;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t k = 0; k < len; ++k) squares += static_cast<double>(src[k]) * src[k];
+      const float norm = static_cast<float>(std::sqrt(squares));
+      norms[b] = norm;
+      round_run(src, draw16(start, len, seed, draws), len, norm > 0 ? top / norm : 0.0f, -top, top,
+                0.0f, out + start);
+    }
+  });
+}
+
+// out[i] = levels[i] * steps[i / bucket] (the int8 decode of QSGD).
+void mc_scale_levels(const int8_t* levels, int64_t n, const float* steps, int64_t bucket,
+                     float* out, int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t stop_all = std::min(n, last * BLOCK);
+    for (int64_t i = first * BLOCK; i < stop_all;) {
+      const int64_t stop = std::min(stop_all, i + (bucket - i % bucket));
+      const float s = steps[i / bucket];
+#pragma omp simd
+      for (int64_t k = i; k < stop; ++k) out[k] = static_cast<float>(levels[k]) * s;
+      i = stop;
+    }
+  });
+}
+
+// out[i] = values[code i] for the n packed ``bits``-bit codes (values: 2**bits floats).
+void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* values, float* out,
+                     int threads) {
+  const int per = 8 / bits, mask = (1 << bits) - 1;
+  std::vector<float> table(256 * per);  // the per values of every possible byte
+  for (int byte = 0; byte < 256; ++byte)
+    for (int j = 0; j < per; ++j) table[byte * per + j] = values[(byte >> (bits * j)) & mask];
+  const float* t = table.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t start = first * BLOCK, stop = std::min(n, last * BLOCK);
+    const int64_t full = (stop - start) / per;  // whole bytes
+    const uint8_t* src = packed + start / per;
+    float* dst = out + start;
+    if (per == 8) {
+      for (int64_t j = 0; j < full; ++j) std::memcpy(dst + 8 * j, t + 8 * src[j], 8 * sizeof(float));
+    } else if (per == 4) {
+      for (int64_t j = 0; j < full; ++j) std::memcpy(dst + 4 * j, t + 4 * src[j], 4 * sizeof(float));
+    } else {
+      for (int64_t j = 0; j < full; ++j) std::memcpy(dst + 2 * j, t + 2 * src[j], 2 * sizeof(float));
+    }
+    const int64_t rest = (stop - start) - full * per;
+    if (rest) std::memcpy(dst + full * per, t + per * src[full], rest * sizeof(float));
+  });
+}
+
+// Packs the sign bits x[i] >= 0 (1 bit per element, as mergecomp.signs.pack_signs) into
+// out (ceil(n / 8) bytes) and writes stats = {sum x, sum |x|, count of x >= 0}.
+void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<double> partial(3 * blocks);
+  double* p = partial.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    std::vector<uint8_t> codes(BLOCK);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* src = x + start;
+      uint8_t* c = codes.data();
+      double sum = 0, magnitude = 0;
+      int64_t positive = 0;
+#pragma omp simd reduction(+ : sum, magnitude, positive)
+      for (int64_t k = 0; k < len; ++k) {
+        const float v = src[k];
+        const uint8_t bit = v >= 0.0f;
+        c[k] = bit;
+        positive += bit;
+        sum += v;
+        magnitude += std::fabs(v);
+      }
+      const int64_t padded = (len + 7) / 8 * 8;
+      std::fill(codes.begin() + len, codes.begin() + padded, 0);
+      pack_codes(c, padded, 1, out + start / 8);
+      p[3 * b] = sum;
+      p[3 * b + 1] = magnitude;
+      p[3 * b + 2] = static_cast<double>(positive);
+    }
+  });
+  stats[0] = stats[1] = stats[2] = 0;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int j = 0; j < 3; ++j) stats[j] += p[3 * b + j];
+}
+
+// stats = {min x, max x, sum x, sum x^2} in one pass (n >= 1).
+void mc_moments(const float* x, int64_t n, double* stats, int threads) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<double> partial(4 * blocks);
+  double* p = partial.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* src = x + start;
+      float low = src[0], high = src[0];
+      double sum = 0, squares = 0;
+#pragma omp simd reduction(min : low) reduction(max : high) reduction(+ : sum, squares)
+      for (int64_t k = 0; k < len; ++k) {
+        const float v = src[k];
+        low = std::min(low, v);
+        high = std::max(high, v);
+        sum += v;
+        squares += static_cast<double>(v) * v;
+      }
+      p[4 * b] = low;
+      p[4 * b + 1] = high;
+      p[4 * b + 2] = sum;
+      p[4 * b + 3] = squares;
+    }
+  });
+  stats[0] = p[0]; stats[1] = p[1]; stats[2] = stats[3] = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    stats[0] = std::min(stats[0], p[4 * b]);
+    stats[1] = std::max(stats[1], p[4 * b + 1]);
+    stats[2] += p[4 * b + 2];
+    stats[3] += p[4 * b + 3];
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,219 @@
+"""Fused CPU kernels for the elementwise codecs, compiled on first use.
+
+The eager torch versions of QSGD, TernGrad, 1-bit SGD and EF-SignSGD make four to eight passes
+over a merged group and draw random numbers from torch's CPU generator (~3.5 ns a draw); the
+kernels in ``csrc/codecs.cpp`` make one pass and hash a counter instead.  They are compiled with
+the system C++ compiler into ``~/.cache/mergecomp/native`` (``MERGECOMP_CACHE`` overrides the
+root) the first time a codec asks for them (about 2 s, once per machine and source version)
+and loaded with ``ctypes``; calls release the GIL.
+
+They serve contiguous fp32 CPU tensors only; every other tensor (CUDA, fp16, bf16, fp64) takes
+the eager path, which stays the reference.  ``MERGECOMP_NATIVE=0`` turns the kernels off, as
+does a failed build (one warning, then the eager path).  Payload layouts are identical on both
+paths; the random draws differ, so the two paths give different (equally unbiased) roundings.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+__all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
+           "pack_signs", "moments"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+          "-std=c++17", "-shared", "-fPIC", "-pthread"]
+_ABI_VERSION = 2
+#: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
+CACHED_BUCKET = 1 << 15
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_state = "unloaded"  # -> "loaded" | "failed"
+_off = 0  # depth of `disabled()` contexts
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _library_path(compiler: str) -> Path:
+    """Cache path keyed by source, flags, compiler and CPU (``-march=native``)."""
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(" ".join([compiler] + _FLAGS).encode())
+    key.update(platform.machine().encode())
+    with contextlib.suppress(OSError):
+        key.update(next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")), "").encode())
+    root = Path(os.environ.get("MERGECOMP_CACHE", Path.home() / ".cache" / "mergecomp"))
+    return root / "native" / f"codecs-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: ranks building at once never load a partial file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed:\n{result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, f32, u64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_int
+    lib.mc_abi_version.restype = i32
+    lib.mc_stochastic_codes.argtypes = [p, i64, p, i64, f32, f32, f32, u64, i32, p, i32]
+    lib.mc_qsgd_encode.argtypes = [p, i64, i64, i32, u64, p, p, i32]
+    lib.mc_scale_levels.argtypes = [p, i64, p, i64, p, i32]
+    lib.mc_decode_codes.argtypes = [p, i64, i32, p, p, i32]
+    lib.mc_pack_signs.argtypes = [p, i64, p, p, i32]
+    lib.mc_moments.argtypes = [p, i64, p, i32]
+    for fn in (lib.mc_stochastic_codes, lib.mc_qsgd_encode, lib.mc_scale_levels, lib.mc_decode_codes,
+               lib.mc_pack_signs, lib.mc_moments):
+        fn.restype = None
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _state
+    with _lock:
+        if _state != "unloaded":
+            return _lib
+        _state = "failed"
+        if os.environ.get("MERGECOMP_NATIVE", "1") == "0" or sys.platform == "win32":
+            return None
+        compiler = _compiler()
+        if compiler is None:
+            warnings.warn("mergecomp: no C++ compiler found; the codecs use their (slower) eager "
+                          "torch path", RuntimeWarning, stacklevel=3)
+            return None
+        try:
+            target = _library_path(compiler)
+            if not target.exists():
+                _build(compiler, target)
+            lib = ctypes.CDLL(str(target))
+            _declare(lib)
+            if lib.mc_abi_version() != _ABI_VERSION:
+                raise RuntimeError(f"{target} has ABI {lib.mc_abi_version()}, expected {_ABI_VERSION}")
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            warnings.warn(f"mergecomp: building the native codec kernels failed, the codecs use "
+                          f"their (slower) eager torch path: {error}", RuntimeWarning, stacklevel=3)
+            return None
+        _lib, _state = lib, "loaded"
+        return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True when the kernels are on and every tensor is a contiguous fp32 CPU tensor."""
+    if _off or not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                       for t in tensors):
+        return False
+    return (_lib if _state == "loaded" else _load()) is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block every codec takes its eager torch path (for tests and comparisons)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def _library() -> ctypes.CDLL:
+    lib = _lib if _state == "loaded" else _load()
+    if lib is None:
+        raise RuntimeError("mergecomp's native codec kernels are not available (see usable())")
+    return lib
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _seed() -> int:
+    """A 63-bit seed from torch's CPU generator, so ``torch.manual_seed`` makes runs repeatable."""
+    return int(torch.empty((), dtype=torch.int64).random_())
+
+
+def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: float, hi: float,
+                     shift: int, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """``floor(clamp(x * scales[i // bucket], lo, hi) + u) + shift`` per element, ``u`` uniform
+    in (0, 1) (16-bit resolution): int8 codes into ``out`` (``numel`` int8) for ``bits == 8``,
+    else packed ``bits``-bit codes as :func:`mergecomp.bitpack.pack` lays them out (``out``:
+    ``packed_size`` uint8; the codes must lie in ``[0, 2 ** bits)``).  ``scales``: fp32, one
+    per bucket of ``bucket`` elements.  Returns ``out``."""
+    scales = scales.to(torch.float32).contiguous()
+    _library().mc_stochastic_codes(_ptr(x), x.numel(), _ptr(scales), max(int(bucket), 1), lo, hi,
+                             float(shift), _seed(), bits, _ptr(out), _threads())
+    return out
+
+
+def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, out: torch.Tensor,
+                norms: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """QSGD's encode in one pass: ``norms`` (fp32, one per bucket of ``bucket`` elements) gets
+    each bucket's L2 norm and ``out`` (``numel`` int8) the levels
+    ``floor(levels * x / norm + u)`` (0 in a bucket whose norm is 0), ``u`` as in
+    :func:`stochastic_codes`.  Returns ``(out, norms)``."""
+    _library().mc_qsgd_encode(_ptr(x), x.numel(), max(int(bucket), 1), int(levels), _seed(),
+                              _ptr(out), _ptr(norms), _threads())
+    return out, norms
+
+
+def scale_levels(levels: torch.Tensor, steps: torch.Tensor, bucket: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = levels[i] * steps[i // bucket]`` (int8 levels, fp32 steps and ``out``)."""
+    steps = steps.to(torch.float32).contiguous()
+    _library().mc_scale_levels(_ptr(levels), levels.numel(), _ptr(steps), max(int(bucket), 1),
+                         _ptr(out), _threads())
+    return out
+
+
+def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    """``values[code]`` for the ``n`` packed ``bits``-bit codes, into ``out`` (``n`` fp32):
+    :func:`mergecomp.bitpack.decode` in one threaded pass."""
+    values = values.to(torch.float32).contiguous()
+    _library().mc_decode_codes(_ptr(packed), n, bits, _ptr(values), _ptr(out), _threads())
+    return out
+
+
+def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The sign bits ``x >= 0`` packed into ``out`` (``ceil(n / 8)`` uint8) and, from the same
+    pass, the fp64 tensor ``[sum x, sum |x|, count(x >= 0)]``."""
+    stats = torch.empty(3, dtype=torch.float64)
+    _library().mc_pack_signs(_ptr(x), x.numel(), _ptr(out), _ptr(stats), _threads())
+    return out, stats
+
+
+def moments(x: torch.Tensor) -> torch.Tensor:
+    """fp64 ``[min x, max x, sum x, sum x^2]`` of a non-empty ``x`` in one pass."""
+    if x.numel() == 0:
+        raise ValueError("moments of an empty tensor")
+    stats = torch.empty(4, dtype=torch.float64)
+    _library().mc_moments(_ptr(x), x.numel(), _ptr(stats), _threads())
+    return stats

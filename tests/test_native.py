@@ -1,0 +1,222 @@
+"""The native fp32 CPU codec kernels (mergecomp.native) against the eager torch reference."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mergecomp
+from mergecomp import bitpack, native
+from mergecomp.quantize import bucket_norms
+
+HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+# Sizes around the kernels' 32768-element blocks and the 2**18 elements per thread.
+SIZES = [1, 7, 8, 9, 1000, 32768, 32769, 100_003, (1 << 19) + 5]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(7)
+
+
+def test_kernels_build_where_there_is_a_compiler():
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler on this machine")
+    assert native.usable(torch.zeros(3))
+    assert not native.usable(torch.zeros(3, dtype=torch.float64))
+    assert not native.usable(torch.zeros(4, 2).t())
+    with native.disabled():
+        assert not native.usable(torch.zeros(3))
+
+
+needs_kernels = pytest.mark.skipif(not HAS_COMPILER or not native.usable(torch.zeros(1)),
+                                   reason="native kernels unavailable")
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_signs_and_sums(n):
+    x = torch.randn(n)
+    x[::5] = 0.0
+    packed, stats = native.pack_signs(x, torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8))
+    assert torch.equal(packed, bitpack.pack(x >= 0, 1))
+    expected = torch.stack([x.double().sum(), x.double().abs().sum(), (x >= 0).sum().double()])
+    torch.testing.assert_close(stats, expected, rtol=1e-10, atol=1e-9)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+def test_moments(n):
+    x = torch.randn(n) * 3 + 1
+    expected = torch.stack([x.min().double(), x.max().double(), x.double().sum(),
+                            x.double().square().sum()])
+    torch.testing.assert_close(native.moments(x), expected, rtol=1e-10, atol=1e-9)
+
+
+def test_moments_rejects_empty():
+    with pytest.raises(ValueError, match="empty"):
+        native.moments(torch.empty(0))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("n", SIZES)
+def test_decode_codes_matches_bitpack(bits, n):
+    codes = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
+    values = torch.randn(1 << bits)
+    packed = bitpack.pack(codes, bits)
+    out = native.decode_codes(packed, bits, n, values, torch.empty(n))
+    assert torch.equal(out, values[codes.long()])
+    assert torch.equal(out, bitpack.decode(packed, bits, n, values))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits, lo, hi, shift", [(8, -64, 64, 0), (1, 0, 1, 0), (2, -1, 1, 1),
+                                                 (4, -7, 7, 7)])
+@pytest.mark.parametrize("n", SIZES)
+def test_stochastic_codes_exact_on_integers(bits, lo, hi, shift, n):
+    """Integral values round to themselves; layout and padding as bitpack.pack."""
+    ints = torch.randint(lo, hi + 1, (n,)).float()
+    out = torch.empty(n if bits == 8 else bitpack.packed_size(n, bits),
+                      dtype=torch.int8 if bits == 8 else torch.uint8)
+    native.stochastic_codes(ints * 0.5, torch.full((-(-n // 300),), 2.0), 300, lo, hi, shift, bits, out)
+    codes = (ints + shift).to(torch.int8)
+    assert torch.equal(out, codes if bits == 8 else bitpack.pack(codes.to(torch.uint8), bits))
+
+
+@needs_kernels
+def test_stochastic_codes_scale_per_bucket_and_clamp():
+    x = torch.tensor([0.5, -0.5, 2.0, -2.0] * 4)
+    out = torch.empty(16, dtype=torch.int8)
+    native.stochastic_codes(x, torch.tensor([2.0, 4.0, 0.0, 8.0]), 4, -3, 3, 0, 8, out)
+    assert out.view(4, 4)[[0, 1, 2, 3]].tolist() == [[1, -1, 3, -3], [2, -2, 3, -3], [0, 0, 0, 0],
+                                                       [3, -3, 3, -3]]
+
+
+@needs_kernels
+def test_stochastic_codes_unbiased():
+    x = torch.linspace(-2.9, 2.9, 1 << 16)
+    out = torch.empty(x.numel(), dtype=torch.int8)
+    total = torch.zeros_like(x)
+    draws = 200
+    for _ in range(draws):
+        total += native.stochastic_codes(x, torch.ones(1), x.numel(), -3, 3, 0, 8, out).float()
+    mean = total / draws
+    # each element: |mean - x| within 5 sigma of a Bernoulli(frac) over 200 draws
+    assert (mean - x).abs().max() < 5 * 0.5 / draws ** 0.5
+    # and across all elements the bias vanishes
+    assert abs((mean - x).mean()) < 2e-3
+    # neighbouring elements (two halves of one hash, or consecutive hashes) are uncorrelated
+    err = native.stochastic_codes(x, torch.ones(1), x.numel(), -3, 3, 0, 8, out).float() - x
+    assert abs(torch.corrcoef(torch.stack([err[:-1], err[1:]]))[0, 1]) < 0.03
+
+
+@needs_kernels
+def test_draws_follow_torch_seed_and_not_thread_count():
+    x = torch.randn((1 << 19) + 3)
+    out = torch.empty(x.numel(), dtype=torch.int8)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            torch.manual_seed(11)
+            results.append(native.stochastic_codes(x, torch.tensor([8.0]), x.numel(), -64, 64, 0, 8,
+                                                   out).clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    torch.manual_seed(12)
+    assert not torch.equal(native.stochastic_codes(x, torch.tensor([8.0]), x.numel(), -64, 64, 0, 8,
+                                                   out), results[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, bucket", [(1000, 512), (100_003, 512), (70_000, 1 << 15), (513, 7)])
+def test_qsgd_encode_and_scale_levels(n, bucket):
+    x = torch.randn(n)
+    x[:bucket] = 0.0  # a bucket with norm 0
+    buckets = -(-n // bucket)
+    levels, norms = native.qsgd_encode(x, bucket, 64, torch.empty(n, dtype=torch.int8),
+                                       torch.empty(buckets))
+    torch.testing.assert_close(norms, bucket_norms(x, bucket, torch.float32), rtol=1e-6, atol=0)
+    assert torch.all(levels[:bucket] == 0)
+    scaled = x * 64 / norms.clamp_min(1e-30).repeat_interleave(bucket)[:n]
+    assert torch.all((levels.float() - scaled).abs() < 1)
+    steps = norms / 64
+    out = native.scale_levels(levels, steps, bucket, torch.empty(n))
+    assert torch.equal(out, levels.float() * steps.repeat_interleave(bucket)[:n])
+
+
+# -- the compressors on both paths -----------------------------------------------------------
+def _payload(name, x, **kwargs):
+    torch.manual_seed(3)
+    c = mergecomp.get_compressor(name, **kwargs)
+    payload, ctx = c.compress(x, "g")
+    return c, payload, ctx
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["onebit", "efsignsgd", "signsgd", "signum"])
+def test_sign_codecs_same_wire_on_both_paths(name):
+    x = torch.randn(100_003)
+    _, fast, _ = _payload(name, x)
+    with native.disabled():
+        c, eager, ctx = _payload(name, x)
+    assert torch.equal(fast[0], eager[0])
+    for a, b in zip(fast[1:], eager[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with native.disabled():
+        reference = c.decompress(eager, ctx).clone()
+    assert torch.equal(c.decompress(eager, ctx), reference)  # decoded natively
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, kwargs", [("qsgd", {}), ("qsgd", {"bucket_size": None}),
+                                          ("terngrad", {})])
+def test_stochastic_codecs_agree_on_both_paths(name, kwargs):
+    """Different draws, same layout and scalars; each path decodes the other's payload alike."""
+    x = torch.randn(100_003)
+    c, fast, ctx = _payload(name, x, **kwargs)
+    with native.disabled():
+        _, eager, _ = _payload(name, x, **kwargs)
+        eager_decoded = c.decompress(fast, ctx).clone()
+    assert [t.shape for t in fast] == [t.shape for t in eager]
+    assert [t.dtype for t in fast] == [t.dtype for t in eager]
+    torch.testing.assert_close(fast[1], eager[1], rtol=1e-5, atol=0)
+    assert torch.equal(c.decompress(fast, ctx), eager_decoded)
+    # both are unbiased estimates of x: the decoded error is small and centred
+    for payload in (fast, eager):
+        err = c.decompress(payload, ctx) - x
+        assert abs(err.mean()) < 3 * err.std() / err.numel() ** 0.5 + 1e-6
+
+
+# -- fallback --------------------------------------------------------------------------------
+def _probe(env):
+    code = ("import warnings, torch\nwarnings.simplefilter('always')\n"
+            "from mergecomp import native\nimport mergecomp\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    ok = native.usable(torch.zeros(3))\n"
+            "c = mergecomp.get_compressor('onebit')\n"
+            "p, ctx = c.compress(torch.ones(1000), 'g')\n"
+            "print(ok, bool(torch.allclose(c.decompress(p, ctx), torch.ones(1000))), "
+            "'|'.join(str(x.message) for x in w))\n")
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_environment_switch_turns_kernels_off():
+    assert _probe({"MERGECOMP_NATIVE": "0"}).startswith("False True")
+
+
+def test_failed_build_warns_and_falls_back(tmp_path):
+    broken = tmp_path / "broken-cxx"
+    broken.write_text("#!/bin/sh\necho 'cannot compile' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    out = _probe({"CXX": str(broken), "MERGECOMP_CACHE": str(tmp_path / "cache")})
+    assert out.startswith("False True"), out
+    assert "building the native codec kernels failed" in out and "cannot compile" in out
