@@ -179,7 +179,7 @@ class PowerSGDCompressor(Compressor):
         if ctx.raw_sum is None:
             raise ValueError("powersgd decodes only the last round's payload")
         layout, work = ctx.layout, work_dtype(ctx.dtype)
-        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=q_flat.device)
+        out = self.scratch(ctx.numel, ctx.dtype, q_flat.device)
         qs = self._split(q_flat, layout, 2)
         for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, qs):
             out[offset:offset + m * n].view(m, n).copy_(p @ q.to(work).t())
