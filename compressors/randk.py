@@ -58,6 +58,11 @@ class RandKCompressor(Compressor):
             indices = torch.zeros(0, dtype=torch.int64, device=tensor.device)
         return (tensor[indices],), RandKCtx(numel, tensor.dtype, indices)
 
+    def sent_entries(self, payload: Payload, ctx: RandKCtx):
+        if self.unbiased:  # scaled and summed over repeats: not a plain put
+            return None
+        return ctx.indices, payload[0].to(ctx.dtype)
+
     def decompress(self, payload: Payload, ctx: RandKCtx) -> torch.Tensor:
         values = payload[0].to(ctx.dtype)
         dense = self.scratch(ctx.numel, ctx.dtype, values.device).zero_()

@@ -21,13 +21,13 @@ class SignSGDCompressor(Compressor):
     votes = True
     default_memory = "none"
 
-    def signal(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """The tensor whose signs are sent (subclasses: e.g. a momentum)."""
-        return tensor
+    def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The packed sign bits sent for ``tensor`` (subclasses: of a momentum, e.g.)."""
+        return pack_signs(tensor)
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
-        return (pack_signs(self.signal(tensor, name)),), (tensor.numel(), tensor.dtype)
+        return (self.sign_bits(tensor, name),), (tensor.numel(), tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         numel, dtype = ctx

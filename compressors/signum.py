@@ -7,7 +7,9 @@ Defaults: ``beta=0.9``; no error-feedback memory.
 """
 import torch
 
+from mergecomp import bitpack, native
 from mergecomp.registry import register_compressor
+from mergecomp.signs import pack_signs
 
 from .signsgd import SignSGDCompressor
 
@@ -21,13 +23,16 @@ class SignumCompressor(SignSGDCompressor):
             raise ValueError(f"signum beta must be in [0, 1), got {beta}")
         self.beta = beta
 
-    def signal(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         state = self.group_state(name)
         momentum = state.get("momentum")
         if momentum is None or momentum.numel() != tensor.numel():
             momentum = torch.zeros_like(tensor)
         elif momentum.dtype != tensor.dtype or momentum.device != tensor.device:
             momentum = momentum.to(dtype=tensor.dtype, device=tensor.device)
-        momentum.lerp_(tensor, 1.0 - self.beta)  # beta m + (1 - beta) x, one pass
         state["momentum"] = momentum
-        return momentum
+        if native.usable(tensor, momentum):  # momentum update and sign bits in one pass
+            out = torch.empty(bitpack.packed_size(tensor.numel(), 1), dtype=torch.uint8)
+            return native.momentum_signs(tensor, momentum, self.beta, out)
+        momentum.lerp_(tensor, 1.0 - self.beta)  # beta m + (1 - beta) x, one pass
+        return pack_signs(momentum)

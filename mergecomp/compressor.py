@@ -83,6 +83,12 @@ class Compressor(GroupStateful, abc.ABC):
         """Decode one payload (or the elementwise sum of several) into a flat tensor."""
         raise NotImplementedError
 
+    def sent_entries(self, payload: Payload, ctx: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``decompress(payload, ctx)`` as sparse entries ``(indices, values)`` when it is zero
+        except ``decoded[indices] = values`` (int64 indices; a repeated index carries equal
+        values), else None.  Lets the error-feedback memory skip the dense decode."""
+        return None
+
     def next_round(self, summed: Payload, ctx: Any) -> Tuple[Payload, Any]:
         """Multi-round compressors: build the next round's payload from the summed one."""
         raise NotImplementedError(f"compressor {self.name!r} has a single round")

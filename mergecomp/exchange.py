@@ -205,7 +205,12 @@ class Exchange:
                 self._remember(job)
 
     def _remember(self, job: InFlight) -> None:
-        if type(self.memory).update is not Memory.update:
+        if type(self.memory).update is Memory.update:
+            return  # no error feedback
+        entries = job.compressor.sent_entries(job.payload, job.ctx)
+        if entries is not None:
+            self.memory.update_sparse(job.compensated, job.group.name, *entries)
+        else:
             transmitted = job.compressor.decompress(job.payload, job.ctx)
             self.memory.update(job.compensated, job.group.name, transmitted)
 

@@ -31,6 +31,13 @@ class Memory(GroupStateful):
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
         """Remember what of ``compensated`` was not transmitted."""
 
+    def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        """:meth:`update` for a transmitted tensor that is zero except
+        ``transmitted[indices] = values`` (see :meth:`Compressor.sent_entries`)."""
+        transmitted = torch.zeros_like(compensated).index_put_((indices,), values)
+        self.update(compensated, name, transmitted)
+
     def _buffer(self, name: str, field: str, like: torch.Tensor) -> torch.Tensor:
         fields = self.state.setdefault(name, {})
         buf = fields.get(field)
@@ -64,6 +71,12 @@ class ResidualMemory(Memory):
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
         torch.sub(compensated, transmitted, out=self._buffer(name, "residual", compensated))
 
+    def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        # one copy instead of a dense decode and a subtraction
+        residual = self._buffer(name, "residual", compensated).copy_(compensated)
+        residual.index_put_((indices,), compensated[indices] - values)
+
 
 @register_memory("dgc")
 class DGCMemory(Memory):
@@ -93,3 +106,10 @@ class DGCMemory(Memory):
         fields = self.state[name]
         torch.sub(compensated, transmitted, out=fields["velocity"])
         fields["momentum"].mul_(kept)
+
+    def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        # compensate() left velocity == compensated, so only the sent entries change: O(k)
+        fields = self.state[name]
+        fields["velocity"].index_put_((indices,), compensated[indices] - values)
+        fields["momentum"].index_fill_(0, indices[values != 0], 0)

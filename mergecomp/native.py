@@ -26,17 +26,17 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "moments"]
+           "pack_signs", "momentum_signs", "majority_vote", "indices_above", "moments"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 2
+_ABI_VERSION = 4
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -87,8 +87,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mc_decode_codes.argtypes = [p, i64, i32, p, p, i32]
     lib.mc_pack_signs.argtypes = [p, i64, p, p, i32]
     lib.mc_moments.argtypes = [p, i64, p, i32]
+    lib.mc_momentum_signs.argtypes = [p, p, f32, i64, p, p, i32]
+    lib.mc_majority_vote.argtypes = [p, i32, i64, p, i32]
+    lib.mc_indices_above.argtypes = [p, i64, f32, p, i64, i32]
+    lib.mc_indices_above.restype = i64
     for fn in (lib.mc_stochastic_codes, lib.mc_qsgd_encode, lib.mc_scale_levels, lib.mc_decode_codes,
-               lib.mc_pack_signs, lib.mc_moments):
+               lib.mc_pack_signs, lib.mc_moments, lib.mc_momentum_signs, lib.mc_majority_vote):
         fn.restype = None
 
 
@@ -208,6 +212,44 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.
     stats = torch.empty(3, dtype=torch.float64)
     _library().mc_pack_signs(_ptr(x), x.numel(), _ptr(out), _ptr(stats), _threads())
     return out, stats
+
+
+def momentum_signs(x: torch.Tensor, momentum: torch.Tensor, beta: float,
+                   out: torch.Tensor) -> torch.Tensor:
+    """Signum's step in one pass: ``momentum = beta * momentum + (1 - beta) * x`` (in place,
+    fp32 like ``x``), and its sign bits packed into ``out`` as :func:`pack_signs`.  Returns
+    ``out``."""
+    stats = torch.empty(3, dtype=torch.float64)
+    _library().mc_momentum_signs(_ptr(x), _ptr(momentum), 1.0 - beta, x.numel(), _ptr(out),
+                                 _ptr(stats), _threads())
+    return out
+
+
+#: most voters :func:`majority_vote` counts (one byte per element)
+MAX_VOTERS = 255
+
+
+def majority_vote(packed: Sequence[torch.Tensor], n: int, out: torch.Tensor) -> torch.Tensor:
+    """The majority vote of the ``n`` sign bits in each of ``packed`` (contiguous uint8 CPU
+    tensors as :func:`pack_signs` writes them, at most :data:`MAX_VOTERS`) into ``out`` (``n``
+    fp32): +1, -1, or 0 on a tie.  Returns ``out``."""
+    if not 1 <= len(packed) <= MAX_VOTERS:
+        raise ValueError(f"majority_vote counts 1 to {MAX_VOTERS} voters, got {len(packed)}")
+    pointers = (ctypes.c_void_p * len(packed))(*[_ptr(p) for p in packed])
+    _library().mc_majority_vote(pointers, len(packed), n, _ptr(out), _threads())
+    return out
+
+
+def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Tensor:
+    """int64 indices (ascending) of the elements with ``|x| >= threshold``, in one pass without
+    a mask; ``capacity`` is a guess of their number (a second call fixes a low guess)."""
+    lib = _library()
+    out = torch.empty(max(int(capacity), 1), dtype=torch.int64)
+    count = lib.mc_indices_above(_ptr(x), x.numel(), threshold, _ptr(out), out.numel(), _threads())
+    if count > out.numel():
+        out = torch.empty(count, dtype=torch.int64)
+        lib.mc_indices_above(_ptr(x), x.numel(), threshold, _ptr(out), count, _threads())
+    return out[:count]
 
 
 def moments(x: torch.Tensor) -> torch.Tensor:

@@ -52,11 +52,16 @@ def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype
     voters = len(packed)
     if voters == 0:
         raise ValueError("majority_vote needs at least one payload")
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=packed[0].device)
+    if voters <= native.MAX_VOTERS and native.usable(out) and all(
+            p.device.type == "cpu" and p.dtype == torch.uint8 and p.is_contiguous()
+            and p.numel() * 8 >= numel for p in packed):
+        return native.majority_vote(packed, numel, out)
     ones = bitpack.unpack(packed[0], 1, numel)
     if voters > 1:
         ones = ones.to(torch.uint8 if voters < 256 else torch.int32, copy=True)
         for p in packed[1:]:
             ones.add_(bitpack.unpack(p, 1, numel))
     # Convert first: mixed integer/float arithmetic takes a slow path (5x slower here).
-    votes = ones.to(dtype) if out is None else out.copy_(ones)
-    return votes.sub_(voters / 2).sign_()
+    return out.copy_(ones).sub_(voters / 2).sign_()

@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import native
 from .compressor import Compressor, Payload, check_ratio
 
 __all__ = [
@@ -74,14 +75,17 @@ def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Te
             sample = sample.abs()
         rank_in_sample = min(sample.numel(), math.ceil(_OVERSAMPLE * k * sample.numel() / n))
         threshold = sample.topk(rank_in_sample, sorted=False).values.min()
-        above = torch.empty(n, dtype=torch.bool, device=values.device)
-        if absolute:
-            for start in range(0, n, _CHUNK):
-                chunk = values[start:start + _CHUNK]
-                torch.ge(chunk.abs(), threshold, out=above[start:start + _CHUNK])
+        if absolute and native.usable(values):  # |x| >= threshold and the compaction in one pass
+            candidates = native.indices_above(values, float(threshold), 2 * _OVERSAMPLE * k + 1024)
         else:
-            torch.ge(values, threshold, out=above)
-        candidates = _flat_nonzero(above)
+            above = torch.empty(n, dtype=torch.bool, device=values.device)
+            if absolute:
+                for start in range(0, n, _CHUNK):
+                    chunk = values[start:start + _CHUNK]
+                    torch.ge(chunk.abs(), threshold, out=above[start:start + _CHUNK])
+            else:
+                torch.ge(values, threshold, out=above)
+            candidates = _flat_nonzero(above)
         if candidates.numel() >= k:
             magnitude = values.index_select(0, candidates)
             if absolute:
@@ -146,6 +150,10 @@ class SparseCompressor(Compressor):
         dense = self.scratch(numel, dtype, values.device).zero_()
         # scatter_add_ accumulates repeated indices like index_add_, and is faster on CPU.
         return dense.scatter_add_(0, indices.long(), values.to(dtype))
+
+    def sent_entries(self, payload: Payload, ctx: Tuple[int, torch.dtype]):
+        values, indices = payload  # one rank's selection: the indices are distinct
+        return indices.long(), values.to(ctx[1])
 
     def aggregate(self, payloads, ctx, world_size, average):
         # One scatter-add over all ranks' entries instead of one dense decode per rank.

@@ -601,3 +601,32 @@ def test_error_feedback_conserves_the_gradient(name):
     assert max(norms) <= shrink / (1 - shrink) * largest
     # not growing (an unbounded random walk would grow by sqrt(175 / 75) ~ 1.5 here)
     assert sum(norms[-50:]) / 50 <= 1.25 * sum(norms[50:100]) / 50
+
+
+@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+@pytest.mark.parametrize("name, kwargs", [("topk", {}), ("dgc", {}), ("randk", {}),
+                                          ("randk", {"unbiased": True}), ("fp16", {})])
+def test_sparse_memory_update_matches_the_dense_one(name, kwargs, memory_name):
+    """Memory.update_sparse (used when Compressor.sent_entries is not None) leaves the same
+    state as update() with the dense decode, step after step."""
+    n = 5000
+    def build():
+        return make(name) if name == "fp16" else make(name, ratio=0.05, **kwargs)
+
+    sparse_c, dense_c = build(), build()
+    sparse_m, dense_m = mergecomp.get_memory(memory_name), mergecomp.get_memory(memory_name)
+    for step in range(5):
+        grad = torch.randn(n)
+        xs = sparse_m.compensate(grad.clone(), "g")
+        xd = dense_m.compensate(grad.clone(), "g")
+        assert torch.equal(xs, xd)
+        payload, ctx = sparse_c.compress(xs, "g")
+        dense_payload, dense_ctx = dense_c.compress(xd, "g")
+        entries = sparse_c.sent_entries(payload, ctx)
+        if name == "fp16" or kwargs.get("unbiased"):
+            assert entries is None
+            continue
+        sparse_m.update_sparse(xs, "g", *entries)
+        dense_m.update(xd, "g", dense_c.decompress(dense_payload, dense_ctx))
+        for field, value in dense_m.state["g"].items():
+            assert torch.equal(sparse_m.state["g"][field], value), (step, field)

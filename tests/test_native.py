@@ -150,6 +150,46 @@ def test_qsgd_encode_and_scale_levels(n, bucket):
     assert torch.equal(out, levels.float() * steps.repeat_interleave(bucket)[:n])
 
 
+@needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+def test_momentum_signs(n):
+    x, momentum = torch.randn(n), torch.randn(n)
+    expected = momentum.lerp(x, 0.1)
+    out = native.momentum_signs(x, momentum, 0.9,
+                                torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8))
+    torch.testing.assert_close(momentum, expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, bitpack.pack(momentum >= 0, 1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("capacity", [1, 10 ** 6])
+def test_indices_above(n, capacity):
+    x = torch.randn(n)
+    x[::3] *= -1
+    expected = torch.nonzero(x.abs() >= 1.5).view(-1)
+    assert torch.equal(native.indices_above(x, 1.5, capacity), expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize("voters", [1, 2, 3, 4, 255])
+@pytest.mark.parametrize("n", [1, 9, 32769, (1 << 19) + 5])
+def test_majority_vote_matches_eager(voters, n):
+    from mergecomp.signs import majority_vote, pack_signs
+    packed = [pack_signs(torch.randn(n)) for _ in range(voters)]
+    fast = majority_vote(packed, n, torch.float32)
+    with native.disabled():
+        eager = majority_vote(packed, n, torch.float32)
+    assert torch.equal(fast, eager)
+    if voters % 2 == 0:  # ties happen and give 0
+        assert (fast == 0).any() or n < 100
+
+
+def test_majority_vote_voter_count_is_checked():
+    with pytest.raises(ValueError, match="1 to 255 voters"):
+        native.majority_vote([], 8, torch.empty(8))
+
+
 # -- the compressors on both paths -----------------------------------------------------------
 def _payload(name, x, **kwargs):
     torch.manual_seed(3)

@@ -117,11 +117,59 @@ void pack_codes(const uint8_t* codes, int64_t count, int bits, uint8_t* out) {
   }
 }
 
+// EXPAND[b]: the 8 bits of byte b as 8 bytes of 0 or 1 (bit j in byte j).
+const std::vector<uint64_t> EXPAND = [] {
+  std::vector<uint64_t> table(256);
+  for (uint64_t b = 0; b < 256; ++b)
+    for (int j = 0; j < 8; ++j) table[b] |= ((b >> j) & 1) << (8 * j);
+  return table;
+}();
+
+// The sign bits of v[i] (v = x, or the momentum m = m + weight * (x - m), updated in place)
+// packed into out, with stats = {sum v, sum |v|, count of v >= 0}.
+template <bool Momentum>
+void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t* out, double* stats,
+                     int threads) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<double> partial(3 * blocks);
+  double* p = partial.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    std::vector<uint8_t> codes(BLOCK);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* src = x + start;
+      float* mom = Momentum ? m + start : nullptr;
+      uint8_t* c = codes.data();
+      double sum = 0, magnitude = 0;
+      int64_t positive = 0;
+#pragma omp simd reduction(+ : sum, magnitude, positive)
+      for (int64_t k = 0; k < len; ++k) {
+        float v = src[k];
+        if (Momentum) mom[k] = v = mom[k] + weight * (v - mom[k]);
+        const uint8_t bit = v >= 0.0f;
+        c[k] = bit;
+        positive += bit;
+        sum += v;
+        magnitude += std::fabs(v);
+      }
+      const int64_t padded = (len + 7) / 8 * 8;
+      std::fill(codes.begin() + len, codes.begin() + padded, 0);
+      pack_codes(c, padded, 1, out + start / 8);
+      p[3 * b] = sum;
+      p[3 * b + 1] = magnitude;
+      p[3 * b + 2] = static_cast<double>(positive);
+    }
+  });
+  stats[0] = stats[1] = stats[2] = 0;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int j = 0; j < 3; ++j) stats[j] += p[3 * b + j];
+}
+
 }  // namespace
 
 extern "C" {
 
-int mc_abi_version() { return 2; }
+int mc_abi_version() { return 4; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -223,37 +271,77 @@ void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* va
 // Packs the sign bits x[i] >= 0 (1 bit per element, as mergecomp.signs.pack_signs) into
 // out (ceil(n / 8) bytes) and writes stats = {sum x, sum |x|, count of x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
-  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-  std::vector<double> partial(3 * blocks);
-  double* p = partial.data();
+  pack_signs_impl<false>(x, nullptr, 0.0f, n, out, stats, threads);
+}
+
+// Signum's step: m = m + weight * (x - m) in place, then mc_pack_signs of m.
+void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_t* out,
+                       double* stats, int threads) {
+  pack_signs_impl<true>(x, m, weight, n, out, stats, threads);
+}
+
+// The majority vote of `voters` (1..255) packed sign-bit streams of n elements each:
+// out[i] = +1 if more than half voted +, -1 if fewer, 0 on a tie.  Votes are counted in one
+// byte per element, eight elements per 64-bit add.
+void mc_majority_vote(const uint8_t* const* packed, int voters, int64_t n, float* out, int threads) {
+  const uint64_t* expand = EXPAND.data();
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    std::vector<uint8_t> codes(BLOCK);
+    std::vector<uint64_t> counts(BLOCK / 8);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start), bytes = (len + 7) / 8;
+      uint64_t* c = counts.data();
+      std::fill(c, c + bytes, 0);
+      for (int v = 0; v < voters; ++v) {
+        const uint8_t* src = packed[v] + start / 8;
+        for (int64_t j = 0; j < bytes; ++j) c[j] += expand[src[j]];
+      }
+      const uint8_t* count = reinterpret_cast<const uint8_t*>(c);
+      float* dst = out + start;
+#pragma omp simd
+      for (int64_t k = 0; k < len; ++k) {
+        const int twice = 2 * count[k];
+        dst[k] = static_cast<float>((twice > voters) - (twice < voters));
+      }
+    }
+  });
+}
+
+// The indices i (ascending) with |x[i]| >= threshold: writes the first `capacity` of them to
+// out and returns how many there are (call again with a larger out if that is > capacity).
+int64_t mc_indices_above(const float* x, int64_t n, float threshold, int64_t* out,
+                         int64_t capacity, int threads) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<std::vector<int64_t>> found(blocks);
+  std::vector<int64_t>* lists = found.data();
+  // Captures by value: a worker reading the caller's stack would share its cache lines.
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    std::vector<uint8_t> mask(BLOCK + 8);
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
       const float* src = x + start;
-      uint8_t* c = codes.data();
-      double sum = 0, magnitude = 0;
-      int64_t positive = 0;
-#pragma omp simd reduction(+ : sum, magnitude, positive)
-      for (int64_t k = 0; k < len; ++k) {
-        const float v = src[k];
-        const uint8_t bit = v >= 0.0f;
-        c[k] = bit;
-        positive += bit;
-        sum += v;
-        magnitude += std::fabs(v);
+      uint8_t* m = mask.data();
+#pragma omp simd
+      for (int64_t k = 0; k < len; ++k) m[k] = std::fabs(src[k]) >= threshold;
+      std::fill(m + len, m + len + 8, 0);
+      // Scan the 0/1 bytes a word at a time: most words are zero when few elements pass.
+      std::vector<int64_t>& hits = lists[b];
+      for (int64_t w = 0; w < len; w += 8) {
+        uint64_t word;
+        std::memcpy(&word, m + w, 8);
+        while (word) {
+          hits.push_back(start + w + __builtin_ctzll(word) / 8);
+          word &= word - 1;
+        }
       }
-      const int64_t padded = (len + 7) / 8 * 8;
-      std::fill(codes.begin() + len, codes.begin() + padded, 0);
-      pack_codes(c, padded, 1, out + start / 8);
-      p[3 * b] = sum;
-      p[3 * b + 1] = magnitude;
-      p[3 * b + 2] = static_cast<double>(positive);
     }
   });
-  stats[0] = stats[1] = stats[2] = 0;
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int j = 0; j < 3; ++j) stats[j] += p[3 * b + j];
+  int64_t count = 0;
+  for (const auto& hits : found) {
+    const int64_t take = std::max<int64_t>(0, std::min<int64_t>(hits.size(), capacity - count));
+    std::copy(hits.begin(), hits.begin() + take, out + count);
+    count += hits.size();
+  }
+  return count;
 }
 
 // stats = {min x, max x, sum x, sum x^2} in one pass (n >= 1).
