@@ -212,6 +212,10 @@ def _total(prefix: Sequence[int], ready: Sequence[float], costs: Sequence[CodecC
     return clock
 
 
+#: relative difference of predicted step times below which :func:`search` calls plans equal
+TIE = 0.005
+
+
 def search(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS,
            top: int = 3, grid_points: int = 16) -> List[Prediction]:
     """The ``top`` best plans by predicted time, exhaustive over 1..``max_groups`` groups cut on
@@ -219,7 +223,11 @@ def search(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS
 
     The candidates differ in kind: the fastest plan of each (codec carrying most bytes, number
     of groups) pair competes, and each codec's best comes before any codec's second best;
-    the result is sorted fastest first.
+    the result is sorted fastest first.  Plans within :data:`TIE` of each other count as
+    equally fast, and the one whose bytes wait least for the rest of their group wins
+    (``sum(size * (group ready - tensor ready))``): where the model cannot tell plans apart
+    (e.g. a cheap network fully hidden behind compute), sending gradients soon after they are
+    ready is the safer bet against costs it does not see.
     """
     if max_groups < 1:
         raise ValueError(f"max_groups must be >= 1, got {max_groups}")
@@ -230,8 +238,12 @@ def search(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS
     prefix = [0]
     for size in profile.sizes:
         prefix.append(prefix[-1] + size)
+    held_back = [0.0]  # prefix sums of size * ready time
+    for size, ready in zip(profile.sizes, profile.ready):
+        held_back.append(held_back[-1] + size * ready)
     grid = candidate_cuts(profile.sizes, grid_points)
-    best: Dict[Tuple[str, int], Tuple[float, Tuple[int, ...], Tuple[str, ...]]] = {}
+    best: Dict[Tuple[str, int], Tuple[float, Tuple[int, ...], Tuple[str, ...], float]] = {}
+    fastest: Dict[Tuple[str, int], float] = {}  # the lowest predicted time seen per key
     for k in range(1, min(max_groups, n) + 1):
         for assignment in itertools.product(codecs, repeat=k):
             costs = [profile.codecs[c] for c in assignment]
@@ -242,8 +254,14 @@ def search(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS
                 for g, codec in enumerate(assignment):
                     share[codec] = share.get(codec, 0) + prefix[edges[g + 1]] - prefix[edges[g]]
                 key = (max(share, key=share.get), k)
-                if key not in best or total < best[key][0]:
-                    best[key] = (total, cuts, assignment)
+                fastest[key] = low = min(total, fastest.get(key, total))
+                if total > low * (1 + TIE):
+                    continue
+                waiting = sum(profile.ready[b - 1] * (prefix[b] - prefix[a]) - (held_back[b] - held_back[a])
+                              for a, b in zip(edges, edges[1:]))
+                held = best.get(key)
+                if held is None or held[0] > low * (1 + TIE) or waiting < held[3]:
+                    best[key] = (total, cuts, assignment, waiting)
     ranked = sorted(best.items(), key=lambda item: item[1][0])
     leaders, seen = [], set()
     for (dominant, _), entry in ranked:
@@ -251,4 +269,4 @@ def search(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS
             seen.add(dominant)
             leaders.append(entry)
     chosen = leaders + [entry for _, entry in ranked if entry not in leaders]
-    return [predict(profile, cuts, assignment) for _, cuts, assignment in sorted(chosen[:top])]
+    return [predict(profile, cuts, assignment) for _, cuts, assignment, _ in sorted(chosen[:top])]
