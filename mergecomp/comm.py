@@ -46,13 +46,15 @@ class Handle:
         self._timeout = timeout
         self._result: Optional[torch.Tensor] = None
 
-    def wait(self, what: str = "collective") -> torch.Tensor:
+    def wait(self, what: str = "collective", timeout: Optional[float] = None) -> torch.Tensor:
+        """The result; ``timeout`` (seconds) overrides the communicator's limit for this wait."""
         if self._result is None:
+            limit = self._timeout if timeout is None else float(timeout)
             try:
-                self._result = self._wait(self._timeout)
+                self._result = self._wait(limit)
             except Exception as err:  # engines raise their own types; name the operation
                 raise CommunicationError(
-                    f"{what} failed or timed out after {self._timeout:g}s "
+                    f"{what} failed or timed out after {limit:g}s "
                     f"(set MERGECOMP_TIMEOUT to change the limit): {err}"
                 ) from err
         return self._result

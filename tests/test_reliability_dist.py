@@ -246,3 +246,22 @@ def test_thousand_steps_reuse_buffers_and_do_not_grow_memory():
     for reused, growth_mb in run_workers(_hygiene_worker, 2, timeout=300):
         assert reused
         assert growth_mb < 8, f"max RSS grew by {growth_mb:.1f} MB over 800 steps"
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+def _staggered_shutdown(rank):
+    import mergecomp.torch as mc
+
+    if rank == 1:
+        time.sleep(1.5)
+    began = time.monotonic()
+    mc.shutdown()
+    return time.monotonic() - began, mc.is_initialized()
+
+
+def test_shutdown_waits_for_every_rank_before_tearing_down():
+    """A rank leaving early must not close its connections under a peer (that can abort the
+    peer's process on exit), so shutdown meets the other ranks first."""
+    (early, early_up), (late, late_up) = run_workers(_staggered_shutdown, 2, timeout=60)
+    assert early >= 1.0 > late
+    assert not early_up and not late_up

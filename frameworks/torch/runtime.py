@@ -20,15 +20,19 @@ local      ``python train.py``                              none of the above
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Mapping, Optional, Tuple
 
-from mergecomp.comm import Communicator, LocalCommunicator, default_timeout
+import torch
+
+from mergecomp.comm import CommunicationError, Communicator, LocalCommunicator, default_timeout
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "communicator",
            "detect_engine", "launcher_mismatch", "ENGINES"]
 
+logger = logging.getLogger("mergecomp")
 _comm: Optional[Communicator] = None
 ENGINES = ("auto", "torch", "horovod", "mpi", "local")
 
@@ -239,9 +243,23 @@ def shutdown() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if comm.size > 1:
+                _meet(comm)
             dist.destroy_process_group()
     elif comm.engine in ("horovod", "mpi") and hasattr(comm, "close"):
         comm.close()
+
+
+def _meet(comm: Communicator) -> None:
+    """Wait until every rank has reached shutdown (at most 60 s) before tearing the process
+    group down: a rank that closes its gloo connections while a peer still has a collective or
+    its connection threads in flight can abort that peer on exit (SIGABRT, "terminate called
+    without an active exception")."""
+    handle = comm.allreduce_async(torch.zeros(1, device=comm.device))
+    try:
+        handle.wait("shutdown", timeout=min(comm.timeout, 60.0))
+    except CommunicationError as err:  # a peer is gone: nothing left to protect
+        logger.warning("mergecomp.shutdown: not every rank arrived (%s); tearing down anyway", err)
 
 
 def is_initialized() -> bool:
