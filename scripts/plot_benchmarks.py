@@ -52,18 +52,23 @@ def median_by(records, key):
 
 
 def throughput_vs_bandwidth():
-    thr = [r for r in load("throughput.jsonl") if r.get("model") == "resnet50" and r.get("world_size") == 2]
+    """The newest measurement campaign only (the ``label`` of the last record in the file), so
+    code changes and the machine load of older campaigns do not mix into one figure."""
+    thr = [r for r in load("throughput.jsonl") if r.get("model") == "resnet50" and r.get("status") == "ok"]
+    if not thr:
+        return None
+    campaign = thr[-1].get("label", "")
+    thr = [r for r in thr if r.get("label", "") == campaign]
     series = collections.defaultdict(dict)
-    for (mode, plan, comp, rate, _label), step in median_by(thr, lambda r: (r["mode"], r.get("plan"), r.get("compressor"),
-                                                                    r.get("rate"), r.get("label", ""))).items():
+    for (mode, plan, comp, rate), step in median_by([r for r in thr if r.get("world_size") == 2],
+                                                    lambda r: (r["mode"], r.get("plan"), r.get("compressor"),
+                                                               r.get("rate"))).items():
         name = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook"}.get(mode)
         if mode == "mergecomp":
             name = f"mergecomp {comp} {plan}" if plan == "auto" else ("mergecomp fused fp32" if plan == "fp32" else None)
         if name and rate in RATES:
-            series[name].setdefault(rate, []).append(step)
-    series = {name: {rate: statistics.median(v) for rate, v in pts.items()} for name, pts in series.items()}
-    local = median_by([r for r in load("throughput.jsonl") if r.get("mode") == "local" and r.get("model") == "resnet50"],
-                      lambda r: "local").get("local")
+            series[name][rate] = step
+    local = median_by([r for r in thr if r.get("mode") == "local"], lambda r: "local").get("local")
     if not series:
         return None
     rates = [r for r in RATES if any(r in s for s in series.values())]
@@ -78,7 +83,8 @@ def throughput_vs_bandwidth():
         ax.axhline(2 * 8 / local, color="k", ls="--", lw=1, label="2 x single worker (ideal)")
     ax.set_xticks(range(len(rates)), [RATE_LABEL[r] for r in rates])
     ax.set_ylabel("samples/s, 2 workers total")
-    ax.set_title("ResNet-50 shapes, 32x32, batch 8/worker, 1 thread/worker (2-core machine)")
+    ax.set_title(f"ResNet-50 shapes, 32x32, batch 8/worker, 1 thread/worker (2-core machine; '{campaign}' runs)",
+                 fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = os.path.join(args.out, "throughput_vs_bandwidth.png")
