@@ -64,7 +64,7 @@ class QSGDCompressor(Compressor):
         numel, dtype = ctx
         step = norms.to(work_dtype(dtype)) / self.levels
         out = self.scratch(numel, dtype, level.device)
-        if native.usable(out):
+        if native.usable(out, level):
             return native.scale_levels(level, step, self._bucket_size(numel), out)
         out.copy_(level)  # no mixed int8 x float math
         return per_bucket_scale(out, step, self._bucket_size(numel), out=out)

@@ -73,6 +73,6 @@ class TernGradCompressor(Compressor):
         zero = torch.zeros((), dtype=dtype, device=s.device)
         values = torch.stack([-s, zero, s, zero])
         out = self.scratch(numel, dtype, packed.device)
-        if native.usable(out):
+        if native.usable(out, packed):
             return native.decode_codes(packed, 2, numel, values, out)
         return bitpack.decode(packed, 2, numel, values, out=out)

@@ -126,9 +126,10 @@ def _load() -> Optional[ctypes.CDLL]:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """True when the kernels are on and every tensor is a contiguous fp32 CPU tensor."""
-    if _off or not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-                       for t in tensors):
+    """True when the kernels are on and every tensor is a contiguous CPU tensor, fp32 where it
+    is floating point (codes and levels may be any integer type)."""
+    if _off or not all((t.dtype == torch.float32 or not t.dtype.is_floating_point)
+                       and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return False
     return (_lib if _state == "loaded" else _load()) is not None
 
@@ -155,8 +156,18 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _ptr(t: torch.Tensor) -> int:
+def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> int:
+    """The address of ``t`` after checking that a kernel may read or write ``numel`` elements
+    of ``dtype`` there (a wrong buffer raises here instead of corrupting memory)."""
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
+        raise ValueError(f"native kernel argument {name!r}: need a contiguous CPU {dtype} tensor of at "
+                         f"least {numel} elements, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                         f"{'' if t.is_contiguous() else ' (not contiguous)'}")
     return t.data_ptr()
+
+
+def _per_bucket(n: int, bucket: int) -> int:
+    return -(-n // bucket)
 
 
 def _seed() -> int:
@@ -171,9 +182,15 @@ def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: flo
     else packed ``bits``-bit codes as :func:`mergecomp.bitpack.pack` lays them out (``out``:
     ``packed_size`` uint8; the codes must lie in ``[0, 2 ** bits)``).  ``scales``: fp32, one
     per bucket of ``bucket`` elements.  Returns ``out``."""
+    n, bucket = x.numel(), max(int(bucket), 1)
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"stochastic_codes: bits must be 1, 2, 4 or 8, got {bits}")
     scales = scales.to(torch.float32).contiguous()
-    _library().mc_stochastic_codes(_ptr(x), x.numel(), _ptr(scales), max(int(bucket), 1), lo, hi,
-                             float(shift), _seed(), bits, _ptr(out), _threads())
+    out_dtype, out_numel = (torch.int8, n) if bits == 8 else (torch.uint8, -(-n * bits // 8))
+    _library().mc_stochastic_codes(_buf("x", x, torch.float32, n), n,
+                                   _buf("scales", scales, torch.float32, _per_bucket(n, bucket)), bucket,
+                                   lo, hi, float(shift), _seed(), bits,
+                                   _buf("out", out, out_dtype, out_numel), _threads())
     return out
 
 
@@ -183,17 +200,23 @@ def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, out: torch.Tensor,
     each bucket's L2 norm and ``out`` (``numel`` int8) the levels
     ``floor(levels * x / norm + u)`` (0 in a bucket whose norm is 0), ``u`` as in
     :func:`stochastic_codes`.  Returns ``(out, norms)``."""
-    _library().mc_qsgd_encode(_ptr(x), x.numel(), max(int(bucket), 1), int(levels), _seed(),
-                              _ptr(out), _ptr(norms), _threads())
+    n, bucket = x.numel(), max(int(bucket), 1)
+    if not 1 <= int(levels) <= 127:
+        raise ValueError(f"qsgd_encode: levels must be in [1, 127], got {levels}")
+    _library().mc_qsgd_encode(_buf("x", x, torch.float32, n), n, bucket, int(levels), _seed(),
+                              _buf("out", out, torch.int8, n),
+                              _buf("norms", norms, torch.float32, _per_bucket(n, bucket)), _threads())
     return out, norms
 
 
 def scale_levels(levels: torch.Tensor, steps: torch.Tensor, bucket: int,
                  out: torch.Tensor) -> torch.Tensor:
     """``out[i] = levels[i] * steps[i // bucket]`` (int8 levels, fp32 steps and ``out``)."""
+    n, bucket = levels.numel(), max(int(bucket), 1)
     steps = steps.to(torch.float32).contiguous()
-    _library().mc_scale_levels(_ptr(levels), levels.numel(), _ptr(steps), max(int(bucket), 1),
-                         _ptr(out), _threads())
+    _library().mc_scale_levels(_buf("levels", levels, torch.int8, n), n,
+                               _buf("steps", steps, torch.float32, _per_bucket(n, bucket)), bucket,
+                               _buf("out", out, torch.float32, n), _threads())
     return out
 
 
@@ -201,16 +224,22 @@ def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
     """``values[code]`` for the ``n`` packed ``bits``-bit codes, into ``out`` (``n`` fp32):
     :func:`mergecomp.bitpack.decode` in one threaded pass."""
+    if bits not in (1, 2, 4):
+        raise ValueError(f"decode_codes: bits must be 1, 2 or 4, got {bits}")
     values = values.to(torch.float32).contiguous()
-    _library().mc_decode_codes(_ptr(packed), n, bits, _ptr(values), _ptr(out), _threads())
+    _library().mc_decode_codes(_buf("packed", packed, torch.uint8, -(-n * bits // 8)), n, bits,
+                               _buf("values", values, torch.float32, 1 << bits),
+                               _buf("out", out, torch.float32, n), _threads())
     return out
 
 
 def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The sign bits ``x >= 0`` packed into ``out`` (``ceil(n / 8)`` uint8) and, from the same
     pass, the fp64 tensor ``[sum x, sum |x|, count(x >= 0)]``."""
+    n = x.numel()
     stats = torch.empty(3, dtype=torch.float64)
-    _library().mc_pack_signs(_ptr(x), x.numel(), _ptr(out), _ptr(stats), _threads())
+    _library().mc_pack_signs(_buf("x", x, torch.float32, n), n, _buf("out", out, torch.uint8, -(-n // 8)),
+                             stats.data_ptr(), _threads())
     return out, stats
 
 
@@ -219,9 +248,11 @@ def momentum_signs(x: torch.Tensor, momentum: torch.Tensor, beta: float,
     """Signum's step in one pass: ``momentum = beta * momentum + (1 - beta) * x`` (in place,
     fp32 like ``x``), and its sign bits packed into ``out`` as :func:`pack_signs`.  Returns
     ``out``."""
+    n = x.numel()
     stats = torch.empty(3, dtype=torch.float64)
-    _library().mc_momentum_signs(_ptr(x), _ptr(momentum), 1.0 - beta, x.numel(), _ptr(out),
-                                 _ptr(stats), _threads())
+    _library().mc_momentum_signs(_buf("x", x, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
+                                 1.0 - beta, n, _buf("out", out, torch.uint8, -(-n // 8)),
+                                 stats.data_ptr(), _threads())
     return out
 
 
@@ -235,20 +266,22 @@ def majority_vote(packed: Sequence[torch.Tensor], n: int, out: torch.Tensor) -> 
     fp32): +1, -1, or 0 on a tie.  Returns ``out``."""
     if not 1 <= len(packed) <= MAX_VOTERS:
         raise ValueError(f"majority_vote counts 1 to {MAX_VOTERS} voters, got {len(packed)}")
-    pointers = (ctypes.c_void_p * len(packed))(*[_ptr(p) for p in packed])
-    _library().mc_majority_vote(pointers, len(packed), n, _ptr(out), _threads())
+    pointers = (ctypes.c_void_p * len(packed))(
+        *[_buf(f"packed[{i}]", p, torch.uint8, -(-n // 8)) for i, p in enumerate(packed)])
+    _library().mc_majority_vote(pointers, len(packed), n, _buf("out", out, torch.float32, n), _threads())
     return out
 
 
 def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Tensor:
     """int64 indices (ascending) of the elements with ``|x| >= threshold``, in one pass without
     a mask; ``capacity`` is a guess of their number (a second call fixes a low guess)."""
-    lib = _library()
+    lib, n = _library(), x.numel()
+    address = _buf("x", x, torch.float32, n)
     out = torch.empty(max(int(capacity), 1), dtype=torch.int64)
-    count = lib.mc_indices_above(_ptr(x), x.numel(), threshold, _ptr(out), out.numel(), _threads())
+    count = lib.mc_indices_above(address, n, threshold, out.data_ptr(), out.numel(), _threads())
     if count > out.numel():
         out = torch.empty(count, dtype=torch.int64)
-        lib.mc_indices_above(_ptr(x), x.numel(), threshold, _ptr(out), count, _threads())
+        lib.mc_indices_above(address, n, threshold, out.data_ptr(), count, _threads())
     return out[:count]
 
 
@@ -257,5 +290,5 @@ def moments(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         raise ValueError("moments of an empty tensor")
     stats = torch.empty(4, dtype=torch.float64)
-    _library().mc_moments(_ptr(x), x.numel(), _ptr(stats), _threads())
+    _library().mc_moments(_buf("x", x, torch.float32, x.numel()), x.numel(), stats.data_ptr(), _threads())
     return stats

@@ -36,7 +36,7 @@ def decode_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype,
                           for v in (negative, positive)]).to(dtype)
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=packed.device)
-    if native.usable(out):
+    if native.usable(out, packed):
         return native.decode_codes(packed, 1, numel, values, out)
     return bitpack.decode(packed, 1, numel, values, out=out)
 

@@ -55,6 +55,21 @@ def test_moments(n):
     torch.testing.assert_close(native.moments(x), expected, rtol=1e-10, atol=1e-9)
 
 
+@needs_kernels
+def test_wrong_buffers_raise_instead_of_corrupting_memory():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="'out'.*at least 13 elements"):
+        native.pack_signs(x, torch.empty(12, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="'levels'.*torch.int8"):
+        native.scale_levels(torch.zeros(100, dtype=torch.int32), torch.ones(1), 100, torch.empty(100))
+    with pytest.raises(ValueError, match="'packed'.*not contiguous"):
+        native.decode_codes(torch.zeros(50, dtype=torch.uint8)[::2], 2, 100, torch.ones(4), torch.empty(100))
+    with pytest.raises(ValueError, match="'scales'"):
+        native.stochastic_codes(x, torch.ones(1), 10, -1, 1, 0, 8, torch.empty(100, dtype=torch.int8))
+    with pytest.raises(ValueError, match="bits"):
+        native.stochastic_codes(x, torch.ones(1), 100, -1, 1, 0, 3, torch.empty(100, dtype=torch.uint8))
+
+
 def test_moments_rejects_empty():
     with pytest.raises(ValueError, match="empty"):
         native.moments(torch.empty(0))
