@@ -52,12 +52,13 @@ def median_by(records, key):
 
 
 def throughput_vs_bandwidth():
-    """The newest measurement campaign only (the ``label`` of the last record in the file), so
+    """The newest measurement campaign only (the ``label`` of the last 2-worker record), so
     code changes and the machine load of older campaigns do not mix into one figure."""
     thr = [r for r in load("throughput.jsonl") if r.get("model") == "resnet50" and r.get("status") == "ok"]
-    if not thr:
+    two = [r for r in thr if r.get("world_size") == 2]
+    if not two:
         return None
-    campaign = thr[-1].get("label", "")
+    campaign = two[-1].get("label", "")
     thr = [r for r in thr if r.get("label", "") == campaign]
     series = collections.defaultdict(dict)
     for (mode, plan, comp, rate), step in median_by([r for r in thr if r.get("world_size") == 2],
