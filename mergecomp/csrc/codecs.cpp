@@ -69,7 +69,8 @@ inline uint32_t hash32(uint32_t counter, uint32_t key_lo, uint32_t key_hi) {
 }
 
 // The 16-bit draws of elements [start, start + len): element i takes half (i % 2) of
-// hash(i / 2).  `buf` is scratch; the result points into it.
+// hash(i / 2).  `buf` is scratch; the result points into it.  The counter is 32 bits, so the
+// draws of one call repeat after 2**33 elements (32 GiB of fp32).
 inline const uint16_t* draw16(int64_t start, int64_t len, uint64_t seed, std::vector<uint32_t>& buf) {
   const uint32_t key_lo = static_cast<uint32_t>(seed), key_hi = static_cast<uint32_t>(seed >> 32);
   const int64_t pair0 = start / 2, pairs = (start + len + 1) / 2 - pair0;
