@@ -9,16 +9,16 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from mergecomp import bitpack, native
-from mergecomp.compressor import Compressor, Payload
+from mergecomp.compressor import Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
-from mergecomp.signs import decode_signs, pack_signs
+from mergecomp.signs import SignValueCompressor, pack_signs
 
 Ctx = Tuple[int, torch.dtype]
 
 
 @register_compressor("efsignsgd")
-class EFSignSGDCompressor(Compressor):
+class EFSignSGDCompressor(SignValueCompressor):
     default_memory = "residual"
 
     def compress(self, tensor: torch.Tensor, name: str,
@@ -34,8 +34,6 @@ class EFSignSGDCompressor(Compressor):
         scale = (total / max(numel, 1)).to(torch.float32).reshape(1)
         return (packed, scale), (numel, tensor.dtype)
 
-    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        packed, scale = payload
-        numel, dtype = ctx
-        return decode_signs(packed, numel, dtype, negative=-scale, positive=scale,
-                            out=self.scratch(numel, dtype, packed.device))
+    def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
+        scale = payload[1].reshape(())
+        return -scale, scale

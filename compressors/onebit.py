@@ -9,17 +9,17 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressor import Compressor, Payload
+from mergecomp import bitpack, native
+from mergecomp.compressor import Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
-from mergecomp import bitpack, native
-from mergecomp.signs import decode_signs
+from mergecomp.signs import SignValueCompressor
 
 Ctx = Tuple[int, torch.dtype]
 
 
 @register_compressor("onebit")
-class OneBitCompressor(Compressor):
+class OneBitCompressor(SignValueCompressor):
     default_memory = "residual"
 
     def compress(self, tensor: torch.Tensor, name: str,
@@ -43,8 +43,6 @@ class OneBitCompressor(Compressor):
         means = torch.stack([mean_pos, mean_neg]).to(torch.float32)
         return (packed, means), (tensor.numel(), tensor.dtype)
 
-    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        packed, means = payload
-        numel, dtype = ctx
-        return decode_signs(packed, numel, dtype, negative=means[1], positive=means[0],
-                            out=self.scratch(numel, dtype, packed.device))
+    def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
+        means = payload[1]
+        return means[1], means[0]

@@ -31,12 +31,12 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "momentum_signs", "majority_vote", "indices_above", "moments"]
+           "pack_signs", "momentum_signs", "majority_vote", "sign_sum", "indices_above", "moments"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -89,10 +89,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mc_moments.argtypes = [p, i64, p, i32]
     lib.mc_momentum_signs.argtypes = [p, p, f32, i64, p, p, i32]
     lib.mc_majority_vote.argtypes = [p, i32, i64, p, i32]
+    lib.mc_sign_sum.argtypes = [p, p, i32, i64, f32, p, i32]
     lib.mc_indices_above.argtypes = [p, i64, f32, p, i64, i32]
     lib.mc_indices_above.restype = i64
     for fn in (lib.mc_stochastic_codes, lib.mc_qsgd_encode, lib.mc_scale_levels, lib.mc_decode_codes,
-               lib.mc_pack_signs, lib.mc_moments, lib.mc_momentum_signs, lib.mc_majority_vote):
+               lib.mc_pack_signs, lib.mc_moments, lib.mc_momentum_signs, lib.mc_majority_vote,
+               lib.mc_sign_sum):
         fn.restype = None
 
 
@@ -269,6 +271,22 @@ def majority_vote(packed: Sequence[torch.Tensor], n: int, out: torch.Tensor) -> 
     pointers = (ctypes.c_void_p * len(packed))(
         *[_buf(f"packed[{i}]", p, torch.uint8, -(-n // 8)) for i, p in enumerate(packed)])
     _library().mc_majority_vote(pointers, len(packed), n, _buf("out", out, torch.float32, n), _threads())
+    return out
+
+
+def sign_sum(packed: Sequence[torch.Tensor], values: torch.Tensor, n: int, scale: float,
+             out: torch.Tensor) -> torch.Tensor:
+    """``out = scale * sum_r decode_r``: voter ``r``'s ``n`` sign bits (``packed[r]``, as
+    :func:`pack_signs` writes them) decoded to ``values[r, 0]`` (bit 0, negative side) or
+    ``values[r, 1]`` (bit 1), summed over the voters in one pass.  Returns ``out``."""
+    values = values.to(torch.float32).contiguous()
+    if not packed or values.shape != (len(packed), 2):
+        raise ValueError(f"sign_sum needs one (negative, positive) pair per voter, got values of shape "
+                         f"{tuple(values.shape)} for {len(packed)} voter(s)")
+    pointers = (ctypes.c_void_p * len(packed))(
+        *[_buf(f"packed[{i}]", p, torch.uint8, -(-n // 8)) for i, p in enumerate(packed)])
+    _library().mc_sign_sum(pointers, values.data_ptr(), len(packed), n, float(scale),
+                           _buf("out", out, torch.float32, n), _threads())
     return out
 
 

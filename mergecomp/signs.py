@@ -7,13 +7,14 @@ of several ranks' ``±1`` (ties give 0).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import bitpack, native
+from .compressor import Compressor, Payload
 
-__all__ = ["pack_signs", "decode_signs", "majority_vote"]
+__all__ = ["pack_signs", "decode_signs", "majority_vote", "SignValueCompressor"]
 
 Value = Union[float, torch.Tensor]
 
@@ -65,3 +66,34 @@ def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype
             ones.add_(bitpack.unpack(p, 1, numel))
     # Convert first: mixed integer/float arithmetic takes a slow path (5x slower here).
     return out.copy_(ones).sub_(voters / 2).sign_()
+
+
+class SignValueCompressor(Compressor):
+    """Payload ``(sign bits, values...)`` where each rank's bits decode to two values of its
+    own (:meth:`sides`); not summable.  The aggregate sums the ranks' decodes in one pass
+    (natively on fp32 CPU) instead of one full-size decode and add per rank."""
+
+    def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(negative, positive)``: what a 0 bit and a 1 bit of this payload decode to."""
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        numel, dtype = ctx
+        negative, positive = self.sides(payload)
+        return decode_signs(payload[0], numel, dtype, negative, positive,
+                            out=self.scratch(numel, dtype, payload[0].device))
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: Any, world_size: int,
+                  average: bool) -> torch.Tensor:
+        numel, dtype = ctx
+        device = payloads[0][0].device
+        out = self.scratch(numel, dtype, device)
+        packed = [p[0] for p in payloads]
+        if native.usable(out, *packed):
+            values = torch.stack([torch.stack([v.reshape(()) for v in self.sides(p)]) for p in payloads])
+            return native.sign_sum(packed, values, numel, 1.0 / world_size if average else 1.0, out)
+        total = self.decompress(payloads[0], ctx)
+        for payload in payloads[1:]:
+            negative, positive = self.sides(payload)
+            total.add_(decode_signs(payload[0], numel, dtype, negative, positive))
+        return total.div_(world_size) if average else total

@@ -200,6 +200,20 @@ def test_majority_vote_matches_eager(voters, n):
         assert (fast == 0).any() or n < 100
 
 
+@needs_kernels
+@pytest.mark.parametrize("voters", [1, 2, 3, 8])
+@pytest.mark.parametrize("n", [1, 8, 9, 32769, (1 << 19) + 5])
+def test_sign_sum_matches_the_sum_of_decodes(voters, n):
+    from mergecomp.signs import decode_signs, pack_signs
+    packed = [pack_signs(torch.randn(n)) for _ in range(voters)]
+    values = torch.randn(voters, 2)
+    out = native.sign_sum(packed, values, n, 0.25, torch.full((n,), float("nan")))
+    expected = sum(decode_signs(p, n, torch.float32, v[0], v[1]) for p, v in zip(packed, values)) * 0.25
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="one \\(negative, positive\\) pair per voter"):
+        native.sign_sum(packed, values[:, :1], n, 1.0, out)
+
+
 def test_majority_vote_voter_count_is_checked():
     with pytest.raises(ValueError, match="1 to 255 voters"):
         native.majority_vote([], 8, torch.empty(8))

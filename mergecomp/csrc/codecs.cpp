@@ -170,7 +170,7 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
 
 extern "C" {
 
-int mc_abi_version() { return 4; }
+int mc_abi_version() { return 5; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -302,6 +302,46 @@ void mc_majority_vote(const uint8_t* const* packed, int voters, int64_t n, float
       for (int64_t k = 0; k < len; ++k) {
         const int twice = 2 * count[k];
         dst[k] = static_cast<float>((twice > voters) - (twice < voters));
+      }
+    }
+  });
+}
+
+// out[i] = scale * sum over the voters r of values[2 r + bit_r(i)]: the scaled sum of each
+// rank's sign-bit decode (1-bit SGD, EF-SignSGD), one pass over out.  Each voter's two values
+// are spread into a 256 x 8 table first; a block of out stays in cache while the voters add up.
+void mc_sign_sum(const uint8_t* const* packed, const float* values, int voters, int64_t n,
+                 float scale, float* out, int threads) {
+  std::vector<float> tables(static_cast<size_t>(voters) * 256 * 8);
+  for (int r = 0; r < voters; ++r)
+    for (int byte = 0; byte < 256; ++byte)
+      for (int k = 0; k < 8; ++k) tables[(r * 256 + byte) * 8 + k] = values[2 * r + ((byte >> k) & 1)];
+  const float* t = tables.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start), full = len / 8;
+      float* dst = out + start;
+      for (int r = 0; r < voters; ++r) {
+        const uint8_t* src = packed[r] + start / 8;
+        const float* table = t + r * 256 * 8;
+        for (int64_t j = 0; j < full; ++j) {
+          const float* row = table + 8 * src[j];
+          float* d = dst + 8 * j;
+          if (r == 0) {
+            std::memcpy(d, row, 8 * sizeof(float));
+          } else {
+#pragma omp simd
+            for (int k = 0; k < 8; ++k) d[k] += row[k];
+          }
+        }
+        if (len > 8 * full) {  // the last, partial byte
+          const float* row = table + 8 * src[full];
+          for (int64_t k = 8 * full; k < len; ++k) dst[k] = (r == 0 ? 0.0f : dst[k]) + row[k - 8 * full];
+        }
+      }
+      if (scale != 1.0f) {
+#pragma omp simd
+        for (int64_t k = 0; k < len; ++k) dst[k] *= scale;
       }
     }
   });
