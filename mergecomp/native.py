@@ -1,10 +1,11 @@
-"""Fused CPU kernels for the elementwise codecs, compiled on first use.
+"""Fused CPU kernels for the codecs, compiled on first use.
 
-The eager torch versions of QSGD, TernGrad, 1-bit SGD and EF-SignSGD make four to eight passes
-over a merged group and draw random numbers from torch's CPU generator (~3.5 ns a draw); the
-kernels in ``csrc/codecs.cpp`` make one pass and hash a counter instead.  They are compiled with
+The eager torch versions of QSGD, TernGrad, 1-bit SGD, EF-SignSGD, signSGD/Signum (and their
+majority vote) and the top-k threshold selection make two to eight passes over a merged group,
+and the quantizers draw random numbers from torch's CPU generator (~3.5 ns a draw); the kernels
+in ``csrc/codecs.cpp`` make one pass each and hash a counter instead.  They are compiled with
 the system C++ compiler into ``~/.cache/mergecomp/native`` (``MERGECOMP_CACHE`` overrides the
-root) the first time a codec asks for them (about 2 s, once per machine and source version)
+root) the first time a codec asks for them (about 4 s, once per machine and source version)
 and loaded with ``ctypes``; calls release the GIL.
 
 They serve contiguous fp32 CPU tensors only; every other tensor (CUDA, fp16, bf16, fp64) takes
