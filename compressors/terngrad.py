@@ -13,8 +13,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import bitpack
-from mergecomp import native
+from mergecomp import bitpack, native
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import stochastic_round_, work_dtype
 from mergecomp.registry import register_compressor

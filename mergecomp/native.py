@@ -79,24 +79,27 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(built, target)
 
 
+_P, _I64, _F32, _U64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_int
+#: every kernel of csrc/codecs.cpp: (argument types, return type)
+_SIGNATURES = {
+    "mc_abi_version": ([], _I32),
+    "mc_stochastic_codes": ([_P, _I64, _P, _I64, _F32, _F32, _F32, _U64, _I32, _P, _I32], None),
+    "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _P, _P, _I32], None),
+    "mc_scale_levels": ([_P, _I64, _P, _I64, _P, _I32], None),
+    "mc_decode_codes": ([_P, _I64, _I32, _P, _P, _I32], None),
+    "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
+    "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
+    "mc_moments": ([_P, _I64, _P, _I32], None),
+    "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
+    "mc_sign_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
+    "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
+}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, f32, u64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_int
-    lib.mc_abi_version.restype = i32
-    lib.mc_stochastic_codes.argtypes = [p, i64, p, i64, f32, f32, f32, u64, i32, p, i32]
-    lib.mc_qsgd_encode.argtypes = [p, i64, i64, i32, u64, p, p, i32]
-    lib.mc_scale_levels.argtypes = [p, i64, p, i64, p, i32]
-    lib.mc_decode_codes.argtypes = [p, i64, i32, p, p, i32]
-    lib.mc_pack_signs.argtypes = [p, i64, p, p, i32]
-    lib.mc_moments.argtypes = [p, i64, p, i32]
-    lib.mc_momentum_signs.argtypes = [p, p, f32, i64, p, p, i32]
-    lib.mc_majority_vote.argtypes = [p, i32, i64, p, i32]
-    lib.mc_sign_sum.argtypes = [p, p, i32, i64, f32, p, i32]
-    lib.mc_indices_above.argtypes = [p, i64, f32, p, i64, i32]
-    lib.mc_indices_above.restype = i64
-    for fn in (lib.mc_stochastic_codes, lib.mc_qsgd_encode, lib.mc_scale_levels, lib.mc_decode_codes,
-               lib.mc_pack_signs, lib.mc_moments, lib.mc_momentum_signs, lib.mc_majority_vote,
-               lib.mc_sign_sum):
-        fn.restype = None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
 
 
 def _load() -> Optional[ctypes.CDLL]:
@@ -134,7 +137,7 @@ def usable(*tensors: torch.Tensor) -> bool:
     if _off or not all((t.dtype == torch.float32 or not t.dtype.is_floating_point)
                        and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return False
-    return (_lib if _state == "loaded" else _load()) is not None
+    return _loaded() is not None
 
 
 @contextlib.contextmanager
@@ -148,8 +151,13 @@ def disabled() -> Iterator[None]:
         _off -= 1
 
 
+def _loaded() -> Optional[ctypes.CDLL]:
+    """The library, loading (or building) it the first time; None when unavailable."""
+    return _lib if _state == "loaded" else _load()  # no lock once loaded
+
+
 def _library() -> ctypes.CDLL:
-    lib = _lib if _state == "loaded" else _load()
+    lib = _loaded()
     if lib is None:
         raise RuntimeError("mergecomp's native codec kernels are not available (see usable())")
     return lib
@@ -167,6 +175,12 @@ def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> int:
                          f"least {numel} elements, got {t.dtype} {tuple(t.shape)} on {t.device}"
                          f"{'' if t.is_contiguous() else ' (not contiguous)'}")
     return t.data_ptr()
+
+
+def _bit_streams(packed: Sequence[torch.Tensor], n: int) -> ctypes.Array:
+    """A C array of the addresses of several ranks' ``n`` packed sign bits (checked)."""
+    return (ctypes.c_void_p * len(packed))(
+        *[_buf(f"packed[{i}]", p, torch.uint8, -(-n // 8)) for i, p in enumerate(packed)])
 
 
 def _per_bucket(n: int, bucket: int) -> int:
@@ -269,9 +283,8 @@ def majority_vote(packed: Sequence[torch.Tensor], n: int, out: torch.Tensor) -> 
     fp32): +1, -1, or 0 on a tie.  Returns ``out``."""
     if not 1 <= len(packed) <= MAX_VOTERS:
         raise ValueError(f"majority_vote counts 1 to {MAX_VOTERS} voters, got {len(packed)}")
-    pointers = (ctypes.c_void_p * len(packed))(
-        *[_buf(f"packed[{i}]", p, torch.uint8, -(-n // 8)) for i, p in enumerate(packed)])
-    _library().mc_majority_vote(pointers, len(packed), n, _buf("out", out, torch.float32, n), _threads())
+    _library().mc_majority_vote(_bit_streams(packed, n), len(packed), n,
+                                _buf("out", out, torch.float32, n), _threads())
     return out
 
 
@@ -284,9 +297,7 @@ def sign_sum(packed: Sequence[torch.Tensor], values: torch.Tensor, n: int, scale
     if not packed or values.shape != (len(packed), 2):
         raise ValueError(f"sign_sum needs one (negative, positive) pair per voter, got values of shape "
                          f"{tuple(values.shape)} for {len(packed)} voter(s)")
-    pointers = (ctypes.c_void_p * len(packed))(
-        *[_buf(f"packed[{i}]", p, torch.uint8, -(-n // 8)) for i, p in enumerate(packed)])
-    _library().mc_sign_sum(pointers, values.data_ptr(), len(packed), n, float(scale),
+    _library().mc_sign_sum(_bit_streams(packed, n), values.data_ptr(), len(packed), n, float(scale),
                            _buf("out", out, torch.float32, n), _threads())
     return out
 

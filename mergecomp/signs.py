@@ -55,9 +55,8 @@ def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype
         raise ValueError("majority_vote needs at least one payload")
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=packed[0].device)
-    if voters <= native.MAX_VOTERS and native.usable(out) and all(
-            p.device.type == "cpu" and p.dtype == torch.uint8 and p.is_contiguous()
-            and p.numel() * 8 >= numel for p in packed):
+    if (voters <= native.MAX_VOTERS and native.usable(out, *packed)
+            and all(p.dtype == torch.uint8 and p.numel() * 8 >= numel for p in packed)):
         return native.majority_vote(packed, numel, out)
     ones = bitpack.unpack(packed[0], 1, numel)
     if voters > 1:

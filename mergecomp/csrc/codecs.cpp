@@ -118,6 +118,14 @@ void pack_codes(const uint8_t* codes, int64_t count, int bits, uint8_t* out) {
   }
 }
 
+// Writes the 256 x (8 / bits) table of what each byte of packed ``bits``-bit codes decodes
+// to: row b holds values[code j of b] for j = 0 .. 8 / bits - 1.
+void spread_table(const float* values, int bits, float* table) {
+  const int per = 8 / bits, mask = (1 << bits) - 1;
+  for (int byte = 0; byte < 256; ++byte)
+    for (int j = 0; j < per; ++j) table[byte * per + j] = values[(byte >> (bits * j)) & mask];
+}
+
 // EXPAND[b]: the 8 bits of byte b as 8 bytes of 0 or 1 (bit j in byte j).
 const std::vector<uint64_t> EXPAND = [] {
   std::vector<uint64_t> table(256);
@@ -247,10 +255,9 @@ void mc_scale_levels(const int8_t* levels, int64_t n, const float* steps, int64_
 // out[i] = values[code i] for the n packed ``bits``-bit codes (values: 2**bits floats).
 void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* values, float* out,
                      int threads) {
-  const int per = 8 / bits, mask = (1 << bits) - 1;
+  const int per = 8 / bits;
   std::vector<float> table(256 * per);  // the per values of every possible byte
-  for (int byte = 0; byte < 256; ++byte)
-    for (int j = 0; j < per; ++j) table[byte * per + j] = values[(byte >> (bits * j)) & mask];
+  spread_table(values, bits, table.data());
   const float* t = table.data();
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     const int64_t start = first * BLOCK, stop = std::min(n, last * BLOCK);
@@ -313,9 +320,7 @@ void mc_majority_vote(const uint8_t* const* packed, int voters, int64_t n, float
 void mc_sign_sum(const uint8_t* const* packed, const float* values, int voters, int64_t n,
                  float scale, float* out, int threads) {
   std::vector<float> tables(static_cast<size_t>(voters) * 256 * 8);
-  for (int r = 0; r < voters; ++r)
-    for (int byte = 0; byte < 256; ++byte)
-      for (int k = 0; k < 8; ++k) tables[(r * 256 + byte) * 8 + k] = values[2 * r + ((byte >> k) & 1)];
+  for (int r = 0; r < voters; ++r) spread_table(values + 2 * r, 1, tables.data() + r * 256 * 8);
   const float* t = tables.data();
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
