@@ -15,6 +15,7 @@ tensor); each tensor's bytes start on an 8-byte boundary so they can be viewed b
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -147,14 +148,21 @@ class Exchange:
             self.codecs[name].workspace = self.workspace
         return self.codecs[name]
 
-    def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed") -> InFlight:
-        """Compress ``flat`` (the group's gradients; modified in place) and start round 1."""
+    def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed",
+              finite: Optional[bool] = None) -> InFlight:
+        """Compress ``flat`` (the group's gradients; modified in place) and start round 1.
+
+        ``finite``: whether ``flat`` holds no NaN/Inf, when the caller already knows (e.g. from
+        :func:`mergecomp.native.copy_finite` while filling it); None: checked here.
+        """
         began = time.perf_counter()
         if self.workspace is not None:
             self.workspace.advance(self.step)
         compressor = self.codec(codec)
-        finite = _all_finite(flat) if self.check_finite else flat.new_ones((), dtype=torch.bool)
-        if self.check_finite:
+        if not self.check_finite:
+            finite = flat.new_ones((), dtype=torch.bool)
+        else:
+            finite = _all_finite(flat) if finite is None else flat.new_tensor(bool(finite))
             if flat.device.type == "cpu":  # no device to sync with: branch instead of a full pass
                 if not finite:
                     flat.zero_()
@@ -167,14 +175,25 @@ class Exchange:
         job.encode_seconds = time.perf_counter() - began
         return job
 
-    def finish(self, job: InFlight) -> torch.Tensor:
-        """Wait for ``job``, run its remaining rounds, and return the reduced flat gradient."""
+    def finish(self, job: InFlight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Wait for ``job``, run its remaining rounds, and return the reduced flat gradient.
+
+        With ``out`` (flat, the group's numel and dtype; typically the buffer passed to
+        :meth:`start`, whose contents are no longer needed) the result is written there and
+        ``out`` is returned: the codec decodes straight into it when it takes its output from
+        the workspace, else the result is copied in.
+        """
         compressor, size = job.compressor, self.comm.size
         while True:
             arrived = self._wait(job)
             if job.round == compressor.rounds:
                 began = time.perf_counter()
-                result = compressor.aggregate(arrived, job.ctx, size, self.average)
+                lend = (self.workspace.serving(out) if out is not None and self.workspace is not None
+                        else contextlib.nullcontext())
+                with lend:
+                    result = compressor.aggregate(arrived, job.ctx, size, self.average)
+                if out is not None and result.data_ptr() != out.data_ptr():
+                    result = out.copy_(result)
                 job.decode_seconds = time.perf_counter() - began
                 return result
             job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)

@@ -32,12 +32,13 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "momentum_signs", "majority_vote", "sign_sum", "indices_above", "moments"]
+           "pack_signs", "momentum_signs", "majority_vote", "sign_sum", "indices_above", "moments",
+           "copy_finite"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -93,6 +94,7 @@ _SIGNATURES = {
     "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
     "mc_sign_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
+    "mc_copy_finite": ([_P, _P, _I64, _I32], _I32),
 }
 
 
@@ -322,3 +324,12 @@ def moments(x: torch.Tensor) -> torch.Tensor:
     stats = torch.empty(4, dtype=torch.float64)
     _library().mc_moments(_buf("x", x, torch.float32, x.numel()), x.numel(), stats.data_ptr(), _threads())
     return stats
+
+
+def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """``dst[:n] = src`` for fp32 ``src`` of ``n`` elements and, from the same pass, whether
+    every one of them is finite (no NaN or Inf): a gradient's copy into its merged group and the
+    group's non-finite check in one read."""
+    n = src.numel()
+    return bool(_library().mc_copy_finite(_buf("src", src, torch.float32, n),
+                                          _buf("dst", dst, torch.float32, n), n, _threads()))

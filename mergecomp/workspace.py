@@ -9,10 +9,15 @@ Contract: a tensor from :meth:`Workspace.empty` stays valid until the step after
 taken in (:meth:`advance` to a new step frees the previous step's tensors for reuse); its
 contents are undefined.  Buffers not reused during a whole step are dropped, so the pool never
 holds more than two steps' worth.
+
+:meth:`serving` lends a caller's own tensor for one request, so a codec's full-size output can
+land straight in the caller's buffer (the merged group's gradients) instead of a pool tensor
+that would then be copied there.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import contextlib
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -28,6 +33,7 @@ class Workspace:
         self.step = 0
         self._free: Dict[Key, List[torch.Tensor]] = {}
         self._taken: Dict[Key, List[torch.Tensor]] = {}
+        self._lent: Optional[torch.Tensor] = None
 
     def advance(self, step: int) -> None:
         """Start ``step``: the tensors taken before it become reusable."""
@@ -38,8 +44,23 @@ class Workspace:
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized flat tensor, valid until the next step is over."""
         key = (int(numel), dtype, torch.device(device))
+        lent = self._lent
+        if lent is not None and (lent.numel(), lent.dtype, lent.device) == key:
+            self._lent = None  # served once, and never pooled: it is the caller's
+            return lent
         free = self._free.get(key)
         tensor = free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
         self._taken.setdefault(key, []).append(tensor)
         return tensor
 
+    @contextlib.contextmanager
+    def serving(self, tensor: torch.Tensor) -> Iterator[None]:
+        """Inside the block, the first :meth:`empty` request for ``tensor``'s numel, dtype and
+        device returns ``tensor`` itself (flat, contiguous; its contents are then undefined)."""
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"Workspace.serving needs a flat contiguous tensor, got shape {tuple(tensor.shape)}")
+        self._lent = tensor
+        try:
+            yield
+        finally:
+            self._lent = None

@@ -56,6 +56,20 @@ def test_moments(n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_copy_finite_copies_and_finds_nan_and_inf_anywhere(n, bad):
+    x = torch.randn(n)
+    x[n // 3] = 3.4e38  # the largest finite floats are finite
+    if bad is not None:
+        x[n - 1] = bad
+    out = torch.full((n + 1,), -7.0)
+    assert native.copy_finite(x, out) is (bad is None)
+    torch.testing.assert_close(out[:n], x, rtol=0, atol=0, equal_nan=True)
+    assert out[n] == -7.0  # nothing written past n
+
+
+@needs_kernels
 def test_wrong_buffers_raise_instead_of_corrupting_memory():
     x = torch.randn(100)
     with pytest.raises(ValueError, match="'out'.*at least 13 elements"):
@@ -68,6 +82,8 @@ def test_wrong_buffers_raise_instead_of_corrupting_memory():
         native.stochastic_codes(x, torch.ones(1), 10, -1, 1, 0, 8, torch.empty(100, dtype=torch.int8))
     with pytest.raises(ValueError, match="bits"):
         native.stochastic_codes(x, torch.ones(1), 100, -1, 1, 0, 3, torch.empty(100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="'dst'.*at least 100 elements"):
+        native.copy_finite(x, torch.empty(99))
 
 
 def test_moments_rejects_empty():

@@ -38,11 +38,11 @@ def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def train(model, opt, x, y, steps=STEPS):
+def train(model, opt, x, y, steps=STEPS, set_to_none=True):
     losses = []
     for _ in range(steps):
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -73,6 +73,29 @@ def test_none_matches_single_process_on_joined_batch(groups, expected_groups):
 
 def test_none_matches_single_process_on_four_ranks():
     for diff, _ in run_workers(_exact_worker, 4, 2, 4):
+        assert diff < 1e-5
+
+
+def _grad_view_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), compression="none", groups=2)
+    train(model, opt, shard(x, rank), shard(y, rank), steps=5, set_to_none=False)
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in opt._buffers]
+    in_buffers = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in model.parameters())
+    reference = make_model()
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), x, y, steps=5)
+    return in_buffers, (flat_params(model) - flat_params(reference)).abs().max().item()
+
+
+def test_grads_are_views_of_the_group_buffers_and_in_place_accumulation_is_exact():
+    """After step() each p.grad is its slot in a merged buffer (no copy back); with
+    zero_grad(set_to_none=False) the next backward accumulates straight into it."""
+    for in_buffers, diff in run_workers(_grad_view_worker, 2):
+        assert in_buffers
         assert diff < 1e-5
 
 
@@ -171,19 +194,19 @@ def test_parameters_without_gradient_and_frozen_parameters():
 
 
 # -- non-finite gradients ----------------------------------------------------------------------
-def _nonfinite_worker(rank, policy):
+def _nonfinite_worker(rank, policy, set_to_none=True):
     import mergecomp.torch as mc
 
     x, y = make_data()
     model = make_model()
     opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                   compression="topk", memory="residual", groups=2, nonfinite=policy)
-    train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=2)
+    train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=2, set_to_none=set_to_none)
     before = flat_params(model)
     if rank == 1:  # a NaN in one weight's gradient, produced during backward
         model[4].weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
     loss = torch.nn.functional.cross_entropy(model(shard(x, rank, 2)), shard(y, rank, 2))
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=set_to_none)
     loss.backward()
     opt.step()
     residuals = [t for fields in opt.memory.state.values() for t in fields.values()]
@@ -199,8 +222,9 @@ def test_nonfinite_gradient_raises_on_every_rank_naming_rank_and_group():
         assert "FloatingPointError" in tb and "rank 1" in tb and "4.weight" in tb
 
 
-def test_nonfinite_gradient_skip_skips_on_all_ranks_and_keeps_memory_finite():
-    for unchanged, skipped, finite in run_workers(_nonfinite_worker, 2, "skip"):
+@pytest.mark.parametrize("set_to_none", [True, False])  # False: the NaN is accumulated in place
+def test_nonfinite_gradient_skip_skips_on_all_ranks_and_keeps_memory_finite(set_to_none):
+    for unchanged, skipped, finite in run_workers(_nonfinite_worker, 2, "skip", set_to_none):
         assert unchanged and skipped == 1 and finite
 
 

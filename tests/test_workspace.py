@@ -1,4 +1,5 @@
 """The step-scoped buffer pool behind the codecs' full-size outputs on CPU."""
+import pytest
 import torch
 
 import mergecomp
@@ -51,3 +52,51 @@ def test_tensorflow_style_exchange_does_not_recycle():
     exchange = Exchange.create("signsgd", None, LocalCommunicator(), recycle=False)
     assert exchange.workspace is None and exchange.compressor.workspace is None
     assert isinstance(exchange.compressor, mergecomp.Compressor)
+
+
+def test_serving_lends_the_callers_tensor_once_and_never_pools_it():
+    ws, mine = Workspace(), torch.empty(10)
+    with ws.serving(mine):
+        assert ws.empty(10, torch.float64, CPU).data_ptr() != mine.data_ptr()  # other key
+        assert ws.empty(10, torch.float32, CPU) is mine
+        assert ws.empty(10, torch.float32, CPU) is not mine  # once
+    with ws.serving(mine):
+        pass
+    assert ws.empty(10, torch.float32, CPU) is not mine  # not lent outside the block
+    ws.advance(1)
+    assert all(ws.empty(10, torch.float32, CPU) is not mine for _ in range(3))
+    with pytest.raises(ValueError, match="flat contiguous"):
+        with ws.serving(torch.empty(2, 5)):
+            pass
+
+
+class FreshOutput(mergecomp.Compressor):
+    """A plugin whose aggregate ignores the workspace: finish(out=) must copy its result in."""
+    name = "fresh-output"
+
+    def compress(self, tensor, name, shapes=None):
+        return (tensor.clone(),), None
+
+    def decompress(self, payload, ctx):
+        return payload[0].clone()
+
+
+@pytest.mark.parametrize("compression", sorted(mergecomp.compressor_names()) + ["fresh"])
+def test_finish_writes_the_result_into_out(compression):
+    """finish(job, out=buffer) gives the result of finish(job) in the caller's buffer."""
+    shapes = [torch.Size([64, 32]), torch.Size([300])]
+    groups = layout(build_plan(1, [0, 1], ["a", "b"], [64 * 32 * 4, 1200]), shapes)
+    grad = torch.randn(groups[0].numel, generator=torch.Generator().manual_seed(3))
+    results = []
+    for into in (False, True):
+        torch.manual_seed(0)
+        codec = FreshOutput() if compression == "fresh" else compression
+        exchange = Exchange.create(codec, None, LocalCommunicator())
+        for step in range(2):  # the second step also exercises recycled buffers and memory
+            exchange.step = step
+            buffer = grad.clone()
+            result = exchange.finish(exchange.start(groups[0], buffer), out=buffer if into else None)
+        if into:
+            assert result.data_ptr() == buffer.data_ptr()
+        results.append(result.clone())
+    assert torch.equal(results[0], results[1])

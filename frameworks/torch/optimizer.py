@@ -4,13 +4,18 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
 
     loss.backward()
       └─ per parameter, when its gradient is accumulated (post-accumulate-grad hook):
-         copy it into its group's flat buffer; when a group is complete and every earlier group
-         has been started, start it: compensate -> compress -> async collective
+         copy it into its group's flat buffer (fp32 on CPU: checked for NaN/Inf in the same
+         pass); when a group is complete and every earlier group has been started, start it:
+         compensate -> compress -> async collective
     optimizer.step()
       └─ synchronize(): start the groups still waiting (parameters without a gradient count as
-         zeros), agree on non-finite gradients, wait for each group in plan order, decode,
-         average, write into p.grad
+         zeros), agree on non-finite gradients, wait for each group in plan order, decode and
+         average into the group's buffer; each p.grad becomes a view of its slot there
       └─ the wrapped optimizer's own step()
+
+Like DDP's ``gradient_as_bucket_view=True``, ``p.grad`` aliases the merged buffer after a step:
+``zero_grad(set_to_none=True)`` (the default) drops the view, and with ``set_to_none=False``
+the next backward accumulates straight into the buffer, so nothing is copied in either.
 
 Groups are contiguous runs of the backward order.  The first step uses the reverse registration
 order (like DDP's first buckets); after it, rank 0's observed gradient-ready order is broadcast
@@ -30,6 +35,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from mergecomp import native
 from mergecomp.compressor import Compressor
 from mergecomp.exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
 from mergecomp.memory import Memory
@@ -118,6 +124,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                         check_finite=nonfinite != "ignore")
         self._warn_double_momentum(self.exchange.memory)
         self.nonfinite = nonfinite
+        self._check_in_fill = nonfinite != "ignore"
         self.backward_passes_per_step = backward_passes_per_step
         self.skipped_steps = 0
 
@@ -273,6 +280,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _reset_step(self) -> None:
         self._ready = [0] * len(self._groups)
         self._filled = [False] * len(self._params)
+        #: per group: True while every gradient copied in was found finite, False once one was
+        #: not, None when one was not checked (see _fill)
+        self._finite: List[Optional[bool]] = [True] * len(self._groups)
         self._jobs: List[Optional[InFlight]] = [None] * len(self._groups)
         self._next_group = 0
 
@@ -314,13 +324,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             slot.zero_()
+        elif grad.is_sparse:
+            self._warn_sparse(i)
+            slot.copy_(grad.to_dense().reshape(-1))
+            self._unchecked(g)
+        elif grad.data_ptr() == slot.data_ptr():
+            self._unchecked(g)  # accumulated in place: p.grad is already this slot
+        elif self._check_in_fill and native.usable(grad, slot):
+            if not native.copy_finite(grad, slot):
+                self._finite[g] = False
         else:
-            if grad.is_sparse:
-                self._warn_sparse(i)
-                grad = grad.to_dense()
             slot.copy_(grad.reshape(-1))
+            self._unchecked(g)
         self._filled[i] = True
         self._ready[g] += 1
+
+    def _unchecked(self, g: int) -> None:
+        """Group ``g`` holds a gradient not checked for NaN/Inf while filling: the exchange
+        checks the whole group (unless one already failed)."""
+        if self._finite[g]:
+            self._finite[g] = None
 
     def _warn_sparse(self, i: int) -> None:
         warnings.warn(f"parameter {self.param_names[i]!r} has a sparse gradient; mergecomp exchanges it "
@@ -330,7 +353,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         while (self._next_group < len(self._groups)
                and self._ready[self._next_group] == len(self._groups[self._next_group].indices)):
             g = self._next_group
-            job = self.exchange.start(self._groups[g], self._buffers[g], self._plan.codec(g))
+            job = self.exchange.start(self._groups[g], self._buffers[g], self._plan.codec(g), self._finite[g])
             self._encode_spent += job.encode_seconds
             self._jobs[g] = job
             self._next_group += 1
@@ -350,12 +373,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check = None
         if self.nonfinite != "ignore":
             check = NonfiniteCheck(self.comm, [job.finite for job in self._jobs], self.exchange.step)
-        results = [self.exchange.finish(job) for job in self._jobs]
+        for job, buffer in zip(self._jobs, self._buffers):
+            self.exchange.finish(job, out=buffer)
         bad = check.culprits([group.name for group in self._groups]) if check else []
         self._synchronized = True
         self._step_skipped = bool(bad)
         if not bad:
-            self._write_grads(results)
+            self._point_grads()
         step = self.exchange.step
         self.exchange.step += 1
         filled_in_backward = all(self._passes)
@@ -378,16 +402,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         logger.warning("skipping step %d: non-finite gradient (%s)", step, where)
 
-    @torch.no_grad()
-    def _write_grads(self, results: Sequence[torch.Tensor]) -> None:
-        for group, flat in zip(self._groups, results):
+    def _point_grads(self) -> None:
+        """Make each ``p.grad`` a view of its slot in the group buffer, which now holds the
+        reduced gradients (DDP's ``gradient_as_bucket_view``): no copy, and a gradient
+        accumulated in place (``zero_grad(set_to_none=False)``) needs no copy into the buffer."""
+        for group, buffer in zip(self._groups, self._buffers):
+            base, itemsize = buffer.data_ptr(), buffer.element_size()
             for i, offset, n in zip(group.indices, group.offsets, group.numels()):
                 p = self._params[i]
-                value = flat[offset:offset + n].view(p.shape)
-                if p.grad is None or p.grad.is_sparse:
-                    p.grad = value.to(p.dtype, copy=True)
-                else:
-                    p.grad.copy_(value)
+                grad = p.grad
+                if grad is None or grad.is_sparse or grad.data_ptr() != base + offset * itemsize:
+                    p.grad = buffer[offset:offset + n].view(p.shape)
 
     def _adopt_observed_order(self) -> None:
         """After the first step: rebuild the plan along rank 0's gradient-ready order."""

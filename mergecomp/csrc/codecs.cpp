@@ -178,7 +178,7 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
 
 extern "C" {
 
-int mc_abi_version() { return 5; }
+int mc_abi_version() { return 6; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -422,6 +422,30 @@ void mc_moments(const float* x, int64_t n, double* stats, int threads) {
     stats[2] += p[4 * b + 2];
     stats[3] += p[4 * b + 3];
   }
+}
+
+// dst = src (n floats); returns 1 when every element is finite (no NaN or Inf), else 0.
+int mc_copy_finite(const float* src, float* dst, int64_t n, int threads) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<uint8_t> bad(blocks);
+  uint8_t* flags = bad.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* in = src + start;
+      float* out = dst + start;
+      uint32_t any = 0;
+#pragma omp simd reduction(| : any)
+      for (int64_t k = 0; k < len; ++k) {
+        uint32_t bits;
+        std::memcpy(&bits, in + k, sizeof bits);
+        out[k] = in[k];
+        any |= static_cast<uint32_t>((bits & 0x7f800000U) == 0x7f800000U);  // exponent all ones
+      }
+      flags[b] = static_cast<uint8_t>(any);
+    }
+  });
+  return std::none_of(bad.begin(), bad.end(), [](uint8_t f) { return f != 0; }) ? 1 : 0;
 }
 
 }  // extern "C"
