@@ -211,3 +211,19 @@ def test_bad_settings_are_rejected():
     errors = run_workers(_bad_settings_worker, 1)[0]
     assert "unknown compressor 'nope'" in errors["compressor"]
     assert "skip" in errors["nonfinite"]
+
+
+def _mismatch_worker(rank):
+    import mergecomp.torch as mc
+
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    try:
+        mc.ddp_comm_hook("topk" if rank == 0 else "qsgd", named_parameters=model.named_parameters())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_with_different_hooks_raise_on_every_rank():
+    for message in run_workers(_mismatch_worker, 2):
+        assert message is not None and "rank 1 differs from rank 0 in its compressor" in message

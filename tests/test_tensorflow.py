@@ -131,11 +131,21 @@ def _training_worker(rank):
             shard(ids, rank), shard(y, rank), epochs=3)
     out["sparse"] = (np.abs(weights(model) - weights(reference)).max(),
                      [str(w.message) for w in caught if "sparse gradient" in str(w.message)])
+
+    # Ranks built differently raise on every rank, naming what differs.
+    try:
+        fit(make_model(), mct.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="topk" if rank == 0
+                                                   else "qsgd", groups=1), *mine, epochs=1)
+        out["mismatch"] = None
+    except Exception as err:  # noqa: BLE001 - Keras may wrap the ValueError
+        out["mismatch"] = str(err)
     return out
 
 
 def test_keras_and_tape_on_two_ranks():
     r0, r1 = run_workers(_training_worker, 2, env=ENV, timeout=170)
+    for r in (r0, r1):
+        assert r["mismatch"] is not None and "rank 1 differs from rank 0 in its compressor" in r["mismatch"]
     for result in (r0, r1):
         diff, eager, groups = result["fit_none"]
         assert not eager and groups == 2

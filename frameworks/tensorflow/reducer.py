@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from mergecomp.agreement import check_ranks_agree
 from mergecomp.exchange import NONFINITE_POLICIES, Exchange, NonfiniteCheck
 from mergecomp.plan import Group, GroupPlan, build_plan, layout, remap_state
 from mergecomp.scheduler import MergeScheduler, SchedulerConfig
@@ -98,6 +99,12 @@ class GradientReducer:
         self.names = list(names)
         self.shapes = [torch.Size(s) for s in shapes]
         self.dtypes = list(dtypes)
+        check_ranks_agree(self.comm, {
+            "variables (names, shapes, dtypes)": [(n, tuple(s), str(d)) for n, s, d in zip(names, self.shapes, dtypes)],
+            "compressor": repr(self.exchange.compressor), "memory": repr(self.exchange.memory),
+            "groups": repr(self._spec if not self._auto else ("auto", self._scheduler_config)),
+            "op, nonfinite": (self.exchange.average, self.nonfinite), "engine": self.comm.engine},
+            "GradientReducer")
         order = list(reversed(range(len(self.names))))
         self._install(self._make_plan(order))
         if self._auto:

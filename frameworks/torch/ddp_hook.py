@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from mergecomp.agreement import check_ranks_agree
 from mergecomp.compressor import Compressor
 from mergecomp.exchange import Exchange, InFlight, NonfiniteCheck
 from mergecomp.memory import Memory
@@ -244,4 +245,8 @@ def ddp_comm_hook(
         raise RuntimeError("ddp_comm_hook needs torch.distributed to be initialized (as DDP does)")
     comm = TorchCommunicator(process_group, timeout=timeout)
     exchange = Exchange.create(compression, memory, comm, average=True, check_finite=nonfinite != "ignore")
-    return DDPHookState(exchange, named_parameters, nonfinite), mergecomp_hook
+    state = DDPHookState(exchange, named_parameters, nonfinite)
+    check_ranks_agree(comm, {"parameters (names, shapes)": [(n, tuple(state._shapes[i])) for i, n in enumerate(state._names)],
+                             "compressor": repr(exchange.compressor), "memory": repr(exchange.memory),
+                             "nonfinite": nonfinite}, "ddp_comm_hook")
+    return state, mergecomp_hook

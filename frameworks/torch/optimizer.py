@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from mergecomp import native
+from mergecomp.agreement import check_ranks_agree
 from mergecomp.compressor import Compressor
 from mergecomp.exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
 from mergecomp.memory import Memory
@@ -239,16 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                        self.nonfinite),
             "engine": self.comm.engine,
         }
-        mine = torch.tensor([int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little")
-                             for v in parts.values()], dtype=torch.int64)
-        gathered = self.comm.allgather(mine.to(self._params[0].device),
-                                       "the cross-rank configuration check").cpu()
-        differ = [(rank, name) for rank in range(1, gathered.shape[0])
-                  for name, a, b in zip(parts, gathered[0], gathered[rank]) if a != b]
-        if differ:
-            where = "; ".join(f"rank {rank} differs from rank 0 in its {name}" for rank, name in differ)
-            raise ValueError(f"DistributedOptimizer on rank {self.comm.rank}: the ranks were not built the "
-                             f"same way: {where}. Every rank must wrap the same model with the same settings")
+        check_ranks_agree(self.comm, parts, "DistributedOptimizer")
 
     def _warn_double_momentum(self, memory: Memory) -> None:
         if memory.name == "dgc" and any(g.get("momentum", 0) for g in self._optimizer.param_groups):

@@ -1,0 +1,33 @@
+"""The ranks agree on how their exchange was built, before any gradient collective.
+
+Ranks that wrap different models, compressors or settings would issue mismatched collectives:
+a hang, or gradients of different tensors silently summed.  :func:`check_ranks_agree` turns
+that into one ``ValueError`` on every rank, naming what differs.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Mapping
+
+import torch
+
+from .comm import Communicator
+
+__all__ = ["check_ranks_agree"]
+
+
+def check_ranks_agree(comm: Communicator, parts: Mapping[str, Any], who: str) -> None:
+    """Raise ``ValueError`` on every rank if any rank's ``parts`` differ from rank 0's.
+
+    ``parts`` maps a description (``"compressor"``) to a value whose ``repr`` is the same on
+    ranks built the same way.  One allgather of a 56-bit hash per part.
+    """
+    mine = torch.tensor([int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little")
+                         for v in parts.values()], dtype=torch.int64)
+    gathered = comm.allgather(mine.to(comm.device), "the cross-rank configuration check").cpu()
+    differ = [(rank, name) for rank in range(1, gathered.shape[0])
+              for name, a, b in zip(parts, gathered[0], gathered[rank]) if a != b]
+    if differ:
+        where = "; ".join(f"rank {rank} differs from rank 0 in its {name}" for rank, name in differ)
+        raise ValueError(f"{who} on rank {comm.rank}: the ranks were not built the same way: {where}. "
+                         f"Every rank must wrap the same model with the same settings")
