@@ -11,17 +11,21 @@ from typing import Any, Mapping
 
 import torch
 
-from .comm import Communicator
+from .exchange import Exchange
 
 __all__ = ["check_ranks_agree"]
 
 
-def check_ranks_agree(comm: Communicator, parts: Mapping[str, Any], who: str) -> None:
-    """Raise ``ValueError`` on every rank if any rank's ``parts`` differ from rank 0's.
+def check_ranks_agree(exchange: Exchange, parts: Mapping[str, Any], who: str) -> None:
+    """Raise ``ValueError`` on every rank if any rank's settings differ from rank 0's.
 
-    ``parts`` maps a description (``"compressor"``) to a value whose ``repr`` is the same on
+    Compared: the exchange's compressor, memory, averaging and engine, and the front end's
+    ``parts``, which map a description (``"groups"``) to a value whose ``repr`` is the same on
     ranks built the same way.  One allgather of a 56-bit hash per part.
     """
+    comm = exchange.comm
+    parts = {"compressor": repr(exchange.compressor), "memory": repr(exchange.memory),
+             "op (average or sum)": exchange.average, "engine": comm.engine, **parts}
     mine = torch.tensor([int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little")
                          for v in parts.values()], dtype=torch.int64)
     gathered = comm.allgather(mine.to(comm.device), "the cross-rank configuration check").cpu()

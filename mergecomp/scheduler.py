@@ -236,9 +236,8 @@ class MergeScheduler:
             listed = {(p.cuts, p.codecs) for p in predictions}
             pure = [p for p in search(profile, self.config.max_groups, ("compressed",), 2)
                     if (p.cuts, p.codecs) not in listed]
-            keep = max(1, budget - len(pure))
-            pure = pure[:max(1, budget - keep)]
-            predictions = predictions[:keep]
+            pure = pure[:max(1, budget - 1)]  # at least one predicted plan stays
+            predictions = predictions[:max(1, budget - len(pure))]
         candidates = [self._candidate(p, "predicted", offset) for p in predictions]
         candidates += [self._candidate(p, "compressor only", offset) for p in pure]
         if "none" in self.config.codecs:

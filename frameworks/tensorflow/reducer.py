@@ -99,12 +99,10 @@ class GradientReducer:
         self.names = list(names)
         self.shapes = [torch.Size(s) for s in shapes]
         self.dtypes = list(dtypes)
-        check_ranks_agree(self.comm, {
+        check_ranks_agree(self.exchange, {
             "variables (names, shapes, dtypes)": [(n, tuple(s), str(d)) for n, s, d in zip(names, self.shapes, dtypes)],
-            "compressor": repr(self.exchange.compressor), "memory": repr(self.exchange.memory),
             "groups": repr(self._spec if not self._auto else ("auto", self._scheduler_config)),
-            "op, nonfinite": (self.exchange.average, self.nonfinite), "engine": self.comm.engine},
-            "GradientReducer")
+            "nonfinite": self.nonfinite}, "GradientReducer")
         order = list(reversed(range(len(self.names))))
         self._install(self._make_plan(order))
         if self._auto:

@@ -246,7 +246,7 @@ def ddp_comm_hook(
     comm = TorchCommunicator(process_group, timeout=timeout)
     exchange = Exchange.create(compression, memory, comm, average=True, check_finite=nonfinite != "ignore")
     state = DDPHookState(exchange, named_parameters, nonfinite)
-    check_ranks_agree(comm, {"parameters (names, shapes)": [(n, tuple(state._shapes[i])) for i, n in enumerate(state._names)],
-                             "compressor": repr(exchange.compressor), "memory": repr(exchange.memory),
-                             "nonfinite": nonfinite}, "ddp_comm_hook")
+    check_ranks_agree(exchange, {"parameters (names, shapes)": [(n, tuple(state._shapes[i]))
+                                                                for i, n in enumerate(state._names)],
+                                 "nonfinite": nonfinite}, "ddp_comm_hook")
     return state, mergecomp_hook

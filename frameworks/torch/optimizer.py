@@ -125,7 +125,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                         check_finite=nonfinite != "ignore")
         self._warn_double_momentum(self.exchange.memory)
         self.nonfinite = nonfinite
-        self._check_in_fill = nonfinite != "ignore"
         self.backward_passes_per_step = backward_passes_per_step
         self.skipped_steps = 0
 
@@ -230,17 +229,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _check_ranks_agree(self) -> None:
         """Raise on every rank if the ranks built different models, compressors, memories or
         settings: mismatched collectives would otherwise hang or silently mix gradients."""
-        parts = {
+        check_ranks_agree(self.exchange, {
             "parameters (names, shapes, dtypes)": [(n, tuple(p.shape), str(p.dtype))
                                                    for n, p in zip(self.param_names, self._params)],
-            "compressor": repr(self.compressor),
-            "memory": repr(self.memory),
             "groups": repr(self._groups_spec if not self._auto else ("auto", self._scheduler_config)),
-            "backward_passes_per_step, op, nonfinite": (self.backward_passes_per_step, self.exchange.average,
-                                                       self.nonfinite),
-            "engine": self.comm.engine,
-        }
-        check_ranks_agree(self.comm, parts, "DistributedOptimizer")
+            "backward_passes_per_step, nonfinite": (self.backward_passes_per_step, self.nonfinite),
+        }, "DistributedOptimizer")
 
     def _warn_double_momentum(self, memory: Memory) -> None:
         if memory.name == "dgc" and any(g.get("momentum", 0) for g in self._optimizer.param_groups):
@@ -322,7 +316,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._unchecked(g)
         elif grad.data_ptr() == slot.data_ptr():
             self._unchecked(g)  # accumulated in place: p.grad is already this slot
-        elif self._check_in_fill and native.usable(grad, slot):
+        elif self.exchange.check_finite and native.usable(grad, slot):
             if not native.copy_finite(grad, slot):
                 self._finite[g] = False
         else:
