@@ -233,11 +233,10 @@ class MergeScheduler:
             # at 1.06 s, and at batch 4 every mixed candidate of rand-k, top-k and PowerSGD
             # measured 10-40 % above its prediction and lost to the pure one.  They take the
             # places of the last predicted candidates, so the search cost is unchanged.
-            listed = {(p.cuts, p.codecs) for p in predictions}
-            pure = [p for p in search(profile, self.config.max_groups, ("compressed",), 2)
-                    if (p.cuts, p.codecs) not in listed]
-            pure = pure[:max(1, budget - 1)]  # at least one predicted plan stays
-            predictions = predictions[:max(1, budget - len(pure))]
+            pure = search(profile, self.config.max_groups, ("compressed",), 2)[:max(1, budget - 1)]
+            chosen = {(p.cuts, p.codecs) for p in pure}
+            predictions = [p for p in predictions if (p.cuts, p.codecs) not in chosen]
+            predictions = predictions[:max(1, budget - len(pure))]  # at least one other plan
         candidates = [self._candidate(p, "predicted", offset) for p in predictions]
         candidates += [self._candidate(p, "compressor only", offset) for p in pure]
         if "none" in self.config.codecs:
