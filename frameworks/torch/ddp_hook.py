@@ -78,7 +78,7 @@ class DDPHookState:
         self._groups: Dict[Tuple[int, ...], Group] = {}
         self._current: List[Group] = []
         self._before: Optional[List[Dict[str, Dict[str, torch.Tensor]]]] = None
-        self._pending: List[Tuple[InFlight, torch.futures.Future]] = []
+        self._pending: List[Tuple[InFlight, torch.futures.Future, torch.Tensor]] = []  # job, future, bucket buffer
 
     @property
     def compressor(self) -> Compressor:
@@ -150,17 +150,18 @@ class DDPHookState:
             self._adopt(group)
         self._current.append(group)
         future: torch.futures.Future = torch.futures.Future()
-        # Exchange.start compensates and encodes DDP's bucket buffer in place; DDP overwrites it
-        # with the future's result.
-        self._pending.append((self.exchange.start(group, bucket.buffer()), future))
+        # Exchange.start compensates and encodes DDP's bucket buffer in place; finish decodes the
+        # result back into it, which DDP then takes as the future's value.
+        buffer = bucket.buffer()
+        self._pending.append((self.exchange.start(group, buffer), future, buffer))
         return future
 
     def finish(self) -> None:
         """Finish every pending bucket in bucket order and complete their futures."""
-        jobs = [job for job, _ in self._pending]
+        jobs = [job for job, _, _ in self._pending]
         check = NonfiniteCheck(self.exchange.comm, [job.finite for job in jobs], self.exchange.step) \
             if self.nonfinite == "raise" else None
-        results = [self.exchange.finish(job) for job in jobs]
+        results = [self.exchange.finish(job, out=buffer) for job, _, buffer in self._pending]
         bad = check.culprits([job.group.name for job in jobs]) if check else []
         step = self.exchange.step
         self.exchange.step += 1
@@ -170,12 +171,12 @@ class DDPHookState:
             where = "; ".join(f"rank {rank}, bucket of {self.names(by_name[name])[:4]}" for rank, name in bad)
             self._fail(FloatingPointError(f"non-finite gradient at step {step} ({where})"))
             return
-        for (_, future), result in zip(self._pending, results):
+        for (_, future, _), result in zip(self._pending, results):
             future.set_result(result)
         self._pending = []
 
     def _fail(self, error: BaseException) -> None:
-        for _, future in self._pending:
+        for _, future, _ in self._pending:
             if not future.done():
                 future.set_exception(error)
         self._pending, self._current, self._before = [], [], None
