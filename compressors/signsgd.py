@@ -23,7 +23,7 @@ class SignSGDCompressor(Compressor):
 
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The packed sign bits sent for ``tensor`` (subclasses: of a momentum, e.g.)."""
-        return pack_signs(tensor)
+        return pack_signs(tensor, empty=self.scratch)
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:

@@ -32,7 +32,7 @@ class SignumCompressor(SignSGDCompressor):
             momentum = momentum.to(dtype=tensor.dtype, device=tensor.device)
         state["momentum"] = momentum
         if native.usable(tensor, momentum):  # momentum update and sign bits in one pass
-            out = torch.empty(bitpack.packed_size(tensor.numel(), 1), dtype=torch.uint8)
+            out = self.scratch(bitpack.packed_size(tensor.numel(), 1), torch.uint8, tensor.device)
             return native.momentum_signs(tensor, momentum, self.beta, out)
         momentum.lerp_(tensor, 1.0 - self.beta)  # beta m + (1 - beta) x, one pass
-        return pack_signs(momentum)
+        return pack_signs(momentum, empty=self.scratch)

@@ -7,7 +7,7 @@ of several ranks' ``±1`` (ties give 0).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -19,10 +19,16 @@ __all__ = ["pack_signs", "decode_signs", "majority_vote", "SignValueCompressor"]
 Value = Union[float, torch.Tensor]
 
 
-def pack_signs(tensor: torch.Tensor) -> torch.Tensor:
-    """``ceil(n / 8)`` uint8 bytes holding ``tensor >= 0`` (1 bit per element)."""
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def pack_signs(tensor: torch.Tensor, empty: Optional[Callable] = None) -> torch.Tensor:
+    """``ceil(n / 8)`` uint8 bytes holding ``tensor >= 0`` (1 bit per element).  ``empty(numel,
+    dtype, device)`` allocates them (e.g. a compressor's :meth:`~mergecomp.Compressor.scratch`);
+    default ``torch.empty``."""
     if native.usable(tensor):
-        out = torch.empty(bitpack.packed_size(tensor.numel(), 1), dtype=torch.uint8)
+        out = (empty or _empty)(bitpack.packed_size(tensor.numel(), 1), torch.uint8, tensor.device)
         return native.pack_signs(tensor.reshape(-1), out)[0]
     return bitpack.pack(tensor >= 0, 1)
 
