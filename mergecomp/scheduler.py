@@ -21,13 +21,15 @@ switch plans at the same step.  Plans can be cached in a JSON file keyed by a mo
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,7 +38,10 @@ from .compressor import Compressor
 from .costmodel import CODECS, CodecCost, Prediction, Profile, fit_affine, predict, search
 from .plan import GroupPlan
 
-__all__ = ["MergeScheduler", "SchedulerConfig", "probe_sizes", "time_codec"]
+if TYPE_CHECKING:
+    from .exchange import Exchange
+
+__all__ = ["MergeScheduler", "SchedulerConfig", "cut_plan", "exchange_scheduler", "probe_sizes", "time_codec"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -70,6 +75,36 @@ class SchedulerConfig:
         bad = [c for c in self.codecs if c not in CODECS]
         if bad or not self.codecs:
             raise ValueError(f"scheduler codecs must be drawn from {CODECS}, got {self.codecs}")
+
+
+def cut_plan(order: Sequence[int], cuts: Sequence[int], codecs: Sequence[str] = ()) -> GroupPlan:
+    """The plan that cuts ``order`` (parameter indices in backward order) before each position
+    in ``cuts`` (increasing, inside ``(0, len(order))``), with a codec per group or none."""
+    edges = [0, *cuts, len(order)]
+    return GroupPlan(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs))
+
+
+def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: Sequence[int],
+                       sizes: Sequence[int], shapes: Sequence[torch.Size], dtype: torch.dtype,
+                       device: torch.device, build: Callable[[GroupPlan], GroupPlan],
+                       model: Sequence[str]) -> "MergeScheduler":
+    """The scheduler of a front end whose groups go through ``exchange``.
+
+    ``order``: parameter indices in backward order; ``sizes`` (bytes) and ``shapes`` by parameter
+    index; ``build(plan)`` completes a cut plan the way the front end builds its own (names,
+    dtype checks).  ``model`` describes the parameters (e.g. ``"name:shape:dtype"`` each); with
+    the compressor, memory, world size and engine it is hashed into the plan-cache signature.
+    Without a choice of codec to make (``none``, or a sign method whose vote every group must
+    follow) only the configured compressor is searched.
+    """
+    compressor = exchange.compressor
+    if compressor.name == "none" or compressor.votes:
+        config = dataclasses.replace(config, codecs=("compressed",))
+    parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine]
+    signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
+    return MergeScheduler(exchange.comm, {name: exchange.codec(name) for name in config.codecs}, order, sizes,
+                          shapes, dtype, device, lambda cuts, codecs: build(cut_plan(order, cuts, codecs)),
+                          signature, config)
 
 
 @dataclass

@@ -98,7 +98,7 @@ def head_to_head(w, auto, best, rounds, steps):
 
 def run_worker():
     from mergecomp.bench import _Worker, describe_plan, fixed_plan, make_optimizer, measure_plans, search_auto
-    from mergecomp.plan import GroupPlan
+    from mergecomp.scheduler import cut_plan
 
     worker_args = argparse.Namespace(model=args.model, width=1.0, input_size=None, batch_size=args.batch_size,
                                      threads=args.threads, seed=0, compressor=args.worker, compressor_arg=[],
@@ -115,10 +115,6 @@ def run_worker():
     for i in order:
         prefix.append(prefix[-1] + sizes[i])
 
-    def cut_plan(cuts):
-        edges = [0, *cuts, len(order)]
-        return GroupPlan(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])))
-
     for label in ("layerwise", "1", "fp32"):
         plans[label] = fixed_plan(opt, label)
     grid2 = [int(x) for x in args.grid2.split(",") if x]
@@ -128,12 +124,12 @@ def run_worker():
         cuts = (byte_cut(prefix, pct / 100),)
         if cuts not in seen:
             seen.add(cuts)
-            plans[f"cut{pct}"] = cut_plan(cuts)
+            plans[f"cut{pct}"] = cut_plan(order, cuts)
     for a, b in itertools.combinations(grid3, 2):
         cuts = tuple(sorted({byte_cut(prefix, a / 100), byte_cut(prefix, b / 100)}))
         if len(cuts) == 2 and cuts not in seen:
             seen.add(cuts)
-            plans[f"cut{a}+{b}"] = cut_plan(cuts)
+            plans[f"cut{a}+{b}"] = cut_plan(order, cuts)
     times = measure_plans(w, plans, args.rounds, args.steps)
     comm = opt.comm
     import torch

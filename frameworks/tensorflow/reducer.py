@@ -11,7 +11,6 @@ Every rank must pass the same variables (names, shapes, dtypes) in the same orde
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -21,7 +20,7 @@ import torch
 from mergecomp.agreement import check_ranks_agree
 from mergecomp.exchange import NONFINITE_POLICIES, Exchange, NonfiniteCheck
 from mergecomp.plan import Group, GroupPlan, build_plan, layout, remap_state
-from mergecomp.scheduler import MergeScheduler, SchedulerConfig
+from mergecomp.scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
 
 __all__ = ["GradientReducer"]
 
@@ -141,23 +140,10 @@ class GradientReducer:
         self._install(plan)
 
     def _start_scheduler(self, order: List[int]) -> None:
-        compressor, config = self.exchange.compressor, self._scheduler_config
-        if compressor.name == "none" or compressor.votes:
-            # exactness (none) and the vote's update rule (sign methods) must hold for every group
-            config = SchedulerConfig(**{**vars(config), "codecs": ("compressed",)})
-
-        def make_plan(cuts, codecs):
-            edges = [0, *cuts, len(order)]
-            plan = GroupPlan(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs))
-            return self._make_plan(order, plan)
-
-        signature = hashlib.sha256("|".join(
-            [f"{n}:{tuple(s)}:{d}" for n, s, d in zip(self.names, self.shapes, self.dtypes)]
-            + [repr(compressor), repr(self.exchange.memory), str(self.comm.size), self.comm.engine, "tf"]
-        ).encode()).hexdigest()
-        self.scheduler = MergeScheduler(
-            self.comm, {name: self.exchange.codec(name) for name in config.codecs}, order, self._nbytes(),
-            self.shapes, self.dtypes[order[0]], torch.device("cpu"), make_plan, signature, config)
+        self.scheduler = exchange_scheduler(
+            self.exchange, self._scheduler_config, order, self._nbytes(), self.shapes, self.dtypes[order[0]],
+            torch.device("cpu"), lambda plan: self._make_plan(order, plan),
+            ["tf"] + [f"{n}:{tuple(s)}:{d}" for n, s, d in zip(self.names, self.shapes, self.dtypes)])
         cached = self.scheduler.initial_plan()
         if cached is not None:
             self.set_plan(cached)

@@ -25,7 +25,6 @@ and the plan rebuilt once, carrying error-feedback state over (:func:`mergecomp.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import time
@@ -41,7 +40,7 @@ from mergecomp.compressor import Compressor
 from mergecomp.exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
 from mergecomp.memory import Memory
 from mergecomp.plan import Group, GroupPlan, build_plan, layout, remap_state
-from mergecomp.scheduler import MergeScheduler, SchedulerConfig
+from mergecomp.scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
 
 from .runtime import communicator
 
@@ -436,32 +435,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.scheduler.report()
 
     def _start_scheduler(self) -> None:
-        compressor = self.exchange.compressor
-        config = self._scheduler_config
-        if compressor.name == "none" or compressor.votes:
-            # Exactness (none) and the vote's update rule (sign methods) must hold for every group.
-            config = SchedulerConfig(**{**vars(config), "codecs": ("compressed",)})
-        codecs = {name: self.exchange.codec(name) for name in config.codecs}
         order = list(self._plan.order)
         first = self._params[order[0]]
-
-        def make_plan(cuts, codecs_):
-            edges = [0, *cuts, len(order)]
-            plan = GroupPlan(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs_))
-            return self._make_plan(order, plan)
-
-        self.scheduler = MergeScheduler(
-            self.comm, codecs, order, [p.numel() * p.element_size() for p in self._params],
-            [p.shape for p in self._params], first.dtype, first.device, make_plan, self._signature(), config)
+        self.scheduler = exchange_scheduler(
+            self.exchange, self._scheduler_config, order, [p.numel() * p.element_size() for p in self._params],
+            [p.shape for p in self._params], first.dtype, first.device, lambda plan: self._make_plan(order, plan),
+            [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.param_names, self._params)])
         cached = self.scheduler.initial_plan()
         if cached is not None:
             self.set_plan(cached)
-
-    def _signature(self) -> str:
-        """Model (names, shapes, dtypes), compressor, memory, world size and engine, hashed."""
-        parts = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(self.param_names, self._params)]
-        parts += [repr(self.compressor), repr(self.memory), str(self.comm.size), self.comm.engine]
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     def step(self, closure=None):
         """Synchronize (unless inside :meth:`skip_synchronize`) and run the wrapped optimizer's step.
