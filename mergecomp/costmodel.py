@@ -16,10 +16,14 @@ contiguous groups, each with a codec (``"compressed"``, ``"fp16"`` or ``"none"``
 * group ``g`` is encoded when its last gradient is ready and every earlier group was started
   (collectives start in plan order on every rank);
 * the network runs one collective at a time: ``start = max(encoded, previous end)``;
+* a collective also costs CPU on this process (the engine's threads copying, summing and
+  moving bytes through sockets): the share of it that overlaps the rest of the backward pass
+  delays that pass, as encoding does (:func:`cpu_taken`). With one core per worker this is
+  what makes large uncompressed groups slower than their network time alone says;
 * decoding starts after the backward pass and the group's collective, in plan order.
 
 Costs are affine fits ``a + b * bytes`` (:class:`Affine`): per codec for encode and decode
-(input bytes), per collective kind for the network (bytes one rank contributes).
+(input bytes), per collective kind for the network and its CPU (bytes one rank contributes).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ __all__ = [
     "CodecCost",
     "Profile",
     "Prediction",
+    "cpu_taken",
     "fit_affine",
     "predict",
     "search",
@@ -90,12 +95,23 @@ def ring_allgather(latency: float, bandwidth: float, world_size: int) -> Affine:
 
 @dataclass(frozen=True)
 class CodecCost:
-    """What one codec costs: payload bytes per input byte, encode/decode time, collective."""
+    """What one codec costs: payload bytes per input byte, encode/decode time, the collective's
+    wall time and the CPU time it takes on this process (default none)."""
 
     ratio: float
     encode: Affine
     decode: Affine
     network: Affine
+    network_cpu: Affine = Affine()
+
+
+def cpu_taken(cpu: float, start: float, duration: float, compute_end: float) -> float:
+    """Seconds a collective of ``duration`` seconds, started at ``start`` and burning ``cpu``
+    CPU seconds evenly, takes from a backward pass that would end at ``compute_end``: its CPU
+    time in proportion to the overlap."""
+    if cpu <= 0.0 or start >= compute_end:
+        return 0.0
+    return cpu * min(1.0, (compute_end - start) / duration) if duration > 0.0 else cpu
 
 
 @dataclass
@@ -144,7 +160,7 @@ def predict(profile: Profile, cuts: Sequence[int], codecs: Sequence[str]) -> Pre
     bounds = _bounds(cuts, n)
     if len(codecs) != len(bounds):
         raise ValueError(f"{len(bounds)} groups but {len(codecs)} codecs")
-    compute_delay = 0.0   # encode time spent so far on the compute thread
+    compute_delay = 0.0   # encode time, and CPU taken by collectives, so far on the compute thread
     net_free = 0.0
     encoded_prev = 0.0
     ends, parts = [], []
@@ -160,11 +176,13 @@ def predict(profile: Profile, cuts: Sequence[int], codecs: Sequence[str]) -> Pre
         network = cost.network(nbytes * cost.ratio)
         start = max(encoded, net_free)
         net_free = start + network
+        taken = cpu_taken(cost.network_cpu(nbytes * cost.ratio), start, network, profile.ready[-1] + compute_delay)
+        compute_delay += taken
         ends.append(net_free)
         total_encode += encode
         total_network += network
         parts.append({"bytes": nbytes, "ready": ready, "encode": encode, "network": network,
-                      "network_end": net_free})
+                      "network_end": net_free, "network_cpu_taken": taken})
     backward_end = profile.ready[-1] + compute_delay
     clock = backward_end
     total_decode = 0.0
@@ -203,7 +221,10 @@ def _total(prefix: Sequence[int], ready: Sequence[float], costs: Sequence[CodecC
         enc = cost.encode.fixed + cost.encode.per_byte * nbytes
         encoded = max(ready[b - 1] + delay, encoded) + enc
         delay += enc
-        net_free = max(encoded, net_free) + cost.network.fixed + cost.network.per_byte * nbytes * cost.ratio
+        start = max(encoded, net_free)
+        network = cost.network.fixed + cost.network.per_byte * nbytes * cost.ratio
+        net_free = start + network
+        delay += cpu_taken(cost.network_cpu(nbytes * cost.ratio), start, network, ready[-1] + delay)
         ends.append(net_free)
     clock = ready[-1] + delay
     for g, cost in enumerate(costs):

@@ -364,7 +364,8 @@ class MergeScheduler:
             ratios[name] = wire
             local += encode + decode
         for name in self.config.codecs:
-            local += self._time_network(self.codecs[name], [n * ratios[name] for n, _ in samples])
+            wall, cpu = self._time_network(self.codecs[name], [n * ratios[name] for n, _ in samples])
+            local += wall + cpu
         local.append(step_seconds)
         agreed = self.comm.allgather(torch.tensor(local, dtype=torch.float64, device=self.device),
                                      "scheduler profile").max(dim=0).values.tolist()
@@ -378,9 +379,10 @@ class MergeScheduler:
         for j, name in enumerate(self.config.codecs):
             encode = rest[2 * k * j: 2 * k * j + k]
             decode = rest[2 * k * j + k: 2 * k * (j + 1)]
-            network = rest[2 * k * len(self.config.codecs) + k * j:][:k]
+            network = rest[2 * k * len(self.config.codecs) + 2 * k * j:][:2 * k]
+            payload = [b * ratios[name] for b in nbytes]
             costs[name] = CodecCost(ratios[name], fit_affine(nbytes, encode), fit_affine(nbytes, decode),
-                                    fit_affine([b * ratios[name] for b in nbytes], network))
+                                    fit_affine(payload, network[:k]), fit_affine(payload, network[k:]))
         profile = Profile(self.sizes, ready_agreed, costs)
         # What the timeline does not model (forward, optimizer, data) is the same for every plan:
         # calibrate it on the step just measured so predictions read as whole-step seconds.
@@ -395,8 +397,11 @@ class MergeScheduler:
             cuts.append(position)
         return cuts, [plan.codec(g) for g in range(len(plan))]
 
-    def _time_network(self, compressor: Compressor, payload_bytes: Sequence[float]) -> List[float]:
-        out = []
+    def _time_network(self, compressor: Compressor, payload_bytes: Sequence[float]
+                      ) -> Tuple[List[float], List[float]]:
+        """Wall seconds of the codec's collective for each payload size, and the CPU seconds
+        this process spent meanwhile (the engine's threads; waiting does not spin)."""
+        wall, cpu = [], []
         for nbytes in payload_bytes:
             nbytes = max(8, int(nbytes))
             if compressor.summable:
@@ -407,11 +412,13 @@ class MergeScheduler:
                 run = self.comm.allgather_async
             times = []
             for _ in range(2):
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.process_time()
                 run(tensor).wait("scheduler network probe")
-                times.append(time.perf_counter() - began)
-            out.append(min(times))
-        return out
+                times.append((time.perf_counter() - began, time.process_time() - began_cpu))
+            fastest = min(times)
+            wall.append(fastest[0])
+            cpu.append(fastest[1])
+        return wall, cpu
 
     # -- plan cache --------------------------------------------------------------------------
     def _load_cache(self) -> Optional[Candidate]:

@@ -3,8 +3,8 @@ import itertools
 
 import pytest
 
-from mergecomp.costmodel import (Affine, CodecCost, Profile, candidate_cuts, fit_affine, predict,
-                                 ring_allgather, ring_allreduce, search)
+from mergecomp.costmodel import (TIE, Affine, CodecCost, Profile, candidate_cuts, cpu_taken, fit_affine,
+                                 predict, ring_allgather, ring_allreduce, search)
 
 FREE = Affine()
 
@@ -36,6 +36,26 @@ def test_encode_time_delays_later_gradients():
     assert layerwise.encode == pytest.approx(2.0)
 
 
+def test_collective_cpu_delays_the_backward_pass_it_overlaps():
+    # 1 s of network and 0.4 s of this process's CPU per 1000 bytes sent uncompressed.
+    net = CodecCost(1.0, FREE, FREE, Affine(0.0, 1e-3), network_cpu=Affine(0.0, 4e-4))
+    p = profile([1000, 1000], [0.0, 1.0], none=net)
+    two = predict(p, [1], ["none", "none"])
+    # g0 runs 0 -> 1 s, all of it beside the backward pass: its 0.4 s of CPU push g1 to 1.4 s;
+    # g1 starts when the backward pass is over and takes nothing from it.
+    assert two.groups[0]["network_cpu_taken"] == pytest.approx(0.4)
+    assert two.groups[1]["ready"] == pytest.approx(1.4)
+    assert two.groups[1]["network_cpu_taken"] == 0.0
+    assert two.backward_end == pytest.approx(1.4)
+    assert two.total == pytest.approx(2.4)
+    free = profile([1000, 1000], [0.0, 1.0], none=CodecCost(1.0, FREE, FREE, Affine(0.0, 1e-3)))
+    assert predict(free, [1], ["none", "none"]).total == pytest.approx(2.0)
+    assert predict(p, [], ["none"]).total == pytest.approx(3.0)  # sent after the backward pass
+    # in proportion to the overlap: half of a 2 s collective overlaps 1 s of compute left
+    assert cpu_taken(0.4, 0.0, 2.0, 1.0) == pytest.approx(0.2)
+    assert cpu_taken(0.4, 1.0, 2.0, 1.0) == 0.0
+
+
 def _brute_force(p, max_groups, codecs):
     n = len(p.sizes)
     best = None
@@ -54,13 +74,31 @@ def test_search_finds_the_brute_force_optimum(bandwidth):
     ready = [0.002 * i for i in range(len(sizes))]
     net = ring_allreduce(1e-4, bandwidth, 4)
     gather = ring_allgather(1e-4, bandwidth, 4)
+    cpu = Affine(1e-5, 0.3 / bandwidth)  # the search's fast path charges collective CPU like predict
     p = profile(sizes, ready,
-                none=CodecCost(1.0, FREE, FREE, net),
-                fp16=CodecCost(0.5, Affine(1e-5, 2e-11), Affine(1e-5, 2e-11), net),
+                none=CodecCost(1.0, FREE, FREE, net, cpu),
+                fp16=CodecCost(0.5, Affine(1e-5, 2e-11), Affine(1e-5, 2e-11), net, cpu),
                 compressed=CodecCost(0.02, Affine(2e-4, 5e-10), Affine(1e-4, 3e-10), gather))
     expected_total, _, _ = _brute_force(p, 3, ("none", "fp16", "compressed"))
     found = search(p, max_groups=3, grid_points=len(sizes))[0]
-    assert found.total == pytest.approx(expected_total)
+    # plans within TIE count as equally fast (the search then prefers gradients sent soon)
+    assert expected_total <= found.total <= expected_total * (1 + TIE) + 1e-12
+
+
+def test_search_fast_path_agrees_with_predict():
+    from mergecomp.costmodel import _total
+
+    sizes = [4_000_000, 100, 2_000_000, 300, 8_000_000]
+    ready = [0.003 * i for i in range(len(sizes))]
+    codecs = dict(none=CodecCost(1.0, FREE, Affine(1e-4, 1e-10), ring_allreduce(1e-4, 1e9, 4), Affine(1e-4, 1e-9)),
+                  compressed=CodecCost(0.05, Affine(2e-4, 5e-10), Affine(1e-4, 3e-10), ring_allgather(1e-4, 1e9, 4)))
+    p = profile(sizes, ready, **codecs)
+    prefix = [0, *itertools.accumulate(sizes)]
+    for k in (1, 2, 3):
+        for cuts in itertools.combinations(range(1, len(sizes)), k - 1):
+            for assignment in itertools.product(codecs, repeat=k):
+                fast = _total(prefix, ready, [codecs[c] for c in assignment], (0, *cuts, len(sizes)))
+                assert fast == pytest.approx(predict(p, cuts, assignment).total, rel=1e-12)
 
 
 def test_equal_predictions_prefer_gradients_sent_soon():
