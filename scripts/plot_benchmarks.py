@@ -10,6 +10,8 @@ Figures:
   and ``scheduler_*.jsonl``;
 * ``scheduler_1gbit.png``: per compressor, layer-wise / 1 group / sweep best / auto at 1 Gbit/s;
 * ``scaling.png``: scaling factor vs workers (``throughput.jsonl`` records with ``label`` scaling);
+* ``workers4_1gbit.png``: per compressor, layer-wise and ``auto`` on 4 workers at 1 Gbit/s (newest
+  records), DDP fp32 and the fused fp32 allreduce as lines;
 * ``convergence.png``: test accuracy vs step per compressor (``convergence.jsonl``).
 """
 import argparse
@@ -164,6 +166,39 @@ def scaling():
     return path
 
 
+def four_workers():
+    """Per compressor, the newest 4-worker 1 Gbit/s steps of layer-wise and ``auto``; the newest
+    DDP fp32 and fused fp32 steps as lines."""
+    newest = {}
+    for r in load("throughput.jsonl"):  # later records win
+        if r.get("status") == "ok" and r.get("model") == "resnet50" and r.get("world_size") == 4 \
+                and r.get("rate") == "1gbit":
+            newest[(r["mode"], r.get("compressor"), r.get("plan"))] = r["step_s"]
+    names = sorted({c for m, c, p in newest if m == "mergecomp" and p == "auto" and ("mergecomp", c, "layerwise") in newest},
+                   key=lambda c: newest[("mergecomp", c, "auto")])
+    if not names:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for j, (plan, label) in enumerate((("layerwise", "layer-wise"), ("auto", "auto (scheduler)"))):
+        ax.bar([i + (j - 0.5) * 0.4 for i in range(len(names))], [newest[("mergecomp", c, plan)] for c in names], 0.4,
+               label=label)
+    ddp = newest.get(("ddp", None, "ddp"))
+    if ddp:
+        ax.axhline(ddp, color="k", ls="--", lw=1, label="DDP fp32")
+    fused = [v for (m, c, p), v in newest.items() if m == "mergecomp" and p == "fp32"]
+    if fused:
+        ax.axhline(fused[-1], color="0.5", ls=":", lw=1, label="mergecomp fused fp32")
+    ax.set_xticks(range(len(names)), names, rotation=30)
+    ax.set_ylabel("step time, s (lower is better)")
+    ax.set_title("4 workers, 1 Gbit/s, ResNet-50 shapes, batch 8, 1 thread/worker (2-core machine: oversubscribed)",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(args.out, "workers4_1gbit.png")
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def convergence():
     recs = [r for r in load("convergence.jsonl") if r.get("status") == "ok"]
     if not recs:
@@ -244,7 +279,7 @@ if __name__ == "__main__":
         sys.exit(0)
     os.makedirs(args.out, exist_ok=True)
     for make in (throughput_vs_bandwidth, lambda: scheduler("1gbit"), lambda: scheduler("loopback"), scaling,
-                 convergence):
+                 four_workers, convergence):
         path = make()
         if path:
             print("wrote", path)
