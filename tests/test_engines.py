@@ -20,7 +20,6 @@ import time
 import pytest
 
 import mergecomp.torch as mc
-from distributed import free_port
 from mergecomp.torch.runtime import detect_engine, launcher_mismatch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,8 +114,10 @@ def run_training(cmd, tmp_path_factory):
 
 
 def torchrun_cmd(script_args=()):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), SCRIPT, *script_args]
+    # --standalone: torchrun binds its own free port (a port picked here could be taken by
+    # another process before torchrun binds it)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
+            *script_args]
 
 
 def mpirun_cmd(script_args=()):
