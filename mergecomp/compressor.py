@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 
 from .stateful import GroupStateful
-from .workspace import Workspace
+from .workspace import Workspace, fresh
 
 Payload = Tuple[torch.Tensor, ...]
 
@@ -111,7 +111,7 @@ class Compressor(GroupStateful, abc.ABC):
         """An uninitialized flat tensor: from the attached workspace (valid until the next
         step), or freshly allocated when there is none."""
         if self.workspace is None:
-            return torch.empty(numel, dtype=dtype, device=device)
+            return fresh(numel, dtype, device)
         return self.workspace.empty(numel, dtype, device)
 
     # -- bookkeeping -------------------------------------------------------------------------

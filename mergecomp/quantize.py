@@ -5,6 +5,8 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .workspace import fresh
+
 __all__ = ["work_dtype", "stochastic_round_", "bucket_norms", "per_bucket_scale", "RANDOM_BITS"]
 
 #: resolution of the uniform draws behind stochastic rounding: each element's rounding
@@ -30,7 +32,7 @@ def stochastic_round_(a: torch.Tensor, shift: int = 0, empty: Optional[Callable]
     the rest is four passes over ``a`` without mixed-dtype arithmetic.
     """
     n = a.numel()
-    empty = empty or (lambda numel, dtype, device: torch.empty(numel, dtype=dtype, device=device))
+    empty = empty or fresh
     words = empty((n + 3) // 4, torch.int64, a.device)
     k = words.random_(-2 ** 63, None).view(torch.int16)[:n].view(a.shape)  # signed 16 bits
     u = empty(n, a.dtype, a.device).view(a.shape).copy_(k)

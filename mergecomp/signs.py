@@ -13,14 +13,11 @@ import torch
 
 from . import bitpack, native
 from .compressor import Compressor, Payload
+from .workspace import fresh
 
 __all__ = ["pack_signs", "decode_signs", "majority_vote", "SignValueCompressor"]
 
 Value = Union[float, torch.Tensor]
-
-
-def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def pack_signs(tensor: torch.Tensor, empty: Optional[Callable] = None) -> torch.Tensor:
@@ -28,7 +25,7 @@ def pack_signs(tensor: torch.Tensor, empty: Optional[Callable] = None) -> torch.
     dtype, device)`` allocates them (e.g. a compressor's :meth:`~mergecomp.Compressor.scratch`);
     default ``torch.empty``."""
     if native.usable(tensor):
-        out = (empty or _empty)(bitpack.packed_size(tensor.numel(), 1), torch.uint8, tensor.device)
+        out = (empty or fresh)(bitpack.packed_size(tensor.numel(), 1), torch.uint8, tensor.device)
         return native.pack_signs(tensor.reshape(-1), out)[0]
     return bitpack.pack(tensor >= 0, 1)
 

@@ -21,9 +21,15 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Workspace"]
+__all__ = ["Workspace", "fresh"]
 
 Key = Tuple[int, torch.dtype, torch.device]
+
+
+def fresh(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new uninitialized flat tensor, not pooled: the default of the helpers that take an
+    ``empty(numel, dtype, device)`` allocator, and what a dry pool hands out."""
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 class Workspace:
@@ -49,7 +55,7 @@ class Workspace:
             self._lent = None  # served once, and never pooled: it is the caller's
             return lent
         free = self._free.get(key)
-        tensor = free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+        tensor = free.pop() if free else fresh(numel, dtype, device)
         self._taken.setdefault(key, []).append(tensor)
         return tensor
 
