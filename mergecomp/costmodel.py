@@ -19,7 +19,7 @@ contiguous groups, each with a codec (``"compressed"``, ``"fp16"`` or ``"none"``
 * a collective also costs CPU on this process (the engine's threads copying, summing and
   moving bytes through sockets): the share of it that overlaps the rest of the backward pass
   delays that pass, as encoding does (:func:`cpu_taken`). With one core per worker this is
-  what makes large uncompressed groups slower than their network time alone says;
+  part of why large uncompressed groups run slower than their network time alone says;
 * decoding starts after the backward pass and the group's collective, in plan order.
 
 Costs are affine fits ``a + b * bytes`` (:class:`Affine`): per codec for encode and decode
@@ -221,10 +221,13 @@ def _total(prefix: Sequence[int], ready: Sequence[float], costs: Sequence[CodecC
         enc = cost.encode.fixed + cost.encode.per_byte * nbytes
         encoded = max(ready[b - 1] + delay, encoded) + enc
         delay += enc
+        payload = nbytes * cost.ratio
         start = max(encoded, net_free)
-        network = cost.network.fixed + cost.network.per_byte * nbytes * cost.ratio
+        network = cost.network.fixed + cost.network.per_byte * payload
         net_free = start + network
-        delay += cpu_taken(cost.network_cpu(nbytes * cost.ratio), start, network, ready[-1] + delay)
+        cpu = cost.network_cpu.fixed + cost.network_cpu.per_byte * payload
+        if cpu > 0.0:  # inline like the affine costs above: this loop runs ~10^5 times per search
+            delay += cpu_taken(cpu, start, network, ready[-1] + delay)
         ends.append(net_free)
     clock = ready[-1] + delay
     for g, cost in enumerate(costs):
