@@ -9,8 +9,12 @@ every rank (the same number of times everywhere), it goes through these phases::
          ranks are gathered and the slowest kept, so every rank builds the same cost model
       -> predict: :func:`mergecomp.costmodel.search` ranks plans of 1..K groups x codecs;
          the top few plus the best uncompressed plan (plain fused allreduce) become candidates
-      -> verify: each candidate runs ``settle + probe`` steps; the median of the probe steps,
+      -> verify: each candidate runs ``settle + probe`` steps; the median of its probe steps,
          max over ranks, is its measured time
+      -> run-off: when the runner-up measured within ``runoff_margin`` of the best, the two
+         alternate for ``runoff_rounds`` more visits each (order reversed every round, so a
+         drift of the machine weighs on both alike); each one's time is then the median of
+         all its probe steps
       -> monitor: the measured best is kept (a retune must beat the incumbent by
          ``min_improvement``); every ``retune_window`` steps the ranks compare the window's
          median with the chosen plan's time, and all re-profile together if it drifted by more
@@ -53,10 +57,12 @@ class SchedulerConfig:
     """Settings of the online search (all ranks must use the same)."""
 
     max_groups: int = 4
-    warmup_steps: int = 5
+    warmup_steps: int = 4
     settle_steps: int = 1
-    probe_steps: int = 4
+    probe_steps: int = 2
     candidates: int = 3
+    runoff_rounds: int = 2
+    runoff_margin: float = 0.15
     min_improvement: float = 0.03
     retune_threshold: float = 0.15
     retune_window: int = 50
@@ -67,11 +73,12 @@ class SchedulerConfig:
         for name in ("max_groups", "probe_steps", "candidates", "retune_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "settle_steps"):
+        for name in ("warmup_steps", "settle_steps", "runoff_rounds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler {name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.min_improvement < 1 or self.retune_threshold <= 0:
-            raise ValueError("scheduler min_improvement must be in [0, 1) and retune_threshold > 0")
+        if not 0 <= self.min_improvement < 1 or self.retune_threshold <= 0 or self.runoff_margin < 0:
+            raise ValueError("scheduler min_improvement must be in [0, 1), retune_threshold > 0 and "
+                             "runoff_margin >= 0")
         bad = [c for c in self.codecs if c not in CODECS]
         if bad or not self.codecs:
             raise ValueError(f"scheduler codecs must be drawn from {CODECS}, got {self.codecs}")
@@ -113,6 +120,7 @@ class Candidate:
     source: str
     predicted: Optional[float] = None
     measured: Optional[float] = None
+    probes: List[float] = dataclasses.field(default_factory=list)  # this rank's probe step times
 
 
 def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
@@ -191,8 +199,8 @@ class MergeScheduler:
         self.chosen: Optional[Candidate] = None
         self.candidates: List[Candidate] = []
         self.history: List[Dict] = []
-        self._pending: List[Candidate] = []
-        self._probe: List[float] = []
+        self._pending: List[Candidate] = []  # visits still to run, in order
+        self._runoff_done = False
         self._window: List[float] = []
         self._countdown = self.config.warmup_steps
         self._cached = self._load_cache()
@@ -220,7 +228,7 @@ class MergeScheduler:
         def describe(c: Candidate) -> Dict:
             return {"source": c.source, "groups": len(c.plan), "codecs": list(c.plan.codecs),
                     "sizes": [sum(self._size_of[i] for i in g) for g in c.plan.groups],
-                    "predicted_s": c.predicted, "measured_s": c.measured}
+                    "predicted_s": c.predicted, "measured_s": c.measured, "probe_steps": len(c.probes)}
 
         return {"phase": self.phase, "steps": self.steps, "search_steps": self.search_steps,
                 "searches": self.searches, "candidates": [describe(c) for c in self.candidates],
@@ -238,7 +246,7 @@ class MergeScheduler:
     def load_state_dict(self, state: Dict) -> None:
         self.steps, self.search_steps = int(state["steps"]), int(state["search_steps"])
         self.searches, self.history = int(state["searches"]), list(state["history"])
-        self._window, self._probe, self._pending = [], [], []
+        self._window, self._pending = [], []
         if state["chosen"] is not None:
             self.chosen = Candidate(GroupPlan.from_json(state["chosen"]), state["chosen_source"],
                                     measured=state["measured_s"])
@@ -284,18 +292,22 @@ class MergeScheduler:
             unique.setdefault(c.plan, c)
         self.candidates = list(unique.values())
         self._pending = list(self.candidates)
+        self._runoff_done = False
         return self._next_candidate()
 
     def _verify(self, step_seconds, ready):
         self._countdown -= 1
         if self._countdown >= self.config.probe_steps:
             return None  # settling
-        self._probe.append(step_seconds)
+        current = self._pending[0]
+        current.probes.append(step_seconds)
         if self._countdown > 0:
             return None
-        current = self._pending.pop(0)
-        current.measured = self._slowest(statistics.median(self._probe))
-        self._probe = []
+        self._pending.pop(0)
+        current.measured = self._slowest(statistics.median(current.probes))
+        if not self._pending and not self._runoff_done:
+            self._runoff_done = True
+            self._pending = self._runoff()
         if self._pending:
             return self._next_candidate()
         return self._decide()
@@ -319,10 +331,23 @@ class MergeScheduler:
         return None
 
     # -- helpers -----------------------------------------------------------------------------
+    def _runoff(self) -> List[Candidate]:
+        """The run-off's visits: the two best candidates alternate when they measured within
+        ``runoff_margin`` of each other (a few probe steps each cannot tell them apart)."""
+        ranked = sorted(self.candidates, key=lambda c: c.measured)
+        if len(ranked) < 2 or ranked[1].measured > ranked[0].measured * (1 + self.config.runoff_margin):
+            return []
+        pair = ranked[:2]
+        if pair[1].plan == self._current:  # start with the plan already installed
+            pair.reverse()
+        return [c for r in range(self.config.runoff_rounds) for c in (pair if r % 2 == 0 else pair[::-1])]
+
     def _next_candidate(self) -> GroupPlan:
+        """Start the next visit; a plan already installed needs no settling step."""
         self.phase = "verify"
-        self._countdown = self.config.settle_steps + self.config.probe_steps
-        return self._pending[0].plan
+        plan = self._pending[0].plan
+        self._countdown = self.config.probe_steps + (0 if plan == self._current else self.config.settle_steps)
+        return plan
 
     def _decide(self) -> GroupPlan:
         measured = [c for c in self.candidates if c.measured is not None]

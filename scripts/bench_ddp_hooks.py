@@ -30,7 +30,7 @@ import time
 configs = "ddp,torch-fp16,torch-powersgd,mc-fp16,mc-powersgd,mc-topk,mc-opt-auto-topk,mc-opt-auto-powersgd"
 hidden = 2048               # MLP width: 784 -> hidden -> hidden -> hidden -> 10 (about 10M parameters)
 batch_size = 32             # per rank
-warmup_steps = 40           # untimed; covers DDP's bucket rebuild and the auto scheduler's search (26 steps)
+warmup_steps = 40           # untimed; covers DDP's bucket rebuild and the auto scheduler's search (at most 28 steps)
 steps = 30                  # timed
 threads = 1                 # torch threads per rank (2 ranks on 2 cores)
 timeout = 180               # seconds per configuration

@@ -2,6 +2,7 @@
 error-feedback state across switches, plan cache."""
 import logging
 
+import pytest
 import torch
 
 from distributed import run_workers
@@ -76,7 +77,7 @@ def test_auto_with_a_compressor_keeps_ranks_identical():
 
 def test_plan_cache_round_trip_and_foreign_entries(tmp_path):
     cache = str(tmp_path / "plans.json")
-    first = run_workers(_auto_worker, 2, 2, "none", 20, cache)[0]
+    first = run_workers(_auto_worker, 2, 2, "none", 26, cache)[0]
     chosen = first["report"]["chosen"]
     again = run_workers(_auto_worker, 2, 2, "none", 5, cache)[0]
     assert again["report"]["search_steps"] == 0
@@ -89,7 +90,7 @@ def test_plan_cache_round_trip_and_foreign_entries(tmp_path):
 
 
 def test_retunes_when_the_step_time_drifts_and_all_ranks_follow():
-    r0, r1 = run_workers(_auto_worker, 2, 2, "none", 45, None, 20, 6)
+    r0, r1 = run_workers(_auto_worker, 2, 2, "none", 55, None, 30, 6)
     events = [h["event"] for h in r0["report"]["history"]]
     assert events[:2] == ["chosen", "retune"], r0["report"]["history"]
     assert r0["report"]["searches"] >= 2
@@ -132,3 +133,62 @@ def _switch_worker(rank):
 def test_switching_plans_carries_every_residual_over():
     for same, nonzero, groups in run_workers(_switch_worker, 2):
         assert same and nonzero and groups == 3
+
+
+def _scripted_worker(rank, runoff_rounds, runoff_margin):
+    """Drive a MergeScheduler over the real process group with scripted step times.
+
+    Candidates are named A, B, C in the order the search visits them.  A's first visit runs
+    slow (0.12 s, a transient), later visits at its true 0.10 s; B always takes 0.11 s and C
+    0.30 s.  Rank 1 runs 1 % slower, so agreement (max over ranks) is exercised too."""
+    import mergecomp.torch as mc
+    from mergecomp.registry import get_compressor
+    from mergecomp.scheduler import MergeScheduler, cut_plan
+
+    n = 8
+    order = list(range(n))
+    config = SchedulerConfig(warmup_steps=1, settle_steps=1, probe_steps=2, codecs=("compressed",),
+                             runoff_rounds=runoff_rounds, runoff_margin=runoff_margin, retune_window=1000)
+    scheduler = MergeScheduler(mc.communicator(), {"compressed": get_compressor("none")}, order,
+                               [4096] * n, [torch.Size([1024])] * n, torch.float32, torch.device("cpu"),
+                               lambda cuts, codecs: cut_plan(order, cuts, codecs), "scripted", config)
+    plan = cut_plan(order, range(1, n))  # layer-wise: never a candidate (max_groups 4)
+    labels, stretches, trace = {}, {}, []
+    for _ in range(60):
+        if scheduler.phase == "monitor":
+            break
+        seconds = 0.2
+        if scheduler.phase == "verify":
+            if plan not in labels:
+                labels[plan] = "ABC"[len(labels)]
+            label = labels[plan]
+            if not trace or trace[-1] != label:
+                stretches[label] = stretches.get(label, 0) + 1
+            trace.append(label)
+            seconds = {"A": 0.12 if stretches["A"] == 1 else 0.10, "B": 0.11, "C": 0.30}[label]
+        switched = scheduler.observe(seconds * (1.01 if rank == 1 else 1.0), [0.0] * n, plan)
+        plan = switched or plan
+    report = scheduler.report()
+    probes = {labels[c.plan]: c.probes for c in scheduler.candidates}
+    return {"chosen": labels.get(scheduler.chosen.plan), "trace": "".join(trace), "probes": probes,
+            "search_steps": report["search_steps"], "measured": {labels[c.plan]: c.measured for c in scheduler.candidates}}
+
+
+def test_runoff_alternates_the_two_best_and_picks_on_all_their_probes():
+    r0, r1 = run_workers(_scripted_worker, 2, 2, 0.15)
+    assert r0["chosen"] == r1["chosen"] == "A"  # B looked faster after one visit each
+    assert r0["trace"] == r1["trace"]
+    # First pass A, B, C (settle + 2 probes each), then B A A B; a plan already installed
+    # needs no settling step, so A's second visit adds 2 steps to its first.
+    assert r0["trace"] == "AAABBBCCC" + "BBB" + "AAA" + "AA" + "BBB"
+    assert [len(r0["probes"][k]) for k in "ABC"] == [6, 6, 2]
+    assert r0["measured"]["A"] == pytest.approx(0.101)  # median of all six probes, max over ranks
+    assert r0["search_steps"] == 1 + 1 + 9 + 11
+
+
+def test_no_runoff_when_the_runner_up_is_clearly_slower():
+    r0, _ = run_workers(_scripted_worker, 2, 2, 0.05)  # A's 0.12 s is 9 % behind B's 0.11 s
+    assert r0["chosen"] == "B"
+    assert r0["trace"] == "AAABBBCCC"
+    r0, _ = run_workers(_scripted_worker, 2, 0, 0.15)  # run-off disabled
+    assert r0["chosen"] == "B" and r0["trace"] == "AAABBBCCC"
