@@ -206,7 +206,7 @@ def measure_plans(w: _Worker, plans: Dict[str, object], rounds: int, steps: int)
 
 
 def describe_plan(plan, sizes: Sequence[int]) -> Dict:
-    return {"groups": len(plan), "codecs": [plan.codec(g) for g in range(len(plan))],
+    return {"groups": len(plan), "codecs": list(plan.codec_names()),
             "group_mb": [round(sum(sizes[i] for i in g) / 2**20, 2) for g in plan.groups] if len(plan) <= 8 else None}
 
 

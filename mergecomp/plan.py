@@ -24,7 +24,8 @@ class GroupPlan:
     """Groups of parameter indices; concatenating the groups gives the backward order.
 
     ``codecs`` optionally names each group's codec (``"compressed"``, ``"fp16"``, ``"none"``);
-    empty means every group uses the configured compressor.
+    empty means every group uses the configured compressor, and all-``"compressed"`` is stored
+    as empty, so plans that send the same groups the same way compare equal.
     """
 
     groups: Tuple[Tuple[int, ...], ...]
@@ -35,9 +36,15 @@ class GroupPlan:
             raise ValueError("a merge plan cannot contain an empty group")
         if self.codecs and len(self.codecs) != len(self.groups):
             raise ValueError(f"a merge plan with {len(self.groups)} groups needs as many codecs, got {len(self.codecs)}")
+        if all(c == "compressed" for c in self.codecs):
+            object.__setattr__(self, "codecs", ())
 
     def codec(self, g: int) -> str:
         return self.codecs[g] if self.codecs else "compressed"
+
+    def codec_names(self) -> Tuple[str, ...]:
+        """The codec of every group, in order."""
+        return tuple(self.codec(g) for g in range(len(self.groups)))
 
     @property
     def order(self) -> Tuple[int, ...]:
@@ -128,7 +135,7 @@ def build_plan(
     codecs: List[str] = []
     if isinstance(spec, GroupPlan):
         groups = [list(g) for g in spec.groups]
-        codecs = [spec.codec(g) for g in range(len(groups))] if spec.codecs else []
+        codecs = list(spec.codecs)
     elif isinstance(spec, str):
         if spec != "layerwise":
             raise ValueError(f"groups must be 'layerwise', an int, a list of name lists or a GroupPlan; got {spec!r}")

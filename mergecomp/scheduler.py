@@ -226,7 +226,7 @@ class MergeScheduler:
     def report(self) -> Dict:
         """Candidates tried (predicted and measured seconds), the chosen plan and the search cost."""
         def describe(c: Candidate) -> Dict:
-            return {"source": c.source, "groups": len(c.plan), "codecs": list(c.plan.codecs),
+            return {"source": c.source, "groups": len(c.plan), "codecs": list(c.plan.codec_names()),
                     "sizes": [sum(self._size_of[i] for i in g) for g in c.plan.groups],
                     "predicted_s": c.predicted, "measured_s": c.measured, "probe_steps": len(c.probes)}
 
@@ -361,7 +361,7 @@ class MergeScheduler:
         self.history.append({"step": self.steps, "event": "chosen", "source": best.source,
                              "groups": len(best.plan), "measured_s": best.measured})
         logger.info("mergecomp: chose a %d-group plan (%s, codecs %s): %.4fs/step measured, %s predicted; "
-                    "search took %d steps", len(best.plan), best.source, list(best.plan.codecs),
+                    "search took %d steps", len(best.plan), best.source, list(best.plan.codec_names()),
                     best.measured, "n/a" if best.predicted is None else f"{best.predicted:.4f}s",
                     self.search_steps)
         self._save_cache(best)
@@ -420,7 +420,7 @@ class MergeScheduler:
         for group in plan.groups[:-1]:
             position += len(group)
             cuts.append(position)
-        return cuts, [plan.codec(g) for g in range(len(plan))]
+        return cuts, list(plan.codec_names())
 
     def _time_network(self, compressor: Compressor, payload_bytes: Sequence[float]
                       ) -> Tuple[List[float], List[float]]:

@@ -79,11 +79,6 @@ def byte_cut(prefix, fraction):
     return min(range(1, n), key=lambda b: abs(prefix[b] - fraction * total))
 
 
-def same_plan(a, b):
-    """Whether two GroupPlans send the same groups with the same codecs."""
-    return a.groups == b.groups and [a.codec(g) for g in range(len(a))] == [b.codec(g) for g in range(len(b))]
-
-
 def head_to_head(w, plans, rounds, steps):
     """Step times of each of ``plans`` (label -> plan) over ``rounds`` rounds, the order reversed
     every round (A B C, C B A, ...) so that a slow drift of the machine weighs on all alike."""
@@ -153,7 +148,7 @@ def run_worker():
               "step_s": slowest, "steps_s": times,
               "confirm": {"best_label": best, "auto_s": confirm["auto"], "best_s": confirm["best"],
                           "fp32_s": confirm.get("fp32"),
-                          "same_plan": same_plan(plans["auto"], plans[best]), "steps_s": confirm_times},
+                          "same_plan": plans["auto"] == plans[best], "steps_s": confirm_times},
               "plans": {k: describe_plan(p, sizes) for k, p in plans.items()}, **auto}
     if comm.rank == 0:
         with open(args.result, "w") as f:
