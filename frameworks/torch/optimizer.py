@@ -56,6 +56,13 @@ _DEFAULT_GROUP_BYTES = 25 * 2**20
 _DEFAULT_MAX_GROUPS = 4
 
 
+def _in_slot(grad: Optional[torch.Tensor], buffer: torch.Tensor, offset: int) -> bool:
+    """Whether ``grad`` already lives at element ``offset`` of ``buffer`` (it is the view
+    :meth:`DistributedOptimizer._point_grads` made and backward accumulated into it)."""
+    return (grad is not None and not grad.is_sparse
+            and grad.data_ptr() == buffer.data_ptr() + offset * buffer.element_size())
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that gradients are merged, compressed and averaged across ranks.
 
@@ -313,7 +320,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._warn_sparse(i)
             slot.copy_(grad.to_dense().reshape(-1))
             self._unchecked(g)
-        elif grad.data_ptr() == slot.data_ptr():
+        elif _in_slot(grad, self._buffers[g], offset):
             self._unchecked(g)  # accumulated in place: p.grad is already this slot
         elif self.exchange.check_finite and native.usable(grad, slot):
             if not native.copy_finite(grad, slot):
@@ -392,11 +399,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reduced gradients (DDP's ``gradient_as_bucket_view``): no copy, and a gradient
         accumulated in place (``zero_grad(set_to_none=False)``) needs no copy into the buffer."""
         for group, buffer in zip(self._groups, self._buffers):
-            base, itemsize = buffer.data_ptr(), buffer.element_size()
             for i, offset, n in zip(group.indices, group.offsets, group.numels()):
                 p = self._params[i]
-                grad = p.grad
-                if grad is None or grad.is_sparse or grad.data_ptr() != base + offset * itemsize:
+                if not _in_slot(p.grad, buffer, offset):
                     p.grad = buffer[offset:offset + n].view(p.shape)
 
     def _adopt_observed_order(self) -> None:
