@@ -197,6 +197,8 @@ class MergeScheduler:
         self.search_steps = 0
         self.searches = 0
         self.chosen: Optional[Candidate] = None
+        self.profile: Optional[Profile] = None  # the last search's cost model inputs
+        self.profile_offset = 0.0  # seconds per step the timeline does not model
         self.candidates: List[Candidate] = []
         self.history: List[Dict] = []
         self._pending: List[Candidate] = []  # visits still to run, in order
@@ -265,6 +267,7 @@ class MergeScheduler:
     def _profile(self, step_seconds, ready):
         self.searches += 1
         profile, offset = self._build_profile(ready, step_seconds)
+        self.profile, self.profile_offset = profile, offset
         budget = self.config.candidates
         predictions = search(profile, self.config.max_groups, self.config.codecs, budget)
         pure = []

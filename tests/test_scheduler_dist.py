@@ -46,7 +46,9 @@ def _auto_worker(rank, world, compression, steps, cache_path=None, slow_after=No
         ref_opt.zero_grad()
         loss.backward()
         ref_opt.step()
+    profile = opt.scheduler.profile if opt.scheduler else None
     return {"report": opt.schedule_report(), "plans": plans, "params": flat_params(model),
+            "profiled": None if profile is None else (len(profile.sizes), sorted(profile.codecs)),
             "diff": (flat_params(model) - flat_params(reference)).abs().max().item(), "log": messages}
 
 
@@ -64,6 +66,8 @@ def test_auto_converges_agrees_and_stays_exact_across_switches():
     # compression="none" stays exact through every switch.
     assert r0["diff"] < 1e-5 and r1["diff"] < 1e-5
     assert any("chose a" in m for m in r0["log"])
+    # The cost model's inputs stay readable after the search: one entry per parameter.
+    assert r0["profiled"] == (len(r0["plans"][-1].order), ["compressed"])
 
 
 def test_auto_with_a_compressor_keeps_ranks_identical():
