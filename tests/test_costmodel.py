@@ -166,3 +166,23 @@ def test_candidate_grid_and_bad_input():
         search(profile([1], [0.0], none=CodecCost(1.0, FREE, FREE, FREE)), max_groups=0)
     with pytest.raises(ValueError, match="codecs"):
         search(profile([1], [0.0], none=CodecCost(1.0, FREE, FREE, FREE)), codecs=("fp16",))
+
+
+def test_time_codec_times_warm_runs_and_leaves_the_compressor_as_it_was():
+    import torch
+
+    import mergecomp
+    from mergecomp.scheduler import time_codec
+    from mergecomp.workspace import Workspace
+
+    compressor = mergecomp.get_compressor("topk")
+    pool = Workspace()
+    compressor.workspace = pool
+    shapes = [torch.Size([1000]), torch.Size([100_000])]
+    encode, decode, ratio = time_codec(compressor, [(4000, 1), (404_000, 2)], shapes, torch.float32,
+                                       torch.device("cpu"), 2)
+    assert len(encode) == len(decode) == 2 and min(encode + decode) > 0
+    assert 0 < ratio < 0.1  # top-k keeps 1 %: values and indices
+    # The probe used a private pool and cleaned up after itself.
+    assert compressor.workspace is pool and pool.step == 0
+    assert "__scheduler_probe__" not in compressor.state
