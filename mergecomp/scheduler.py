@@ -221,6 +221,7 @@ class MergeScheduler:
         self.history: List[Dict] = []
         self._pending: List[Candidate] = []  # visits still to run, in order
         self._runoff_done = False
+        self._finalists: List[Candidate] = []  # the run-off's pair, once it started
         self._window: List[float] = []
         self._countdown = self.config.warmup_steps
         self._cached = self._load_cache()
@@ -291,12 +292,10 @@ class MergeScheduler:
         pure = []
         if "compressed" in self.config.codecs and len(self.config.codecs) > 1:
             # Always verify the two best plans that use only the configured compressor (two
-            # group counts): the profile under-predicts the cost of sending bytes uncompressed
-            # while the backward pass holds the core. On the 1 Gbit/s namespace cluster 'none'-
-            # heavy plans predicted 0.83 s ran at 1.4-1.6 s while a pure rand-k 3-group plan ran
-            # at 1.06 s, and at batch 4 every mixed candidate of rand-k, top-k and PowerSGD
-            # measured 10-40 % above its prediction and lost to the pure one.  They take the
-            # places of the last predicted candidates, so the search cost is unchanged.
+            # group counts), in the places of the last predicted candidates (same search cost).
+            # While codecs were timed cold, mixed plans measured 10-40 % above their prediction
+            # on the 1 Gbit/s cluster and lost to these; timed warm, the median error of every
+            # kind of plan is within 3 % (docs/scheduler.md), and these stay as insurance.
             pure = search(profile, self.config.max_groups, ("compressed",), 2)[:max(1, budget - 1)]
             chosen = {(p.cuts, p.codecs) for p in pure}
             predictions = [p for p in predictions if (p.cuts, p.codecs) not in chosen]
@@ -314,6 +313,7 @@ class MergeScheduler:
         self.candidates = list(unique.values())
         self._pending = list(self.candidates)
         self._runoff_done = False
+        self._finalists = []
         return self._next_candidate()
 
     def _verify(self, step_seconds, ready):
@@ -359,6 +359,7 @@ class MergeScheduler:
         if len(ranked) < 2 or ranked[1].measured > ranked[0].measured * (1 + self.config.runoff_margin):
             return []
         pair = ranked[:2]
+        self._finalists = list(pair)
         if pair[1].plan == self._current:  # start with the plan already installed
             pair.reverse()
         return [c for r in range(self.config.runoff_rounds) for c in (pair if r % 2 == 0 else pair[::-1])]
@@ -372,7 +373,9 @@ class MergeScheduler:
 
     def _decide(self) -> GroupPlan:
         measured = [c for c in self.candidates if c.measured is not None]
-        best = min(measured, key=lambda c: c.measured)
+        # After a run-off only its finalists compete: the others lost on the first pass, and
+        # their few early steps are not comparable with the finalists' later ones.
+        best = min(self._finalists or measured, key=lambda c: c.measured)
         incumbent = next((c for c in measured if c.source == "incumbent"), None)
         if incumbent is not None and best.measured > incumbent.measured * (1 - self.config.min_improvement):
             best = incumbent

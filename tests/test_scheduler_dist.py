@@ -139,12 +139,19 @@ def test_switching_plans_carries_every_residual_over():
         assert same and nonzero and groups == 3
 
 
-def _scripted_worker(rank, runoff_rounds, runoff_margin):
-    """Drive a MergeScheduler over the real process group with scripted step times.
+# Step seconds of candidates A, B, C (named in the order the search visits them): on their
+# first visit, and on later ones.
+SCRIPTS = {
+    # A's first visit is slow (a transient); B is steady; C is far behind.
+    "transient": {"A": (0.12, 0.10), "B": (0.11, 0.11), "C": (0.30, 0.30)},
+    # The machine slows down during the run-off; C, out after the first pass, was never re-measured.
+    "drift": {"A": (0.10, 0.13), "B": (0.105, 0.14), "C": (0.11, 0.11)},
+}
 
-    Candidates are named A, B, C in the order the search visits them.  A's first visit runs
-    slow (0.12 s, a transient), later visits at its true 0.10 s; B always takes 0.11 s and C
-    0.30 s.  Rank 1 runs 1 % slower, so agreement (max over ranks) is exercised too."""
+
+def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
+    """Drive a MergeScheduler over the real process group with step times from SCRIPTS.
+    Rank 1 runs 1 % slower, so agreement (max over ranks) is exercised too."""
     import mergecomp.torch as mc
     from mergecomp.registry import get_compressor
     from mergecomp.scheduler import MergeScheduler, cut_plan
@@ -169,7 +176,8 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin):
             if not trace or trace[-1] != label:
                 stretches[label] = stretches.get(label, 0) + 1
             trace.append(label)
-            seconds = {"A": 0.12 if stretches["A"] == 1 else 0.10, "B": 0.11, "C": 0.30}[label]
+            first, later = SCRIPTS[script][label]
+            seconds = first if stretches[label] == 1 else later
         switched = scheduler.observe(seconds * (1.01 if rank == 1 else 1.0), [0.0] * n, plan)
         plan = switched or plan
     report = scheduler.report()
@@ -188,6 +196,14 @@ def test_runoff_alternates_the_two_best_and_picks_on_all_their_probes():
     assert [len(r0["probes"][k]) for k in "ABC"] == [6, 6, 2]
     assert r0["measured"]["A"] == pytest.approx(0.101)  # median of all six probes, max over ranks
     assert r0["search_steps"] == 1 + 1 + 9 + 11
+
+
+def test_after_a_runoff_only_its_finalists_compete():
+    r0, r1 = run_workers(_scripted_worker, 2, 2, 0.15, "drift")
+    # C's single early visit (0.11 s) beats both finalists' medians (0.13, 0.14 s), but it lost
+    # the first pass under the same conditions they had then.
+    assert r0["chosen"] == r1["chosen"] == "A"
+    assert r0["measured"]["C"] < r0["measured"]["A"]
 
 
 def test_no_runoff_when_the_runner_up_is_clearly_slower():
