@@ -138,6 +138,12 @@ def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
     return out
 
 
+def _settle(device: torch.device) -> None:
+    """Wait for the device's queued work, so that host clocks time it (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shapes: Sequence[torch.Size],
                dtype: torch.dtype, device: torch.device, world_size: int
                ) -> Tuple[List[float], List[float], float]:
@@ -165,13 +171,16 @@ def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shape
                 if compressor.workspace is not None:
                     compressor.workspace.advance(runs)
                 flat = data.clone()  # a compressor may work in place on its input
+                _settle(device)
                 began = time.perf_counter()
                 payload, ctx = compressor.compress(flat, name, shapes[:count])
                 for _ in range(compressor.rounds - 1):
                     payload, ctx = compressor.next_round(payload, ctx)
+                _settle(device)
                 middle = time.perf_counter()
                 arrived = [payload] if compressor.summable else [payload] * world_size
                 compressor.aggregate(arrived, ctx, world_size, True)
+                _settle(device)
                 times.append((middle - began, time.perf_counter() - middle))
                 compressor.state.pop(name, None)
             times = times[1:]  # the first run warmed the pool and caches
@@ -461,8 +470,10 @@ class MergeScheduler:
                 run = self.comm.allgather_async
             times = []
             for _ in range(2):
+                _settle(self.device)
                 began, began_cpu = time.perf_counter(), time.process_time()
                 run(tensor).wait("scheduler network probe")
+                _settle(self.device)
                 times.append((time.perf_counter() - began, time.process_time() - began_cpu))
             fastest = min(times)
             wall.append(fastest[0])
