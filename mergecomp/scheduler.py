@@ -152,8 +152,9 @@ def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shape
 
     Timed in steady state, as training runs: each sample runs once untimed first, and on CPU
     the compressor gets a private workspace (as the exchange attaches one), advanced before
-    every run, so the timed runs reuse scratch instead of touching fresh pages.  (Cold, a 100 MB TernGrad decode
-    took 0.15-0.19 s against 0.035-0.039 s warm, which made every plan's tail look alike.)
+    every run, so the timed runs reuse scratch instead of touching fresh pages.  (Cold, a
+    100 MB TernGrad decode took 0.15-0.19 s against 0.035-0.039 s warm, which made every
+    plan's tail look alike.)
     """
     encode, decode, wire = [], [], 1.0
     element = torch.empty((), dtype=dtype).element_size()
@@ -229,8 +230,7 @@ class MergeScheduler:
         self.candidates: List[Candidate] = []
         self.history: List[Dict] = []
         self._pending: List[Candidate] = []  # visits still to run, in order
-        self._runoff_done = False
-        self._finalists: List[Candidate] = []  # the run-off's pair, once it started
+        self._finalists: Optional[List[Candidate]] = None  # the run-off's pair; [] if none was held
         self._window: List[float] = []
         self._countdown = self.config.warmup_steps
         self._cached = self._load_cache()
@@ -321,8 +321,7 @@ class MergeScheduler:
             unique.setdefault(c.plan, c)
         self.candidates = list(unique.values())
         self._pending = list(self.candidates)
-        self._runoff_done = False
-        self._finalists = []
+        self._finalists = None
         return self._next_candidate()
 
     def _verify(self, step_seconds, ready):
@@ -335,9 +334,8 @@ class MergeScheduler:
             return None
         self._pending.pop(0)
         current.measured = self._slowest(statistics.median(current.probes))
-        if not self._pending and not self._runoff_done:
-            self._runoff_done = True
-            self._pending = self._runoff()
+        if not self._pending and self._finalists is None:
+            self._finalists, self._pending = self._runoff()
         if self._pending:
             return self._next_candidate()
         return self._decide()
@@ -361,17 +359,17 @@ class MergeScheduler:
         return None
 
     # -- helpers -----------------------------------------------------------------------------
-    def _runoff(self) -> List[Candidate]:
-        """The run-off's visits: the two best candidates alternate when they measured within
-        ``runoff_margin`` of each other (a few probe steps each cannot tell them apart)."""
+    def _runoff(self) -> Tuple[List[Candidate], List[Candidate]]:
+        """The run-off's finalists and visits: the two best candidates alternate when they
+        measured within ``runoff_margin`` of each other (a few probe steps each cannot tell them
+        apart); none when the runner-up is clearly slower."""
         ranked = sorted(self.candidates, key=lambda c: c.measured)
         if len(ranked) < 2 or ranked[1].measured > ranked[0].measured * (1 + self.config.runoff_margin):
-            return []
+            return [], []
         pair = ranked[:2]
-        self._finalists = list(pair)
         if pair[1].plan == self._current:  # start with the plan already installed
             pair.reverse()
-        return [c for r in range(self.config.runoff_rounds) for c in (pair if r % 2 == 0 else pair[::-1])]
+        return pair, [c for r in range(self.config.runoff_rounds) for c in (pair if r % 2 == 0 else pair[::-1])]
 
     def _next_candidate(self) -> GroupPlan:
         """Start the next visit; a plan already installed needs no settling step."""
