@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["Communicator", "Handle", "CommunicationError", "default_timeout"]
+__all__ = ["Communicator", "Handle", "CommunicationError", "default_timeout", "launcher_local"]
 
 
 def default_timeout() -> float:
@@ -60,8 +60,29 @@ class Handle:
         return self._result
 
 
+#: (local rank, local size) variables of the launchers, in the order they are looked up
+_LOCAL_VARIABLES = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"),                         # torchrun
+                    ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),               # horovodrun
+                    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI
+                    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))                      # MPICH, Intel MPI
+
+
+def launcher_local(rank: int, size: int) -> Tuple[int, int]:
+    """``(local_rank, local_size)``: this process's index among the processes of its host and
+    their number, from the launcher's variables; ``(rank, size)`` (one host) without them."""
+    for rank_var, size_var in _LOCAL_VARIABLES:
+        if rank_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ.get(size_var, size))
+    return rank, size
+
+
 class Communicator(abc.ABC):
-    """Collectives over one group of processes."""
+    """Collectives over one group of processes.
+
+    Attributes: ``rank``/``size`` in the group; ``local_rank``/``local_size`` on this host (an
+    engine that knows them sets them, else the launcher's variables, see :func:`launcher_local`);
+    ``timeout`` in seconds for any one collective.
+    """
 
     engine = ""
     #: where this engine's collectives take their tensors (NCCL: the current CUDA device)
@@ -70,7 +91,12 @@ class Communicator(abc.ABC):
     def __init__(self, rank: int, size: int, timeout: Optional[float] = None) -> None:
         self.rank = rank
         self.size = size
+        self.local_rank, self.local_size = launcher_local(rank, size)
         self.timeout = default_timeout() if timeout is None else float(timeout)
+
+    def close(self) -> None:
+        """Release what the engine set up for this communicator (nothing by default); call it
+        only when no collective is in flight."""
 
     @abc.abstractmethod
     def allreduce_async(self, tensor: torch.Tensor) -> Handle:

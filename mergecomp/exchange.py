@@ -28,7 +28,7 @@ from .plan import Group
 from .registry import get_compressor, get_memory
 from .workspace import Workspace
 
-__all__ = ["Exchange", "InFlight", "pack_payload", "unpack_payload", "NONFINITE_POLICIES", "NonfiniteCheck"]
+__all__ = ["Exchange", "InFlight", "NONFINITE_POLICIES", "NonfiniteCheck", "resolve"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 _ALIGN = 8
@@ -67,6 +67,22 @@ def _all_finite(flat: torch.Tensor) -> torch.Tensor:
         return flat.new_ones((), dtype=torch.bool)
     low, high = torch.aminmax(flat)
     return torch.isfinite(low) & torch.isfinite(high)
+
+
+def resolve(compression, memory) -> Tuple[Compressor, Memory]:
+    """The compressor and memory named (or given as instances): ``memory`` None means the
+    compressor's ``default_memory``.  Every front end resolves names through this."""
+    if isinstance(compression, str):
+        compression = get_compressor(compression)
+    if memory is None and isinstance(compression, Compressor):
+        memory = compression.default_memory
+    if isinstance(memory, str):
+        memory = get_memory(memory)
+    if not isinstance(compression, Compressor):
+        raise TypeError(f"compression must be a compressor name or a mergecomp.Compressor, got {compression!r}")
+    if not isinstance(memory, Memory):
+        raise TypeError(f"memory must be a memory name or a mergecomp.Memory, got {memory!r}")
+    return compression, memory
 
 
 class InFlight:
@@ -110,10 +126,6 @@ class Exchange:
 
     def __init__(self, compressor: Compressor, memory: Memory, comm: Communicator,
                  average: bool = True, check_finite: bool = True, recycle: bool = True) -> None:
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compression must be a compressor name or a mergecomp.Compressor, got {compressor!r}")
-        if not isinstance(memory, Memory):
-            raise TypeError(f"memory must be a memory name or a mergecomp.Memory, got {memory!r}")
         self.compressor = compressor
         self.codecs: Dict[str, Compressor] = {"compressed": compressor}
         self.memory = memory
@@ -127,16 +139,8 @@ class Exchange:
     @classmethod
     def create(cls, compression, memory, comm: Communicator, average: bool = True,
                check_finite: bool = True, recycle: bool = True) -> "Exchange":
-        """Build from names or instances: ``compression`` a compressor name or
-        :class:`Compressor`; ``memory`` a memory name, a :class:`Memory`, or None for the
-        compressor's ``default_memory``.  Front ends call this so all resolve names alike."""
-        if isinstance(compression, str):
-            compression = get_compressor(compression)
-        if memory is None and isinstance(compression, Compressor):
-            memory = compression.default_memory
-        if isinstance(memory, str):
-            memory = get_memory(memory)
-        return cls(compression, memory, comm, average=average, check_finite=check_finite,
+        """Build from names or instances (see :func:`resolve`)."""
+        return cls(*resolve(compression, memory), comm, average=average, check_finite=check_finite,
                    recycle=recycle)
 
     def codec(self, name: str) -> Compressor:

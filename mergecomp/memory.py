@@ -11,12 +11,14 @@ flat tensors, so it can be checkpointed and remapped onto a new merge plan.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .registry import register_memory
 from .stateful import GroupStateful
 
-__all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory"]
+__all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory", "warn_double_momentum"]
 
 
 class Memory(GroupStateful):
@@ -113,3 +115,12 @@ class DGCMemory(Memory):
         fields = self.state[name]
         fields["velocity"].index_put_((indices,), compensated[indices] - values)
         fields["momentum"].index_fill_(0, indices[values != 0], 0)
+
+
+def warn_double_momentum(memory: Memory, optimizer_momentum: float) -> None:
+    """Warn when the ``dgc`` memory (which applies momentum itself) wraps an optimizer that
+    applies momentum too."""
+    if memory.name == "dgc" and optimizer_momentum:
+        warnings.warn("the 'dgc' memory applies momentum correction itself; the wrapped optimizer's "
+                      "momentum is applied on top of it. Use momentum=0 in the optimizer, or "
+                      "memory='residual'.", stacklevel=3)

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import mergecomp.torch as mc
-from mergecomp.torch.runtime import detect_engine, launcher_mismatch
+from mergecomp.runtime import detect_engine, launcher_mismatch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "engine_train.py")

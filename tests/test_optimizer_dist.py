@@ -84,7 +84,7 @@ def _grad_view_worker(rank):
     opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   model.named_parameters(), compression="none", groups=2)
     train(model, opt, shard(x, rank), shard(y, rank), steps=5, set_to_none=False)
-    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in opt._buffers]
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in opt.merged.buffers]
     in_buffers = all(any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in model.parameters())
     reference = make_model()
     train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), x, y, steps=5)

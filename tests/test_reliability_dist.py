@@ -235,11 +235,11 @@ def _hygiene_worker(rank):
     opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                   compression="topk", groups=2)
     train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=200)
-    buffers = [b.data_ptr() for b in opt._buffers]
+    buffers = [b.data_ptr() for b in opt.merged.buffers]
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=800)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return buffers == [b.data_ptr() for b in opt._buffers], (rss_after - rss_before) / 1024
+    return buffers == [b.data_ptr() for b in opt.merged.buffers], (rss_after - rss_before) / 1024
 
 
 def test_thousand_steps_reuse_buffers_and_do_not_grow_memory():

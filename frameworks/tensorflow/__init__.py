@@ -17,7 +17,7 @@ Example (launch one process per worker with ``torchrun``, like the torch front e
 
 Custom loops: ``tape = mct.DistributedGradientTape(tape, compression="topk")``.
 """
-from mergecomp.torch.runtime import init, is_initialized, local_rank, rank, shutdown, size
+from mergecomp.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 from .functions import broadcast_variables
 from .ops import allreduce_gradients
@@ -35,6 +35,7 @@ __all__ = [
     "init",
     "is_initialized",
     "local_rank",
+    "local_size",
     "rank",
     "shutdown",
     "size",

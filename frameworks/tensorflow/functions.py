@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from mergecomp.torch.runtime import communicator
+from mergecomp.runtime import communicator
 
 __all__ = ["broadcast_variables"]
 

@@ -7,11 +7,11 @@ then runs the original ``apply`` (loss-scale unscaling, clipping, weight decay, 
 """
 from __future__ import annotations
 
-import warnings
 from typing import Dict, Optional
 
 import tensorflow as tf
 
+from mergecomp.memory import warn_double_momentum
 from mergecomp.scheduler import SchedulerConfig
 
 from .ops import allreduce_gradients
@@ -73,10 +73,7 @@ def DistributedOptimizer(optimizer, compression="dgc", memory=None, groups="auto
         raise ValueError("wrap the optimizer before it is used: DistributedOptimizer rebuilds it from its "
                          "config, which would drop its state (slots, iterations)")
     reducer = GradientReducer(compression, memory, groups, op, nonfinite, scheduler)
-    if reducer.exchange.memory.name == "dgc" and getattr(optimizer, "momentum", 0):
-        warnings.warn("the 'dgc' memory applies momentum correction itself; the wrapped optimizer's momentum "
-                      "is applied on top of it. Use momentum=0 in the optimizer, or memory='residual'.",
-                      stacklevel=2)
+    warn_double_momentum(reducer.memory, getattr(optimizer, "momentum", 0))
     wrapped = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
     wrapped.mergecomp_reducer = reducer
     return wrapped

@@ -14,7 +14,7 @@ Example::
 from .ddp_hook import ddp_comm_hook
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import Average, DistributedOptimizer, Sum
-from .runtime import communicator, init, is_initialized, local_rank, rank, shutdown, size
+from mergecomp.runtime import communicator, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 __all__ = [
     "Average",
@@ -28,6 +28,7 @@ __all__ = [
     "init",
     "is_initialized",
     "local_rank",
+    "local_size",
     "rank",
     "shutdown",
     "size",

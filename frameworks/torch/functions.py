@@ -6,7 +6,7 @@ from typing import Iterable, Mapping, Tuple, Union
 
 import torch
 
-from .runtime import communicator
+from mergecomp.runtime import communicator
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
 

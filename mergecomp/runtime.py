@@ -1,4 +1,4 @@
-"""Process-wide state of the PyTorch front end: which engine, which rank, which communicator.
+"""Process-wide set-up shared by every front end: which engine, which rank, which communicator.
 
 Engines and the launchers they go with:
 
@@ -27,9 +27,9 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
-from mergecomp.comm import CommunicationError, Communicator, LocalCommunicator, default_timeout
+from .comm import CommunicationError, Communicator, LocalCommunicator, default_timeout
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "communicator",
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "communicator",
            "detect_engine", "launcher_mismatch", "ENGINES"]
 
 logger = logging.getLogger("mergecomp")
@@ -175,7 +175,7 @@ def _require(engine: str) -> None:
 
 
 def _init_torch(backend: Optional[str], timeout: float) -> Communicator:
-    from mergecomp.engines.torch_dist import TorchCommunicator, init_process_group
+    from .engines.torch_dist import TorchCommunicator, init_process_group
 
     init_process_group(backend, timeout)
     return TorchCommunicator(timeout=timeout)
@@ -220,11 +220,11 @@ def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[
     if engine == "torch":
         _comm = _init_torch(backend, timeout)
     elif engine == "horovod":
-        from mergecomp.engines.horovod import HorovodCommunicator
+        from .engines.horovod import HorovodCommunicator
 
         _comm = HorovodCommunicator(timeout=timeout)
     elif engine == "mpi":
-        from mergecomp.engines.mpi import MPICommunicator
+        from .engines.mpi import MPICommunicator
 
         _comm = MPICommunicator(timeout=timeout)
     else:
@@ -246,7 +246,7 @@ def shutdown() -> None:
             if comm.size > 1:
                 _meet(comm)
             dist.destroy_process_group()
-    elif comm.engine in ("horovod", "mpi") and hasattr(comm, "close"):
+    else:
         comm.close()
 
 
@@ -268,7 +268,8 @@ def is_initialized() -> bool:
 
 def communicator() -> Communicator:
     if _comm is None:
-        raise RuntimeError("mergecomp is not initialized: call mergecomp.torch.init() first")
+        raise RuntimeError("mergecomp is not initialized: call init() first (mergecomp.torch.init() or "
+                           "mergecomp.tensorflow.init())")
     return _comm
 
 
@@ -281,14 +282,11 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    """This process's index on its host: the engine's own answer (Horovod, MPI), else the
-    launcher's variable (``LOCAL_RANK``, ``HOROVOD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
-    ``MPI_LOCALRANKID``), else the rank."""
-    comm = communicator()
-    value = getattr(comm, "local_rank", None)
-    if value is not None:
-        return int(value)
-    for var in ("LOCAL_RANK", "HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return rank()
+    """This process's index among the processes of its host (see
+    :attr:`mergecomp.comm.Communicator.local_rank`)."""
+    return communicator().local_rank
+
+
+def local_size() -> int:
+    """The number of processes on this host."""
+    return communicator().local_size

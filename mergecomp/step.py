@@ -1,0 +1,473 @@
+"""One training step of merged groups, for a fixed list of named tensors: the core every front
+end adapts.
+
+A :class:`MergedStep` owns, for tensors ``0..n-1`` (names, shapes, dtypes):
+
+* the merge plan and its layout, and one flat buffer per group;
+* the step's lifecycle: :meth:`~MergedStep.add` copies tensor ``i``'s gradient into its slot
+  (checking NaN/Inf in the same pass where it can) and starts, in plan order, every group whose
+  last tensor has arrived; :meth:`~MergedStep.finish` starts the rest (missing tensors count as
+  zeros), agrees across ranks on non-finite groups, waits for and decodes every group into its
+  buffer, and returns the reduced tensors;
+* the non-finite policy (``"raise"``, ``"skip"`` or ``"ignore"``), the step counter, the first
+  step's observed gradient order (rank 0's, broadcast), plan switches that carry error-feedback
+  and compressor state over (:func:`~mergecomp.plan.remap_state`), the online scheduler's feed
+  (``groups="auto"``), and checkpoints (:meth:`~MergedStep.state_dict`).
+
+Front ends only adapt their framework's objects to it: ``p.grad`` views and hooks for the
+PyTorch optimizer, DDP's buckets for the DDP hook (groups given by the caller through
+:meth:`~MergedStep.start_group`), DLPack tensors for TensorFlow.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import native
+from .agreement import check_ranks_agree
+from .comm import Communicator
+from .exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
+from .plan import Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
+from .scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
+
+__all__ = ["MergedStep", "Reduced", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS"]
+
+logger = logging.getLogger("mergecomp")
+
+#: ``groups=None``: groups of about this many bytes (like DDP's ``bucket_cap_mb=25``) ...
+DEFAULT_GROUP_BYTES = 25 * 2**20
+#: ... and at most this many
+DEFAULT_MAX_GROUPS = 4
+
+
+@dataclass
+class Reduced:
+    """One step's result: ``flats[g]`` is group ``groups[g]``'s reduced flat gradient."""
+
+    groups: List[Group]
+    flats: List[torch.Tensor]
+
+    def tensors(self, count: int) -> List[torch.Tensor]:
+        """Views of the ``count`` tensors' reduced gradients, by tensor index, in their shapes."""
+        out: List[Optional[torch.Tensor]] = [None] * count
+        for group, flat in zip(self.groups, self.flats):
+            for i, offset, n, shape in zip(group.indices, group.offsets, group.numels(), group.shapes):
+                out[i] = flat[offset:offset + n].view(shape)
+        return out
+
+
+def _holds(tensor: Optional[torch.Tensor], flat: torch.Tensor, offset: int) -> bool:
+    """Whether ``tensor`` already lives at element ``offset`` of ``flat`` (a view handed out by
+    an earlier step that backward accumulated into)."""
+    return (tensor is not None and not tensor.is_sparse
+            and tensor.data_ptr() == flat.data_ptr() + offset * flat.element_size())
+
+
+class MergedStep:
+    """Merged, compressed reduction of one step's gradients of a fixed list of tensors.
+
+    Args:
+        compression: compressor name (``mergecomp.compressor_names()``) or instance.
+        memory: error-feedback memory name or instance; None: the compressor's default.
+        comm: the engine.
+        names: one unique name per tensor (plan specs and errors use them).
+        shapes, dtypes: of each tensor's gradient.
+        device: where the gradients live.
+        groups: ``"auto"`` (the online scheduler), ``"layerwise"``, an int ``k`` (k groups of
+            about equal bytes), a list of lists of names, a :class:`~mergecomp.plan.GroupPlan`,
+            or None (groups of :data:`DEFAULT_GROUP_BYTES`, at most :data:`DEFAULT_MAX_GROUPS`).
+        average: divide the sum over ranks by the number of ranks.
+        nonfinite: ``"raise"``: FloatingPointError on every rank naming the ranks and tensors;
+            ``"skip"``: :meth:`finish` returns None on every rank (:attr:`skipped_steps` counts
+            them); ``"ignore"``: no check.  NaN/Inf never enters the error-feedback memory
+            unless ``"ignore"``.
+        scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``.
+        observe_order: the first step runs in reverse tensor order; then the plan is rebuilt
+            along the order in which rank 0's tensors arrived (the backward order).  False:
+            the reverse tensor order is final.
+        timed: tensors arrive during the backward pass, so their arrival times tell the
+            scheduler how communication can overlap it (False: all arrive at once).
+        hand_out: results leave the step (the caller may keep them): a buffer that became a
+            result is not written again.  False: results live in the group buffers until the
+            next :meth:`finish`.
+        tensor_kind: what the tensors are to the user (``"parameters"``, ``"variables"``), in errors.
+        caller_groups: the caller defines each step's groups with :meth:`start_group` (DDP's
+            buckets) instead of a plan; ``groups`` is then ignored, and tensors may also be
+            registered as they come (:meth:`add_tensor`).
+        who: the front end's name, for errors; ``agree``: more settings (description -> value)
+            every rank must share, checked with the others at construction.
+        cache_tag: words prefixed to the plan-cache signature.
+    """
+
+    def __init__(self, compression, memory, comm: Communicator, names: Sequence[str],
+                 shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], device: torch.device,
+                 groups: PlanSpec = "auto", average: bool = True, nonfinite: str = "raise",
+                 scheduler: Optional[SchedulerConfig] = None, observe_order: bool = True, timed: bool = True,
+                 hand_out: bool = False, caller_groups: bool = False, who: str = "mergecomp",
+                 tensor_kind: str = "tensors",
+                 agree: Optional[Dict[str, Any]] = None, cache_tag: Sequence[str] = ()) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        duplicates = sorted({n for n in names if list(names).count(n) > 1})
+        if duplicates:
+            raise ValueError(f"{who}: tensor names must be unique, got duplicates {duplicates}")
+        self.exchange = Exchange.create(compression, memory, comm, average=average,
+                                        check_finite=nonfinite != "ignore", recycle=not hand_out)
+        self.comm = comm
+        self.names = list(names)
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.dtypes = list(dtypes)
+        self.device = torch.device(device)
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self.scheduler: Optional[MergeScheduler] = None
+        self._caller_groups = caller_groups
+        self._auto = groups == "auto" and not caller_groups
+        self._spec = None if self._auto else groups
+        self._scheduler_config = scheduler or SchedulerConfig()
+        self._order_final = caller_groups or not observe_order or isinstance(groups, (list, tuple, GroupPlan))
+        self._timed = timed
+        self._hand_out = hand_out
+        self._who = who
+        self._kind = tensor_kind
+        self._cache_tag = list(cache_tag)
+        self._last_end: Optional[float] = None
+        self._before: Optional[List[Dict]] = None  # state snapshot while caller-given groups change
+        check_ranks_agree(self.exchange, {
+            f"{tensor_kind} (names, shapes, dtypes)": [(n, tuple(s), str(d)) for n, s, d in
+                                                zip(self.names, self.shapes, self.dtypes)],
+            "groups": "caller's" if caller_groups else repr(self._spec if not self._auto
+                                                            else ("auto", self._scheduler_config)),
+            "nonfinite": nonfinite, **(agree or {})}, who)
+        if caller_groups:
+            self._plan, self._groups, self._where, self._buffers = GroupPlan(()), [], {}, []
+            self._reset()
+            return
+        if not self.names:
+            raise ValueError(f"{who}: no {tensor_kind} to exchange gradients for")
+        self._install(self._make_plan(list(reversed(range(len(self.names))))))
+        if self._auto and self._order_final:
+            self._start_scheduler()
+
+    # -- what it holds ---------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Steps finished so far (checkpointed)."""
+        return self.exchange.step
+
+    @property
+    def plan(self) -> GroupPlan:
+        return self._plan
+
+    @property
+    def groups(self) -> List[Group]:
+        """The current groups with their tensors' offsets."""
+        return list(self._groups)
+
+    @property
+    def buffers(self) -> List[torch.Tensor]:
+        """The groups' flat buffers, in plan order (none with caller-given groups: the caller's)."""
+        return [] if self._caller_groups else [self._buffer(g) for g in range(len(self._groups))]
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step has begun (a tensor added or a group started) and not finished."""
+        return any(self._arrived) or bool(self._started)
+
+    def tensor_names(self, group: Group) -> List[str]:
+        return [self.names[i] for i in group.indices]
+
+    def add_tensor(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Register one more tensor (caller-given groups only); returns its index."""
+        if not self._caller_groups:
+            raise RuntimeError(f"{self._who}: add_tensor() needs caller_groups=True")
+        self.names.append(name)
+        self.shapes.append(torch.Size(shape))
+        self.dtypes.append(dtype)
+        self._arrived.append(False)
+        return len(self.names) - 1
+
+    # -- plans -----------------------------------------------------------------------------
+    def _nbytes(self) -> List[int]:
+        return [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(self.shapes, self.dtypes)]
+
+    def _make_plan(self, order: Sequence[int], spec: PlanSpec = None) -> GroupPlan:
+        nbytes = self._nbytes()
+        spec = self._spec if spec is None else spec
+        if spec is None:
+            spec = max(1, min(DEFAULT_MAX_GROUPS, math.ceil(sum(nbytes) / DEFAULT_GROUP_BYTES)))
+        return build_plan(spec, order, self.names, nbytes, self.dtypes)
+
+    def _install(self, plan: GroupPlan) -> None:
+        self._plan = plan
+        self._groups = layout(plan, self.shapes)
+        self._where: Dict[int, Tuple[int, int]] = {}  # tensor -> (group, offset)
+        for g, group in enumerate(self._groups):
+            for i, offset in zip(group.indices, group.offsets):
+                self._where[i] = (g, offset)
+        self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._groups)
+        self._reset()
+
+    def set_plan(self, plan: PlanSpec) -> None:
+        """Replace the plan between steps (every rank, same step, same plan); error-feedback and
+        per-element compressor state move to the new groups."""
+        if self.in_flight:
+            raise RuntimeError(f"{self._who}: the merge plan can only change between steps, not while "
+                               f"a step's gradients are being exchanged")
+        if not isinstance(plan, GroupPlan):
+            plan = self._make_plan(self._plan.order, plan)
+        self._remap(self._groups, layout(plan, self.shapes))
+        self._install(plan)
+
+    def _remap(self, old: Sequence[Group], new: Sequence[Group]) -> None:
+        for holder in (self.exchange.memory, self.exchange.compressor):
+            holder.load_state_dict(remap_state(holder.state_dict(), old, new))
+
+    def _buffer(self, g: int) -> torch.Tensor:
+        flat = self._buffers[g]
+        if flat is None:
+            flat = self._buffers[g] = torch.empty(self._groups[g].numel, dtype=self.dtypes[self._groups[g].indices[0]],
+                                                  device=self.device)
+        return flat
+
+    # -- one step ----------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._arrived = [False] * len(self.names)
+        self._count = [0] * len(self._groups)
+        #: per group: True while every gradient copied in was found finite, False once one was
+        #: not, None when one was copied without a check (the exchange then checks the group)
+        self._finite: List[Optional[bool]] = [True] * len(self._groups)
+        self._started: List[InFlight] = []
+        self._outs: List[torch.Tensor] = []
+        self._given: List[Group] = []  # caller-given groups started this step
+        self._ready_at = [0.0] * len(self.names)
+        self._order_seen: List[int] = []
+        self._encode_spent = 0.0
+
+    def slot(self, i: int) -> torch.Tensor:
+        """Tensor ``i``'s slot in its group's buffer, in its shape (where :meth:`add` copies)."""
+        g, offset = self._where[i]
+        return self._buffer(g)[offset:offset + self.shapes[i].numel()].view(self.shapes[i])
+
+    @torch.no_grad()
+    def add(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """Tensor ``i``'s gradient is final for this step (None: zeros).  It is copied into its
+        slot (nothing is copied when ``grad`` is that slot); every group whose tensors have all
+        arrived is then started, in plan order."""
+        if self._arrived[i]:
+            raise RuntimeError(f"{self._who}: the gradient of {self.names[i]!r} arrived twice in one step")
+        self._ready_at[i] = time.perf_counter() - self._encode_spent  # our own hook work excluded
+        self._order_seen.append(i)
+        self._fill(i, grad)
+        self._arrived[i] = True
+        self._start_ready()
+
+    def _fill(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        g, offset = self._where[i]
+        flat = self._buffer(g)
+        slot = flat[offset:offset + self.shapes[i].numel()]
+        if grad is None:
+            slot.zero_()
+        elif _holds(grad, flat, offset):
+            self._unchecked(g)
+        elif grad.is_sparse:
+            warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
+                          f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
+            slot.copy_(grad.to_dense().reshape(-1))
+            self._unchecked(g)
+        elif self.exchange.check_finite and native.usable(grad, slot):
+            if not native.copy_finite(grad, slot):
+                self._finite[g] = False
+        else:
+            slot.copy_(grad.reshape(-1))
+            self._unchecked(g)
+        self._count[g] += 1
+
+    def _unchecked(self, g: int) -> None:
+        if self._finite[g]:
+            self._finite[g] = None
+
+    def _start_ready(self) -> None:
+        while (not self._caller_groups and len(self._started) < len(self._groups)
+               and self._count[len(self._started)] == len(self._groups[len(self._started)].indices)):
+            g = len(self._started)
+            self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g])
+
+    def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool]) -> None:
+        job = self.exchange.start(group, flat, codec, finite)
+        self._encode_spent += job.encode_seconds
+        self._started.append(job)
+        self._outs.append(flat)
+
+    def start_group(self, indices: Sequence[int], flat: torch.Tensor) -> None:
+        """Start a group the caller defines (DDP's bucket): tensors ``indices`` laid out in
+        ``flat`` in that order, compressed in place.  When the groups differ from the last
+        step's (DDP rebuilt its buckets), each new group takes over its tensors' state."""
+        if not self._caller_groups:
+            raise RuntimeError(f"{self._who}: start_group() needs caller_groups=True")
+        group = layout(GroupPlan((tuple(indices),)), self.shapes)[0]
+        if group.numel != flat.numel():
+            raise RuntimeError(f"{self._who}: a group of {flat.numel()} elements holds tensors "
+                               f"{self.tensor_names(group)[:4]} of {group.numel} elements in all")
+        if group not in self._groups and self._groups:
+            holders = (self.exchange.memory, self.exchange.compressor)
+            if self._before is None:  # later groups of this step remap from the same snapshot
+                self._before = [holder.state_dict() for holder in holders]
+            for holder, before in zip(holders, self._before):
+                holder.state.pop(group.name, None)
+                holder.state.update(remap_state(before, self._groups, [group]))
+        self._given.append(group)
+        self._launch(group, flat, "compressed", None)
+
+    def finish(self) -> Optional[Reduced]:
+        """Finish the step: start what is left (missing tensors count as zeros), wait, decode,
+        average; then advance the step, adopt the observed order and feed the scheduler (which
+        may switch plans).  Returns the reduced gradients, or None for a step skipped under
+        ``nonfinite="skip"``; raises FloatingPointError under ``"raise"``."""
+        timed = self._timed and all(self._arrived)
+        for i, arrived in enumerate(self._arrived):
+            if not arrived and not self._caller_groups:
+                self._fill(i, None)
+        self._start_ready()
+        jobs, outs = self._started, self._outs
+        groups = [job.group for job in jobs]
+        check = NonfiniteCheck(self.comm, [job.finite for job in jobs], self.step) \
+            if self.nonfinite != "ignore" else None
+        hand_out = self._hand_out
+        flats = [self.exchange.finish(job, out=None if hand_out else out) for job, out in zip(jobs, outs)]
+        bad = check.culprits([group.name for group in groups]) if check else []
+        step = self.exchange.step
+        self.exchange.step += 1
+        if hand_out:  # a buffer that is now a result must not be written again
+            handed = {flat.untyped_storage().data_ptr() for flat in flats}
+            self._buffers = [None if b is not None and b.untyped_storage().data_ptr() in handed else b
+                             for b in self._buffers]
+        ready, order_seen = self._ready_at, self._order_seen
+        if self._caller_groups:
+            self._end_caller_groups()
+        self._reset()
+        if bad:
+            self._last_end = None  # a skipped or failed step is no timing sample
+            return self._nonfinite(bad, groups, step)
+        self._adopt_order(order_seen)
+        self._feed_scheduler(ready if timed else None)
+        return Reduced(groups, flats)
+
+    def abort(self) -> None:
+        """Forget a step that cannot finish (an interrupted backward pass): its collectives are
+        out of step with the other ranks', so the caller must fail the step on every rank."""
+        self._before = None
+        self._reset()
+
+    def _end_caller_groups(self) -> None:
+        """The groups started this step become the layout; state of groups gone is dropped."""
+        if self._given != self._groups:
+            keep = {group.name for group in self._given}
+            for holder in (self.exchange.memory, self.exchange.compressor):
+                holder.state = {name: fields for name, fields in holder.state.items() if name in keep}
+            self._groups = self._given
+            self._plan = GroupPlan(tuple(group.indices for group in self._groups))
+        self._before = None
+
+    def _nonfinite(self, bad: List[Tuple[int, str]], groups: List[Group], step: int) -> None:
+        where = "; ".join(f"rank {rank}, group {name!r}" for rank, name in bad)
+        by_name = {group.name: group for group in groups}
+        names = sorted({n for _, name in bad for n in self.tensor_names(by_name[name])})
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"{self._who}: non-finite gradient at step {step} ({where}); {self._kind} "
+                                     f"in those groups: {names[:8]}{' ...' if len(names) > 8 else ''}")
+        self.skipped_steps += 1
+        logger.warning("%s: skipping step %d: non-finite gradient (%s)", self._who, step, where)
+        return None
+
+    def _adopt_order(self, seen: List[int]) -> None:
+        """After the first step: rebuild the plan along rank 0's arrival order."""
+        if self._order_final:
+            return
+        self._order_final = True
+        arrived = set(seen)
+        order = seen + [i for i in reversed(range(len(self.names))) if i not in arrived]
+        order = self.comm.broadcast_(torch.tensor(order, dtype=torch.int64, device=self.comm.device), 0).tolist()
+        plan = self._make_plan(order)
+        if plan != self._plan:
+            self.set_plan(plan)
+        if self._auto:
+            self._start_scheduler()
+
+    def _start_scheduler(self) -> None:
+        order = list(self._plan.order)
+        first = order[0]
+        self.scheduler = exchange_scheduler(
+            self.exchange, self._scheduler_config, order, self._nbytes(), self.shapes, self.dtypes[first],
+            self.device, lambda plan: self._make_plan(order, plan),
+            self._cache_tag + [f"{n}:{tuple(s)}:{d}" for n, s, d in zip(self.names, self.shapes, self.dtypes)])
+        cached = self.scheduler.initial_plan()
+        if cached is not None:
+            self.set_plan(cached)
+
+    def _feed_scheduler(self, ready: Optional[List[float]]) -> None:
+        """Give the finished step's wall time (and arrival times, when ``ready``) to the
+        scheduler; switch plans when it says so."""
+        now = time.perf_counter()
+        previous, self._last_end = self._last_end, now
+        if self.scheduler is None or previous is None:
+            return
+        order = self._plan.order
+        if ready is None:
+            since_first = [0.0] * len(order)
+        else:
+            first = min(ready[i] for i in order)
+            since_first = [ready[i] - first for i in order]
+        plan = self.scheduler.observe(now - previous, since_first, self._plan)
+        if plan is not None and plan != self._plan:
+            self.set_plan(plan)
+
+    def schedule_report(self) -> Dict[str, Any]:
+        """What the scheduler tried and chose (see :meth:`MergeScheduler.report`); a fixed plan
+        reports ``{"phase": "fixed", "groups": n}``."""
+        if self.scheduler is None:
+            return {"phase": "starting" if self._auto else "fixed", "groups": len(self._groups)}
+        return self.scheduler.report()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's plan, tensor shapes, step, skipped steps, compressor state,
+        error-feedback memory and the scheduler's choice."""
+        return {"plan": self._plan.to_json(), "shapes": [list(s) for s in self.shapes],
+                "order_final": self._order_final, "skipped_steps": self.skipped_steps,
+                **self.exchange.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` between steps (each rank its own)."""
+        if self.in_flight:
+            raise RuntimeError(f"{self._who}: load_state_dict() must be called between steps")
+        shapes = [torch.Size(s) for s in state["shapes"]]
+        if self.names and shapes != self.shapes:
+            raise ValueError(f"{self._who}: the checkpoint holds {len(shapes)} tensors of other shapes than "
+                             f"the {len(self.shapes)} here; it was saved for another model")
+        plan = GroupPlan.from_json(state["plan"])
+        if self._caller_groups:  # the saved groups; the caller's are remapped from them on use
+            self._groups, self._plan, self._before = layout(plan, shapes), plan, None
+            self._reset()
+        else:
+            self._install(self._make_plan(self._plan.order, plan))
+        self._order_final = bool(state["order_final"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.exchange.load_state_dict(state)
+        self._last_end = None
+        if self._auto and self._order_final:
+            if self.scheduler is None:
+                self._start_scheduler()
+            if state.get("scheduler"):
+                self.scheduler.load_state_dict(state["scheduler"])
+
+    def __repr__(self) -> str:
+        return (f"MergedStep(compressor={self.exchange.compressor!r}, memory={self.exchange.memory!r}, "
+                f"groups={len(self._groups)}, step={self.step})")
