@@ -10,14 +10,9 @@ import torch
 
 from mergecomp import bitpack
 from mergecomp.codecs import majority_vote, pack_signs
+from mergecomp.codecs.scans import _flat_nonzero
 from mergecomp.quantize import stochastic_round_
-from mergecomp.sparse import (
-    SparseCompressor,
-    _flat_nonzero,
-    num_selected,
-    topk_abs_indices,
-    topk_indices,
-)
+from mergecomp.sparse import SparseCompressor, num_selected, topk_abs_indices, topk_indices
 
 
 def reference_pack(codes, bits):
