@@ -8,11 +8,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import bitpack, native
+from mergecomp.codecs import pack_signs
 from mergecomp.compressor import Payload
-from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
-from mergecomp.signs import SignValueCompressor, pack_signs
+from mergecomp.signs import SignValueCompressor
 
 Ctx = Tuple[int, torch.dtype]
 
@@ -24,14 +23,8 @@ class EFSignSGDCompressor(SignValueCompressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
-        work = work_dtype(tensor.dtype)
-        if native.usable(tensor):  # bits and sum |x| in one pass
-            packed, stats = native.pack_signs(
-                tensor, self.scratch(bitpack.packed_size(numel, 1), torch.uint8, tensor.device))
-            total = stats[1].to(work)
-        else:
-            packed, total = pack_signs(tensor), torch.linalg.vector_norm(tensor, 1, dtype=work)
-        scale = (total / max(numel, 1)).to(torch.float32).reshape(1)
+        packed, stats = pack_signs(tensor, empty=self.scratch)
+        scale = (stats.magnitude() / max(numel, 1)).to(torch.float32).reshape(1)
         return (packed, scale), (numel, tensor.dtype)
 
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import bitpack, native
+from mergecomp.codecs import pack_signs
 from mergecomp.compressor import Payload
-from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
 from mergecomp.signs import SignValueCompressor
 
@@ -24,19 +23,9 @@ class OneBitCompressor(SignValueCompressor):
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
-        work = work_dtype(tensor.dtype)
-        if native.usable(tensor):  # bits and the three sums below in one pass
-            packed, stats = native.pack_signs(
-                tensor, self.scratch(bitpack.packed_size(tensor.numel(), 1), torch.uint8, tensor.device))
-            total, magnitude, count_pos = stats.to(work).unbind()
-        else:
-            positive = tensor >= 0
-            packed = bitpack.pack(positive, 1)
-            count_pos = torch.count_nonzero(positive).to(work)
-            # The sides' sums from two fused reductions, no masked copies:
-            # sum(x) = pos + neg and sum(|x|) = pos - neg.
-            total = tensor.sum(dtype=work)
-            magnitude = torch.linalg.vector_norm(tensor, 1, dtype=work)
+        packed, stats = pack_signs(tensor, empty=self.scratch)
+        # The sides' sums from sum(x) = pos + neg and sum(|x|) = pos - neg, no masked copies.
+        total, magnitude, count_pos = stats.total(), stats.magnitude(), stats.nonnegative()
         count_neg = tensor.numel() - count_pos
         mean_pos = (total + magnitude) / 2 / count_pos.clamp_min(1)
         mean_neg = (total - magnitude) / 2 / count_neg.clamp_min(1)

@@ -13,9 +13,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import native
+from mergecomp.codecs import qsgd_encode, scale_levels
 from mergecomp.compressor import Compressor, Payload
-from mergecomp.quantize import bucket_norms, per_bucket_scale, stochastic_round_, work_dtype
+from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
@@ -39,32 +39,12 @@ class QSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
-        bucket = self._bucket_size(numel)
-        fast = native.usable(tensor)
-        if fast and 0 < bucket <= native.CACHED_BUCKET:  # norms and levels in one pass
-            return native.qsgd_encode(tensor, bucket, self.levels,
-                                      self.scratch(numel, torch.int8, tensor.device),
-                                      torch.empty(-(-numel // bucket))), (numel, tensor.dtype)
-        work = work_dtype(tensor.dtype)
-        norms = bucket_norms(tensor, bucket, work).to(torch.float32)
-        # Quantize against the norms as they are sent (fp32), so the decode is unbiased.
-        sent = norms.to(work)
-        scale = torch.where(sent > 0, self.levels / sent, 0)
-        if fast:
-            level = native.stochastic_codes(tensor, scale, bucket, -self.levels, self.levels, 0, 8,
-                                            self.scratch(numel, torch.int8, tensor.device))
-            return (level, norms), (numel, tensor.dtype)
-        scaled = self.scratch(numel, work, tensor.device)
-        per_bucket_scale(tensor, scale, bucket, out=scaled)
-        level = stochastic_round_(scaled, empty=self.scratch).to(torch.int8).clamp_(-self.levels, self.levels)
-        return (level, norms), (numel, tensor.dtype)
+        payload = qsgd_encode(tensor, self._bucket_size(numel), self.levels, empty=self.scratch)
+        return payload, (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         level, norms = payload
         numel, dtype = ctx
         step = norms.to(work_dtype(dtype)) / self.levels
         out = self.scratch(numel, dtype, level.device)
-        if native.usable(out, level):
-            return native.scale_levels(level, step, self._bucket_size(numel), out)
-        out.copy_(level)  # no mixed int8 x float math
-        return per_bucket_scale(out, step, self._bucket_size(numel), out=out)
+        return scale_levels(level, step, self._bucket_size(numel), out)

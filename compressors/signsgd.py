@@ -9,9 +9,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.codecs import decode_signs, majority_vote, pack_signs
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.registry import register_compressor
-from mergecomp.signs import decode_signs, majority_vote, pack_signs
 
 Ctx = Tuple[int, torch.dtype]
 
@@ -23,7 +23,7 @@ class SignSGDCompressor(Compressor):
 
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The packed sign bits sent for ``tensor`` (subclasses: of a momentum, e.g.)."""
-        return pack_signs(tensor, empty=self.scratch)
+        return pack_signs(tensor, empty=self.scratch)[0]
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:

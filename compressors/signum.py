@@ -7,9 +7,8 @@ Defaults: ``beta=0.9``; no error-feedback memory.
 """
 import torch
 
-from mergecomp import bitpack, native
+from mergecomp.codecs import momentum_signs
 from mergecomp.registry import register_compressor
-from mergecomp.signs import pack_signs
 
 from .signsgd import SignSGDCompressor
 
@@ -31,8 +30,4 @@ class SignumCompressor(SignSGDCompressor):
         elif momentum.dtype != tensor.dtype or momentum.device != tensor.device:
             momentum = momentum.to(dtype=tensor.dtype, device=tensor.device)
         state["momentum"] = momentum
-        if native.usable(tensor, momentum):  # momentum update and sign bits in one pass
-            out = self.scratch(bitpack.packed_size(tensor.numel(), 1), torch.uint8, tensor.device)
-            return native.momentum_signs(tensor, momentum, self.beta, out)
-        momentum.lerp_(tensor, 1.0 - self.beta)  # beta m + (1 - beta) x, one pass
-        return pack_signs(momentum, empty=self.scratch)
+        return momentum_signs(tensor, momentum, self.beta, empty=self.scratch)

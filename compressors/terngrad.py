@@ -13,9 +13,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import bitpack, native
+from mergecomp import bitpack
+from mergecomp.codecs import decode_codes, moments, stochastic_codes
 from mergecomp.compressor import Compressor, Payload
-from mergecomp.quantize import stochastic_round_, work_dtype
+from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
@@ -38,16 +39,11 @@ class TernGradCompressor(Compressor):
         if numel == 0:
             return (bitpack.pack(tensor.new_empty(0, dtype=torch.uint8), 2),
                     torch.zeros(1, device=tensor.device)), (numel, tensor.dtype)
-        fast = native.usable(tensor)
-        if fast:  # min, max, sum and sum of squares in one pass
-            low, high, total, squares = native.moments(tensor).to(work).unbind()
-        else:
-            low, high = torch.aminmax(tensor)
-        s = torch.maximum(-low, high).to(work)
+        stats = moments(tensor)  # min, max, sum and sum of squares: one pass where fused
+        low, high = stats.extremes()
+        s = torch.maximum(-low, high)
         if self.clip is not None and numel >= 2:
-            if not fast:  # two fused reductions: 3x cheaper than x.std()
-                total = tensor.sum(dtype=work)
-                squares = torch.linalg.vector_norm(tensor, dtype=work).square()
+            total, squares = stats.total(), stats.squares()  # 3x cheaper than x.std() eagerly
             std = ((squares - total * total / numel).clamp_min(0) / (numel - 1)).sqrt()
             bound = std * self.clip
             s = torch.where(bound > 0, torch.minimum(s, bound), s)
@@ -56,14 +52,9 @@ class TernGradCompressor(Compressor):
         # |x| / s clamped to 1 does the clipping.
         sent = scalar.to(work)
         inverse = torch.where(sent > 0, 1 / sent, 0)
-        if fast:  # t + 1 in {0, 1, 2}, drawn and packed in one pass
-            packed = self.scratch(bitpack.packed_size(numel, 2), torch.uint8, tensor.device)
-            return (native.stochastic_codes(tensor, inverse, numel, -1, 1, 1, 2, packed),
-                    scalar), (numel, tensor.dtype)
-        scaled = self.scratch(numel, work, tensor.device)
-        torch.mul(tensor, inverse, out=scaled).clamp_(-1, 1)
-        codes = stochastic_round_(scaled, shift=1, empty=self.scratch)  # t + 1 in {0, 1, 2}
-        return (bitpack.pack(codes, 2), scalar), (numel, tensor.dtype)
+        # t + 1 in {0, 1, 2}, packed at 2 bits
+        codes = stochastic_codes(tensor, inverse, numel, -1, 1, 1, 2, empty=self.scratch)
+        return (codes, scalar), (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, scalar = payload
@@ -71,7 +62,4 @@ class TernGradCompressor(Compressor):
         s = scalar.to(dtype).reshape(())
         zero = torch.zeros((), dtype=dtype, device=s.device)
         values = torch.stack([-s, zero, s, zero])
-        out = self.scratch(numel, dtype, packed.device)
-        if native.usable(out, packed):
-            return native.decode_codes(packed, 2, numel, values, out)
-        return bitpack.decode(packed, 2, numel, values, out=out)
+        return decode_codes(packed, 2, numel, values, self.scratch(numel, dtype, packed.device))

@@ -157,7 +157,7 @@ class Exchange:
         """Compress ``flat`` (the group's gradients; modified in place) and start round 1.
 
         ``finite``: whether ``flat`` holds no NaN/Inf, when the caller already knows (e.g. from
-        :func:`mergecomp.native.copy_finite` while filling it); None: checked here.
+        :func:`mergecomp.codecs.copy_finite` while filling it); None: checked here.
         """
         began = time.perf_counter()
         if self.workspace is not None:

@@ -1,4 +1,6 @@
-"""Fused CPU kernels for the codecs, compiled on first use.
+"""Fused CPU kernels for the codecs, compiled on first use: the build, the loading and thin
+checked bindings.  The codecs call them through :mod:`mergecomp.codecs`, which runs each kernel
+or its eager torch version beside it.
 
 The eager torch versions of QSGD, TernGrad, 1-bit SGD, EF-SignSGD, signSGD/Signum (and their
 majority vote) and the top-k threshold selection make two to eight passes over a merged group,

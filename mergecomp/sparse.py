@@ -5,9 +5,9 @@ gradient's dtype and ``indices`` int32, both of length ``k = max(1, ceil(ratio *
 a function of numel and ratio only, so every rank sends the same number of bytes.
 
 Also here: a fast top-k selection for large merged buffers (a threshold estimated from a strided
-sample, then an exact top-k among the candidates above it; magnitudes are compared chunk by
-chunk and the candidates found word by word, so no full-size ``abs()`` or slow ``nonzero`` pass
-is needed) and the shared-seed index trick used by rand-k.
+sample, then an exact top-k among the candidates above it, found by
+:func:`mergecomp.codecs.indices_above` without a full-size ``abs()`` or slow ``nonzero`` pass)
+and the shared-seed index trick used by rand-k.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from . import native
+from .codecs import indices_above
 from .compressor import Compressor, Payload, check_ratio
 
 __all__ = [
@@ -33,8 +33,6 @@ __all__ = [
 #: exact top-k over the whole buffer, few enough that the final top-k among them is cheap.
 _OVERSAMPLE = 1.3
 _MIN_SAMPLE = 16384
-#: elements per chunk when the threshold method takes magnitudes itself (4 MiB of fp32)
-_CHUNK = 1 << 20
 
 
 def num_selected(numel: int, ratio: float) -> int:
@@ -75,17 +73,7 @@ def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Te
             sample = sample.abs()
         rank_in_sample = min(sample.numel(), math.ceil(_OVERSAMPLE * k * sample.numel() / n))
         threshold = sample.topk(rank_in_sample, sorted=False).values.min()
-        if absolute and native.usable(values):  # |x| >= threshold and the compaction in one pass
-            candidates = native.indices_above(values, float(threshold), 2 * _OVERSAMPLE * k + 1024)
-        else:
-            above = torch.empty(n, dtype=torch.bool, device=values.device)
-            if absolute:
-                for start in range(0, n, _CHUNK):
-                    chunk = values[start:start + _CHUNK]
-                    torch.ge(chunk.abs(), threshold, out=above[start:start + _CHUNK])
-            else:
-                torch.ge(values, threshold, out=above)
-            candidates = _flat_nonzero(above)
+        candidates = indices_above(values, threshold, absolute, 2 * _OVERSAMPLE * k + 1024)
         if candidates.numel() >= k:
             magnitude = values.index_select(0, candidates)
             if absolute:
@@ -94,22 +82,6 @@ def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Te
             return candidates.index_select(0, best)
     magnitude = values.abs() if absolute else values
     return magnitude.topk(k, sorted=False).indices
-
-
-def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """``torch.nonzero(mask).view(-1)`` for a contiguous 1-D bool ``mask``, faster when sparse:
-    find the non-zero 8-byte words first, then the set bytes inside those words only."""
-    n = mask.numel()
-    body = n - n % 8
-    if body == 0 or mask.storage_offset() % 8:
-        return torch.nonzero(mask).view(-1)
-    words = mask[:body].view(torch.uint8).view(torch.int64)
-    word_index = torch.nonzero(words).view(-1)
-    set_bytes = torch.nonzero(words.index_select(0, word_index).view(torch.uint8).view(-1, 8))
-    index = word_index.index_select(0, set_bytes[:, 0]).mul_(8).add_(set_bytes[:, 1])
-    if body < n:
-        index = torch.cat([index, torch.nonzero(mask[body:]).view(-1).add_(body)])
-    return index
 
 
 def stable_seed(name: str, step: int) -> int:

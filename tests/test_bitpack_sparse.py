@@ -9,15 +9,10 @@ import pytest
 import torch
 
 from mergecomp import bitpack
+from mergecomp.codecs import majority_vote, pack_signs
+from mergecomp.codecs.scans import _flat_nonzero
 from mergecomp.quantize import stochastic_round_
-from mergecomp.signs import majority_vote, pack_signs
-from mergecomp.sparse import (
-    SparseCompressor,
-    _flat_nonzero,
-    num_selected,
-    topk_abs_indices,
-    topk_indices,
-)
+from mergecomp.sparse import SparseCompressor, num_selected, topk_abs_indices, topk_indices
 
 
 def reference_pack(codes, bits):
@@ -141,7 +136,7 @@ def test_majority_vote_counts_any_number_of_voters(voters):
     g = torch.Generator().manual_seed(voters)
     xs = torch.randn(voters, 77, generator=g)
     votes = torch.where(xs >= 0, 1, -1).sum(0)
-    out = majority_vote([pack_signs(x) for x in xs], 77, torch.float64)
+    out = majority_vote([pack_signs(x)[0] for x in xs], 77, torch.float64)
     assert out.dtype == torch.float64 and torch.equal(out, votes.sign().double())
 
 

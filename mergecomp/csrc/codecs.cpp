@@ -276,7 +276,7 @@ void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* va
   });
 }
 
-// Packs the sign bits x[i] >= 0 (1 bit per element, as mergecomp.signs.pack_signs) into
+// Packs the sign bits x[i] >= 0 (1 bit per element, as mergecomp.codecs.pack_signs) into
 // out (ceil(n / 8) bytes) and writes stats = {sum x, sum |x|, count of x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
   pack_signs_impl<false>(x, nullptr, 0.0f, n, out, stats, threads);

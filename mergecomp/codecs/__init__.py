@@ -1,0 +1,22 @@
+"""One path per codec operation: each function runs its fused kernel from :mod:`mergecomp.native`
+where the kernel serves the tensors (contiguous fp32 CPU, :func:`mergecomp.native.usable`) and
+its plain-torch version otherwise, so the compressors call one function and never branch on the
+kernels themselves.  Both paths write the same layouts; :func:`mergecomp.native.disabled` forces
+the torch path.
+
+* :mod:`.signs`: sign bits (packing with their sums, Signum's momentum step, decoding, the
+  majority vote, the sum of the ranks' two-valued decodes);
+* :mod:`.levels`: quantization codes (stochastic rounding, QSGD's encode and decode, decoding
+  packed codes through a table);
+* :mod:`.sums`: the reductions a kernel computes in its pass (the sign bits' sums, min, max, sum
+  of squares), each reduced only when read on the torch path;
+* :mod:`.scans`: the gradient copy with its finite check, and the indices above a threshold.
+"""
+from .levels import decode_codes, qsgd_encode, scale_levels, stochastic_codes
+from .scans import copy_finite, indices_above
+from .signs import decode_signs, majority_vote, momentum_signs, pack_signs, sign_sum
+from .sums import moments
+
+__all__ = ["pack_signs", "momentum_signs", "decode_signs", "majority_vote", "sign_sum",
+           "decode_codes", "stochastic_codes", "qsgd_encode", "scale_levels", "moments",
+           "copy_finite", "indices_above"]

@@ -1,0 +1,78 @@
+"""Quantization codes: stochastic rounding to integer codes, QSGD's encode and decode, and the
+decode of packed codes through a table of their values."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .. import bitpack, native
+from ..quantize import bucket_norms, per_bucket_scale, stochastic_round_, work_dtype
+from ..workspace import fresh
+
+__all__ = ["decode_codes", "stochastic_codes", "qsgd_encode", "scale_levels"]
+
+
+def decode_codes(packed: torch.Tensor, bits: int, numel: int, values: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    """``values[code]`` for each of the ``numel`` ``bits``-bit codes (1, 2 or 4) in ``packed``
+    (uint8, laid out as :func:`mergecomp.bitpack.pack` does), written into ``out`` (contiguous,
+    ``numel`` elements of ``values``' dtype).  ``values``: ``2 ** bits`` entries on ``packed``'s
+    device.  Returns ``out``."""
+    if native.usable(out, packed):
+        return native.decode_codes(packed, bits, numel, values, out)
+    return bitpack.decode(packed, bits, numel, values, out=out)
+
+
+def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: int, hi: int,
+                     shift: int, bits: int, empty: Optional[Callable] = None) -> torch.Tensor:
+    """``floor(clamp(x * scales[i // bucket], lo, hi) + u) + shift`` for each element ``i`` of
+    the flat ``x``, ``u`` uniform in (0, 1) (see :func:`mergecomp.quantize.stochastic_round_`),
+    so the codes are unbiased.  ``scales``: one per bucket of ``bucket`` elements (the last one
+    may be shorter); ``lo``, ``hi``, ``shift``: integers.  Returns, for ``bits == 8``, the
+    ``numel`` int8 codes; for ``bits`` 1, 2 or 4, the codes (in ``[0, 2 ** bits)``) packed as
+    :func:`mergecomp.bitpack.pack` does.  ``empty(numel, dtype, device)`` allocates the int8
+    codes, the native path's packed codes and the torch path's temporaries; default
+    ``torch.empty``.
+
+    The two paths draw different random numbers (equally unbiased)."""
+    n, empty = x.numel(), empty or fresh
+    if native.usable(x):
+        out = (empty(n, torch.int8, x.device) if bits == 8
+               else empty(bitpack.packed_size(n, bits), torch.uint8, x.device))
+        return native.stochastic_codes(x, scales, bucket, lo, hi, shift, bits, out)
+    scaled = per_bucket_scale(x, scales, bucket, out=empty(n, work_dtype(x.dtype), x.device))
+    if bits == 8:  # clamped after rounding, in int8 (a quarter of the bytes): the same codes
+        # for integral bounds, as long as the rounded values fit in int8
+        codes = stochastic_round_(scaled, shift, empty=empty)
+        return empty(n, torch.int8, x.device).copy_(codes).clamp_(lo + shift, hi + shift)
+    return bitpack.pack(stochastic_round_(scaled.clamp_(lo, hi), shift, empty=empty), bits)
+
+
+def qsgd_encode(x: torch.Tensor, bucket: int, levels: int,
+                empty: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """QSGD's payload for the flat ``x``: ``(codes, norms)``, ``norms`` the fp32 L2 norm of each
+    bucket of ``bucket`` elements (the last one may be shorter) and ``codes`` the ``numel`` int8
+    levels ``floor(levels * x / norm + u)`` in ``[-levels, levels]`` (0 in a bucket whose norm
+    is 0), ``u`` as in :func:`stochastic_codes`.  ``empty`` as there."""
+    n = x.numel()
+    if native.usable(x) and 0 < bucket <= native.CACHED_BUCKET:  # norms and levels in one pass
+        return native.qsgd_encode(x, bucket, levels, (empty or fresh)(n, torch.int8, x.device),
+                                  torch.empty(-(-n // bucket)))
+    work = work_dtype(x.dtype)
+    norms = bucket_norms(x, bucket, work).to(torch.float32)
+    # Quantize against the norms as they are sent (fp32), so the decode is unbiased.
+    sent = norms.to(work)
+    scale = torch.where(sent > 0, levels / sent, 0)
+    return stochastic_codes(x, scale, bucket, -levels, levels, 0, 8, empty), norms
+
+
+def scale_levels(codes: torch.Tensor, steps: torch.Tensor, bucket: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = codes[i] * steps[i // bucket]``: the int8 ``codes`` scaled by one step per
+    bucket of ``bucket`` elements (the last one may be shorter), into ``out`` (the codes' numel,
+    floating point).  Returns ``out``."""
+    if native.usable(out, codes):
+        return native.scale_levels(codes, steps, bucket, out)
+    out.copy_(codes)  # no mixed int8 x float math
+    return per_bucket_scale(out, steps, bucket, out=out)
