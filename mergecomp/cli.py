@@ -20,7 +20,6 @@ online scheduler uses (:mod:`mergecomp.costmodel`).  Assumptions, stated once:
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import sys
@@ -28,7 +27,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from . import model_zoo
+from .bench import zoo
+from .cmdline import keyword_args
 from .costmodel import Affine, CodecCost, Profile, fit_affine, predict, ring_allgather, ring_allreduce, search
 from .registry import compressor_names, get_compressor
 from .scheduler import probe_sizes, time_codec
@@ -36,21 +36,6 @@ from .scheduler import probe_sizes, time_codec
 __all__ = ["main", "plan_table"]
 
 DEFAULT_WORLD_SIZES = "2,4,8,16,32,64,128,256,512,1024"
-
-
-def keyword_args(pairs: Sequence[str]) -> Dict[str, object]:
-    """``["ratio=0.05", "selection=exact"]`` -> ``{"ratio": 0.05, "selection": "exact"}``
-    (values parsed as Python literals where they are, else kept as strings)."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"mergecomp: -C takes KEY=VALUE, got {pair!r}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
 
 
 def _load_shapes(args) -> List[Sequence[int]]:
@@ -61,7 +46,7 @@ def _load_shapes(args) -> List[Sequence[int]]:
             raise SystemExit(f"mergecomp: {args.sizes} must hold a non-empty JSON list of sizes or shapes")
         return [tuple(s) if isinstance(s, list) else (int(s),) for s in data]
     try:
-        return model_zoo.backward_shapes(args.model)
+        return zoo.backward_shapes(args.model)
     except ValueError as err:
         raise SystemExit(f"mergecomp: {err}") from None
 
@@ -166,7 +151,7 @@ def main(argv=None) -> int:
     plan = sub.add_parser("plan", help="predict the best merge plan for 2..1024 workers",
                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = plan.add_mutually_exclusive_group()
-    source.add_argument("--model", default="resnet50", help=f"built-in model: {', '.join(model_zoo.MODELS)}")
+    source.add_argument("--model", default="resnet50", help=f"built-in model: {', '.join(zoo.MODELS)}")
     source.add_argument("--sizes", help="JSON list of gradient sizes (elements) or shapes, backward order")
     plan.add_argument("--compressor", default="topk", help=f"one of {', '.join(compressor_names())}")
     plan.add_argument("-C", "--compressor-arg", action="append", default=[], metavar="KEY=VALUE")
@@ -182,8 +167,8 @@ def main(argv=None) -> int:
     sub.add_parser("bench", add_help=False, help="throughput benchmark: mergecomp plans vs DDP anchors, optionally "
                                                  "on a bandwidth-limited namespace cluster (mergecomp bench --help)")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # its options are mergecomp.bench's own
-        from .bench import main as bench_main
+    if argv[:1] == ["bench"]:  # its options are mergecomp.bench.runner's own
+        from .bench.runner import main as bench_main
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
