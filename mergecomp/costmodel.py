@@ -31,6 +31,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
+from .plan import CODECS
+
 __all__ = [
     "Affine",
     "CodecCost",
@@ -42,11 +44,7 @@ __all__ = [
     "search",
     "ring_allreduce",
     "ring_allgather",
-    "CODECS",
 ]
-
-#: codec names a group may use: the configured compressor, a cast to fp16, or nothing
-CODECS = ("compressed", "fp16", "none")
 
 
 @dataclass(frozen=True)

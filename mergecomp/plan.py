@@ -10,20 +10,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["GroupPlan", "Group", "layout", "remap_state", "build_plan", "group_name"]
+if TYPE_CHECKING:
+    from .compressor import Compressor
+
+__all__ = ["CODECS", "GroupPlan", "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
+
+#: codec names a group may use: the configured compressor, a cast to fp16, or nothing
+CODECS = ("compressed", "fp16", "none")
+
+
+def has_codec_choice(compressor: "Compressor") -> bool:
+    """Whether groups may be sent with another codec of :data:`CODECS` than ``compressor``:
+    not when it is ``none`` (exact gradients, which fp16 would not keep), nor when it
+    :attr:`~mergecomp.compressor.Compressor.votes` (every group must then take part in the vote)."""
+    return compressor.name != "none" and not compressor.votes
 
 
 @dataclass(frozen=True)
 class GroupPlan:
     """Groups of parameter indices; concatenating the groups gives the backward order.
 
-    ``codecs`` optionally names each group's codec (``"compressed"``, ``"fp16"``, ``"none"``);
+    ``codecs`` optionally names each group's codec (one of :data:`CODECS`);
     empty means every group uses the configured compressor, and all-``"compressed"`` is stored
     as empty, so plans that send the same groups the same way compare equal.
     """

@@ -23,6 +23,7 @@ import torch
 
 from .costmodel import (Affine, CodecCost, Prediction, Profile, fit_affine, predict, ring_allgather,
                         ring_allreduce, search)
+from .plan import CODECS, has_codec_choice
 from .registry import get_compressor
 from .scheduler import probe_sizes, time_codec
 
@@ -73,7 +74,7 @@ def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Seque
         prefix += size
         ready.append(backward_ms / 1e3 * prefix / total)
     compressor = get_compressor(compressor_name, **compressor_args)
-    compressors = {"compressed": compressor, "fp16": get_compressor("fp16"), "none": get_compressor("none")}
+    compressors = {name: compressor if name == "compressed" else get_compressor(name) for name in CODECS}
     bandwidth = bandwidth_gbit * 1e9 / 8
     latency = latency_us * 1e-6
     measured = _codec_costs(compressors, shapes, codec_gbps)
@@ -85,7 +86,7 @@ def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Seque
             decode = Affine(dec.fixed + (n - 1) * extra.fixed, dec.per_byte + (n - 1) * extra.per_byte)
             codecs[name] = CodecCost(ratio, enc, decode, network)
         profile = Profile(sizes, ready, codecs)
-        allowed = ("compressed",) if compressor.votes or compressor_name == "none" else tuple(codecs)
+        allowed = CODECS if has_codec_choice(compressor) else ("compressed",)
         best = search(profile, max_groups, allowed, top=1)[0]
         fused = search(profile, max_groups, ("none",), top=1)[0]
         layerwise = predict(profile, list(range(1, len(sizes))), ["compressed"] * len(sizes))

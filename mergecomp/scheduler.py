@@ -39,8 +39,8 @@ import torch
 
 from .comm import Communicator
 from .compressor import Compressor
-from .costmodel import CODECS, CodecCost, Prediction, Profile, fit_affine, predict, search
-from .plan import GroupPlan
+from .costmodel import CodecCost, Prediction, Profile, fit_affine, predict, search
+from .plan import CODECS, GroupPlan, has_codec_choice
 from .workspace import Workspace
 
 if TYPE_CHECKING:
@@ -102,11 +102,11 @@ def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: S
     index; ``build(plan)`` completes a cut plan the way the front end builds its own (names,
     dtype checks).  ``model`` describes the parameters (e.g. ``"name:shape:dtype"`` each); with
     the compressor, memory, world size and engine it is hashed into the plan-cache signature.
-    Without a choice of codec to make (``none``, or a sign method whose vote every group must
-    follow) only the configured compressor is searched.
+    Without a choice of codec to make (:func:`~mergecomp.plan.has_codec_choice`) only the
+    configured compressor is searched.
     """
     compressor = exchange.compressor
-    if compressor.name == "none" or compressor.votes:
+    if not has_codec_choice(compressor):
         config = dataclasses.replace(config, codecs=("compressed",))
     parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine]
     signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
