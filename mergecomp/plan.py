@@ -8,6 +8,7 @@ momenta) from one plan's buffers onto another's, so switching plans loses nothin
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence, Tuple, Union
@@ -62,6 +63,18 @@ class GroupPlan:
     @property
     def order(self) -> Tuple[int, ...]:
         return tuple(i for g in self.groups for i in g)
+
+    @classmethod
+    def from_cuts(cls, order: Sequence[int], cuts: Sequence[int], codecs: Sequence[str] = ()) -> "GroupPlan":
+        """The plan that cuts ``order`` (parameter indices in backward order) before each
+        position in ``cuts`` (increasing, inside ``(0, len(order))``), with a codec per group or
+        none; :meth:`cuts` is its inverse."""
+        edges = [0, *cuts, len(order)]
+        return cls(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs))
+
+    def cuts(self) -> Tuple[int, ...]:
+        """The positions in :attr:`order` where groups 1.. start."""
+        return tuple(itertools.accumulate(len(g) for g in self.groups[:-1]))
 
     def __len__(self) -> int:
         return len(self.groups)

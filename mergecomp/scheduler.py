@@ -46,7 +46,7 @@ from .workspace import Workspace
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["MergeScheduler", "SchedulerConfig", "cut_plan", "exchange_scheduler", "probe_sizes", "time_codec"]
+__all__ = ["MergeScheduler", "SchedulerConfig", "exchange_scheduler", "probe_sizes", "time_codec"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -85,13 +85,6 @@ class SchedulerConfig:
             raise ValueError(f"scheduler codecs must be drawn from {CODECS}, got {self.codecs}")
 
 
-def cut_plan(order: Sequence[int], cuts: Sequence[int], codecs: Sequence[str] = ()) -> GroupPlan:
-    """The plan that cuts ``order`` (parameter indices in backward order) before each position
-    in ``cuts`` (increasing, inside ``(0, len(order))``), with a codec per group or none."""
-    edges = [0, *cuts, len(order)]
-    return GroupPlan(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs))
-
-
 def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: Sequence[int],
                        sizes: Sequence[int], shapes: Sequence[torch.Size], dtype: torch.dtype,
                        device: torch.device, build: Callable[[GroupPlan], GroupPlan],
@@ -110,9 +103,9 @@ def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: S
         config = dataclasses.replace(config, codecs=("compressed",))
     parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine]
     signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
-    return MergeScheduler(exchange.comm, {name: exchange.codec(name) for name in config.codecs}, order, sizes,
-                          shapes, dtype, device, lambda cuts, codecs: build(cut_plan(order, cuts, codecs)),
-                          signature, config)
+    codecs = {name: exchange.codec(name) for name in config.codecs}
+    return MergeScheduler(exchange.comm, codecs, order, sizes, shapes, dtype, device,
+                          lambda cuts, names: build(GroupPlan.from_cuts(order, cuts, names)), signature, config)
 
 
 @dataclass
@@ -442,16 +435,8 @@ class MergeScheduler:
         profile = Profile(self.sizes, ready_agreed, costs)
         # What the timeline does not model (forward, optimizer, data) is the same for every plan:
         # calibrate it on the step just measured so predictions read as whole-step seconds.
-        cuts, codecs = self._cuts_of(self._current)
-        offset = max(0.0, rest[-1] - predict(profile, cuts, codecs).total)
+        offset = max(0.0, rest[-1] - predict(profile, self._current.cuts(), self._current.codec_names()).total)
         return profile, offset
-
-    def _cuts_of(self, plan: GroupPlan) -> Tuple[List[int], List[str]]:
-        cuts, position = [], 0
-        for group in plan.groups[:-1]:
-            position += len(group)
-            cuts.append(position)
-        return cuts, list(plan.codec_names())
 
     def _time_network(self, compressor: Compressor, payload_bytes: Sequence[float]
                       ) -> Tuple[List[float], List[float]]:
