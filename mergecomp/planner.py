@@ -24,8 +24,8 @@ import torch
 from .costmodel import (Affine, CodecCost, Prediction, Profile, fit_affine, predict, ring_allgather,
                         ring_allreduce, search)
 from .plan import CODECS, has_codec_choice
+from .probes import probe_sizes, time_codec
 from .registry import get_compressor
-from .scheduler import probe_sizes, time_codec
 
 __all__ = ["gradient_bytes", "plan_table", "markdown_table", "to_json"]
 

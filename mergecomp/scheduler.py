@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -39,14 +38,14 @@ import torch
 
 from .comm import Communicator
 from .compressor import Compressor
-from .costmodel import CodecCost, Prediction, Profile, fit_affine, predict, search
+from .costmodel import Prediction, Profile, predict, search
 from .plan import CODECS, GroupPlan, has_codec_choice
-from .workspace import Workspace
+from .probes import measure, probe_sizes
 
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["MergeScheduler", "SchedulerConfig", "exchange_scheduler", "probe_sizes", "time_codec"]
+__all__ = ["MergeScheduler", "SchedulerConfig", "exchange_scheduler"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -115,75 +114,6 @@ class Candidate:
     predicted: Optional[float] = None
     measured: Optional[float] = None
     probes: List[float] = dataclasses.field(default_factory=list)  # this rank's probe step times
-
-
-def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
-    """(bytes, number of leading tensors) for the first tensor and prefixes of about 1/16, 1/4
-    and all of ``sizes``: the small one pins the per-call cost, the large ones the per-byte cost."""
-    total = sum(sizes)
-    out, prefix, count = [], 0, 0
-    for fraction in (0.0, 1 / 16, 1 / 4, 1.0):
-        while count < len(sizes) and (prefix < total * fraction or count == 0):
-            prefix += sizes[count]
-            count += 1
-        if not out or out[-1][1] != count:
-            out.append((prefix, count))
-    return out
-
-
-def _settle(device: torch.device) -> None:
-    """Wait for the device's queued work, so that host clocks time it (a no-op on CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shapes: Sequence[torch.Size],
-               dtype: torch.dtype, device: torch.device, world_size: int
-               ) -> Tuple[List[float], List[float], float]:
-    """Seconds to encode and to decode (aggregating ``world_size`` payloads) random gradients of
-    each ``(bytes, leading tensor count)`` sample, and the payload/input byte ratio.
-
-    Timed in steady state, as training runs: each sample runs once untimed first, and on CPU
-    the compressor gets a private workspace (as the exchange attaches one), advanced before
-    every run, so the timed runs reuse scratch instead of touching fresh pages.  (Cold, a
-    100 MB TernGrad decode took 0.15-0.19 s against 0.035-0.039 s warm, which made every
-    plan's tail look alike.)
-    """
-    encode, decode, wire = [], [], 1.0
-    element = torch.empty((), dtype=dtype).element_size()
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    name = "__scheduler_probe__"
-    attached = compressor.workspace
-    compressor.workspace = Workspace() if torch.device(device).type == "cpu" else None
-    runs = 0
-    try:
-        for nbytes, count in samples:
-            data = torch.randn(nbytes // element, generator=generator).to(dtype=dtype, device=device)
-            times = []
-            for _ in range(1 + (2 if nbytes < 2**22 else 1)):  # small calls are noisy: keep the faster
-                runs += 1
-                if compressor.workspace is not None:
-                    compressor.workspace.advance(runs)
-                flat = data.clone()  # a compressor may work in place on its input
-                _settle(device)
-                began = time.perf_counter()
-                payload, ctx = compressor.compress(flat, name, shapes[:count])
-                for _ in range(compressor.rounds - 1):
-                    payload, ctx = compressor.next_round(payload, ctx)
-                _settle(device)
-                middle = time.perf_counter()
-                arrived = [payload] if compressor.summable else [payload] * world_size
-                compressor.aggregate(arrived, ctx, world_size, True)
-                _settle(device)
-                times.append((middle - began, time.perf_counter() - middle))
-                compressor.state.pop(name, None)
-            times = times[1:]  # the first run warmed the pool and caches
-            encode.append(min(t[0] for t in times))
-            decode.append(min(t[1] for t in times))
-            wire = sum(t.numel() * t.element_size() for t in payload) / max(nbytes, 1)
-    finally:
-        compressor.workspace = attached
-    return encode, decode, wire
 
 
 class MergeScheduler:
@@ -405,63 +335,14 @@ class MergeScheduler:
     def _build_profile(self, ready: Sequence[float], step_seconds: float) -> Tuple[Profile, float]:
         """Measure codec and network costs; agree on everything by taking the max over ranks."""
         samples = probe_sizes(self.sizes)
-        local: List[float] = list(ready)
-        ratios: Dict[str, float] = {}
-        for name in self.config.codecs:
-            encode, decode, wire = time_codec(self.codecs[name], samples, self.shapes, self.dtype,
-                                              self.device, self.comm.size)
-            ratios[name] = wire
-            local += encode + decode
-        for name in self.config.codecs:
-            wall, cpu = self._time_network(self.codecs[name], [n * ratios[name] for n, _ in samples])
-            local += wall + cpu
-        local.append(step_seconds)
-        agreed = self.comm.allgather(torch.tensor(local, dtype=torch.float64, device=self.device),
-                                     "scheduler profile").max(dim=0).values.tolist()
-        n = len(ready)
-        ready_agreed, rest = agreed[:n], agreed[n:]
-        for i in range(1, n):  # gradients become ready in backward order
-            ready_agreed[i] = max(ready_agreed[i], ready_agreed[i - 1])
-        k = len(samples)
-        nbytes = [b for b, _ in samples]
-        costs = {}
-        for j, name in enumerate(self.config.codecs):
-            encode = rest[2 * k * j: 2 * k * j + k]
-            decode = rest[2 * k * j + k: 2 * k * (j + 1)]
-            network = rest[2 * k * len(self.config.codecs) + 2 * k * j:][:2 * k]
-            payload = [b * ratios[name] for b in nbytes]
-            costs[name] = CodecCost(ratios[name], fit_affine(nbytes, encode), fit_affine(nbytes, decode),
-                                    fit_affine(payload, network[:k]), fit_affine(payload, network[k:]))
-        profile = Profile(self.sizes, ready_agreed, costs)
+        codecs = {name: self.codecs[name] for name in self.config.codecs}
+        local = measure(self.comm, codecs, samples, self.shapes, self.dtype, self.device, ready, step_seconds)
+        agreed = local.agree(self.comm, self.device)
+        profile = agreed.cost_profile(self.sizes, [nbytes for nbytes, _ in samples])
         # What the timeline does not model (forward, optimizer, data) is the same for every plan:
         # calibrate it on the step just measured so predictions read as whole-step seconds.
-        offset = max(0.0, rest[-1] - predict(profile, self._current.cuts(), self._current.codec_names()).total)
-        return profile, offset
-
-    def _time_network(self, compressor: Compressor, payload_bytes: Sequence[float]
-                      ) -> Tuple[List[float], List[float]]:
-        """Wall seconds of the codec's collective for each payload size, and the CPU seconds
-        this process spent meanwhile (the engine's threads; waiting does not spin)."""
-        wall, cpu = [], []
-        for nbytes in payload_bytes:
-            nbytes = max(8, int(nbytes))
-            if compressor.summable:
-                tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
-                run = self.comm.allreduce_async
-            else:
-                tensor = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-                run = self.comm.allgather_async
-            times = []
-            for _ in range(2):
-                _settle(self.device)
-                began, began_cpu = time.perf_counter(), time.process_time()
-                run(tensor).wait("scheduler network probe")
-                _settle(self.device)
-                times.append((time.perf_counter() - began, time.process_time() - began_cpu))
-            fastest = min(times)
-            wall.append(fastest[0])
-            cpu.append(fastest[1])
-        return wall, cpu
+        modelled = predict(profile, self._current.cuts(), self._current.codec_names()).total
+        return profile, max(0.0, agreed.step_seconds - modelled)
 
     # -- plan cache --------------------------------------------------------------------------
     def _load_cache(self) -> Optional[Candidate]:
