@@ -173,8 +173,7 @@ class MergeScheduler:
         if self.phase != "monitor":
             self.search_steps += 1
         self._current = current
-        handler = getattr(self, f"_{self.phase}")
-        return handler(step_seconds, list(ready))
+        return self._PHASES[self.phase](self, step_seconds, list(ready))
 
     def report(self) -> Dict:
         """Candidates tried (predicted and measured seconds), the chosen plan and the search cost."""
@@ -207,15 +206,15 @@ class MergeScheduler:
         else:
             self.chosen, self.phase, self._countdown = None, "warmup", self.config.warmup_steps
 
-    # -- phases ------------------------------------------------------------------------------
-    def _warmup(self, step_seconds, ready):
+    # -- phases: each takes the finished step and may return the plan to run next ------------
+    def _warmup(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self._countdown -= 1
         if self._countdown > 0:
             return None
         self.phase = "profile"
         return None
 
-    def _profile(self, step_seconds, ready):
+    def _profile(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self.searches += 1
         profile, offset = self._build_profile(ready, step_seconds)
         self.profile, self.profile_offset = profile, offset
@@ -247,7 +246,7 @@ class MergeScheduler:
         self._finalists = None
         return self._next_candidate()
 
-    def _verify(self, step_seconds, ready):
+    def _verify(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self._countdown -= 1
         if self._countdown >= self.config.probe_steps:
             return None  # settling
@@ -263,7 +262,7 @@ class MergeScheduler:
             return self._next_candidate()
         return self._decide()
 
-    def _monitor(self, step_seconds, ready):
+    def _monitor(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self._window.append(step_seconds)
         if len(self._window) < self.config.retune_window:
             return None
@@ -280,6 +279,10 @@ class MergeScheduler:
             self.history.append({"step": self.steps, "event": "retune", "from_s": reference, "to_s": recent})
             self.phase = "profile"
         return None
+
+    #: what :meth:`observe` runs in each phase; the names are public (``phase``, ``report()``)
+    _PHASES: Dict[str, Callable[["MergeScheduler", float, List[float]], Optional[GroupPlan]]] = {
+        "warmup": _warmup, "profile": _profile, "verify": _verify, "monitor": _monitor}
 
     # -- helpers -----------------------------------------------------------------------------
     def _runoff(self) -> Tuple[List[Candidate], List[Candidate]]:
