@@ -238,11 +238,6 @@ def build_model(name: str, width: float = 1.0, input_size: Optional[int] = None,
     return model, make_batch
 
 
-def parameter_count(name: str) -> int:
-    """The full-width parameter count (equals :func:`mergecomp.bench.zoo.numel`)."""
-    return zoo.numel(name)
-
-
 if __name__ == "__main__":  # quick look: python -m mergecomp.bench.models
     for key in MODELS:
         m, _ = build_model(key)
