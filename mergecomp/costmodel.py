@@ -1,7 +1,7 @@
 """Step-time model of merged, compressed gradient exchange, and the search over partitions.
 
 Everything here is a plain function of plain numbers, shared by the online scheduler
-(:mod:`mergecomp.scheduler`) and the offline planner (``mergecomp plan``).
+(:mod:`mergecomp.scheduler`) and the offline planner (:mod:`mergecomp.planner`, ``mergecomp plan``).
 
 The timeline of one backward pass, for a partition of the tensors (in backward order) into
 contiguous groups, each with a codec (``"compressed"``, ``"fp16"`` or ``"none"``)::

@@ -5,8 +5,9 @@ every rank (the same number of times everywhere), it goes through these phases::
 
     warmup (W steps, not measured)
       -> profile (1 step): gradient-ready times of that step, plus micro-benchmarks of each
-         codec's encode/decode and of the engine's collectives at three sizes; the numbers of all
-         ranks are gathered and the slowest kept, so every rank builds the same cost model
+         codec's encode/decode and of the engine's collectives at up to four sizes
+         (:mod:`mergecomp.probes`); one allgather keeps every number's slowest rank, so every
+         rank builds the same cost model
       -> predict: :func:`mergecomp.costmodel.search` ranks plans of 1..K groups x codecs;
          the top few plus the best uncompressed plan (plain fused allreduce) become candidates
       -> verify: each candidate runs ``settle + probe`` steps; the median of its probe steps,
