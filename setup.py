@@ -3,6 +3,7 @@
 The source tree maps onto one installed package, ``mergecomp``:
 
     mergecomp/            -> mergecomp               (core: interfaces, plans, engines)
+    mergecomp/bench/      -> mergecomp.bench         (benchmark tooling: runner, cluster, models)
     compressors/          -> mergecomp.compressors   (one module per algorithm)
     frameworks/torch/     -> mergecomp.torch         (PyTorch front end)
     frameworks/tensorflow/ -> mergecomp.tensorflow   (TensorFlow 2 / Keras 3 front end)
@@ -22,6 +23,7 @@ setup(
     packages=[
         "mergecomp",
         "mergecomp.engines",
+        "mergecomp.bench",
         "mergecomp.compressors",
         "mergecomp.torch",
         "mergecomp.tensorflow",

@@ -61,7 +61,10 @@ class Compressor(GroupStateful, abc.ABC):
     rounds: int = 1
     #: name of the error-feedback memory used when the user does not choose one
     default_memory: str = "none"
-    #: the result keeps its magnitude under op=Average (majority vote returns signs)
+    #: payloads are combined by a majority vote: the result is the sign of the sum of the ranks'
+    #: signs (with or without op=Average), on another scale than a mean, so every group must use
+    #: this compressor and none is offered the fp16 or uncompressed codec instead
+    #: (:func:`mergecomp.plan.has_codec_choice`)
     votes: bool = False
     #: step-scoped buffer pool attached by the pipeline; None: plain allocations
     workspace: Optional[Workspace] = None

@@ -1,7 +1,7 @@
 """Step-time model of merged, compressed gradient exchange, and the search over partitions.
 
 Everything here is a plain function of plain numbers, shared by the online scheduler
-(:mod:`mergecomp.scheduler`) and the offline planner (``mergecomp plan``).
+(:mod:`mergecomp.scheduler`) and the offline planner (:mod:`mergecomp.planner`, ``mergecomp plan``).
 
 The timeline of one backward pass, for a partition of the tensors (in backward order) into
 contiguous groups, each with a codec (``"compressed"``, ``"fp16"`` or ``"none"``)::
@@ -31,6 +31,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
+from .plan import CODECS
+
 __all__ = [
     "Affine",
     "CodecCost",
@@ -42,11 +44,7 @@ __all__ = [
     "search",
     "ring_allreduce",
     "ring_allgather",
-    "CODECS",
 ]
-
-#: codec names a group may use: the configured compressor, a cast to fp16, or nothing
-CODECS = ("compressed", "fp16", "none")
 
 
 @dataclass(frozen=True)

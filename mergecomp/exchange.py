@@ -24,7 +24,7 @@ import torch
 from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
-from .plan import Group
+from .plan import CODECS, Group
 from .registry import get_compressor, get_memory
 from .workspace import Workspace
 
@@ -146,8 +146,8 @@ class Exchange:
     def codec(self, name: str) -> Compressor:
         """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"`` or ``"none"``)."""
         if name not in self.codecs:
-            if name not in ("fp16", "none"):
-                raise ValueError(f"codec must be 'compressed', 'fp16' or 'none', got {name!r}")
+            if name not in CODECS:
+                raise ValueError(f"codec must be one of {CODECS}, got {name!r}")
             self.codecs[name] = get_compressor(name)
             self.codecs[name].workspace = self.workspace
         return self.codecs[name]

@@ -8,22 +8,36 @@ momenta) from one plan's buffers onto another's, so switching plans loses nothin
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["GroupPlan", "Group", "layout", "remap_state", "build_plan", "group_name"]
+if TYPE_CHECKING:
+    from .compressor import Compressor
+
+__all__ = ["CODECS", "GroupPlan", "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
+
+#: codec names a group may use: the configured compressor, a cast to fp16, or nothing
+CODECS = ("compressed", "fp16", "none")
+
+
+def has_codec_choice(compressor: "Compressor") -> bool:
+    """Whether groups may be sent with another codec of :data:`CODECS` than ``compressor``:
+    not when it is ``none`` (exact gradients, which fp16 would not keep), nor when it
+    :attr:`~mergecomp.compressor.Compressor.votes` (every group must then take part in the vote)."""
+    return compressor.name != "none" and not compressor.votes
 
 
 @dataclass(frozen=True)
 class GroupPlan:
     """Groups of parameter indices; concatenating the groups gives the backward order.
 
-    ``codecs`` optionally names each group's codec (``"compressed"``, ``"fp16"``, ``"none"``);
+    ``codecs`` optionally names each group's codec (one of :data:`CODECS`);
     empty means every group uses the configured compressor, and all-``"compressed"`` is stored
     as empty, so plans that send the same groups the same way compare equal.
     """
@@ -49,6 +63,18 @@ class GroupPlan:
     @property
     def order(self) -> Tuple[int, ...]:
         return tuple(i for g in self.groups for i in g)
+
+    @classmethod
+    def from_cuts(cls, order: Sequence[int], cuts: Sequence[int], codecs: Sequence[str] = ()) -> "GroupPlan":
+        """The plan that cuts ``order`` (parameter indices in backward order) before each
+        position in ``cuts`` (increasing, inside ``(0, len(order))``), with a codec per group or
+        none; :meth:`cuts` is its inverse."""
+        edges = [0, *cuts, len(order)]
+        return cls(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs))
+
+    def cuts(self) -> Tuple[int, ...]:
+        """The positions in :attr:`order` where groups 1.. start."""
+        return tuple(itertools.accumulate(len(g) for g in self.groups[:-1]))
 
     def __len__(self) -> int:
         return len(self.groups)

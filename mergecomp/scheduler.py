@@ -5,8 +5,9 @@ every rank (the same number of times everywhere), it goes through these phases::
 
     warmup (W steps, not measured)
       -> profile (1 step): gradient-ready times of that step, plus micro-benchmarks of each
-         codec's encode/decode and of the engine's collectives at three sizes; the numbers of all
-         ranks are gathered and the slowest kept, so every rank builds the same cost model
+         codec's encode/decode and of the engine's collectives at up to four sizes
+         (:mod:`mergecomp.probes`); one allgather keeps every number's slowest rank, so every
+         rank builds the same cost model
       -> predict: :func:`mergecomp.costmodel.search` ranks plans of 1..K groups x codecs;
          the top few plus the best uncompressed plan (plain fused allreduce) become candidates
       -> verify: each candidate runs ``settle + probe`` steps; the median of its probe steps,
@@ -31,7 +32,6 @@ import json
 import logging
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -39,14 +39,14 @@ import torch
 
 from .comm import Communicator
 from .compressor import Compressor
-from .costmodel import CODECS, CodecCost, Prediction, Profile, fit_affine, predict, search
-from .plan import GroupPlan
-from .workspace import Workspace
+from .costmodel import Prediction, Profile, predict, search
+from .plan import CODECS, GroupPlan, has_codec_choice
+from .probes import measure, probe_sizes
 
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["MergeScheduler", "SchedulerConfig", "cut_plan", "exchange_scheduler", "probe_sizes", "time_codec"]
+__all__ = ["MergeScheduler", "SchedulerConfig", "exchange_scheduler"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -85,13 +85,6 @@ class SchedulerConfig:
             raise ValueError(f"scheduler codecs must be drawn from {CODECS}, got {self.codecs}")
 
 
-def cut_plan(order: Sequence[int], cuts: Sequence[int], codecs: Sequence[str] = ()) -> GroupPlan:
-    """The plan that cuts ``order`` (parameter indices in backward order) before each position
-    in ``cuts`` (increasing, inside ``(0, len(order))``), with a codec per group or none."""
-    edges = [0, *cuts, len(order)]
-    return GroupPlan(tuple(tuple(order[a:b]) for a, b in zip(edges, edges[1:])), tuple(codecs))
-
-
 def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: Sequence[int],
                        sizes: Sequence[int], shapes: Sequence[torch.Size], dtype: torch.dtype,
                        device: torch.device, build: Callable[[GroupPlan], GroupPlan],
@@ -102,17 +95,17 @@ def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: S
     index; ``build(plan)`` completes a cut plan the way the front end builds its own (names,
     dtype checks).  ``model`` describes the parameters (e.g. ``"name:shape:dtype"`` each); with
     the compressor, memory, world size and engine it is hashed into the plan-cache signature.
-    Without a choice of codec to make (``none``, or a sign method whose vote every group must
-    follow) only the configured compressor is searched.
+    Without a choice of codec to make (:func:`~mergecomp.plan.has_codec_choice`) only the
+    configured compressor is searched.
     """
     compressor = exchange.compressor
-    if compressor.name == "none" or compressor.votes:
+    if not has_codec_choice(compressor):
         config = dataclasses.replace(config, codecs=("compressed",))
     parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine]
     signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
-    return MergeScheduler(exchange.comm, {name: exchange.codec(name) for name in config.codecs}, order, sizes,
-                          shapes, dtype, device, lambda cuts, codecs: build(cut_plan(order, cuts, codecs)),
-                          signature, config)
+    codecs = {name: exchange.codec(name) for name in config.codecs}
+    return MergeScheduler(exchange.comm, codecs, order, sizes, shapes, dtype, device,
+                          lambda cuts, names: build(GroupPlan.from_cuts(order, cuts, names)), signature, config)
 
 
 @dataclass
@@ -122,75 +115,6 @@ class Candidate:
     predicted: Optional[float] = None
     measured: Optional[float] = None
     probes: List[float] = dataclasses.field(default_factory=list)  # this rank's probe step times
-
-
-def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
-    """(bytes, number of leading tensors) for the first tensor and prefixes of about 1/16, 1/4
-    and all of ``sizes``: the small one pins the per-call cost, the large ones the per-byte cost."""
-    total = sum(sizes)
-    out, prefix, count = [], 0, 0
-    for fraction in (0.0, 1 / 16, 1 / 4, 1.0):
-        while count < len(sizes) and (prefix < total * fraction or count == 0):
-            prefix += sizes[count]
-            count += 1
-        if not out or out[-1][1] != count:
-            out.append((prefix, count))
-    return out
-
-
-def _settle(device: torch.device) -> None:
-    """Wait for the device's queued work, so that host clocks time it (a no-op on CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shapes: Sequence[torch.Size],
-               dtype: torch.dtype, device: torch.device, world_size: int
-               ) -> Tuple[List[float], List[float], float]:
-    """Seconds to encode and to decode (aggregating ``world_size`` payloads) random gradients of
-    each ``(bytes, leading tensor count)`` sample, and the payload/input byte ratio.
-
-    Timed in steady state, as training runs: each sample runs once untimed first, and on CPU
-    the compressor gets a private workspace (as the exchange attaches one), advanced before
-    every run, so the timed runs reuse scratch instead of touching fresh pages.  (Cold, a
-    100 MB TernGrad decode took 0.15-0.19 s against 0.035-0.039 s warm, which made every
-    plan's tail look alike.)
-    """
-    encode, decode, wire = [], [], 1.0
-    element = torch.empty((), dtype=dtype).element_size()
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    name = "__scheduler_probe__"
-    attached = compressor.workspace
-    compressor.workspace = Workspace() if torch.device(device).type == "cpu" else None
-    runs = 0
-    try:
-        for nbytes, count in samples:
-            data = torch.randn(nbytes // element, generator=generator).to(dtype=dtype, device=device)
-            times = []
-            for _ in range(1 + (2 if nbytes < 2**22 else 1)):  # small calls are noisy: keep the faster
-                runs += 1
-                if compressor.workspace is not None:
-                    compressor.workspace.advance(runs)
-                flat = data.clone()  # a compressor may work in place on its input
-                _settle(device)
-                began = time.perf_counter()
-                payload, ctx = compressor.compress(flat, name, shapes[:count])
-                for _ in range(compressor.rounds - 1):
-                    payload, ctx = compressor.next_round(payload, ctx)
-                _settle(device)
-                middle = time.perf_counter()
-                arrived = [payload] if compressor.summable else [payload] * world_size
-                compressor.aggregate(arrived, ctx, world_size, True)
-                _settle(device)
-                times.append((middle - began, time.perf_counter() - middle))
-                compressor.state.pop(name, None)
-            times = times[1:]  # the first run warmed the pool and caches
-            encode.append(min(t[0] for t in times))
-            decode.append(min(t[1] for t in times))
-            wire = sum(t.numel() * t.element_size() for t in payload) / max(nbytes, 1)
-    finally:
-        compressor.workspace = attached
-    return encode, decode, wire
 
 
 class MergeScheduler:
@@ -250,8 +174,7 @@ class MergeScheduler:
         if self.phase != "monitor":
             self.search_steps += 1
         self._current = current
-        handler = getattr(self, f"_{self.phase}")
-        return handler(step_seconds, list(ready))
+        return self._PHASES[self.phase](self, step_seconds, list(ready))
 
     def report(self) -> Dict:
         """Candidates tried (predicted and measured seconds), the chosen plan and the search cost."""
@@ -284,15 +207,15 @@ class MergeScheduler:
         else:
             self.chosen, self.phase, self._countdown = None, "warmup", self.config.warmup_steps
 
-    # -- phases ------------------------------------------------------------------------------
-    def _warmup(self, step_seconds, ready):
+    # -- phases: each takes the finished step and may return the plan to run next ------------
+    def _warmup(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self._countdown -= 1
         if self._countdown > 0:
             return None
         self.phase = "profile"
         return None
 
-    def _profile(self, step_seconds, ready):
+    def _profile(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self.searches += 1
         profile, offset = self._build_profile(ready, step_seconds)
         self.profile, self.profile_offset = profile, offset
@@ -324,7 +247,7 @@ class MergeScheduler:
         self._finalists = None
         return self._next_candidate()
 
-    def _verify(self, step_seconds, ready):
+    def _verify(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self._countdown -= 1
         if self._countdown >= self.config.probe_steps:
             return None  # settling
@@ -340,7 +263,7 @@ class MergeScheduler:
             return self._next_candidate()
         return self._decide()
 
-    def _monitor(self, step_seconds, ready):
+    def _monitor(self, step_seconds: float, ready: List[float]) -> Optional[GroupPlan]:
         self._window.append(step_seconds)
         if len(self._window) < self.config.retune_window:
             return None
@@ -357,6 +280,10 @@ class MergeScheduler:
             self.history.append({"step": self.steps, "event": "retune", "from_s": reference, "to_s": recent})
             self.phase = "profile"
         return None
+
+    #: what :meth:`observe` runs in each phase; the names are public (``phase``, ``report()``)
+    _PHASES: Dict[str, Callable[["MergeScheduler", float, List[float]], Optional[GroupPlan]]] = {
+        "warmup": _warmup, "profile": _profile, "verify": _verify, "monitor": _monitor}
 
     # -- helpers -----------------------------------------------------------------------------
     def _runoff(self) -> Tuple[List[Candidate], List[Candidate]]:
@@ -412,71 +339,14 @@ class MergeScheduler:
     def _build_profile(self, ready: Sequence[float], step_seconds: float) -> Tuple[Profile, float]:
         """Measure codec and network costs; agree on everything by taking the max over ranks."""
         samples = probe_sizes(self.sizes)
-        local: List[float] = list(ready)
-        ratios: Dict[str, float] = {}
-        for name in self.config.codecs:
-            encode, decode, wire = time_codec(self.codecs[name], samples, self.shapes, self.dtype,
-                                              self.device, self.comm.size)
-            ratios[name] = wire
-            local += encode + decode
-        for name in self.config.codecs:
-            wall, cpu = self._time_network(self.codecs[name], [n * ratios[name] for n, _ in samples])
-            local += wall + cpu
-        local.append(step_seconds)
-        agreed = self.comm.allgather(torch.tensor(local, dtype=torch.float64, device=self.device),
-                                     "scheduler profile").max(dim=0).values.tolist()
-        n = len(ready)
-        ready_agreed, rest = agreed[:n], agreed[n:]
-        for i in range(1, n):  # gradients become ready in backward order
-            ready_agreed[i] = max(ready_agreed[i], ready_agreed[i - 1])
-        k = len(samples)
-        nbytes = [b for b, _ in samples]
-        costs = {}
-        for j, name in enumerate(self.config.codecs):
-            encode = rest[2 * k * j: 2 * k * j + k]
-            decode = rest[2 * k * j + k: 2 * k * (j + 1)]
-            network = rest[2 * k * len(self.config.codecs) + 2 * k * j:][:2 * k]
-            payload = [b * ratios[name] for b in nbytes]
-            costs[name] = CodecCost(ratios[name], fit_affine(nbytes, encode), fit_affine(nbytes, decode),
-                                    fit_affine(payload, network[:k]), fit_affine(payload, network[k:]))
-        profile = Profile(self.sizes, ready_agreed, costs)
+        codecs = {name: self.codecs[name] for name in self.config.codecs}
+        local = measure(self.comm, codecs, samples, self.shapes, self.dtype, self.device, ready, step_seconds)
+        agreed = local.agree(self.comm, self.device)
+        profile = agreed.cost_profile(self.sizes, [nbytes for nbytes, _ in samples])
         # What the timeline does not model (forward, optimizer, data) is the same for every plan:
         # calibrate it on the step just measured so predictions read as whole-step seconds.
-        cuts, codecs = self._cuts_of(self._current)
-        offset = max(0.0, rest[-1] - predict(profile, cuts, codecs).total)
-        return profile, offset
-
-    def _cuts_of(self, plan: GroupPlan) -> Tuple[List[int], List[str]]:
-        cuts, position = [], 0
-        for group in plan.groups[:-1]:
-            position += len(group)
-            cuts.append(position)
-        return cuts, list(plan.codec_names())
-
-    def _time_network(self, compressor: Compressor, payload_bytes: Sequence[float]
-                      ) -> Tuple[List[float], List[float]]:
-        """Wall seconds of the codec's collective for each payload size, and the CPU seconds
-        this process spent meanwhile (the engine's threads; waiting does not spin)."""
-        wall, cpu = [], []
-        for nbytes in payload_bytes:
-            nbytes = max(8, int(nbytes))
-            if compressor.summable:
-                tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
-                run = self.comm.allreduce_async
-            else:
-                tensor = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-                run = self.comm.allgather_async
-            times = []
-            for _ in range(2):
-                _settle(self.device)
-                began, began_cpu = time.perf_counter(), time.process_time()
-                run(tensor).wait("scheduler network probe")
-                _settle(self.device)
-                times.append((time.perf_counter() - began, time.process_time() - began_cpu))
-            fastest = min(times)
-            wall.append(fastest[0])
-            cpu.append(fastest[1])
-        return wall, cpu
+        modelled = predict(profile, self._current.cuts(), self._current.codec_names()).total
+        return profile, max(0.0, agreed.step_seconds - modelled)
 
     # -- plan cache --------------------------------------------------------------------------
     def _load_cache(self) -> Optional[Candidate]:

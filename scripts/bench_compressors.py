@@ -44,11 +44,9 @@ import time
 import torch
 
 import mergecomp
+from mergecomp.bench import zoo
 from mergecomp.plan import build_plan, layout
 from mergecomp.workspace import Workspace
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gradient_sets import RESNET50_NUMEL, RESNET50_TENSORS, resnet50_shapes  # noqa: E402
 
 # -- defaults ------------------------------------------------------------------------------------
 REPEATS = 5
@@ -59,6 +57,9 @@ MERGED_GROUPS = (1, 2, 4)
 #: seconds one case (one compressor, one plan) may take in total; slower cases get fewer repeats
 BUDGET_S = 20.0
 SEED = 0
+#: torchvision's resnet50: 161 parameter tensors, 25,557,032 elements
+RESNET50_TENSORS = 161
+RESNET50_NUMEL = 25_557_032
 #: targets: merged (best of 1/2/4 groups) time at most this many times memcpy
 ELEMENTWISE = ("fp16", "bf16", "signsgd", "onebit", "terngrad", "qsgd", "efsignsgd", "signum")
 SPARSIFIERS = ("topk", "dgc", "randk")
@@ -105,10 +106,10 @@ print("load average (1, 5, 15 min) at start: " + ", ".join(f"{x:.2f}" for x in o
 # block just under the cap first, so every case sees the same allocator whatever ran before it.
 torch.empty(30 << 20, dtype=torch.uint8).fill_(0)
 
-shapes = [torch.Size(s) for s in resnet50_shapes()]
+shapes = [torch.Size(s) for s in zoo.backward_shapes("resnet50")]
 numels = [math.prod(s) for s in shapes]
-assert len(shapes) == RESNET50_TENSORS == 161
-assert sum(numels) == RESNET50_NUMEL == 25_557_032
+assert len(shapes) == RESNET50_TENSORS
+assert sum(numels) == RESNET50_NUMEL
 order = list(range(len(shapes)))
 param_names = [f"p{i}" for i in order]
 nbytes = [4 * n for n in numels]

@@ -82,7 +82,7 @@ def byte_cut(prefix, fraction):
 def head_to_head(w, plans, rounds, steps):
     """Step times of each of ``plans`` (label -> plan) over ``rounds`` rounds, the order reversed
     every round (A B C, C B A, ...) so that a slow drift of the machine weighs on all alike."""
-    from mergecomp.bench import measure_plans
+    from mergecomp.bench.runner import measure_plans
 
     order = list(plans.items())
     times = {label: [] for label in plans}
@@ -93,8 +93,8 @@ def head_to_head(w, plans, rounds, steps):
 
 
 def run_worker():
-    from mergecomp.bench import _Worker, describe_plan, fixed_plan, make_optimizer, measure_plans, search_auto
-    from mergecomp.scheduler import cut_plan
+    from mergecomp.bench.runner import _Worker, describe_plan, fixed_plan, make_optimizer, measure_plans, search_auto
+    from mergecomp.plan import GroupPlan
 
     worker_args = argparse.Namespace(model=args.model, width=1.0, input_size=None, batch_size=args.batch_size,
                                      threads=args.threads, seed=0, compressor=args.worker, compressor_arg=[],
@@ -120,12 +120,12 @@ def run_worker():
         cuts = (byte_cut(prefix, pct / 100),)
         if cuts not in seen:
             seen.add(cuts)
-            plans[f"cut{pct}"] = cut_plan(order, cuts)
+            plans[f"cut{pct}"] = GroupPlan.from_cuts(order, cuts)
     for a, b in itertools.combinations(grid3, 2):
         cuts = tuple(sorted({byte_cut(prefix, a / 100), byte_cut(prefix, b / 100)}))
         if len(cuts) == 2 and cuts not in seen:
             seen.add(cuts)
-            plans[f"cut{a}+{b}"] = cut_plan(order, cuts)
+            plans[f"cut{a}+{b}"] = GroupPlan.from_cuts(order, cuts)
     times = measure_plans(w, plans, args.rounds, args.steps)
     comm = opt.comm
     import torch
@@ -190,8 +190,8 @@ def verdict(ok):
 
 
 def main():
-    from mergecomp.bench import machine
-    from mergecomp.cluster import Cluster, ClusterError, install_signal_handlers
+    from mergecomp.bench.cluster import Cluster, ClusterError, install_signal_handlers
+    from mergecomp.bench.runner import machine
 
     install_signal_handlers()
     rate = None if args.rate.lower() in ("none", "unlimited") else args.rate.lower()

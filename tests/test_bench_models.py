@@ -2,16 +2,16 @@
 import pytest
 import torch
 
-from mergecomp import model_zoo
-from mergecomp.bench_models import MODELS, build_model
+from mergecomp.bench import zoo
+from mergecomp.bench.models import MODELS, build_model
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_full_width_parameters_match_the_model_zoo(name):
     model, _ = build_model(name)
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    assert named == model_zoo.named_shapes(name)
-    assert sum(p.numel() for p in model.parameters()) == model_zoo.numel(name)
+    assert named == zoo.named_shapes(name)
+    assert sum(p.numel() for p in model.parameters()) == zoo.numel(name)
 
 
 @pytest.mark.parametrize("name,input_size", [("resnet50", 16), ("resnet18", 16), ("vgg16", 32), ("gpt2-small", 8)])
@@ -52,14 +52,14 @@ def test_bench_cli_runs_in_one_process(tmp_path):
 
 
 def test_cluster_runs_one_worker_per_namespace_and_tears_down():
-    """mergecomp.cluster (needs root and iproute2; skipped otherwise): the workers get torchrun's
+    """mergecomp.bench.cluster (needs root and iproute2; skipped otherwise): the workers get torchrun's
     variables, a timeout kills them, and no namespace survives the run."""
     import os
     import shutil
     import subprocess
     import sys
 
-    from mergecomp.cluster import Cluster, ClusterError
+    from mergecomp.bench.cluster import Cluster, ClusterError
 
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         pytest.skip("needs root and iproute2")

@@ -172,7 +172,7 @@ def test_time_codec_times_warm_runs_and_leaves_the_compressor_as_it_was():
     import torch
 
     import mergecomp
-    from mergecomp.scheduler import time_codec
+    from mergecomp.probes import time_codec
     from mergecomp.workspace import Workspace
 
     compressor = mergecomp.get_compressor("topk")
@@ -186,3 +186,33 @@ def test_time_codec_times_warm_runs_and_leaves_the_compressor_as_it_was():
     # The probe used a private pool and cleaned up after itself.
     assert compressor.workspace is pool and pool.step == 0
     assert "__scheduler_probe__" not in compressor.state
+
+
+def test_measurements_travel_as_one_tensor_and_agree_on_the_slowest_rank():
+    import torch
+
+    from mergecomp.comm import LocalCommunicator
+    from mergecomp.probes import CodecProbe, Measurements
+
+    def record(scale):
+        return Measurements([0.0, 0.3 * scale, 0.2], {
+            "compressed": CodecProbe(0.25, [1e-3 * scale, 4e-3], [2e-3, 5e-3], [1e-2, 3e-2], [1e-3, 2e-3]),
+            "none": CodecProbe(1.0, [0.0, 0.0], [0.0, 0.0], [2e-2, 9e-2 * scale], [2e-3, 4e-3])}, 0.5 * scale)
+
+    mine, theirs = record(1.0), record(2.0)
+    flat = mine.to_tensor(torch.device("cpu"))
+    assert flat.dtype == torch.float64 and mine.from_tensor(flat) == mine
+    with pytest.raises(ValueError, match="numbers"):
+        mine.from_tensor(flat[1:])
+
+    class TwoRanks(LocalCommunicator):  # rank 0 of 2; rank 1 measured ``theirs``
+        def allgather(self, tensor, what="allgather"):
+            return torch.stack([tensor, theirs.to_tensor(tensor.device)])
+
+    agreed = mine.agree(TwoRanks(), torch.device("cpu"))
+    assert agreed == theirs
+    profile = agreed.cost_profile([100, 200, 300], [1000, 4000])
+    assert profile.ready == [0.0, 0.6, 0.6]  # gradients become ready in backward order
+    assert profile.sizes == [100, 200, 300] and list(profile.codecs) == ["compressed", "none"]
+    cost = profile.codecs["compressed"]
+    assert cost.ratio == 0.25 and cost.network(250) == pytest.approx(1e-2)  # fitted over payload bytes

@@ -19,6 +19,15 @@ def test_json_round_trip_and_rebuild_keep_the_codecs():
     assert build_plan(plan, [2, 1, 0], ["a", "b", "c"], [4, 4, 4]) == plan
 
 
+def test_from_cuts_and_cuts_are_inverse():
+    order = [5, 3, 4, 0, 2, 1]
+    plan = GroupPlan.from_cuts(order, [1, 4], ["none", "compressed", "fp16"])
+    assert plan == GroupPlan(((5,), (3, 4, 0), (2, 1)), ("none", "compressed", "fp16"))
+    assert plan.cuts() == (1, 4) and plan.order == tuple(order)
+    assert GroupPlan.from_cuts(order, plan.cuts(), plan.codec_names()) == plan
+    assert GroupPlan.from_cuts(order, []).cuts() == ()
+
+
 def test_bad_plans_are_refused():
     with pytest.raises(ValueError, match="empty group"):
         GroupPlan(((0,), ()))

@@ -154,7 +154,8 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
     Rank 1 runs 1 % slower, so agreement (max over ranks) is exercised too."""
     import mergecomp.torch as mc
     from mergecomp.registry import get_compressor
-    from mergecomp.scheduler import MergeScheduler, cut_plan
+    from mergecomp.plan import GroupPlan
+    from mergecomp.scheduler import MergeScheduler
 
     n = 8
     order = list(range(n))
@@ -162,8 +163,8 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
                              runoff_rounds=runoff_rounds, runoff_margin=runoff_margin, retune_window=1000)
     scheduler = MergeScheduler(mc.communicator(), {"compressed": get_compressor("none")}, order,
                                [4096] * n, [torch.Size([1024])] * n, torch.float32, torch.device("cpu"),
-                               lambda cuts, codecs: cut_plan(order, cuts, codecs), "scripted", config)
-    plan = cut_plan(order, range(1, n))  # layer-wise: never a candidate (max_groups 4)
+                               lambda cuts, codecs: GroupPlan.from_cuts(order, cuts, codecs), "scripted", config)
+    plan = GroupPlan.from_cuts(order, range(1, n))  # layer-wise: never a candidate (max_groups 4)
     labels, stretches, trace = {}, {}, []
     for _ in range(60):
         if scheduler.phase == "monitor":

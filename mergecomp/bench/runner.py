@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .cli import keyword_args
+from ..cmdline import keyword_args
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "local")
 
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="", help="free text stored in the JSON records")
     cluster = p.add_argument_group("namespace cluster (needs root)")
     cluster.add_argument("--hosts", type=int, default=None,
-                         help="run on this many network-namespace hosts (mergecomp.cluster)")
+                         help="run on this many network-namespace hosts (mergecomp.bench.cluster)")
     cluster.add_argument("--rate", default="1gbit", help="link rate per host, e.g. 1gbit, 10gbit, none")
     cluster.add_argument("--repeats", type=int, default=1, help="cluster runs; the median is reported")
     cluster.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per cluster run")
@@ -119,7 +119,7 @@ class _Worker:
     """One rank's benchmark: the model, one fixed batch, a train step and a step timer."""
 
     def __init__(self, args) -> None:
-        from .bench_models import build_model
+        from .models import build_model
 
         torch.set_num_threads(args.threads)
         torch.set_flush_denormal(True)
@@ -440,7 +440,3 @@ def main(argv: Optional[List[str]] = None) -> int:
             for r in records:
                 f.write(json.dumps(r) + "\n")
     return 0 if all(r["status"] == "ok" for r in records) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Benchmark models as ``torch.nn.Module``: ResNet-50, ResNet-18, VGG-16, GPT-2 small.
 
 No torchvision, no downloads.  At full width every model has exactly the parameters (names,
-shapes, order) of :mod:`mergecomp.model_zoo`, i.e. of torchvision's / GPT-2's, so the gradient
+shapes, order) of :mod:`mergecomp.bench.zoo`, i.e. of torchvision's / GPT-2's, so the gradient
 set a benchmark exchanges is the real one.  What makes a CPU run practical is the *input*:
 
 * CNNs take 32x32 images by default (``image_size``); ResNets pool adaptively, VGG-16 keeps its
@@ -12,7 +12,7 @@ set a benchmark exchanges is the real one.  What makes a CPU run practical is th
 
 Example::
 
-    from mergecomp.bench_models import build_model
+    from mergecomp.bench.models import build_model
     model, make_batch = build_model("resnet50")          # 25,557,032 parameters
     data, target = make_batch(8)                          # 8 images of 3x32x32, 1000 classes
     loss = model.loss(model(data), target)
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import model_zoo
+from . import zoo
 
 __all__ = ["ResNet", "VGG16", "GPT2", "build_model", "MODELS", "DEFAULT_INPUT"]
 
@@ -165,7 +165,7 @@ class _Block(nn.Module):
 
 class GPT2(nn.Module):
     """GPT-2 small's parameters (12 layers, d=768, 12 heads, vocab 50257, 1024 positions, LM
-    head tied to ``wte``), as ``nn.Linear`` weights (out, in), names as in :mod:`model_zoo`."""
+    head tied to ``wte``), as ``nn.Linear`` weights (out, in), names as in :mod:`mergecomp.bench.zoo`."""
 
     def __init__(self, layers: int = 12, d: int = 768, heads: int = 12, vocab: int = 50257,
                  context: int = 1024, width: float = 1.0) -> None:
@@ -209,7 +209,7 @@ def build_model(name: str, width: float = 1.0, input_size: Optional[int] = None,
     Args:
         name: ``resnet50``, ``resnet18``, ``vgg16`` or ``gpt2-small``.
         width: channel / embedding width multiplier (1.0 = the real gradient set, checked
-            against :func:`mergecomp.model_zoo.numel`).
+            against :func:`mergecomp.bench.zoo.numel`).
         input_size: image side (CNNs, default 32) or sequence length (GPT-2, default 64).
         seed: initial weights.
     """
@@ -222,7 +222,7 @@ def build_model(name: str, width: float = 1.0, input_size: Optional[int] = None,
     model = MODELS[name](width=width)
     if width == 1.0:
         count = sum(p.numel() for p in model.parameters())
-        assert count == model_zoo.numel(name), (name, count, model_zoo.numel(name))
+        assert count == zoo.numel(name), (name, count, zoo.numel(name))
     if name == "gpt2-small":
         vocab = model.wte.num_embeddings
 
@@ -238,12 +238,7 @@ def build_model(name: str, width: float = 1.0, input_size: Optional[int] = None,
     return model, make_batch
 
 
-def parameter_count(name: str) -> int:
-    """The full-width parameter count (equals :func:`mergecomp.model_zoo.numel`)."""
-    return model_zoo.numel(name)
-
-
-if __name__ == "__main__":  # quick look: python -m mergecomp.bench_models
+if __name__ == "__main__":  # quick look: python -m mergecomp.bench.models
     for key in MODELS:
         m, _ = build_model(key)
         print(f"{key}: {sum(p.numel() for p in m.parameters()):,} parameters, "

@@ -1,0 +1,7 @@
+"""Benchmark tooling, kept apart from the core (unlike the core, it may use ``mergecomp.torch``).
+
+    mergecomp.bench.runner   the throughput benchmark: ``mergecomp bench``, ``python -m mergecomp.bench``
+    mergecomp.bench.cluster  a bandwidth-limited multi-host cluster from network namespaces
+    mergecomp.bench.models   ResNet-50/18, VGG-16 and GPT-2 small as ``torch.nn.Module``
+    mergecomp.bench.zoo      those models' parameter shapes, without torch (also for ``mergecomp plan``)
+"""

@@ -1,0 +1,215 @@
+"""What the scheduler's cost model is fitted on: micro-benchmarks, and the record the ranks agree on.
+
+:func:`probe_sizes` picks the gradient sizes to time; :func:`time_codec` times a codec's encode
+and decode on them, :func:`time_network` the engine's collective on their payloads.
+:func:`measure` runs them all for a profile step into a :class:`Measurements` record;
+:meth:`Measurements.agree` gives every rank the same record, the slowest rank's number
+everywhere, with one allgather; :meth:`Measurements.cost_profile` turns it into the
+:class:`~mergecomp.costmodel.Profile` the search runs on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
+
+import torch
+
+from .comm import Communicator
+from .compressor import Compressor
+from .costmodel import CodecCost, Profile, fit_affine
+from .workspace import Workspace
+
+__all__ = ["CodecProbe", "Measurements", "measure", "probe_sizes", "time_codec", "time_network"]
+
+
+def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
+    """(bytes, number of leading tensors) for the first tensor and prefixes of about 1/16, 1/4
+    and all of ``sizes``: the small one pins the per-call cost, the large ones the per-byte cost."""
+    total = sum(sizes)
+    out, prefix, count = [], 0, 0
+    for fraction in (0.0, 1 / 16, 1 / 4, 1.0):
+        while count < len(sizes) and (prefix < total * fraction or count == 0):
+            prefix += sizes[count]
+            count += 1
+        if not out or out[-1][1] != count:
+            out.append((prefix, count))
+    return out
+
+
+def _settle(device: torch.device) -> None:
+    """Wait for the device's queued work, so that host clocks time it (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shapes: Sequence[torch.Size],
+               dtype: torch.dtype, device: torch.device, world_size: int
+               ) -> Tuple[List[float], List[float], float]:
+    """Seconds to encode and to decode (aggregating ``world_size`` payloads) random gradients of
+    each ``(bytes, leading tensor count)`` sample, and the payload/input byte ratio.
+
+    Timed in steady state, as training runs: each sample runs once untimed first, and on CPU
+    the compressor gets a private workspace (as the exchange attaches one), advanced before
+    every run, so the timed runs reuse scratch instead of touching fresh pages.  (Cold, a
+    100 MB TernGrad decode took 0.15-0.19 s against 0.035-0.039 s warm, which made every
+    plan's tail look alike.)
+    """
+    encode, decode, wire = [], [], 1.0
+    element = torch.empty((), dtype=dtype).element_size()
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    name = "__scheduler_probe__"
+    attached = compressor.workspace
+    compressor.workspace = Workspace() if torch.device(device).type == "cpu" else None
+    runs = 0
+    try:
+        for nbytes, count in samples:
+            data = torch.randn(nbytes // element, generator=generator).to(dtype=dtype, device=device)
+            times = []
+            for _ in range(1 + (2 if nbytes < 2**22 else 1)):  # small calls are noisy: keep the faster
+                runs += 1
+                if compressor.workspace is not None:
+                    compressor.workspace.advance(runs)
+                flat = data.clone()  # a compressor may work in place on its input
+                _settle(device)
+                began = time.perf_counter()
+                payload, ctx = compressor.compress(flat, name, shapes[:count])
+                for _ in range(compressor.rounds - 1):
+                    payload, ctx = compressor.next_round(payload, ctx)
+                _settle(device)
+                middle = time.perf_counter()
+                arrived = [payload] if compressor.summable else [payload] * world_size
+                compressor.aggregate(arrived, ctx, world_size, True)
+                _settle(device)
+                times.append((middle - began, time.perf_counter() - middle))
+                compressor.state.pop(name, None)
+            times = times[1:]  # the first run warmed the pool and caches
+            encode.append(min(t[0] for t in times))
+            decode.append(min(t[1] for t in times))
+            wire = sum(t.numel() * t.element_size() for t in payload) / max(nbytes, 1)
+    finally:
+        compressor.workspace = attached
+    return encode, decode, wire
+
+
+def time_network(comm: Communicator, compressor: Compressor, payload_bytes: Sequence[float],
+                 device: torch.device) -> Tuple[List[float], List[float]]:
+    """Wall seconds of ``compressor``'s collective on ``comm`` for each payload size, and the
+    CPU seconds this process spent meanwhile (the engine's threads; waiting does not spin).
+    A collective: every rank must call it with the same sizes."""
+    wall, cpu = [], []
+    for nbytes in payload_bytes:
+        nbytes = max(8, int(nbytes))
+        if compressor.summable:
+            tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+            run = comm.allreduce_async
+        else:
+            tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            run = comm.allgather_async
+        times = []
+        for _ in range(2):
+            _settle(device)
+            began, began_cpu = time.perf_counter(), time.process_time()
+            run(tensor).wait("scheduler network probe")
+            _settle(device)
+            times.append((time.perf_counter() - began, time.process_time() - began_cpu))
+        fastest = min(times)
+        wall.append(fastest[0])
+        cpu.append(fastest[1])
+    return wall, cpu
+
+
+@dataclass
+class CodecProbe:
+    """One codec at the probe sizes: its payload/input byte ratio, and seconds per size to
+    encode, to decode, and of its collective (wall time, and this process's CPU time)."""
+
+    ratio: float
+    encode: List[float]
+    decode: List[float]
+    network: List[float]
+    network_cpu: List[float]
+
+
+@dataclass
+class Measurements:
+    """What one rank measured in a profile step.
+
+    Attributes:
+        ready: seconds from the first gradient to each tensor's, in backward order.
+        codecs: each codec's probe, in the same order on every rank.
+        step_seconds: the wall time of the profiled step.
+    """
+
+    ready: List[float]
+    codecs: Dict[str, CodecProbe]
+    step_seconds: float
+
+    def to_tensor(self, device: torch.device) -> torch.Tensor:
+        """Every number, flat, in field order (float64)."""
+        return torch.tensor(_numbers(self), dtype=torch.float64, device=device)
+
+    def from_tensor(self, flat: torch.Tensor) -> "Measurements":
+        """The record laid out like this one that holds ``flat``: the inverse of :meth:`to_tensor`."""
+        expected = len(_numbers(self))
+        if flat.numel() != expected:
+            raise ValueError(f"{flat.numel()} numbers do not fill a record of {expected}")
+        return _refill(self, iter(flat.tolist()))
+
+    def agree(self, comm: Communicator, device: torch.device) -> "Measurements":
+        """Every number's maximum over ranks, so that every rank gets the same record (one
+        allgather: every rank calls it, with a record of the same layout)."""
+        gathered = comm.allgather(self.to_tensor(device), "scheduler profile")
+        return self.from_tensor(gathered.max(dim=0).values)
+
+    def cost_profile(self, sizes: Sequence[int], sample_bytes: Sequence[int]) -> Profile:
+        """The cost model's inputs for gradients of ``sizes`` bytes (backward order) that were
+        probed at ``sample_bytes``: ready times made non-decreasing (gradients become ready in
+        backward order) and each codec's affine fits (the network's over payload bytes)."""
+        costs = {}
+        for name, probe in self.codecs.items():
+            payload = [b * probe.ratio for b in sample_bytes]
+            costs[name] = CodecCost(probe.ratio, fit_affine(sample_bytes, probe.encode),
+                                    fit_affine(sample_bytes, probe.decode), fit_affine(payload, probe.network),
+                                    fit_affine(payload, probe.network_cpu))
+        return Profile(list(sizes), list(itertools.accumulate(self.ready, max)), costs)
+
+
+def _numbers(record) -> List[float]:
+    """The numbers of a record (a dataclass, a dict of them, a list of numbers or a number)."""
+    if isinstance(record, (int, float)):
+        return [record]
+    if isinstance(record, list):
+        return list(record)
+    if isinstance(record, dict):
+        return [x for value in record.values() for x in _numbers(value)]
+    return [x for f in dataclasses.fields(record) for x in _numbers(getattr(record, f.name))]
+
+
+def _refill(record, numbers: Iterator[float]):
+    """``record`` with its numbers replaced by the next ones of ``numbers`` (see :func:`_numbers`)."""
+    if isinstance(record, (int, float)):
+        return next(numbers)
+    if isinstance(record, list):
+        return [next(numbers) for _ in record]
+    if isinstance(record, dict):
+        return {key: _refill(value, numbers) for key, value in record.items()}
+    return type(record)(**{f.name: _refill(getattr(record, f.name), numbers) for f in dataclasses.fields(record)})
+
+
+def measure(comm: Communicator, codecs: Mapping[str, Compressor], samples: Sequence[Tuple[int, int]],
+            shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device, ready: Sequence[float],
+            step_seconds: float) -> Measurements:
+    """This rank's record of a profile step: its ``ready`` times and ``step_seconds``, and each
+    codec timed on ``samples`` (see :func:`probe_sizes`).  Every codec is encoded and decoded
+    before the first collective runs; the collectives run in the order of ``codecs``, which
+    must be the same on every rank."""
+    timed = {name: time_codec(compressor, samples, shapes, dtype, device, comm.size)
+             for name, compressor in codecs.items()}
+    probes = {}
+    for name, (encode, decode, ratio) in timed.items():
+        wall, cpu = time_network(comm, codecs[name], [n * ratio for n, _ in samples], device)
+        probes[name] = CodecProbe(ratio, encode, decode, wall, cpu)
+    return Measurements(list(ready), probes, step_seconds)
