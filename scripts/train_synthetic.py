@@ -172,7 +172,8 @@ def describe_schedule(report, compression):
     predicted = chosen.get("predicted_s")
     return (f"scheduler: searched {report['search_steps']} steps, measured {len(report['candidates'])} "
             f"candidate plans, now in phase '{report['phase']}'\n"
-            f"scheduler chose: {chosen['groups']} group(s) of {sizes} MB, codecs [{codecs}], "
+            f"scheduler chose: {chosen['groups']} group{'s' if chosen['groups'] != 1 else ''} of {sizes} MB, "
+            f"codecs [{codecs}], "
             f"{1e3 * chosen['measured_s']:.1f} ms/step measured"
             + (f" ({1e3 * predicted:.1f} predicted)" if predicted else "")
             + f"; candidate '{chosen['source']}'")
