@@ -238,7 +238,7 @@ def main(argv=None):
     wire_bits = sum(wire_bits_per_element(compressor, codec, g.numel) * g.numel
                     for g, codec in zip(optimizer.groups, codecs))
     log(f"wire bytes per step per worker: {wire_bits / 8 / 1e3:.1f} kB "
-        f"({32 * nparams / max(wire_bits, 1):.1f}x less than fp32)")
+        f"(fp32 gradients: {4 * nparams / 1e3:.1f} kB)")
 
     log(f"warm-up: {warm} steps{' (scheduler search included)' if args.groups == 'auto' else ''}; "
         f"timing {args.steps} steps")
