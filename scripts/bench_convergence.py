@@ -10,7 +10,7 @@ group), gloo over loopback.  Each configuration runs with ``--seeds`` seeds; the
 accuracy is reported.
 
     pip install scikit-learn matplotlib
-    python scripts/bench_convergence.py --json docs/img/data/convergence.jsonl
+    python scripts/bench_convergence.py --json docs/img/data/convergence_digits_mlp_2workers.jsonl
     python scripts/bench_convergence.py --compressors none,topk,dgc --steps 300 --seeds 1
 
 Target (PASS/FAIL, not asserted): the error-feedback methods (default memory other than

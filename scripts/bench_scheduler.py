@@ -11,10 +11,10 @@ compressor, one process per compressor measures in the same interleaved rounds:
 
 Run (needs root for the namespaces; a run per compressor is bounded by ``--timeout``)::
 
-    python scripts/bench_scheduler.py --rate 1gbit --json docs/img/data/scheduler_1gbit.jsonl
-    python scripts/bench_scheduler.py --rate loopback --json docs/img/data/scheduler_loopback.jsonl
+    python scripts/bench_scheduler.py --rate 1gbit --batch-size 4 --json docs/img/data/scheduler_vs_sweep_1gbit_resnet50_batch4.jsonl
+    python scripts/bench_scheduler.py --rate loopback --json docs/img/data/scheduler_vs_sweep_loopback_resnet50_batch8.jsonl
     python scripts/bench_scheduler.py --rate 1gbit --compressors topk,dgc --model resnet18
-    python scripts/bench_scheduler.py --rate 1gbit --report docs/img/data/scheduler_1gbit.jsonl  # table only
+    python scripts/bench_scheduler.py --rate 1gbit --report docs/img/data/scheduler_vs_sweep_1gbit_resnet50_batch4.jsonl  # table only
 
 Targets (printed as PASS/FAIL, never asserted):
 

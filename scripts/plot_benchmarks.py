@@ -1,21 +1,28 @@
-"""Plots for docs/benchmarks.md from the JSON-lines records the benchmarks append.
+"""Plots for docs/benchmarks.md from the JSON records the benchmarks write.
 
     pip install matplotlib
-    python scripts/plot_benchmarks.py                 # reads docs/img/data/*.jsonl, writes docs/img/*.png
+    python scripts/plot_benchmarks.py            # reads docs/img/data/*, writes docs/img/*.png
+    python scripts/plot_benchmarks.py --tables   # the throughput and scaling records as one table
 
-Figures:
+Each figure is named after what it shows and reads the data file of the same question:
 
-* ``throughput_vs_bandwidth.png``: ResNet-50 step time -> samples/s total on 2 workers per link
-  rate, DDP anchors and mergecomp (auto, layer-wise, fused fp32), from ``throughput.jsonl``
-  and ``scheduler_*.jsonl``;
-* ``scheduler_1gbit.png``: per compressor, layer-wise / 1 group / sweep best / auto at 1 Gbit/s;
-* ``scaling.png``: scaling factor vs workers (``throughput.jsonl`` records with ``label`` scaling);
-* ``workers4_1gbit.png``: per compressor, layer-wise and ``auto`` on 4 workers at 1 Gbit/s (newest
-  records), DDP fp32 and the fused fp32 allreduce as lines;
-* ``convergence.png``: test accuracy vs step per compressor (``convergence.jsonl``).
+* ``throughput_vs_bandwidth_resnet50_2workers.png``: samples/s of 2 workers per link rate for the
+  DDP anchors and mergecomp (``throughput_vs_bandwidth_resnet50_2workers.jsonl``), and the speed-up
+  over DDP fp32 at 1 Gbit/s for ResNet-50, VGG-16 and GPT-2 small
+  (``throughput_vgg16_gpt2small_1gbit_2workers.jsonl``);
+* ``scaling_vs_workers_1gbit_resnet50.png``: scaling factor at 1, 2 and 4 workers
+  (``throughput_vs_bandwidth_resnet50_2workers.jsonl`` + ``scaling_4workers_resnet50.jsonl``);
+* ``auto_vs_layerwise_4workers_resnet50.png``: per compressor, layer-wise and ``auto`` on
+  4 workers at 1 Gbit/s and on unlimited links (``scaling_4workers_resnet50.jsonl``);
+* ``scheduler_vs_sweep_<link>_resnet50_batch<N>.png``: per compressor, layer-wise / 1 group / the
+  best cut of the sweep / ``auto`` / fused fp32 (``scheduler_vs_sweep_<link>_resnet50_batch<N>.jsonl``);
+* ``convergence_digits_mlp_2workers.png``: test accuracy vs step per compressor;
+* ``codec_encode_decode_resnet50.png``: encode + decode time per compressor, layer-wise and the best
+  merged plan, against one memcpy (``codec_encode_decode_resnet50_native.json``).
 """
 import argparse
 import collections
+import glob
 import json
 import os
 import statistics
@@ -29,8 +36,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--data", default="docs/img/data")
 parser.add_argument("--out", default="docs/img")
-parser.add_argument("--tables", action="store_true", help="print markdown tables of throughput.jsonl instead")
+parser.add_argument("--tables", action="store_true",
+                    help="print a markdown table of the throughput and scaling records instead")
 args = parser.parse_args()
+
+THROUGHPUT = "throughput_vs_bandwidth_resnet50_2workers.jsonl"
+LARGER_MODELS = "throughput_vgg16_gpt2small_1gbit_2workers.jsonl"
+SCALING = "scaling_4workers_resnet50.jsonl"
+CONVERGENCE = "convergence_digits_mlp_2workers.jsonl"
+CODECS = "codec_encode_decode_resnet50_native.json"
+MACHINE = "2-core machine"
+
+RATES = ["1gbit", "10gbit", "unlimited", "loopback"]
+RATE_LABEL = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "unlimited": "veth, no limit", "loopback": "loopback"}
 
 
 def load(name):
@@ -41,167 +59,201 @@ def load(name):
         return [json.loads(line) for line in f if line.strip()]
 
 
-RATES = ["1gbit", "10gbit", "unlimited", "loopback"]
-RATE_LABEL = {"1gbit": "1 Gbit/s", "10gbit": "10 Gbit/s", "unlimited": "veth, no limit", "loopback": "loopback"}
+def ok(records):
+    return [r for r in records if r.get("status") == "ok"]
 
 
-def median_by(records, key):
-    groups = collections.defaultdict(list)
-    for r in records:
-        if r.get("status") == "ok":
-            groups[key(r)].append(r["step_s"])
-    return {k: statistics.median(v) for k, v in groups.items()}
+def runs(r):
+    """Every cluster run's step time of a record (a record may hold several repeats)."""
+    return r.get("step_s_runs") or [r["step_s"]]
 
 
-def throughput_vs_bandwidth():
-    """The newest measurement campaign only (the ``label`` of the last 2-worker record), so
-    code changes and the machine load of older campaigns do not mix into one figure."""
-    thr = [r for r in load("throughput.jsonl") if r.get("model") == "resnet50" and r.get("status") == "ok"]
-    two = [r for r in thr if r.get("world_size") == 2]
-    if not two:
-        return None
-    campaign = two[-1].get("label", "")
-    thr = [r for r in thr if r.get("label", "") == campaign]
-    series = collections.defaultdict(dict)
-    for (mode, plan, comp, rate), step in median_by([r for r in thr if r.get("world_size") == 2],
-                                                    lambda r: (r["mode"], r.get("plan"), r.get("compressor"),
-                                                               r.get("rate"))).items():
-        name = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook"}.get(mode)
-        if mode == "mergecomp":
-            name = f"mergecomp {comp} {plan}" if plan == "auto" else ("mergecomp fused fp32" if plan == "fp32" else None)
-        if name and rate in RATES:
-            series[name][rate] = step
-    local = median_by([r for r in thr if r.get("mode") == "local"], lambda r: "local").get("local")
-    if not series:
-        return None
-    rates = [r for r in RATES if any(r in s for s in series.values())]
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    names = sorted(series, key=lambda n: (not n.startswith("DDP"), n))
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        xs = [i + (j - len(names) / 2 + 0.5) * width for i, r in enumerate(rates) if r in series[name]]
-        ys = [2 * 8 / series[name][r] for r in rates if r in series[name]]
-        ax.bar(xs, ys, width, label=name)
-    if local:
-        ax.axhline(2 * 8 / local, color="k", ls="--", lw=1, label="2 x single worker (ideal)")
-    ax.set_xticks(range(len(rates)), [RATE_LABEL[r] for r in rates])
-    ax.set_ylabel("samples/s, 2 workers total")
-    ax.set_title(f"ResNet-50 shapes, 32x32, batch 8/worker, 1 thread/worker (2-core machine; '{campaign}' runs)",
-                 fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = os.path.join(args.out, "throughput_vs_bandwidth.png")
+def median_step(records, **match):
+    steps = [s for r in ok(records) if all(r.get(k) == v for k, v in match.items()) for s in runs(r)]
+    return statistics.median(steps) if steps else None
+
+
+def single_worker(records, model="resnet50"):
+    return median_step([r for r in records if r.get("mode") == "local"], model=model)
+
+
+def save(fig, name):
+    path = os.path.join(args.out, name)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 
-def scheduler(rate):
-    recs = [r for r in load(f"scheduler_{rate}.jsonl") if r.get("status") == "ok"]
+def config_name(r):
+    if r["mode"] == "ddp":
+        return "DDP fp32"
+    if r["mode"] == "ddp-fp16":
+        return "DDP + fp16 hook"
+    if r["mode"] == "ddp-powersgd":
+        return "DDP + PowerSGD hook"
+    if r.get("plan") == "fp32":
+        return "mergecomp fused fp32"
+    return f"mergecomp {r.get('compressor')} {r.get('plan')}"
+
+
+def throughput_vs_bandwidth():
+    recs = [r for r in load(THROUGHPUT) if r.get("model") == "resnet50"]
+    two = [r for r in recs if r.get("world_size") == 2]
+    if not ok(two):
+        return None
+    steps = collections.defaultdict(dict)
+    for r in ok(two):
+        if r["mode"] == "mergecomp" and r.get("plan") not in ("auto", "fp32"):
+            continue
+        steps[config_name(r)].setdefault(r["rate"], []).extend(runs(r))
+    series = {name: {rate: statistics.median(v) for rate, v in by_rate.items()} for name, by_rate in steps.items()}
+    crashed = sorted({config_name(r) for r in two if r.get("status") != "ok"} - set(series))
+    rates = [r for r in RATES if any(r in s for s in series.values())]
+    first = ["DDP fp32", "DDP + fp16 hook", "mergecomp fused fp32"]
+    names = sorted(series, key=lambda n: (first.index(n) if n in first else len(first), n))
+    batch = two[0].get("batch_size", 8)
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1.6, 1]})
+    colors = dict(zip(names, plt.get_cmap("tab10").colors))
+    width = 0.8 / max(sum(rate in series[n] for n in names) for rate in rates)
+    for i, rate in enumerate(rates):  # the bars of each link side by side, without gaps
+        here = [n for n in names if rate in series[n]]
+        for j, name in enumerate(here):
+            ax.bar(i + (j - len(here) / 2 + 0.5) * width, 2 * batch / series[name][rate], width,
+                   color=colors[name], label=name if i == 0 or all(rate_ not in series[name] for rate_ in rates[:i])
+                   else None)
+    local = single_worker(recs)
+    if local:
+        ax.axhline(2 * batch / local, color="k", ls="--", lw=1, label="2 x single worker (ideal)")
+    ax.set_xticks(range(len(rates)), [RATE_LABEL[r] for r in rates])
+    ax.set_ylabel("samples/s, 2 workers total")
+    ax.set_title(f"ResNet-50, batch {batch}/worker, 2 workers x 1 thread", fontsize=9)
+    if crashed:
+        ax.text(0.01, 0.98, ", ".join(crashed) + ": crashed (gloo)", transform=ax.transAxes, fontsize=7,
+                va="top", color="firebrick")
+    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
+
+    # speed-up over DDP fp32 at 1 Gbit/s, per model
+    every = recs + load(LARGER_MODELS)
+    models = [m for m in ("resnet50", "vgg16", "gpt2-small") if median_step(every, model=m, mode="ddp", rate="1gbit")]
+    plans = [("auto", "mergecomp top-k auto"), ("fp32", "mergecomp fused fp32")]
+    for j, (plan, label) in enumerate(plans):
+        ys = []
+        for m in models:
+            ddp = median_step(every, model=m, mode="ddp", rate="1gbit", world_size=2)
+            kw = {"compressor": "topk"} if plan == "auto" else {}
+            mine = median_step(every, model=m, mode="mergecomp", plan=plan, rate="1gbit", world_size=2, **kw)
+            ys.append(ddp / mine if mine else 0)
+        ax2.bar([i + (j - 0.5) * 0.4 for i in range(len(models))], ys, 0.4, label=label)
+    ax2.axhline(1.0, color="k", lw=1, label="DDP fp32")
+    ax2.set_xticks(range(len(models)), models)
+    ax2.set_ylabel("speed-up over DDP fp32 (step time)")
+    ax2.set_title("1 Gbit/s, 2 workers, per model", fontsize=9)
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"Throughput vs DDP on a namespace cluster ({MACHINE}, gloo)", fontsize=10)
+    fig.tight_layout()
+    return save(fig, "throughput_vs_bandwidth_resnet50_2workers.png")
+
+
+def scaling_vs_workers():
+    two = load(THROUGHPUT)
+    four = load(SCALING)
+    base = single_worker(two)
+    if not base or not four:
+        return None
+    recs = [r for r in ok(two + four) if r.get("rate") == "1gbit" and r.get("model") == "resnet50"]
+    four_auto = {r.get("compressor") for r in recs if r["world_size"] == 4 and r.get("plan") == "auto"}
+    two_auto = {r.get("compressor") for r in recs if r["world_size"] == 2 and r.get("plan") == "auto"}
+    compressors = sorted(four_auto & two_auto)
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    colors = plt.get_cmap("tab10").colors
+    lines = [("DDP fp32", dict(mode="ddp"), "k", "-"), ("mergecomp fused fp32", dict(mode="mergecomp", plan="fp32"), "0.5", "-")]
+    for i, c in enumerate(compressors):
+        lines.append((f"{c} auto", dict(mode="mergecomp", compressor=c, plan="auto"), colors[i], "-"))
+        lines.append((f"{c} layer-wise", dict(mode="mergecomp", compressor=c, plan="layerwise"), colors[i], ":"))
+    for label, match, color, ls in lines:
+        xs, ys = [1], [1.0]
+        for n in (2, 4):
+            step = median_step(recs, world_size=n, **match)
+            if step:
+                xs.append(n)
+                ys.append(base / step)
+        if len(xs) > 1:
+            ax.plot(xs, ys, marker="o", color=color, ls=ls, label=label)
+    ax.plot([3.6, 4.1], [0.5, 0.5], color="firebrick", lw=1.5, label="bound at 4 workers: 2 cores / 4")
+    ax.set_xticks([1, 2, 4])
+    ax.set_xlabel("workers (1 thread each; 4 workers oversubscribe the 2 cores)")
+    ax.set_ylabel("scaling factor = throughput / (N x single worker)")
+    ax.set_title(f"ResNet-50, batch 8/worker, 1 Gbit/s links ({MACHINE})", fontsize=9)
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return save(fig, "scaling_vs_workers_1gbit_resnet50.png")
+
+
+def auto_vs_layerwise_4workers():
+    recs = [r for r in ok(load(SCALING)) if r.get("world_size") == 4]
     if not recs:
         return None
-    by = {}
-    for r in recs:  # last run of each compressor wins
-        by[r["compressor"]] = r["step_s"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, rate in zip(axes, ("1gbit", "unlimited")):
+        here = [r for r in recs if r["rate"] == rate]
+        newest = {}
+        for r in here:  # later records win
+            newest[(r["mode"], r.get("compressor"), r.get("plan"))] = r["step_s"]
+        names = sorted({c for m, c, p in newest if p == "auto" and (m, c, "layerwise") in newest},
+                       key=lambda c: newest[("mergecomp", c, "auto")])
+        for j, (plan, label) in enumerate((("layerwise", "layer-wise"), ("auto", "auto (scheduler)"))):
+            ax.bar([i + (j - 0.5) * 0.4 for i in range(len(names))], [newest[("mergecomp", c, plan)] for c in names],
+                   0.4, label=label)
+        ddp = median_step(here, mode="ddp")
+        if ddp:
+            ax.axhline(ddp, color="k", ls="--", lw=1, label="DDP fp32")
+        fused = median_step(here, mode="mergecomp", plan="fp32")
+        if fused:
+            ax.axhline(fused, color="0.5", ls=":", lw=1.2, label="mergecomp fused fp32")
+        ax.set_xticks(range(len(names)), names, rotation=30)
+        ax.set_title(RATE_LABEL[rate], fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("step time, s (lower is better)")
+    fig.suptitle(f"4 workers, ResNet-50, batch 8/worker, 1 thread/worker ({MACHINE}: oversubscribed)", fontsize=10)
+    fig.tight_layout()
+    return save(fig, "auto_vs_layerwise_4workers_resnet50.png")
+
+
+def scheduler_vs_sweep(path):
+    recs = ok(load(os.path.basename(path)))
+    if not recs:
+        return None
+    by = {r["compressor"]: r["step_s"] for r in recs}  # the last run of each compressor wins
     names = list(by)
-    kinds = [("layerwise", "layer-wise"), ("1", "1 group"), ("sweep", "best 2/3-group cut"), ("auto", "auto (scheduler)"),
-             ("fp32", "fused fp32 allreduce")]
+    kinds = [("layerwise", "layer-wise"), ("1", "1 group"), ("sweep", "best 2/3-group cut"),
+             ("auto", "auto (scheduler)"), ("fp32", "fused fp32 allreduce")]
     fig, ax = plt.subplots(figsize=(9, 4.2))
     width = 0.8 / len(kinds)
     for j, (key, label) in enumerate(kinds):
         ys = []
         for n in names:
             s = by[n]
-            ys.append(min(v for k, v in s.items() if k.startswith("cut") or k == "1") if key == "sweep" else s[key])
+            ys.append(min(v for k, v in s.items() if k.startswith("cut")) if key == "sweep" else s[key])
         ax.bar([i + (j - len(kinds) / 2 + 0.5) * width for i in range(len(names))], ys, width, label=label)
     ax.set_xticks(range(len(names)), names, rotation=30)
     ax.set_ylabel("step time, s (lower is better)")
-    ax.set_title(f"Merge plans on 2 ranks, {RATE_LABEL.get(rate, rate)}, ResNet-50 shapes (2-core machine)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(args.out, f"scheduler_{rate}.png")
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def scaling():
-    every = [r for r in load("throughput.jsonl") if r.get("status") == "ok" and r.get("model") == "resnet50"]
-    scaling_recs = [r for r in every if r.get("label") == "scaling"]
-    if not scaling_recs:
-        return None
-    comps = {r.get("compressor") for r in scaling_recs if r["mode"] == "mergecomp"}
-    # 2-worker points at 1 Gbit/s come from the main (headline) runs as well
-    recs = scaling_recs + [r for r in every if r.get("label", "") == "" and r.get("world_size") == 2
-                           and (r["mode"] == "ddp" or (r["mode"] == "mergecomp" and r.get("compressor") in comps))]
-    local = median_by([r for r in every if r["mode"] == "local"], lambda r: r["model"])
-    panels = {}
-    for rate in ("1gbit", "unlimited"):
-        series = collections.defaultdict(dict)
-        for (mode, plan, comp, n), step in median_by(
-                [r for r in recs if r["rate"] == rate and r["mode"] in ("ddp", "mergecomp")],
-                lambda r: (r["mode"], r.get("plan"), r.get("compressor"), r["world_size"])).items():
-            series["DDP fp32" if mode == "ddp" else f"mergecomp {comp} {plan}"][n] = step
-        panels[rate] = series
-    names = sorted({name for series in panels.values() for name in series})
-    colors = dict(zip(names, plt.get_cmap("tab10").colors))
-    base = local.get("resnet50")
-    fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.9), sharey=True)
-    for ax, (rate, series) in zip(axes, panels.items()):
-        for name in names:
-            if name in series:
-                ns = sorted(series[name])
-                ax.plot([1] + ns, [1.0] + [base / series[name][n] for n in ns], marker="o", color=colors[name],
-                        label=name)
-        ax.set_title(RATE_LABEL[rate])
-        ax.set_xlabel("workers (1 thread each)")
-        ax.set_xticks([1, 2, 4])
-        ax.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=colors[n], marker="o") for n in names]
-    fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), fontsize=7)
-    fig.subplots_adjust(bottom=0.3)
-    axes[0].set_ylabel("scaling factor")
-    fig.suptitle("Scaling factor = total throughput / (N x single worker); 2 cores: 4 workers oversubscribe", fontsize=9)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    path = os.path.join(args.out, "scaling.png")
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def four_workers():
-    """Per compressor, the newest 4-worker 1 Gbit/s steps of layer-wise and ``auto``; the newest
-    DDP fp32 and fused fp32 steps as lines."""
-    newest = {}
-    for r in load("throughput.jsonl"):  # later records win
-        if r.get("status") == "ok" and r.get("model") == "resnet50" and r.get("world_size") == 4 \
-                and r.get("rate") == "1gbit":
-            plan = r.get("plan")  # the fused fp32 plan is the same whatever the compressor
-            newest[(r["mode"], None if plan == "fp32" else r.get("compressor"), plan)] = r["step_s"]
-    names = sorted({c for m, c, p in newest if m == "mergecomp" and p == "auto" and ("mergecomp", c, "layerwise") in newest},
-                   key=lambda c: newest[("mergecomp", c, "auto")])
-    if not names:
-        return None
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for j, (plan, label) in enumerate((("layerwise", "layer-wise"), ("auto", "auto (scheduler)"))):
-        ax.bar([i + (j - 0.5) * 0.4 for i in range(len(names))], [newest[("mergecomp", c, plan)] for c in names], 0.4,
-               label=label)
-    ddp = newest.get(("ddp", None, "ddp"))
-    if ddp:
-        ax.axhline(ddp, color="k", ls="--", lw=1, label="DDP fp32")
-    fused = newest.get(("mergecomp", None, "fp32"))
-    if fused:
-        ax.axhline(fused, color="0.5", ls=":", lw=1, label="mergecomp fused fp32")
-    ax.set_xticks(range(len(names)), names, rotation=30)
-    ax.set_ylabel("step time, s (lower is better)")
-    ax.set_title("4 workers, 1 Gbit/s, ResNet-50 shapes, batch 8, 1 thread/worker (2-core machine: oversubscribed)",
+    stem = os.path.basename(path)[:-len(".jsonl")]
+    rate = recs[0].get("rate")
+    batch = stem.rsplit("_batch", 1)[1] if "_batch" in stem else "?"
+    ax.set_title(f"Merge plans on 2 workers, {RATE_LABEL.get(rate, rate)}, ResNet-50, batch {batch}/worker ({MACHINE})",
                  fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    ax.legend(fontsize=7, ncol=len(kinds), loc="upper center")
     fig.tight_layout()
-    path = os.path.join(args.out, "workers4_1gbit.png")
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, stem + ".png")
 
 
 def convergence():
-    recs = [r for r in load("convergence.jsonl") if r.get("status") == "ok"]
+    recs = ok(load(CONVERGENCE))
     if not recs:
         return None
     curves = collections.defaultdict(list)
@@ -209,11 +261,15 @@ def convergence():
         curves[r["compressor"]].append(r["curve"])
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
-    for name, runs in curves.items():
-        steps = [p["step"] for p in runs[0]]
-        acc = [100 * statistics.median(run[i]["test_acc"] for run in runs) for i in range(len(steps))]
+    for name, runs_ in curves.items():
+        steps = [p["step"] for p in runs_[0]]
+        acc = [100 * statistics.median(run[i]["test_acc"] for run in runs_) for i in range(len(steps))]
         ax.plot(steps, acc, label="fp32" if name == "none" else name, lw=2.2 if name == "none" else 1.1,
                 color="k" if name == "none" else None)
+    failed = sorted({r["compressor"] for r in load(CONVERGENCE) if r.get("status") != "ok"} - set(curves))
+    if failed:
+        ax.text(0.99, 0.03, ", ".join(failed) + ": diverged (non-finite gradients)", transform=ax.transAxes,
+                fontsize=7, ha="right", color="firebrick")
     ax.set_ylim(80, 100)
     ax.set_xlabel("step")
     ax.set_ylabel("test accuracy, % (median over seeds)")
@@ -221,9 +277,35 @@ def convergence():
     ax.legend(fontsize=7, ncol=3)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(args.out, "convergence.png")
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, "convergence_digits_mlp_2workers.png")
+
+
+def codec_times():
+    path = os.path.join(args.data, CODECS)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    rows = [r for r in data["results"] if r["compressor"] != "none"]
+    rows.sort(key=lambda r: r["ms"]["layerwise"] / r["memcpy_ms"])
+    names = [r["compressor"] for r in rows]
+    layerwise = [r["ms"]["layerwise"] / r["memcpy_ms"] for r in rows]
+    best = [min(v for k, v in r["ms"].items() if k.startswith("merged")) / r["memcpy_ms"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    ax.bar([i - 0.2 for i in range(len(names))], layerwise, 0.4, label="layer-wise (161 tensors)")
+    ax.bar([i + 0.2 for i in range(len(names))], best, 0.4, label="best merged plan (1, 2 or 4 groups)")
+    for i, r in enumerate(rows):
+        if r.get("target_x_memcpy"):
+            ax.plot([i - 0.4, i + 0.4], [r["target_x_memcpy"]] * 2, color="firebrick", lw=1)
+    ax.plot([], [], color="firebrick", lw=1, label="target for merged (x memcpy)")
+    ax.set_xticks(range(len(names)), names, rotation=30)
+    ax.set_ylabel("encode + decode time / memcpy of the same bytes")
+    machine = data.get("machine", {})
+    ax.set_title(f"Codecs on ResNet-50's 25.6 M fp32 gradients, {machine.get('threads', '?')} threads, "
+                 f"median of {data.get('repeats', '?')} ({MACHINE})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, "codec_encode_decode_resnet50.png")
 
 
 def ddp_name(r):
@@ -237,41 +319,38 @@ def ddp_name(r):
 
 
 def tables():
-    """Markdown tables of throughput.jsonl: medians over runs (each run's own median step)."""
-    recs = load("throughput.jsonl")
+    """One markdown table of every throughput and scaling record: medians over runs."""
+    print("| data file | model | link | workers | configuration | runs ok / crashed | step s (median) | "
+          "samples/s total | scaling factor | loadavg (1 min) |")
+    print("|---|---|---|---:|---|---|---:|---:|---:|---|")
     local = {}
-    for label in ("", "scaling"):
-        steps = [r["step_s"] for r in recs if r.get("mode") == "local" and r.get("status") == "ok"
-                 and r.get("label", "") == label and r.get("model") == "resnet50"]
-        if steps:
-            local[label] = statistics.median(steps)
-    groups = collections.defaultdict(list)
-    for r in recs:
-        if r.get("mode") == "local" or r.get("model") != "resnet50":
-            continue
-        name = ddp_name(r) if r["mode"].startswith("ddp") else f"mergecomp {r.get('compressor')} {r.get('plan')}"
-        groups[(r.get("label", ""), r.get("rate"), r.get("world_size"), name)].append(r)
-    print("| set | link | workers | configuration | runs ok / crashed | step s (median) | samples/s total | "
-          "vs single worker | scaling factor | loadavg (1 min) |")
-    print("|---|---|---:|---|---|---:|---:|---:|---:|---|")
-    for (label, rate, n, name), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2] or 0,
-                                                                              kv[0][3] or "")):
-        ok = [r for r in rs if r.get("status") == "ok"]
-        runs = [x for r in ok for x in r.get("step_s_runs", [r["step_s"]])]
-        bad = sum(1 for r in rs if r.get("status") != "ok") + sum(r.get("repeats_failed", 0) for r in ok)
-        base = local.get(label) or local.get("")
-        if runs:
-            step = statistics.median(runs)
-            total = n * 8 / step
-            cells = [f"{step:.3f}", f"{total:.1f}", f"{step / base:.2f}x" if base else "-",
-                     f"{100 * base / step:.0f}%" if base else "-"]
-        else:
-            cells = ["crashed", "-", "-", "-"]
-        loads = sorted({(r.get("loadavg") or "?").split()[0] for r in rs})
-        print(f"| {label or 'main'} | {rate} | {n} | {name} | {len(runs)} / {bad} | " + " | ".join(cells)
-              + f" | {', '.join(loads)} |")
+    for name in (THROUGHPUT, LARGER_MODELS, SCALING):
+        for r in ok(load(name)):
+            if r.get("mode") == "local":
+                local.setdefault(r["model"], []).extend(runs(r))
+    local = {m: statistics.median(v) for m, v in local.items()}
+    for name in (THROUGHPUT, LARGER_MODELS, SCALING):
+        groups = collections.defaultdict(list)
+        for r in load(name):
+            if r.get("mode") == "local":
+                continue
+            label = ddp_name(r) if r["mode"].startswith("ddp") else f"mergecomp {r.get('compressor')} {r.get('plan')}"
+            groups[(r.get("model"), r.get("rate"), r.get("world_size"), label)].append(r)
+        for (model, rate, n, label), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+            steps = [s for r in ok(rs) for s in runs(r)]
+            bad = sum(1 for r in rs if r.get("status") != "ok") + sum(r.get("repeats_failed", 0) for r in ok(rs))
+            base = local.get(model)
+            if steps:
+                step = statistics.median(steps)
+                batch = rs[0].get("batch_size", 8)
+                cells = [f"{step:.3f}", f"{n * batch / step:.1f}", f"{100 * base / step:.0f}%" if base else "-"]
+            else:
+                cells = ["crashed", "-", "-"]
+            loads = sorted({(r.get("loadavg") or "?").split()[0] for r in rs})
+            print(f"| {name} | {model} | {rate} | {n} | {label} | {len(steps)} / {bad} | " + " | ".join(cells)
+                  + f" | {', '.join(loads)} |")
     print()
-    print("single worker (local, no exchange): " + ", ".join(f"{k or 'main'} {v:.3f} s" for k, v in local.items()))
+    print("single worker (local, no exchange): " + ", ".join(f"{m} {v:.3f} s" for m, v in local.items()))
 
 
 if __name__ == "__main__":
@@ -279,8 +358,11 @@ if __name__ == "__main__":
         tables()
         sys.exit(0)
     os.makedirs(args.out, exist_ok=True)
-    for make in (throughput_vs_bandwidth, lambda: scheduler("1gbit"), lambda: scheduler("loopback"), scaling,
-                 four_workers, convergence):
+    makers = [throughput_vs_bandwidth, scaling_vs_workers, auto_vs_layerwise_4workers]
+    makers += [lambda p=p: scheduler_vs_sweep(p)
+               for p in sorted(glob.glob(os.path.join(args.data, "scheduler_vs_sweep_*.jsonl")))]
+    makers += [convergence, codec_times]
+    for make in makers:
         path = make()
         if path:
             print("wrote", path)

@@ -2,6 +2,8 @@
 Synthetic data-parallel training with merged gradient compression (after Horovod's
 pytorch_synthetic_benchmark.py).  Each rank trains on one fixed random batch of 32x32 images,
 so the loss falls (the model memorises it) and the throughput reflects compute + exchange only.
+By default (--groups auto) the merge scheduler searches the plan during the untimed first steps;
+the timed steps run the plan it chose, and the last lines say which.
 
 Two workers on one machine (gloo on CPU, NCCL on GPUs):
 
@@ -31,10 +33,11 @@ import mergecomp.torch as mc
 model_name = "mlp"          # mlp | convnet
 compression = "topk"        # any of mergecomp.compressor_names()
 memory = None               # None = the compressor's default error-feedback memory
-groups = "2"                # layerwise | <int> number of merged groups | default (25 MB groups)
+groups = "auto"             # auto (scheduler) | layerwise | <int> number of merged groups | default (25 MB groups)
 batch_size = 32             # per worker
 steps = 40                  # timed steps
-warmup_steps = 5            # untimed steps first
+warmup_steps = 5            # untimed steps first (with --groups auto: until the scheduler's search ends)
+max_search_steps = 100      # --groups auto: give up waiting for the search after this many steps
 lr = 0.01                   # scaled by the world size
 threads = 1                 # torch.set_num_threads per worker
 seed = 1337
@@ -53,7 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--memory", default=memory,
                    help=f"error-feedback memory, one of: {', '.join(mergecomp.memory_names())} "
                         f"(default: the compressor's own)")
-    p.add_argument("--groups", default=groups, help="'layerwise', a number of groups, or 'default'")
+    p.add_argument("--groups", default=groups,
+                   help="'auto' (the scheduler searches the plan online), 'layerwise', a number of groups, "
+                        "or 'default' (groups of about 25 MB)")
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup-steps", type=int, default=warmup_steps)
@@ -63,11 +68,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.groups == "default":
         args.groups = None
-    elif args.groups != "layerwise":
+    elif args.groups not in ("auto", "layerwise"):
         try:
             args.groups = int(args.groups)
         except ValueError:
-            p.error(f"--groups must be 'layerwise', an int or 'default', got {args.groups!r}")
+            p.error(f"--groups must be 'auto', 'layerwise', an int or 'default', got {args.groups!r}")
     kwargs = {}
     for item in args.compressor_arg:
         key, sep, value = item.partition("=")
@@ -138,6 +143,41 @@ MODELS = {"mlp": MLP, "convnet": ConvNet}
 
 
 # -----------------------------------------------------------------------------
+# what the scheduler chose
+
+def group_codecs(optimizer, compression):
+    """The codec of every current group: the compressor's name, 'fp16' or 'none'."""
+    chosen = optimizer.schedule_report().get("chosen") or {}
+    codecs = list(chosen.get("codecs") or [])
+    if len(codecs) != len(optimizer.groups):
+        codecs = ["compressed"] * len(optimizer.groups)
+    return [compression if c == "compressed" else c for c in codecs]
+
+
+def wire_bits_per_element(compressor, codec, numel):
+    if codec == "fp16":
+        return 16
+    if codec == "none":
+        return 32
+    return compressor.bits_per_element(numel)
+
+
+def describe_schedule(report, compression):
+    """Two lines on the scheduler's search and the plan it chose (``opt.schedule_report()``)."""
+    chosen = report.get("chosen")
+    if not chosen:
+        return f"scheduler: phase {report['phase']} after {report['steps']} steps, no plan chosen yet"
+    sizes = " + ".join(f"{b / 1e6:.1f}" for b in chosen["sizes"])
+    codecs = ", ".join(compression if c == "compressed" else c for c in chosen["codecs"])
+    predicted = chosen.get("predicted_s")
+    return (f"scheduler: searched {report['search_steps']} steps, measured {len(report['candidates'])} "
+            f"candidate plans, now in phase '{report['phase']}'\n"
+            f"scheduler chose: {chosen['groups']} group{'s' if chosen['groups'] != 1 else ''} of {sizes} MB, "
+            f"codecs [{codecs}], "
+            f"{1e3 * chosen['measured_s']:.1f} ms/step measured"
+            + (f" ({1e3 * predicted:.1f} predicted)" if predicted else "")
+            + f"; candidate '{chosen['source']}'")
+
 
 def main(argv=None):
     args = parse_args(argv)
@@ -182,15 +222,26 @@ def main(argv=None):
     log(f"memory: {optimizer.memory!r}")
 
     first_loss = train_step()
-    for _ in range(args.warmup_steps - 1):
+    warm = 1
+    if args.groups == "auto":
+        # The scheduler profiles, predicts and measures its candidate plans during the first
+        # ~30 steps; every rank leaves its search at the same step, so the loops stay in step.
+        while optimizer.schedule_report()["phase"] != "monitor" and warm < max_search_steps:
+            train_step()
+            warm += 1
+    while warm < args.warmup_steps:
         train_step()
+        warm += 1
+    codecs = group_codecs(optimizer, args.compression)
     log(f"groups: {len(optimizer.groups)} (--groups {args.groups if args.groups is not None else 'default'}), "
         f"sizes {[g.numel for g in optimizer.groups]}")
-    wire_bits = sum(compressor.bits_per_element(g.numel) * g.numel for g in optimizer.groups)
+    wire_bits = sum(wire_bits_per_element(compressor, codec, g.numel) * g.numel
+                    for g, codec in zip(optimizer.groups, codecs))
     log(f"wire bytes per step per worker: {wire_bits / 8 / 1e3:.1f} kB "
-        f"({32 * nparams / max(wire_bits, 1):.1f}x less than fp32)")
+        f"(fp32 gradients: {4 * nparams / 1e3:.1f} kB)")
 
-    log(f"warm-up: {args.warmup_steps} steps; timing {args.steps} steps")
+    log(f"warm-up: {warm} steps{' (scheduler search included)' if args.groups == 'auto' else ''}; "
+        f"timing {args.steps} steps")
     times = []
     loss = first_loss
     for step in range(args.steps):
@@ -211,9 +262,11 @@ def main(argv=None):
     log(f"samples/s per worker: {per_worker:.1f} (per step on rank 0: {mean:.1f} +- {std:.1f})")
     log(f"samples/s total on {world} worker(s): {per_worker * world:.1f}")
     log(f"loss (mean over workers): {stats[0].item():.4f} at step 1 -> {stats[1].item():.4f} "
-        f"after {args.warmup_steps + args.steps} steps")
+        f"after {warm + args.steps} steps")
     if optimizer.skipped_steps:
         log(f"skipped steps (non-finite gradients): {optimizer.skipped_steps}")
+    if args.groups == "auto":
+        log(describe_schedule(optimizer.schedule_report(), args.compression))
     mc.shutdown()
     return 0
 
