@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import native
+from . import codecs
 from .agreement import check_ranks_agree
 from .comm import Communicator
 from .exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
@@ -281,12 +281,12 @@ class MergedStep:
                           f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
             slot.copy_(grad.to_dense().reshape(-1))
             self._unchecked(g)
-        elif self.exchange.check_finite and native.usable(grad, slot):
-            if not native.copy_finite(grad, slot):
-                self._finite[g] = False
         else:
-            slot.copy_(grad.reshape(-1))
-            self._unchecked(g)
+            finite = codecs.copy_finite(grad, slot)
+            if finite is None:
+                self._unchecked(g)
+            elif not finite:
+                self._finite[g] = False
         self._count[g] += 1
 
     def _unchecked(self, g: int) -> None:

@@ -127,7 +127,7 @@ def run_worker():
             seen.add(cuts)
             plans[f"cut{a}+{b}"] = GroupPlan.from_cuts(order, cuts)
     times = measure_plans(w, plans, args.rounds, args.steps)
-    comm = opt.comm
+    comm = opt.merged.comm
     import torch
 
     def agree(times):

@@ -16,7 +16,6 @@ One process (mc.init() picks the local engine, no communication):
     python scripts/train_synthetic.py
 """
 import argparse
-import ast
 import math
 import sys
 import time
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 import mergecomp
 import mergecomp.torch as mc
+from mergecomp.cmdline import keyword_args
 
 # -----------------------------------------------------------------------------
 # defaults
@@ -73,16 +73,7 @@ def parse_args(argv=None):
             args.groups = int(args.groups)
         except ValueError:
             p.error(f"--groups must be 'auto', 'layerwise', an int or 'default', got {args.groups!r}")
-    kwargs = {}
-    for item in args.compressor_arg:
-        key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--compressor-arg must be KEY=VALUE, got {item!r}")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value  # a bare string, e.g. selection=exact
-    args.compressor_kwargs = kwargs
+    args.compressor_kwargs = keyword_args(args.compressor_arg)
     return args
 
 

@@ -230,7 +230,7 @@ def _run_mergecomp(w: _Worker, args) -> List[Dict]:
             plans[label] = fixed_plan(opt, label)
     times = measure_plans(w, plans, args.rounds, args.steps)
     sizes = [p.numel() * p.element_size() for p in w.model.parameters()]
-    comm = opt.comm
+    comm = opt.merged.comm
     records = []
     for label in labels:
         records.append({"plan": label, "step_s": _slowest(comm, statistics.median(times[label])),
