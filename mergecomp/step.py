@@ -428,6 +428,11 @@ class MergedStep:
         if plan is not None and plan != self._plan:
             self.set_plan(plan)
 
+    def stop_scheduler(self) -> None:
+        """Keep the current plan from now on: no further search or re-tuning (every rank, same
+        step)."""
+        self.scheduler, self._auto = None, False
+
     def schedule_report(self) -> Dict[str, Any]:
         """What the scheduler tried and chose (see :meth:`MergeScheduler.report`); a fixed plan
         reports ``{"phase": "fixed", "groups": n}``."""

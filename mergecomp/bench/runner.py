@@ -173,7 +173,7 @@ def search_auto(w: _Worker, max_steps: int = 200) -> Dict:
         if steps > max_steps:
             raise RuntimeError(f"the scheduler did not settle within {max_steps} steps")
     report = opt.schedule_report()
-    opt.scheduler = None  # freeze the choice: measuring other plans must not trigger a retune
+    opt.merged.stop_scheduler()  # measuring other plans must not trigger a retune
     return {"schedule_report": report, "search_steps_total": steps, "search_wall_s": time.perf_counter() - began}
 
 
