@@ -36,7 +36,7 @@ from .exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
 from .plan import Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
 from .scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
 
-__all__ = ["MergedStep", "Reduced", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS"]
+__all__ = ["MergedStep", "Reduced", "HoldsMergedStep", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -60,6 +60,19 @@ class Reduced:
             for i, offset, n, shape in zip(group.indices, group.offsets, group.numels(), group.shapes):
                 out[i] = flat[offset:offset + n].view(shape)
         return out
+
+
+class HoldsMergedStep:
+    """What every front end that holds a :class:`MergedStep` as ``self.merged`` shows of it."""
+
+    merged: "MergedStep"
+    exchange = property(lambda self: self.merged.exchange, doc="the :class:`~mergecomp.exchange.Exchange`")
+    compressor = property(lambda self: self.merged.exchange.compressor, doc="the configured compressor")
+    memory = property(lambda self: self.merged.exchange.memory, doc="the error-feedback memory")
+    plan = property(lambda self: self.merged.plan, doc="the current :class:`~mergecomp.plan.GroupPlan`")
+    groups = property(lambda self: self.merged.groups, doc="the current groups, with their tensors' offsets")
+    scheduler = property(lambda self: self.merged.scheduler, doc="the online scheduler (``groups='auto'``)")
+    skipped_steps = property(lambda self: self.merged.skipped_steps, doc="steps skipped for NaN/Inf")
 
 
 def _holds(tensor: Optional[torch.Tensor], flat: torch.Tensor, offset: int) -> bool:

@@ -83,3 +83,12 @@ def test_no_import_cycle():
         tuple(graphlib.TopologicalSorter(IMPORTS).static_order())
     except graphlib.CycleError as err:
         raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
+
+
+def test_front_ends_never_import_each_other():
+    """TensorFlow users need no PyTorch front end, and the reverse: shared set-up is the core's."""
+    torch_side, tf_side = FRONT_ENDS
+    offending = sorted((m, name) for m in MODULES for name in IMPORTS[m]
+                       if (within(m, (tf_side,)) and within(name, (torch_side,)))
+                       or (within(m, (torch_side,)) and within(name, (tf_side,))))
+    assert not offending, f"front ends importing each other: {offending}"

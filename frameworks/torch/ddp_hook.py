@@ -37,14 +37,14 @@ import torch.distributed as dist
 from mergecomp.compressor import Compressor
 from mergecomp.memory import Memory
 from mergecomp.plan import Group
-from mergecomp.step import MergedStep
+from mergecomp.step import HoldsMergedStep, MergedStep
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook"]
 
 _NONFINITE = ("raise", "ignore")
 
 
-class DDPHookState:
+class DDPHookState(HoldsMergedStep):
     """Settings and state of :func:`mergecomp_hook`: a :class:`~mergecomp.step.MergedStep` whose
     groups are DDP's buckets, and the futures of the step's buckets.
 
@@ -61,18 +61,6 @@ class DDPHookState:
         self._index: Dict[int, int] = dict(params or {})
         self._named = params is not None
         self._futures: List[Tuple[torch.futures.Future, torch.Tensor]] = []  # future, bucket buffer
-
-    @property
-    def exchange(self):
-        return self.merged.exchange
-
-    @property
-    def compressor(self) -> Compressor:
-        return self.merged.exchange.compressor
-
-    @property
-    def memory(self) -> Memory:
-        return self.merged.exchange.memory
 
     @property
     def nonfinite(self) -> str:

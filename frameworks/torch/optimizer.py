@@ -29,10 +29,9 @@ import torch
 
 from mergecomp.compressor import Compressor
 from mergecomp.memory import Memory, warn_double_momentum
-from mergecomp.plan import Group, GroupPlan
 from mergecomp.runtime import communicator
-from mergecomp.scheduler import MergeScheduler, SchedulerConfig
-from mergecomp.step import MergedStep
+from mergecomp.scheduler import SchedulerConfig
+from mergecomp.step import HoldsMergedStep, MergedStep
 
 __all__ = ["DistributedOptimizer", "Average", "Sum"]
 
@@ -46,7 +45,7 @@ def _wrapped(name: str) -> property:
     return property(lambda self: getattr(self._optimizer, name),
                     lambda self, value: setattr(self._optimizer, name, value))
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
     """Wrap ``optimizer`` so that gradients are merged, compressed and averaged across ranks.
 
     The wrapped optimizer's own ``step()`` does the update, so SGD with momentum, Adam, AdamW
@@ -129,37 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state = _wrapped("state")
     defaults = _wrapped("defaults")
 
-    # -- the merged step's -----------------------------------------------------------------------
-    @property
-    def exchange(self):
-        return self.merged.exchange
-
-    @property
-    def compressor(self) -> Compressor:
-        return self.merged.exchange.compressor
-
-    @property
-    def memory(self) -> Memory:
-        return self.merged.exchange.memory
-
-    @property
-    def plan(self) -> GroupPlan:
-        return self.merged.plan
-
-    @property
-    def groups(self) -> List[Group]:
-        """The current merged groups with their parameters' offsets."""
-        return self.merged.groups
-
-    @property
-    def scheduler(self) -> Optional[MergeScheduler]:
-        return self.merged.scheduler
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped under ``nonfinite="skip"``."""
-        return self.merged.skipped_steps
-
+    # -- the merged step (exchange, compressor, memory, plan, groups, scheduler, skipped_steps) --
     def set_plan(self, plan) -> None:
         """Replace the merge plan between steps (a :class:`~mergecomp.plan.GroupPlan` or any
         ``groups`` spec); error-feedback and per-element compressor state move to the new
