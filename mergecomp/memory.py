@@ -12,6 +12,7 @@ flat tensors, so it can be checkpointed and remapped onto a new merge plan.
 from __future__ import annotations
 
 import warnings
+from typing import Dict, Optional, Set
 
 import torch
 
@@ -61,6 +62,38 @@ class ResidualMemory(Memory):
         super().__init__()
         self.beta = float(beta)
         self.gamma = float(gamma)
+        # keep()/restore() without a copy: a kept group's next update writes into a second
+        # buffer, so the residual it replaces stays intact until the step is known to be good
+        self._spare: Dict[str, torch.Tensor] = {}
+        self._kept: Set[str] = set()
+
+    def keep(self, name: str) -> Optional[torch.Tensor]:
+        self._kept.add(name)
+        return self.state.get(name, {}).get("residual")
+
+    def restore(self, name: str, kept: Optional[torch.Tensor]) -> None:
+        self._kept.discard(name)
+        current = self.state.get(name, {}).get("residual")
+        if kept is None:
+            self.state.pop(name, None)
+        else:
+            self.state.setdefault(name, {})["residual"] = kept
+        if current is not None and current is not kept:
+            self._spare[name] = current
+
+    def _target(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Where this update writes the residual (every element of it)."""
+        if name not in self._kept:
+            return self._buffer(name, "residual", like)
+        self._kept.discard(name)
+        spare = self._spare.pop(name, None)
+        if spare is None or spare.numel() != like.numel() or spare.dtype != like.dtype or spare.device != like.device:
+            spare = torch.empty_like(like)
+        fields = self.state.setdefault(name, {})
+        if fields.get("residual") is not None:
+            self._spare[name] = fields["residual"]
+        fields["residual"] = spare
+        return spare
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         residual = self.state.get(name, {}).get("residual")
@@ -71,12 +104,12 @@ class ResidualMemory(Memory):
         return tensor
 
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
-        torch.sub(compensated, transmitted, out=self._buffer(name, "residual", compensated))
+        torch.sub(compensated, transmitted, out=self._target(name, compensated))
 
     def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
                       values: torch.Tensor) -> None:
         # one copy instead of a dense decode and a subtraction
-        residual = self._buffer(name, "residual", compensated).copy_(compensated)
+        residual = self._target(name, compensated).copy_(compensated)
         residual.index_put_((indices,), compensated[indices] - values)
 
 

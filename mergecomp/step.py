@@ -9,7 +9,7 @@ A :class:`MergedStep` owns, for tensors ``0..n-1`` (names, shapes, dtypes):
   last tensor has arrived; :meth:`~MergedStep.finish` starts the rest (missing tensors count as
   zeros), agrees across ranks on non-finite groups, waits for and decodes every group into its
   buffer, and returns the reduced tensors;
-* the non-finite policy (``"raise"``, ``"skip"`` or ``"ignore"``), the step counter, the first
+* the non-finite policy (``"propagate"``, ``"raise"``, ``"skip"`` or ``"ignore"``), the step counter, the first
   step's observed gradient order (rank 0's, broadcast), plan switches that carry error-feedback
   and compressor state over (:func:`~mergecomp.plan.remap_state`), the online scheduler's feed
   (``groups="auto"``), and checkpoints (:meth:`~MergedStep.state_dict`).
@@ -83,7 +83,10 @@ class MergedStep:
             about equal bytes), a list of lists of names, a :class:`~mergecomp.plan.GroupPlan`,
             or None (groups of :data:`DEFAULT_GROUP_BYTES`, at most :data:`DEFAULT_MAX_GROUPS`).
         average: divide the sum over ranks by the number of ranks.
-        nonfinite: ``"raise"``: FloatingPointError on every rank naming the ranks and tensors;
+        nonfinite: ``"propagate"``: when any rank's gradient held NaN/Inf, every rank's results
+            are NaN (so a ``GradScaler`` on every rank skips the same step) and the
+            error-feedback memory and compressor state are put back as they were before the
+            step; ``"raise"``: FloatingPointError on every rank naming the ranks and tensors;
             ``"skip"``: :meth:`finish` returns None on every rank (:attr:`skipped_steps` counts
             them); ``"ignore"``: no check.  NaN/Inf never enters the error-feedback memory
             unless ``"ignore"``.
@@ -118,7 +121,8 @@ class MergedStep:
         if duplicates:
             raise ValueError(f"{who}: tensor names must be unique, got duplicates {duplicates}")
         self.exchange = Exchange.create(compression, memory, comm, average=average,
-                                        check_finite=nonfinite != "ignore", recycle=not hand_out)
+                                        check_finite=nonfinite != "ignore", recycle=not hand_out,
+                                        keep_state=nonfinite == "propagate")
         self.comm = comm
         self.names = list(names)
         self.shapes = [torch.Size(s) for s in shapes]
@@ -354,7 +358,15 @@ class MergedStep:
         self._reset()
         if bad:
             self._last_end = None  # a skipped or failed step is no timing sample
+            if self.nonfinite == "propagate":
+                self.exchange.rollback()
+                for flat in flats:
+                    flat.fill_(float("nan"))
+                logger.warning("%s: non-finite gradient at step %d (%s); every rank's result is NaN", self._who,
+                               step, "; ".join(f"rank {rank}, group {name!r}" for rank, name in bad))
+                return Reduced(groups, flats)
             return self._nonfinite(bad, groups, step)
+        self.exchange.commit()
         self._adopt_order(order_seen)
         self._feed_scheduler(ready if timed else None)
         return Reduced(groups, flats)
@@ -362,6 +374,7 @@ class MergedStep:
     def abort(self) -> None:
         """Forget a step that cannot finish (an interrupted backward pass): its collectives are
         out of step with the other ranks', so the caller must fail the step on every rank."""
+        self.exchange.rollback()
         self._before = None
         self._reset()
 
