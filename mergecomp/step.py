@@ -83,6 +83,8 @@ class MergedStep:
             about equal bytes), a list of lists of names, a :class:`~mergecomp.plan.GroupPlan`,
             or None (groups of :data:`DEFAULT_GROUP_BYTES`, at most :data:`DEFAULT_MAX_GROUPS`).
         average: divide the sum over ranks by the number of ranks.
+        prescale, postscale: multiply each gradient by ``prescale`` before the exchange and each
+            result by ``postscale`` after it (Horovod's ``gradient_predivide_factor``).
         nonfinite: ``"propagate"``: when any rank's gradient held NaN/Inf, every rank's results
             are NaN (so a ``GradScaler`` on every rank skips the same step) and the
             error-feedback memory and compressor state are put back as they were before the
@@ -111,6 +113,7 @@ class MergedStep:
     def __init__(self, compression, memory, comm: Communicator, names: Sequence[str],
                  shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], device: torch.device,
                  groups: PlanSpec = "auto", average: bool = True, nonfinite: str = "raise",
+                 prescale: float = 1.0, postscale: float = 1.0,
                  scheduler: Optional[SchedulerConfig] = None, observe_order: bool = True, timed: bool = True,
                  hand_out: bool = False, caller_groups: bool = False, who: str = "mergecomp",
                  tensor_kind: str = "tensors",
@@ -129,6 +132,7 @@ class MergedStep:
         self.dtypes = list(dtypes)
         self.device = torch.device(device)
         self.nonfinite = nonfinite
+        self.prescale, self.postscale = float(prescale), float(postscale)
         self.skipped_steps = 0
         self.scheduler: Optional[MergeScheduler] = None
         self._caller_groups = caller_groups
@@ -148,7 +152,7 @@ class MergedStep:
                                                 zip(self.names, self.shapes, self.dtypes)],
             "groups": "caller's" if caller_groups else repr(self._spec if not self._auto
                                                             else ("auto", self._scheduler_config)),
-            "nonfinite": nonfinite, **(agree or {})}, who)
+            "nonfinite": nonfinite, "scaling": (self.prescale, self.postscale), **(agree or {})}, who)
         if caller_groups:
             self._plan, self._groups, self._where, self._buffers = GroupPlan(()), [], {}, []
             self._reset()
@@ -291,6 +295,8 @@ class MergedStep:
                 self._unchecked(g)
             elif not finite:
                 self._finite[g] = False
+        if self.prescale != 1.0 and grad is not None:
+            slot.mul_(self.prescale)
         self._count[g] += 1
 
     def _unchecked(self, g: int) -> None:
@@ -367,6 +373,9 @@ class MergedStep:
                 return Reduced(groups, flats)
             return self._nonfinite(bad, groups, step)
         self.exchange.commit()
+        if self.postscale != 1.0:
+            for flat in flats:
+                flat.mul_(self.postscale)
         self._adopt_order(order_seen)
         self._feed_scheduler(ready if timed else None)
         return Reduced(groups, flats)
