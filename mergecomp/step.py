@@ -133,6 +133,7 @@ class MergedStep:
         self.device = torch.device(device)
         self.nonfinite = nonfinite
         self.prescale, self.postscale = float(prescale), float(postscale)
+        self.warn_sparse = True  # a sparse gradient warns that it is exchanged densely
         self.skipped_steps = 0
         self.scheduler: Optional[MergeScheduler] = None
         self._caller_groups = caller_groups
@@ -285,8 +286,9 @@ class MergedStep:
         elif _holds(grad, flat, offset):
             self._unchecked(g)
         elif grad.is_sparse:
-            warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
-                          f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
+            if self.warn_sparse:
+                warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
+                              f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
             slot.copy_(grad.to_dense().reshape(-1))
             self._unchecked(g)
         else:

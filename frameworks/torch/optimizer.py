@@ -73,7 +73,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``k`` (k groups of about equal bytes), a list of lists of parameters or of their
             names, a :class:`~mergecomp.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
             at most 4).
-        sparse_as_dense: accepted for Horovod's sake; sparse gradients are always exchanged densely.
+        sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
         process_set: None or ``mc.global_process_set`` (all ranks; others are not implemented).
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
         nonfinite: what a NaN/Inf gradient on any rank does: ``"propagate"`` (default) every
@@ -126,6 +126,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             prescale=1.0 / factor, postscale=factor / comm.size if scaled else 1.0,
             who="DistributedOptimizer", tensor_kind="parameters",
             agree={"backward_passes_per_step": backward_passes_per_step})
+        self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
         self._index = {p: i for i, p in enumerate(self._params)}
