@@ -30,7 +30,7 @@ from .workspace import Workspace
 
 __all__ = ["Exchange", "InFlight", "NONFINITE_POLICIES", "NonfiniteCheck", "resolve"]
 
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
+NONFINITE_POLICIES = ("propagate", "raise", "skip", "ignore")
 _ALIGN = 8
 
 Spec = Tuple[torch.dtype, torch.Size]
@@ -122,10 +122,15 @@ class Exchange:
             allocated (and page-faulted in) again.  A result returned by :meth:`finish` is then
             valid until the next step's :meth:`start`; front ends that hand results to user
             code which may keep them (TensorFlow) pass False.
+        keep_state: each started group's memory and compressor state is kept as it was
+            before the step until :meth:`commit` (nothing kept) or :meth:`rollback` (the
+            state goes back), through their ``keep``/``restore`` (no copy for the residual
+            memory or stateless codecs).
     """
 
     def __init__(self, compressor: Compressor, memory: Memory, comm: Communicator,
-                 average: bool = True, check_finite: bool = True, recycle: bool = True) -> None:
+                 average: bool = True, check_finite: bool = True, recycle: bool = True,
+                 keep_state: bool = False) -> None:
         self.compressor = compressor
         self.codecs: Dict[str, Compressor] = {"compressed": compressor}
         self.memory = memory
@@ -133,15 +138,17 @@ class Exchange:
         self.average = average
         self.check_finite = check_finite
         self.step = 0
+        self.keep_state = keep_state
+        self._kept: List[Tuple[str, Any, Compressor, Any]] = []
         self.workspace = Workspace() if recycle and torch.device(comm.device).type == "cpu" else None
         compressor.workspace = self.workspace
 
     @classmethod
     def create(cls, compression, memory, comm: Communicator, average: bool = True,
-               check_finite: bool = True, recycle: bool = True) -> "Exchange":
+               check_finite: bool = True, recycle: bool = True, keep_state: bool = False) -> "Exchange":
         """Build from names or instances (see :func:`resolve`)."""
         return cls(*resolve(compression, memory), comm, average=average, check_finite=check_finite,
-                   recycle=recycle)
+                   recycle=recycle, keep_state=keep_state)
 
     def codec(self, name: str) -> Compressor:
         """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"`` or ``"none"``)."""
@@ -172,6 +179,8 @@ class Exchange:
                     flat.zero_()
             else:
                 flat.masked_fill_(finite.logical_not(), 0)
+        if self.keep_state:
+            self._kept.append((group.name, self.memory.keep(group.name), compressor, compressor.keep(group.name)))
         compensated = self.memory.compensate(flat, group.name)
         job = InFlight(group, compressor, compensated, finite)
         job.payload, job.ctx = compressor.compress(compensated, group.name, group.shapes)
@@ -203,6 +212,18 @@ class Exchange:
             job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
             job.round += 1
             self._launch(job)
+
+    def commit(self) -> None:
+        """The step's state changes stand (``keep_state``)."""
+        self._kept = []
+
+    def rollback(self) -> None:
+        """Undo the memory and compressor state changes of the groups started since the last
+        :meth:`commit` (``keep_state``), as if this step had not happened."""
+        for name, memory, compressor, kept in reversed(self._kept):
+            self.memory.restore(name, memory)
+            compressor.restore(name, kept)
+        self._kept = []
 
     # -- internals ---------------------------------------------------------------------------
     def _what(self, job: InFlight) -> str:

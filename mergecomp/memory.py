@@ -12,6 +12,7 @@ flat tensors, so it can be checkpointed and remapped onto a new merge plan.
 from __future__ import annotations
 
 import warnings
+from typing import Dict, Set, Tuple
 
 import torch
 
@@ -26,6 +27,11 @@ class Memory(GroupStateful):
 
     name = ""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._kept: Set[str] = set()  # kept groups whose next writes go to a spare buffer
+        self._spares: Dict[Tuple[str, str], torch.Tensor] = {}  # (group, field) -> spare buffer
+
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Return the tensor to compress for group ``name`` (may modify ``tensor`` in place)."""
         return tensor
@@ -39,6 +45,50 @@ class Memory(GroupStateful):
         ``transmitted[indices] = values`` (see :meth:`Compressor.sent_entries`)."""
         transmitted = torch.zeros_like(compensated).index_put_((indices,), values)
         self.update(compensated, name, transmitted)
+
+    #: every write of a kept group's state goes through :meth:`_fresh` (see :meth:`keep`)
+    writes_fresh = False
+
+    # -- keep()/restore() without copies ------------------------------------------------------
+    # With ``writes_fresh``, a kept group's next write of a field goes into a second buffer
+    # (:meth:`_fresh`), so the buffer it replaces stays intact until the step is committed or
+    # rolled back; the one left over becomes the spare for the next step.  Other memories
+    # keep a copy (GroupStateful.keep).
+    def keep(self, name: str) -> Dict[str, torch.Tensor]:
+        if not self.writes_fresh:
+            return super().keep(name)
+        self._kept.add(name)
+        return dict(self.state.get(name, {}))  # the tensors themselves
+
+    def restore(self, name: str, kept: Dict[str, torch.Tensor]) -> None:
+        self._kept.discard(name)
+        spares = self._spares
+        for field, tensor in self.state.get(name, {}).items():
+            if kept.get(field) is not tensor:
+                spares[(name, field)] = tensor
+        if kept:
+            self.state[name] = dict(kept)
+        else:
+            self.state.pop(name, None)
+
+    def _fresh(self, name: str, field: str, like: torch.Tensor) -> torch.Tensor:
+        """The buffer to write every element of ``field`` into (uninitialized when new): the
+        live one, or for a kept group a spare one, which becomes the live one."""
+        if name not in self._kept:
+            return self._buffer(name, field, like)
+        spares = self._spares
+        spare = spares.pop((name, field), None)
+        if spare is None or spare.numel() != like.numel() or spare.dtype != like.dtype or spare.device != like.device:
+            spare = torch.empty_like(like)
+        fields = self.state.setdefault(name, {})
+        if fields.get(field) is not None:
+            spares[(name, field)] = fields[field]
+        fields[field] = spare
+        return spare
+
+    def _written(self, name: str) -> None:
+        """Every field of a kept group has been written this step (through :meth:`_fresh`)."""
+        self._kept.discard(name)
 
     def _buffer(self, name: str, field: str, like: torch.Tensor) -> torch.Tensor:
         fields = self.state.setdefault(name, {})
@@ -57,6 +107,8 @@ class NoMemory(Memory):
 class ResidualMemory(Memory):
     """Residual error feedback: ``x = gamma * grad + beta * residual``; ``residual = x - sent``."""
 
+    writes_fresh = True
+
     def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
         super().__init__()
         self.beta = float(beta)
@@ -71,13 +123,15 @@ class ResidualMemory(Memory):
         return tensor
 
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
-        torch.sub(compensated, transmitted, out=self._buffer(name, "residual", compensated))
+        torch.sub(compensated, transmitted, out=self._fresh(name, "residual", compensated))
+        self._written(name)
 
     def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
                       values: torch.Tensor) -> None:
         # one copy instead of a dense decode and a subtraction
-        residual = self._buffer(name, "residual", compensated).copy_(compensated)
+        residual = self._fresh(name, "residual", compensated).copy_(compensated)
         residual.index_put_((indices,), compensated[indices] - values)
+        self._written(name)
 
 
 @register_memory("dgc")
@@ -89,6 +143,8 @@ class DGCMemory(Memory):
     the momentum is applied here, before compression (Lin et al., 2018).
     """
 
+    writes_fresh = True
+
     def __init__(self, momentum: float = 0.9) -> None:
         super().__init__()
         if not 0.0 <= momentum < 1.0:
@@ -98,8 +154,15 @@ class DGCMemory(Memory):
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         u = self._buffer(name, "momentum", tensor)
         v = self._buffer(name, "velocity", tensor)
-        u.mul_(self.momentum).add_(tensor)
-        v.add_(u)
+        if name in self._kept:  # out of place: the old u, v stay as they were
+            u_old, v_old = u, v
+            u, v = self._fresh(name, "momentum", tensor), self._fresh(name, "velocity", tensor)
+            torch.mul(u_old, self.momentum, out=u)
+            torch.add(v_old, u.add_(tensor), out=v)
+            self._written(name)
+        else:
+            u.mul_(self.momentum).add_(tensor)
+            v.add_(u)
         tensor.copy_(v)
         return tensor
 

@@ -30,6 +30,19 @@ class GroupStateful:
     def load_state_dict(self, state: GroupState) -> None:
         self.state = {name: {k: v.clone() for k, v in fields.items()} for name, fields in state.items()}
 
+    def keep(self, name: str) -> Any:
+        """Called before group ``name``'s state may change this step: what :meth:`restore`
+        needs to undo that change (here a copy of the group's tensors; subclasses may keep
+        something cheaper)."""
+        return {k: v.clone() for k, v in self.state.get(name, {}).items()}
+
+    def restore(self, name: str, kept: Any) -> None:
+        """Put group ``name``'s state back as it was when :meth:`keep` returned ``kept``."""
+        if kept:
+            self.state[name] = kept
+        else:
+            self.state.pop(name, None)
+
     def settings(self) -> Dict[str, Any]:
         """The hyperparameters (every public attribute but ``state`` and ``workspace``): all
         ranks must agree."""

@@ -9,7 +9,7 @@ A :class:`MergedStep` owns, for tensors ``0..n-1`` (names, shapes, dtypes):
   last tensor has arrived; :meth:`~MergedStep.finish` starts the rest (missing tensors count as
   zeros), agrees across ranks on non-finite groups, waits for and decodes every group into its
   buffer, and returns the reduced tensors;
-* the non-finite policy (``"raise"``, ``"skip"`` or ``"ignore"``), the step counter, the first
+* the non-finite policy (``"propagate"``, ``"raise"``, ``"skip"`` or ``"ignore"``), the step counter, the first
   step's observed gradient order (rank 0's, broadcast), plan switches that carry error-feedback
   and compressor state over (:func:`~mergecomp.plan.remap_state`), the online scheduler's feed
   (``groups="auto"``), and checkpoints (:meth:`~MergedStep.state_dict`).
@@ -96,7 +96,12 @@ class MergedStep:
             about equal bytes), a list of lists of names, a :class:`~mergecomp.plan.GroupPlan`,
             or None (groups of :data:`DEFAULT_GROUP_BYTES`, at most :data:`DEFAULT_MAX_GROUPS`).
         average: divide the sum over ranks by the number of ranks.
-        nonfinite: ``"raise"``: FloatingPointError on every rank naming the ranks and tensors;
+        prescale, postscale: multiply each gradient by ``prescale`` before the exchange and each
+            result by ``postscale`` after it (Horovod's ``gradient_predivide_factor``).
+        nonfinite: ``"propagate"``: when any rank's gradient held NaN/Inf, every rank's results
+            are NaN (so a ``GradScaler`` on every rank skips the same step) and the
+            error-feedback memory and compressor state are put back as they were before the
+            step; ``"raise"``: FloatingPointError on every rank naming the ranks and tensors;
             ``"skip"``: :meth:`finish` returns None on every rank (:attr:`skipped_steps` counts
             them); ``"ignore"``: no check.  NaN/Inf never enters the error-feedback memory
             unless ``"ignore"``.
@@ -121,6 +126,7 @@ class MergedStep:
     def __init__(self, compression, memory, comm: Communicator, names: Sequence[str],
                  shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], device: torch.device,
                  groups: PlanSpec = "auto", average: bool = True, nonfinite: str = "raise",
+                 prescale: float = 1.0, postscale: float = 1.0,
                  scheduler: Optional[SchedulerConfig] = None, observe_order: bool = True, timed: bool = True,
                  hand_out: bool = False, caller_groups: bool = False, who: str = "mergecomp",
                  tensor_kind: str = "tensors",
@@ -131,13 +137,16 @@ class MergedStep:
         if duplicates:
             raise ValueError(f"{who}: tensor names must be unique, got duplicates {duplicates}")
         self.exchange = Exchange.create(compression, memory, comm, average=average,
-                                        check_finite=nonfinite != "ignore", recycle=not hand_out)
+                                        check_finite=nonfinite != "ignore", recycle=not hand_out,
+                                        keep_state=nonfinite == "propagate")
         self.comm = comm
         self.names = list(names)
         self.shapes = [torch.Size(s) for s in shapes]
         self.dtypes = list(dtypes)
         self.device = torch.device(device)
         self.nonfinite = nonfinite
+        self.prescale, self.postscale = float(prescale), float(postscale)
+        self.warn_sparse = True  # a sparse gradient warns that it is exchanged densely
         self.skipped_steps = 0
         self.scheduler: Optional[MergeScheduler] = None
         self._caller_groups = caller_groups
@@ -157,7 +166,7 @@ class MergedStep:
                                                 zip(self.names, self.shapes, self.dtypes)],
             "groups": "caller's" if caller_groups else repr(self._spec if not self._auto
                                                             else ("auto", self._scheduler_config)),
-            "nonfinite": nonfinite, **(agree or {})}, who)
+            "nonfinite": nonfinite, "scaling": (self.prescale, self.postscale), **(agree or {})}, who)
         if caller_groups:
             self._plan, self._groups, self._where, self._buffers = GroupPlan(()), [], {}, []
             self._reset()
@@ -290,8 +299,9 @@ class MergedStep:
         elif _holds(grad, flat, offset):
             self._unchecked(g)
         elif grad.is_sparse:
-            warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
-                          f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
+            if self.warn_sparse:
+                warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
+                              f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
             slot.copy_(grad.to_dense().reshape(-1))
             self._unchecked(g)
         else:
@@ -300,6 +310,8 @@ class MergedStep:
                 self._unchecked(g)
             elif not finite:
                 self._finite[g] = False
+        if self.prescale != 1.0 and grad is not None:
+            slot.mul_(self.prescale)
         self._count[g] += 1
 
     def _unchecked(self, g: int) -> None:
@@ -367,7 +379,18 @@ class MergedStep:
         self._reset()
         if bad:
             self._last_end = None  # a skipped or failed step is no timing sample
+            if self.nonfinite == "propagate":
+                self.exchange.rollback()
+                for flat in flats:
+                    flat.fill_(float("nan"))
+                logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", self._who,
+                               step, "; ".join(f"rank {rank}, group {name!r}" for rank, name in bad))
+                return Reduced(groups, flats)
             return self._nonfinite(bad, groups, step)
+        self.exchange.commit()
+        if self.postscale != 1.0:
+            for flat in flats:
+                flat.mul_(self.postscale)
         self._adopt_order(order_seen)
         self._feed_scheduler(ready if timed else None)
         return Reduced(groups, flats)
@@ -375,6 +398,7 @@ class MergedStep:
     def abort(self) -> None:
         """Forget a step that cannot finish (an interrupted backward pass): its collectives are
         out of step with the other ranks', so the caller must fail the step on every rank."""
+        self.exchange.rollback()
         self._before = None
         self._reset()
 

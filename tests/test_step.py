@@ -80,6 +80,37 @@ def test_nonfinite_policies():
     assert ignoring.finish().tensors(4)[3].isnan().any()
 
 
+@pytest.mark.parametrize("compression", ["topk", "powersgd", "dgc"])
+def test_propagate_makes_the_step_nan_and_puts_error_feedback_back(compression):
+    def run(step, seed):
+        for i, t in enumerate(grads(seed)):
+            step.add(i, t)
+        return step.finish()
+
+    def state(step):
+        return [{n: {k: v.clone() for k, v in f.items()} for n, f in holder.state.items()}
+                for holder in (step.exchange.memory, step.exchange.compressor)]
+
+    poisoned, clean = (local_step(compression=compression, nonfinite="propagate", groups=2) for _ in range(2))
+    for seed in range(2):
+        run(poisoned, seed)
+        run(clean, seed)
+    before = state(poisoned)
+    bad = grads(5)
+    bad[3][0, 0] = float("inf")
+    for i, t in enumerate(bad):
+        poisoned.add(i, t)
+    out = poisoned.finish().tensors(4)
+    assert all(t.isnan().all() for t in out if t.numel())
+    after = state(poisoned)
+    for a, b in zip(before, after):
+        assert a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
+    for seed in (6, 7):  # afterwards, as if the poisoned step had never happened
+        got = [t.clone() for t in run(poisoned, seed).tensors(4)]
+        want = run(clean, seed).tensors(4)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_plan_switch_only_between_steps_and_checkpoint_round_trip():
     step = local_step(compression="topk", groups=2)
     for seed in range(3):

@@ -42,7 +42,7 @@ def _distributed_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def DistributedOptimizer(optimizer, compression="dgc", memory=None, groups="auto", op: str = Average,
+def DistributedOptimizer(optimizer, compression="none", memory=None, groups="auto", op: str = Average,
                          nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None):
     """Wrap a Keras 3 optimizer so that gradients are merged, compressed and averaged across ranks.
 
@@ -97,7 +97,7 @@ class DistributedGradientTape:
         opt.apply_gradients(zip(grads, model.trainable_variables))
     """
 
-    def __init__(self, gradtape: tf.GradientTape, compression="dgc", memory=None, groups="auto",
+    def __init__(self, gradtape: tf.GradientTape, compression="none", memory=None, groups="auto",
                  op: str = Average, nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
                  reducer: Optional[GradientReducer] = None) -> None:
         self._tape = gradtape

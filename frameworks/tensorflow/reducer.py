@@ -31,7 +31,8 @@ class GradientReducer:
     """Average (or sum) gradients over ranks, merged into groups and compressed.
 
     Args:
-        compression: compressor name or :class:`mergecomp.Compressor`.
+        compression: compressor name or :class:`mergecomp.Compressor` (default ``"none"``:
+            lossless).
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
         groups: ``"auto"`` (the online :class:`~mergecomp.scheduler.MergeScheduler`),
             ``"layerwise"``, an int ``k``, a list of lists of variable names, a
@@ -43,7 +44,7 @@ class GradientReducer:
         comm: the communicator (default: the one :func:`mergecomp.runtime.init` set up).
     """
 
-    def __init__(self, compression="dgc", memory=None, groups="auto", op: str = "average",
+    def __init__(self, compression="none", memory=None, groups="auto", op: str = "average",
                  nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
                  comm: Optional[Communicator] = None) -> None:
         if op not in _OPS:

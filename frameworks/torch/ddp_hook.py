@@ -147,7 +147,7 @@ def mergecomp_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.future
 
 
 def ddp_comm_hook(
-    compression: Union[str, Compressor] = "powersgd",
+    compression: Union[str, Compressor] = "none",
     memory: Union[str, Memory, None] = None,
     process_group: Optional[dist.ProcessGroup] = None,
     named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
@@ -157,8 +157,9 @@ def ddp_comm_hook(
     """Make ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     Args:
-        compression: compressor name (``mergecomp.compressor_names()``) or instance, e.g.
-            ``mergecomp.get_compressor("powersgd", rank=4)``.
+        compression: compressor name (``mergecomp.compressor_names()``, ``mc.Compression.<name>``)
+            or instance, e.g. ``mergecomp.get_compressor("powersgd", rank=4)``; default
+            ``"none"`` (lossless: a plain average, like DDP's own allreduce).
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
         process_group: the DDP model's process group (default: the world).  The hook's
             collectives run on it through :class:`~mergecomp.engines.torch_dist.TorchCommunicator`.

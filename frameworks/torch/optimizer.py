@@ -13,17 +13,16 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
          buffer); each p.grad becomes a view of its slot there
       └─ the wrapped optimizer's own step()
 
-Like DDP's ``gradient_as_bucket_view=True``, ``p.grad`` aliases the merged buffer after a step:
-``zero_grad(set_to_none=True)`` (the default) drops the view, and with ``set_to_none=False``
-the next backward accumulates straight into the buffer, so nothing is copied in either.
-Plans, the observed backward order, the scheduler and checkpoints are
-:class:`mergecomp.step.MergedStep`'s.
+Like DDP's ``gradient_as_bucket_view=True``, ``p.grad`` aliases the merged buffer after a step
+(``zero_grad(set_to_none=False)``: the next backward accumulates straight into it).  Plans, the
+backward order, the scheduler and checkpoints are :class:`mergecomp.step.MergedStep`'s.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -33,7 +32,9 @@ from mergecomp.runtime import communicator
 from mergecomp.scheduler import SchedulerConfig
 from mergecomp.step import HoldsMergedStep, MergedStep
 
-__all__ = ["DistributedOptimizer", "Average", "Sum"]
+from .horovod_args import Adasum, Compression, check_horovod_args, collect_parameters, resolve_groups
+
+__all__ = ["DistributedOptimizer", "Average", "Sum", "Adasum", "Compression"]
 
 Average = "average"
 Sum = "sum"
@@ -46,78 +47,104 @@ def _wrapped(name: str) -> property:
                     lambda self, value: setattr(self._optimizer, name, value))
 
 class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
-    """Wrap ``optimizer`` so that gradients are merged, compressed and averaged across ranks.
+    """Wrap ``optimizer`` so that gradients are merged, (optionally) compressed and averaged
+    across ranks.  The positional arguments are Horovod's, in Horovod's order.
 
     The wrapped optimizer's own ``step()`` does the update, so SGD with momentum, Adam, AdamW
     (weight decay) and LR schedulers behave as they do on one process.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``; its ``param_groups`` and ``state`` are shared.
-        named_parameters: ``model.named_parameters()``; names key the merge plan and error
-            messages.  Default: ``param.<i>`` in the optimizer's order.
-        compression: compressor name (see ``mergecomp.compressor_names()``) or instance.
-        memory: error-feedback memory name or instance; ``None`` = the compressor's default.
+        named_parameters: ``model.named_parameters()``: names key the merge plan and error
+            messages; it may name more parameters than the optimizer holds (only the
+            optimizer's are exchanged).  Default: ``param.<i>`` in the optimizer's order.
+        compression: ``mc.Compression.none`` (default: lossless), ``mc.Compression.fp16``, any
+            compressor name (``mergecomp.compressor_names()``, ``mc.Compression.<name>``) or
+            instance.
+        backward_passes_per_step: gradients are accumulated locally over this many backward
+            passes and exchanged once (see :meth:`set_backward_passes_per_step`).
+        op: ``mc.Average`` (default) or ``mc.Sum`` over ranks (``mc.Adasum`` is not implemented).
+        gradient_predivide_factor: with ``op=mc.Average``, gradients are divided by this factor
+            before the sum and the sum is multiplied by ``factor / size``.
+        num_groups: Horovod's older spelling of ``groups=<int>``.
         groups: merge plan: ``"auto"`` (default: the online scheduler searches the partition
             and each group's codec, see :mod:`mergecomp.scheduler`), ``"layerwise"``, an int
-            ``k`` (k groups of about equal bytes), a list of lists of parameter names, a
-            :class:`~mergecomp.plan.GroupPlan`, or ``None`` (groups of about 25 MB, at most 4).
-        scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``
-            (warm-up and probe steps, maximum groups, plan cache path...).
-        backward_passes_per_step: gradients are accumulated locally over this many backward
-            passes and exchanged once.
-        op: ``mc.Average`` (default) or ``mc.Sum`` over ranks.
-        nonfinite: what a NaN/Inf gradient does: ``"raise"`` FloatingPointError on every rank
-            naming the rank and group, ``"skip"`` the step on all ranks (counted in
-            :attr:`skipped_steps`), or ``"ignore"`` (no check).  NaN/Inf never enters the
-            error-feedback memory unless ``"ignore"``.
+            ``k`` (k groups of about equal bytes), a list of lists of parameters or of their
+            names, a :class:`~mergecomp.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
+            at most 4).
+        sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
+        process_set: None or ``mc.global_process_set`` (all ranks; others are not implemented).
+        memory: error-feedback memory name or instance; ``None`` = the compressor's default.
+        nonfinite: what a NaN/Inf gradient on any rank does: ``"propagate"`` (default) every
+            rank's averaged gradients become NaN, so ``torch.amp.GradScaler`` skips the same step
+            everywhere, and error-feedback and compressor state are left as before the step;
+            ``"raise"`` FloatingPointError on every rank naming the rank and group; ``"skip"``
+            the step on all ranks (counted in :attr:`skipped_steps`); ``"ignore"`` (no check).
+        scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``.
 
-    Example::
-
-        opt = mc.DistributedOptimizer(torch.optim.AdamW(model.parameters(), 1e-3),
-                                      named_parameters=model.named_parameters(),
-                                      compression="topk", groups=2)
+    With a ``GradScaler`` (as with Horovod): ``scaler.scale(loss).backward(); opt.synchronize();
+    scaler.unscale_(opt)`` (averaged gradients: NaN on every rank or on none), then
+    ``with opt.skip_synchronize(): scaler.step(opt)`` and ``scaler.update()``.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-        compression: Union[str, Compressor] = "dgc",
-        memory: Union[str, Memory, None] = None,
-        groups="auto",
+        compression: Union[str, Compressor] = Compression.none,
         backward_passes_per_step: int = 1,
         op: str = Average,
-        nonfinite: str = "raise",
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups="auto",
+        sparse_as_dense: bool = False,
+        process_set: Any = None,
+        *,
+        memory: Union[str, Memory, None] = None,
+        nonfinite: str = "propagate",
         scheduler: Optional[SchedulerConfig] = None,
     ) -> None:
-        # Deliberately not calling Optimizer.__init__: param_groups, state and defaults are the
-        # wrapped optimizer's own (properties below), so nothing is copied or re-created.
+        # Not calling Optimizer.__init__: param_groups, state and defaults are the wrapped one's.
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if op not in _OPS:
-            raise ValueError(f"op must be mc.Average or mc.Sum, got {op!r}")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
+        factor = check_horovod_args(op, _OPS, gradient_predivide_factor, process_set)
+        self._check_passes(backward_passes_per_step)
         self._optimizer = optimizer
         for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                      "load_state_dict_post"):  # torch.optim.Optimizer's hook registries
             setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
 
-        self._params, self.param_names = self._collect(named_parameters)
-        first = self._params[0]
+        self._params, self.param_names = collect_parameters(optimizer, named_parameters)
+        groups = resolve_groups(groups, num_groups, self._params, self.param_names)
+        comm = communicator()
+        scaled = factor != 1.0  # Horovod: sum of grad / factor, times factor / size
         self.merged = MergedStep(
-            compression, memory, communicator(), self.param_names, [p.shape for p in self._params],
-            [p.dtype for p in self._params], first.device, groups=groups, average=op == Average,
-            nonfinite=nonfinite, scheduler=scheduler, who="DistributedOptimizer", tensor_kind="parameters",
+            compression, memory, comm, self.param_names, [p.shape for p in self._params],
+            [p.dtype for p in self._params], self._params[0].device, groups=groups,
+            average=op == Average and not scaled, nonfinite=nonfinite, scheduler=scheduler,
+            prescale=1.0 / factor, postscale=factor / comm.size if scaled else 1.0,
+            who="DistributedOptimizer", tensor_kind="parameters",
             agree={"backward_passes_per_step": backward_passes_per_step})
+        self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
         self._index = {p: i for i, p in enumerate(self._params)}
         self._passes = [0] * len(self._params)
-        self._synchronized = False
-        self._step_skipped = False
+        self._synchronized = self._step_skipped = self._warned_step = False
         self._should_synchronize = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    @staticmethod
+    def _check_passes(n: int) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive int, got {n!r}")
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated per exchange (between steps, on every rank)."""
+        self._check_passes(passes)
+        if self.merged.in_flight or any(self._passes):
+            raise RuntimeError("set_backward_passes_per_step() must be called between steps")
+        self.backward_passes_per_step = passes
 
     # -- the wrapped optimizer's attributes ---------------------------------------------------
     @property
@@ -140,35 +167,10 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
         chosen plan, search cost in steps.  Fixed plans report ``{"phase": "fixed"}``."""
         return self.merged.schedule_report()
 
-    # -- construction -------------------------------------------------------------------------
-    def _collect(self, named_parameters) -> Tuple[List[torch.nn.Parameter], List[str]]:
-        in_optimizer = [p for g in self._optimizer.param_groups for p in g["params"]]
-        if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(in_optimizer)]
-        else:
-            named = list(named_parameters)
-            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-                raise ValueError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
-        names = [n for n, _ in named]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"named_parameters has duplicate names: {duplicates}")
-        by_id = {id(p): n for n, p in named}
-        unnamed = [i for i, p in enumerate(in_optimizer) if id(p) not in by_id]
-        if unnamed:
-            raise ValueError(f"named_parameters does not match the optimizer: {len(unnamed)} of the optimizer's "
-                             f"parameters (positions {unnamed[:8]}) are missing from named_parameters")
-        optimized = {id(p) for p in in_optimizer}
-        stray = [n for n, p in named if id(p) not in optimized and p.requires_grad]
-        if stray:
-            raise ValueError(f"named_parameters does not match the optimizer: {stray[:8]} are not optimized by it")
-        params = [p for p in in_optimizer if p.requires_grad]  # frozen ones never get a gradient
-        if not params:
-            raise ValueError("the optimizer has no parameter that requires a gradient")
-        return params, [by_id[id(p)] for p in params]
-
     # -- backward -----------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if self._synchronized:  # the first gradient of a new step, whether or not step() ran
+            self._synchronized = self._step_skipped = False
         i = self._index[p]
         self._passes[i] += 1
         if self._passes[i] > self.backward_passes_per_step:
@@ -183,7 +185,9 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finish the exchange of this step's gradients and write the result into ``p.grad``.
 
-        Parameters that got no gradient this step contribute zeros.
+        Parameters that got no gradient this step contribute zeros.  Calling it again before
+        the next backward pass does nothing; the next backward pass starts a new step whether
+        or not :meth:`step` ran (e.g. when a ``GradScaler`` skipped it).
         """
         if self._synchronized:
             return
@@ -207,6 +211,12 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._should_synchronize:
+            if self._synchronized and not self._warned_step:
+                self._warned_step = True
+                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
+                              "optimizer.skip_synchronize(); the gradients are not exchanged again. "
+                              "Wrap step() in skip_synchronize() after an explicit synchronize()",
+                              UserWarning, stacklevel=2)
             self.synchronize()
         self._synchronized = False
         if self._step_skipped:

@@ -1,0 +1,303 @@
+"""DistributedOptimizer as a drop-in for Horovod's, on real gloo processes: the
+synchronize()/step() lifecycle, mixed precision with GradScaler (NaN on one rank skips the
+step on every rank and leaves error feedback untouched), the lossless default, and the
+Horovod-shaped arguments (Compression, gradient_predivide_factor, groups of tensors,
+named_parameters naming more than the optimizer holds, Adasum, process sets)."""
+import warnings
+
+import pytest
+import torch
+
+from distributed import run_workers
+
+WORLD = 2
+ROWS = 16  # per rank
+
+
+def model_for_test(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batch(seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS * WORLD, 8, generator=gen)
+    y = torch.randint(0, 3, (ROWS * WORLD,), generator=gen)
+    return x, y
+
+
+def part(t, rank):
+    return t[rank * ROWS:(rank + 1) * ROWS]
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def params_of(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def single_process(steps, skip=(), clip=None, lr=0.1, seed=0):
+    """The same training on the joined batch in one process (``skip``: steps not taken)."""
+    x, y = batch()
+    model = model_for_test(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        if step in skip:
+            continue
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return params_of(model)
+
+
+def poison_on(model, rank, where, step, bad_rank=1):
+    """At ``step`` on ``bad_rank``, an Inf appears in the last layer's weight gradient."""
+    if step == where and rank == bad_rank:
+        return model[2].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    return None
+
+
+def state_copy(holder):
+    return {name: {k: v.clone() for k, v in fields.items()} for name, fields in holder.state.items()}
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(
+        a[n].keys() == b[n].keys() and all(torch.equal(a[n][k], b[n][k]) for k in a[n]) for n in a)
+
+
+# -- mixed precision ---------------------------------------------------------------------------
+def _amp_worker(rank, compression, bad_step):
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    x, y = part(x, rank), part(y, rank)
+    out = {}
+    for run in ("poisoned", "reference"):  # reference: the bad step is simply not taken
+        model = model_for_test()
+        opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                      compression, memory="residual", groups=2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step in range(6):
+            if run == "reference" and step == bad_step:
+                scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+                continue
+            hook = poison_on(model, rank, bad_step, step) if run == "poisoned" else None
+            memory, codec = state_copy(opt.memory), state_copy(opt.compressor)
+            opt.zero_grad()
+            scaler.scale(loss_of(model, x, y)).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            if step == bad_step:
+                out["all_nan"] = all(p.grad.isnan().all().item() for p in model.parameters())
+                out["state_kept"] = same_state(memory, state_copy(opt.memory)) and \
+                    same_state(codec, state_copy(opt.compressor))
+                out["had_state"] = bool(memory)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+            if hook is not None:
+                hook.remove()
+        out[run] = params_of(model)
+        out[run + "_scale"] = scaler.get_scale()
+    return out
+
+
+@pytest.mark.parametrize("compression", ["topk", "powersgd"])  # powersgd: compressor state too
+def test_grad_scaler_skips_the_same_step_on_every_rank_and_error_feedback_is_untouched(compression):
+    results = run_workers(_amp_worker, WORLD, compression, 3)
+    for out in results:
+        assert out["all_nan"]  # every rank saw the overflow, so every rank's scaler skipped
+        assert out["had_state"] and out["state_kept"]
+        assert out["poisoned_scale"] == out["reference_scale"]
+        assert torch.equal(out["poisoned"], out["reference"])
+    assert torch.equal(results[0]["poisoned"], results[1]["poisoned"])
+
+
+# -- synchronize() / step() lifecycle ----------------------------------------------------------
+def _sync_without_step_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), groups=2)
+    loss_of(model, part(x, rank), part(y, rank)).backward()
+    opt.synchronize()  # e.g. a scaler that then skipped step()
+    opt.zero_grad()
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, part(x, rank), part(y, rank)).backward()
+        opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            loss_of(model, part(x, rank), part(y, rank)).backward()
+            opt.synchronize()
+            opt.step()  # outside skip_synchronize(): warns (once), does not exchange again
+    warned = [w for w in caught if issubclass(w.category, UserWarning) and "skip_synchronize" in str(w.message)]
+    return (params_of(model) - single_process(5)).abs().max().item(), len(warned)
+
+
+def test_synchronize_without_step_then_normal_steps_and_the_warning():
+    for diff, warned in run_workers(_sync_without_step_worker, WORLD):
+        assert diff < 1e-5
+        assert warned == 1
+
+
+def _clip_worker(rank, bad_step):
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), groups=2)
+    for step in range(5):
+        hook = poison_on(model, rank, bad_step, step)
+        opt.zero_grad()
+        loss_of(model, part(x, rank), part(y, rank)).backward()
+        opt.synchronize()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if torch.isfinite(norm):  # a non-finite norm on one rank is non-finite on all
+            with opt.skip_synchronize():
+                opt.step()
+        if hook is not None:
+            hook.remove()
+    return (params_of(model) - single_process(5, skip={bad_step}, clip=0.5)).abs().max().item()
+
+
+def test_clipping_between_synchronize_and_step_with_a_skipped_step():
+    for diff in run_workers(_clip_worker, WORLD, 2):
+        assert diff < 1e-5
+
+
+# -- defaults and Horovod arguments --------------------------------------------------------------
+def _default_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters())  # default compression, groups="auto"
+    for _ in range(5):
+        opt.zero_grad()
+        loss_of(model, part(x, rank), part(y, rank)).backward()
+        opt.step()
+    return opt.compressor.name, (params_of(model) - single_process(5)).abs().max().item()
+
+
+def test_default_compression_is_lossless():
+    for name, diff in run_workers(_default_worker, WORLD):
+        assert name == "none"
+        assert diff < 1e-5
+
+
+def _predivide_worker(rank, factor):
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    local = []
+    for r in range(WORLD):  # every rank's local gradient, computed here for the expectation
+        m = model_for_test()
+        loss_of(m, part(x, r), part(y, r)).backward()
+        local.append([p.grad.clone() for p in m.parameters()])
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  mc.Compression.none, 1, mc.Average, factor, groups=1)
+    loss_of(model, part(x, rank), part(y, rank)).backward()
+    opt.synchronize()
+    worst = 0.0
+    for i, p in enumerate(model.parameters()):
+        want = sum(g[i] * (1.0 / factor) for g in local) * (factor / WORLD)
+        worst = max(worst, (p.grad - want).abs().max().item())
+    mean = [sum(g[i] for g in local) / WORLD for i in range(len(local[0]))]
+    close_to_mean = all(torch.allclose(p.grad, m, atol=1e-6) for p, m in zip(model.parameters(), mean))
+    try:
+        mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                op=mc.Sum, gradient_predivide_factor=factor)
+        sum_rejected = False
+    except ValueError:
+        sum_rejected = True
+    return worst, close_to_mean, sum_rejected
+
+
+def test_gradient_predivide_factor_divides_before_the_sum_and_rescales_after():
+    for worst, close_to_mean, sum_rejected in run_workers(_predivide_worker, WORLD, 4.0):
+        assert worst < 1e-7 and close_to_mean and sum_rejected
+
+
+def _params_and_groups_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    out = {}
+    # named_parameters names a frozen-by-omission head too: only the optimizer's are exchanged
+    model = model_for_test()
+    extra = torch.nn.Linear(3, 3)
+    named = list(model.named_parameters()) + [("extra." + n, p) for n, p in extra.named_parameters()]
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), named)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, part(x, rank), part(y, rank)).backward()
+        opt.step()
+    out["superset"] = (params_of(model) - single_process(3)).abs().max().item()
+    out["exchanged"] = sorted(opt.param_names)
+    opt.remove_hooks()
+    # groups as lists of parameters
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(),
+                                  groups=[[model[0].weight, model[0].bias], [model[2].weight]])
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, part(x, rank), part(y, rank)).backward()
+        opt.step()
+    out["tensor_groups"] = sorted(sorted(opt.merged.tensor_names(g)) for g in opt.groups)
+    out["tensor_groups_diff"] = (params_of(model) - single_process(3)).abs().max().item()
+    opt.remove_hooks()
+    # Compression attributes, Horovod's positional order, num_groups, backward passes
+    model = model_for_test()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for codec in (mc.Compression.fp16, mc.Compression.topk):
+        opt = mc.DistributedOptimizer(sgd, model.named_parameters(), codec, 1, mc.Average, 1.0, 2)
+        out.setdefault("codecs", []).append((opt.compressor.name, len(opt.groups)))
+        loss_of(model, part(x, rank), part(y, rank)).backward()
+        opt.synchronize()
+        out.setdefault("finite", []).append(all(torch.isfinite(p.grad).all().item() for p in model.parameters()))
+        opt.zero_grad()
+        opt.remove_hooks()
+    opt = mc.DistributedOptimizer(sgd, model.named_parameters(), sparse_as_dense=True)
+    opt.set_backward_passes_per_step(2)
+    for _ in range(2):
+        loss_of(model, part(x, rank), part(y, rank)).backward()
+    opt.step()
+    out["two_passes"] = opt.merged.step
+    opt.remove_hooks()
+    errors = {}
+    for case, kwargs in {"adasum": dict(op=mc.Adasum), "process_set": dict(process_set=object())}.items():
+        try:
+            mc.DistributedOptimizer(sgd, model.named_parameters(), **kwargs)
+        except NotImplementedError as err:
+            errors[case] = str(err)
+    out["errors"] = errors
+    out["global_set"] = mc.DistributedOptimizer(sgd, model.named_parameters(),
+                                                process_set=mc.global_process_set).merged.step == 0
+    return out
+
+
+def test_horovod_arguments():
+    for out in run_workers(_params_and_groups_worker, WORLD):
+        assert out["superset"] < 1e-5
+        assert out["exchanged"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert out["tensor_groups"] == [["0.bias", "0.weight"], ["2.bias"], ["2.weight"]]
+        assert out["tensor_groups_diff"] < 1e-5
+        assert out["codecs"] == [("fp16", 2), ("topk", 2)] and all(out["finite"])
+        assert out["two_passes"] == 1
+        assert "mc.Average" in out["errors"]["adasum"]
+        assert "process_set" in out["errors"]["process_set"]
+        assert out["global_set"]
