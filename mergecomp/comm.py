@@ -13,8 +13,9 @@ Every wait has a timeout; expiry raises :class:`CommunicationError` naming what 
 from __future__ import annotations
 
 import abc
+import io
 import os
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -115,6 +116,22 @@ class Communicator(abc.ABC):
 
     def allgather(self, tensor: torch.Tensor, what: str = "allgather") -> torch.Tensor:
         return self.allgather_async(tensor).wait(what)
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Rank ``root``'s ``obj`` on every rank (pickled with ``torch.save``; two broadcasts:
+        the length, then the bytes)."""
+        if self.size == 1:
+            return obj
+        payload = torch.empty(0, dtype=torch.uint8)
+        if self.rank == root:
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        length = self.broadcast_(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), root)
+        if self.rank != root:
+            payload = torch.empty(int(length), dtype=torch.uint8)
+        payload = self.broadcast_(payload.to(self.device), root)
+        return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
 
 
 class LocalCommunicator(Communicator):

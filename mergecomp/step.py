@@ -479,9 +479,10 @@ class MergedStep:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's plan, tensor shapes, step, skipped steps, compressor state,
+        """This rank's plan, tensor shapes, world size, step, skipped steps, compressor state,
         error-feedback memory and the scheduler's choice."""
         return {"plan": self._plan.to_json(), "shapes": [list(s) for s in self.shapes],
+                "world_size": self.comm.size,
                 "order_final": self._order_final, "skipped_steps": self.skipped_steps,
                 **self.exchange.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None}
@@ -502,6 +503,12 @@ class MergedStep:
             self._install(self._make_plan(self._plan.order, plan))
         self._order_final = bool(state["order_final"])
         self.skipped_steps = int(state["skipped_steps"])
+        saved_size = state.get("world_size", self.comm.size)
+        if saved_size != self.comm.size:  # per-rank residuals and measured timings do not carry over
+            logger.warning("%s: the checkpoint was saved with %d ranks and runs on %d: error-feedback "
+                           "residuals and compressor state start afresh, and the scheduler searches again",
+                           self._who, saved_size, self.comm.size)
+            state = {**state, "memory": {}, "compressor": {}, "scheduler": None}
         self.exchange.load_state_dict(state)
         self._last_end = None
         if self._auto and self._order_final:
@@ -509,6 +516,27 @@ class MergedStep:
                 self._start_scheduler()
             if state.get("scheduler"):
                 self.scheduler.load_state_dict(state["scheduler"])
+
+    def agree_with(self, root: int) -> None:
+        """Take rank ``root``'s plan, order, step counter, skipped steps and scheduler state on
+        every rank (after a checkpoint was loaded on some ranks only; every rank calls it).
+        Error-feedback memory and compressor state stay where every rank is at ``root``'s step
+        and holds such state or none does; otherwise they start afresh on every rank (logged)."""
+        if self.in_flight:
+            raise RuntimeError(f"{self._who}: ranks can only agree between steps")
+        exchange = self.exchange
+        has_state = bool(exchange.memory.state or exchange.compressor.state)
+        seen = self.comm.allgather(torch.tensor([self.step, int(has_state)], dtype=torch.int64,
+                                                device=self.comm.device), "the resume agreement").cpu()
+        shared = self.comm.broadcast_object(
+            {k: v for k, v in self.state_dict().items() if k not in ("memory", "compressor")}, root)
+        keep = bool((seen == seen[root]).all())
+        if not keep and seen[:, 1].any():
+            logger.warning("%s: ranks resumed from different steps or not all of them loaded a checkpoint "
+                           "(steps %s): error-feedback residuals and compressor state start afresh on every "
+                           "rank", self._who, seen[:, 0].tolist())
+        self.load_state_dict({**shared, "memory": exchange.memory.state_dict() if keep else {},
+                              "compressor": exchange.compressor.state_dict() if keep else {}})
 
     def __repr__(self) -> str:
         return (f"MergedStep(compressor={self.exchange.compressor!r}, memory={self.exchange.memory!r}, "

@@ -1,7 +1,6 @@
 """Broadcasts that start every data-parallel job: parameters and optimizer state from one rank."""
 from __future__ import annotations
 
-import io
 from typing import Iterable, Mapping, Tuple, Union
 
 import torch
@@ -38,27 +37,22 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
 
 def broadcast_object(obj, root_rank: int = 0):
     """Return rank ``root_rank``'s ``obj`` on every rank (pickled with ``torch.save``)."""
-    comm = communicator()
-    if comm.size == 1:
-        return obj
-    payload = torch.empty(0, dtype=torch.uint8)
-    if comm.rank == root_rank:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    length = comm.broadcast_(torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device), root_rank)
-    if comm.rank != root_rank:
-        payload = torch.empty(int(length), dtype=torch.uint8)
-    payload = comm.broadcast_(payload.to(comm.device), root_rank)
-    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
+    return communicator().broadcast_object(obj, root_rank)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Make every rank's optimizer state (hyperparameters, momenta) equal to rank ``root_rank``'s.
 
-    For a :class:`~mergecomp.torch.DistributedOptimizer` only the wrapped optimizer's state is
-    broadcast: error-feedback residuals are per rank by design.
+    For a :class:`~mergecomp.torch.DistributedOptimizer` the merge plan, step counter and
+    scheduler state come from ``root_rank`` too (:meth:`mergecomp.step.MergedStep.agree_with`),
+    so a checkpoint loaded on ``root_rank`` alone resumes on every rank.  Error-feedback
+    residuals are per rank by design: they stay where every rank loaded its own at the same
+    step, and are reset on every rank otherwise.
     """
-    inner = getattr(optimizer, "wrapped_optimizer", optimizer)
+    from .optimizer import DistributedOptimizer
+
+    inner = optimizer.wrapped_optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
     state = broadcast_object(inner.state_dict(), root_rank)
     inner.load_state_dict(state)
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.merged.agree_with(root_rank)
