@@ -35,7 +35,7 @@ setup(
         "mergecomp.tensorflow": "frameworks/tensorflow",
     },
     package_data={"mergecomp": ["csrc/*.cpp"]},  # compiled on first use by mergecomp.native
-    install_requires=["torch>=2.1,<2.14", "numpy"],
+    install_requires=["torch>=2.1", "numpy"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
         "tf": ["tensorflow-cpu>=2.16"],  # Keras 3 on the TensorFlow backend

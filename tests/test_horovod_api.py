@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distributed import run_workers
+from test_optimizer_dist import make_data, make_model, shard, train
 
 WORLD = 2
 ROWS = 16  # per rank
@@ -301,3 +302,30 @@ def test_horovod_arguments():
         assert "mc.Average" in out["errors"]["adasum"]
         assert "process_set" in out["errors"]["process_set"]
         assert out["global_set"]
+
+
+def _optimizer_class_worker(rank):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), compression="topk", groups=1)
+    pre_hooks = []
+    opt.register_step_pre_hook(lambda *args: pre_hooks.append(1))
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = make_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for _ in range(3):
+            train(model, opt, shard(x, rank), shard(y, rank), steps=1)
+            schedule.step()
+    return (isinstance(opt, torch.optim.SGD), isinstance(opt, mc.DistributedOptimizer), type(opt).__name__,
+            len(pre_hooks), opt.param_groups[0]["lr"], len(opt.state))
+
+
+def test_the_optimizer_is_the_users_class_with_its_hooks_and_lr_schedulers():
+    """As with Horovod, the wrapper is a subclass of the user's optimizer class: isinstance checks,
+    torch's step hooks and LR schedulers work (and nothing of torch's private state is rebuilt)."""
+    for is_sgd, is_ours, name, hooks, lr, states in run_workers(_optimizer_class_worker, 2):
+        assert is_sgd and is_ours and name == "SGD"
+        assert hooks == 3 and lr == pytest.approx(0.1 * 0.5 ** 3) and states == 6  # a momentum buffer per parameter

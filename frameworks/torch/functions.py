@@ -51,8 +51,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """
     from .optimizer import DistributedOptimizer
 
-    inner = optimizer.wrapped_optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    state = broadcast_object(inner.state_dict(), root_rank)
-    inner.load_state_dict(state)
+    state = optimizer.state_dict()
+    state.pop("mergecomp", None)  # per rank; what must agree is agreed below
+    optimizer.load_state_dict(broadcast_object(state, root_rank))
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.merged.agree_with(root_rank)

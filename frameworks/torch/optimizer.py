@@ -11,7 +11,12 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
       └─ synchronize(): MergedStep.finish (parameters without a gradient count as zeros; the
          ranks agree on non-finite gradients; each group is decoded and averaged into its
          buffer); each p.grad becomes a view of its slot there
-      └─ the wrapped optimizer's own step()
+      └─ the wrapped optimizer class's own step()
+
+The result is an instance of a subclass of the wrapped optimizer's class (as Horovod builds it),
+sharing that optimizer's ``param_groups``, ``state`` and hooks, so ``isinstance`` checks, LR
+schedulers and torch's optimizer hooks see the optimizer they expect; mergecomp touches no
+private attribute of torch's.
 
 Like DDP's ``gradient_as_bucket_view=True``, ``p.grad`` aliases the merged buffer after a step
 (``zero_grad(set_to_none=False)``: the next backward accumulates straight into it).  Plans, the
@@ -21,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
@@ -41,20 +45,27 @@ Sum = "sum"
 _OPS = (Average, Sum)
 
 
-def _wrapped(name: str) -> property:
-    """The wrapped optimizer's attribute ``name``, read and written through."""
-    return property(lambda self: getattr(self._optimizer, name),
-                    lambda self, value: setattr(self._optimizer, name, value))
+_CLASSES: Dict[type, type] = {}
 
-class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
+
+def _distributed_class(base: type) -> type:
+    """``base`` with :class:`DistributedOptimizer`'s methods first; same name and module."""
+    if base not in _CLASSES:
+        _CLASSES[base] = type(base.__name__, (DistributedOptimizer, base), {"__module__": base.__module__})
+    return _CLASSES[base]
+
+
+class DistributedOptimizer(HoldsMergedStep):
     """Wrap ``optimizer`` so that gradients are merged, (optionally) compressed and averaged
     across ranks.  The positional arguments are Horovod's, in Horovod's order.
 
-    The wrapped optimizer's own ``step()`` does the update, so SGD with momentum, Adam, AdamW
-    (weight decay) and LR schedulers behave as they do on one process.
+    The wrapped optimizer class's own ``step()`` does the update, so SGD with momentum, Adam,
+    AdamW (weight decay) and LR schedulers behave as they do on one process.  The object
+    returned is an instance of the optimizer's class too (``isinstance(opt, torch.optim.SGD)``).
 
     Args:
-        optimizer: any ``torch.optim.Optimizer``; its ``param_groups`` and ``state`` are shared.
+        optimizer: any ``torch.optim.Optimizer``; its ``param_groups``, ``state`` and hooks are
+            shared (use the returned optimizer from now on).
         named_parameters: ``model.named_parameters()``: names key the merge plan and error
             messages; it may name more parameters than the optimizer holds (only the
             optimizer's are exchanged).  Default: ``param.<i>`` in the optimizer's order.
@@ -87,6 +98,13 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
     ``with opt.skip_synchronize(): scaler.step(opt)`` and ``scaler.update()``.
     """
 
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("the optimizer is already a mergecomp DistributedOptimizer")
+        return object.__new__(_distributed_class(type(optimizer)) if cls is DistributedOptimizer else cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -104,23 +122,18 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
         nonfinite: str = "propagate",
         scheduler: Optional[SchedulerConfig] = None,
     ) -> None:
-        # Not calling Optimizer.__init__: param_groups, state and defaults are the wrapped one's.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         factor = check_horovod_args(op, _OPS, gradient_predivide_factor, process_set)
         self._check_passes(backward_passes_per_step)
-        self._optimizer = optimizer
-        for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                     "load_state_dict_post"):  # torch.optim.Optimizer's hook registries
-            setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
-
-        self._params, self.param_names = collect_parameters(optimizer, named_parameters)
-        groups = resolve_groups(groups, num_groups, self._params, self.param_names)
+        # The optimizer as torch built it (param_groups, state, defaults, hook registries), shared.
+        self.__dict__.update(vars(optimizer))
+        self._given = optimizer
+        self._exchanged, self.param_names = collect_parameters(optimizer, named_parameters)
+        groups = resolve_groups(groups, num_groups, self._exchanged, self.param_names)
         comm = communicator()
         scaled = factor != 1.0  # Horovod: sum of grad / factor, times factor / size
         self.merged = MergedStep(
-            compression, memory, comm, self.param_names, [p.shape for p in self._params],
-            [p.dtype for p in self._params], self._params[0].device, groups=groups,
+            compression, memory, comm, self.param_names, [p.shape for p in self._exchanged],
+            [p.dtype for p in self._exchanged], self._exchanged[0].device, groups=groups,
             average=op == Average and not scaled, nonfinite=nonfinite, scheduler=scheduler,
             prescale=1.0 / factor, postscale=factor / comm.size if scaled else 1.0,
             who="DistributedOptimizer", tensor_kind="parameters",
@@ -128,11 +141,11 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
-        self._index = {p: i for i, p in enumerate(self._params)}
-        self._passes = [0] * len(self._params)
+        self._index = {p: i for i, p in enumerate(self._exchanged)}
+        self._passes = [0] * len(self._exchanged)
         self._synchronized = self._step_skipped = self._warned_step = False
         self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod
     def _check_passes(n: int) -> None:
@@ -145,15 +158,6 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
         if self.merged.in_flight or any(self._passes):
             raise RuntimeError("set_backward_passes_per_step() must be called between steps")
         self.backward_passes_per_step = passes
-
-    # -- the wrapped optimizer's attributes ---------------------------------------------------
-    @property
-    def wrapped_optimizer(self) -> torch.optim.Optimizer:
-        return self._optimizer
-
-    param_groups = _wrapped("param_groups")
-    state = _wrapped("state")
-    defaults = _wrapped("defaults")
 
     # -- the merged step (exchange, compressor, memory, plan, groups, scheduler, skipped_steps) --
     def set_plan(self, plan) -> None:
@@ -191,17 +195,17 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
         """
         if self._synchronized:
             return
-        self._passes = [0] * len(self._params)
+        self._passes = [0] * len(self._exchanged)
         reduced = self.merged.finish()  # raises under nonfinite="raise"
         self._synchronized = True
         self._step_skipped = reduced is None
         if reduced is not None:
-            for p, view in zip(self._params, reduced.tensors(len(self._params))):
+            for p, view in zip(self._exchanged, reduced.tensors(len(self._exchanged))):
                 if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
 
     def step(self, closure=None):
-        """Synchronize (unless inside :meth:`skip_synchronize`) and run the wrapped optimizer's step.
+        """Synchronize (unless inside :meth:`skip_synchronize`) and run the optimizer class's step.
 
         A ``closure`` is evaluated once, before the exchange, so its ``backward()`` is the one
         reduced (LBFGS-style repeated evaluation is not supported).
@@ -222,7 +226,7 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
         if self._step_skipped:
             self._step_skipped = False
             return loss
-        self._optimizer.step()
+        super().step()
         return loss
 
     @contextlib.contextmanager
@@ -240,22 +244,23 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(); the gradients being "
                                "exchanged would be lost")
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """The wrapped optimizer's state dict plus ``"mergecomp"``: plan, step, compressor
-        state, error-feedback memory (this rank's) and the scheduler's choice."""
-        state = self._optimizer.state_dict()
+        """The optimizer's state dict plus ``"mergecomp"``: plan, step, compressor state,
+        error-feedback memory (this rank's) and the scheduler's choice."""
+        state = super().state_dict()
         state["mergecomp"] = self.merged.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or a plain one of the wrapped optimizer).
+        """Load a state dict from :meth:`state_dict` (or a plain one of the optimizer's class).
         Call it between steps, on every rank, with each rank's own checkpoint."""
         state_dict = dict(state_dict)
         ours = state_dict.pop("mergecomp", None)
-        self._optimizer.load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # replaces state and param_groups: share them again
+        vars(self._given).update(state=self.state, param_groups=self.param_groups)
         if ours is not None:
             self.merged.load_state_dict(ours)
 
@@ -265,10 +270,10 @@ class DistributedOptimizer(HoldsMergedStep, torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the wrapper stops exchanging gradients)."""
-        for hook in self._hooks:
+        for hook in self._grad_hooks:
             hook.remove()
-        self._hooks = []
+        self._grad_hooks = []
 
     def __repr__(self) -> str:
-        return (f"DistributedOptimizer({self._optimizer!r}, compression={self.compressor!r}, "
+        return (f"DistributedOptimizer({super().__repr__()}, compression={self.compressor!r}, "
                 f"memory={self.memory!r}, groups={len(self.groups)})")
