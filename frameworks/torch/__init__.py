@@ -11,6 +11,10 @@ Example::
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
 """
+from .collectives import (SyncBatchNorm, allgather, allgather_async, allgather_object, allreduce, allreduce_,
+                          allreduce_async, allreduce_async_, alltoall, barrier, broadcast, broadcast_, cross_rank,
+                          cross_size, cuda_built, gloo_built, gloo_enabled, join, mpi_built, mpi_enabled,
+                          mpi_threads_supported, nccl_built, poll, rocm_built, synchronize)
 from .ddp_hook import ddp_comm_hook
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .horovod_args import global_process_set
@@ -23,10 +27,35 @@ __all__ = [
     "Compression",
     "DistributedOptimizer",
     "Sum",
+    "SyncBatchNorm",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "communicator",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "gloo_built",
+    "gloo_enabled",
+    "join",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "poll",
+    "rocm_built",
+    "synchronize",
     "global_process_set",
     "ddp_comm_hook",
     "init",
