@@ -177,3 +177,20 @@ def test_exported_from_mergecomp_torch():
                  "allgather_async", "allgather_object", "broadcast", "broadcast_", "alltoall", "synchronize",
                  "poll", "barrier", "join", "cross_rank", "cross_size", "SyncBatchNorm", "nccl_built"):
         assert name in mc.__all__ and callable(getattr(mc, name)), name
+
+
+def _early_join_worker(rank):
+    import mergecomp.torch as mc
+    from mergecomp.comm import CommunicationError
+
+    try:
+        mc.join() if rank == 0 else mc.allreduce(torch.ones(3), name="late")  # rank 0 does not serve it
+    except CommunicationError as err:
+        return str(err)
+    return "no error"
+
+
+def test_collective_after_a_rank_joined_times_out_instead_of_hanging():
+    joined, late = run_workers(_early_join_worker, 2, env={"MERGECOMP_TIMEOUT": "3"}, timeout=60)
+    assert joined.startswith("join") and "timed out" in joined
+    assert late.startswith("allreduce of 'late'") and "timed out" in late
