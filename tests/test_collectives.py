@@ -69,6 +69,8 @@ def _gather_checks(mc, rank, world):
     message = _expect_raises(ValueError, lambda: mc.allgather(bad, name="bad"),
                              "'bad'", "rank 0", f"rank {world - 1}", "first dimension")
     assert "[2, 2]" in message and "[2, 3]" in message
+    weight = torch.nn.Parameter(torch.full((1, 2), float(rank)))  # requires grad: gathered detached
+    assert mc.allgather(weight).tolist() == [[float(r)] * 2 for r in range(world)]
     objects = mc.allgather_object({"rank": rank, "payload": "x" * (10 * rank)})
     assert objects == [{"rank": r, "payload": "x" * (10 * r)} for r in range(world)]
 

@@ -196,6 +196,7 @@ def _gather_rows_async(tensor: torch.Tensor, what: str) -> Tuple[List[int], Call
     raises the same ValueError on a mismatch), then the tensors padded to the longest.
     """
     comm = communicator()
+    tensor = tensor.detach()  # not differentiable; the padded copy must not record autograd history
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
     with _named(what):
