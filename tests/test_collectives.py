@@ -46,6 +46,11 @@ def _allreduce_checks(mc, rank, world):
     # fp16 and integers
     half = mc.allreduce(base.half(), op=mc.Sum)
     assert half.dtype == torch.float16 and torch.equal(half, total.half())
+    fine = torch.full((2,), 1 + 2.0 ** -12)                      # float16 rounds it to 1
+    assert torch.equal(mc.allreduce(fine, op=mc.Sum), torch.full((2,), world * (1 + 2.0 ** -12)))
+    sent_half = mc.allreduce(fine, None, None, mc.Compression.fp16, mc.Sum)  # Horovod's positional order
+    assert sent_half.dtype == torch.float32 and torch.equal(sent_half, torch.full((2,), float(world)))
+    _expect_raises(ValueError, lambda: mc.allreduce(fine, compression="topk"), "compression")
     ints = torch.tensor([rank, -rank, 7], dtype=torch.int64)
     summed = mc.allreduce(ints, op=mc.Sum)
     assert summed.dtype == torch.int64 and summed.tolist() == [sum(range(world)), -sum(range(world)), 7 * world]

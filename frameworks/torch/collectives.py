@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mergecomp.comm import CommunicationError
 from mergecomp.runtime import _importable, communicator, is_initialized
 
-from .horovod_args import check_horovod_args
+from .horovod_args import Compression, check_horovod_args
 from .optimizer import _OPS, Average, Sum
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
@@ -164,10 +164,21 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: Any = None) -> torch.Tensor:
+              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
     """The reduction of ``tensor`` over ranks, as a new tensor (see :func:`allreduce_async_`).
-    Not differentiable (autograd does not flow through it)."""
+    Not differentiable (autograd does not flow through it).
+
+    ``compression=mc.Compression.fp16`` (in Horovod's position, the fourth argument) sends a
+    floating-point tensor as float16 and returns it in its own dtype; other tensors are sent as
+    they are.
+    """
+    if compression not in (None, Compression.none, Compression.fp16):
+        raise ValueError(f"{_what('allreduce', name)}: compression must be mc.Compression.none or "
+                         f"mc.Compression.fp16, got {compression!r}")
+    if compression == Compression.fp16 and tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+        half = tensor.detach().to(torch.float16)
+        return allreduce_(half, average, name, op, prescale_factor, postscale_factor, process_set).to(tensor.dtype)
     return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
                                        process_set))
 
