@@ -30,7 +30,7 @@ import torch
 from .comm import CommunicationError, Communicator, LocalCommunicator, default_timeout
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "communicator",
-           "detect_engine", "launcher_mismatch", "ENGINES"]
+           "detect_engine", "launcher_mismatch", "importable", "ENGINES"]
 
 logger = logging.getLogger("mergecomp")
 _comm: Optional[Communicator] = None
@@ -74,7 +74,8 @@ def _horovodrun_ancestor(pid: Optional[int] = None) -> bool:
     return False
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+    """Whether ``module`` can be found (without importing it)."""
     import importlib.util
 
     try:
@@ -116,7 +117,7 @@ def detect_engine(environ: Optional[Mapping[str, str]] = None,
             horovodrun_parent = environ is None and _horovodrun_ancestor()
         if horovodrun_parent or os.path.basename(env.get("_", "")) == "horovodrun":
             return "horovod", f"{launched_by} from an mpirun started by horovodrun (MPI controller)"
-        if environ is None and not _importable("mpi4py") and _importable("horovod"):
+        if environ is None and not importable("mpi4py") and importable("horovod"):
             return "horovod", f"{launched_by} (mpirun) and Horovod installed, mpi4py not"
         return "mpi", f"{launched_by} (mpirun/mpiexec)"
     if "WORLD_SIZE" in env:

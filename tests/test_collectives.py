@@ -170,6 +170,11 @@ def _sync_bn_worker(rank, world):
     assert torch.allclose(bn.running_var, reference.running_var, atol=1e-5)
     bn.eval()
     assert torch.allclose(bn(full[:2]), reference.eval()(full[:2]), atol=1e-5)
+    # a large mean must not cancel the variance (E[x^2] - E[x]^2 in fp32 loses it at 1e4)
+    shifted, shifted_ref = mc.SyncBatchNorm(3, affine=False), torch.nn.BatchNorm1d(3, affine=False)
+    far = 1e4 + full
+    assert torch.allclose(shifted(far[8 * rank:8 * (rank + 1)]), shifted_ref(far)[8 * rank:8 * (rank + 1)],
+                          atol=1e-3)
     return True
 
 

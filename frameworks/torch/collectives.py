@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mergecomp.comm import CommunicationError
-from mergecomp.runtime import _importable, communicator, is_initialized
+from mergecomp.runtime import communicator, importable, is_initialized
 
 from .horovod_args import Compression, check_horovod_args
 from .optimizer import _OPS, Average, Sum
@@ -34,7 +34,7 @@ from .optimizer import _OPS, Average, Sum
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
            "broadcast", "broadcast_", "alltoall", "allgather_object", "synchronize", "poll", "barrier", "join",
            "cross_rank", "cross_size", "mpi_threads_supported", "nccl_built", "mpi_built", "gloo_built",
-           "mpi_enabled", "gloo_enabled", "cuda_built", "rocm_built", "SyncBatchNorm"]
+           "mpi_enabled", "gloo_enabled", "cuda_built", "rocm_built"]
 
 #: the most dimensions a tensor given to allgather/alltoall may have (its shape is exchanged
 #: in a fixed-size header)
@@ -425,7 +425,7 @@ def nccl_built() -> bool:
 
 def mpi_built() -> bool:
     """Whether mpi4py (which the mpi engine uses) can be imported."""
-    return _importable("mpi4py")
+    return importable("mpi4py")
 
 
 def cuda_built() -> bool:
@@ -454,53 +454,3 @@ def gloo_enabled() -> bool:
     if comm.engine == "torch":
         return dist.get_backend(comm.group) == "gloo"
     return bool(_horovod("gloo_enabled"))
-
-
-# -- SyncBatchNorm ----------------------------------------------------------------------------
-class _SumOverRanks(torch.autograd.Function):
-    """Sum over ranks whose gradient is the sum over ranks of the gradients."""
-
-    @staticmethod
-    def forward(ctx, tensor):
-        return allreduce(tensor, op=Sum, name="SyncBatchNorm statistics")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return allreduce(grad, op=Sum, name="SyncBatchNorm gradients")
-
-
-class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
-    """Batch normalisation whose training-mode statistics cover the batches of all ranks.
-
-    Works on every engine and device (``torch.nn.SyncBatchNorm`` refuses CPU tensors): the
-    per-channel count, sum and sum of squares are summed over ranks with one allreduce forward
-    and one backward.  In eval mode, or on one rank, it is plain batch normalisation.  Every rank
-    must run the forward (and backward) of each SyncBatchNorm layer the same number of times.
-    """
-
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"SyncBatchNorm expects a (N, C, ...) input, got {input.dim()}-D")
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
-        if not self.training or not is_initialized() or communicator().size == 1:
-            return super().forward(input)
-        dims = [0] + list(range(2, input.dim()))
-        count = torch.full((1,), input.numel() / input.shape[1], dtype=input.dtype, device=input.device)
-        stats = torch.cat([count, input.sum(dims), (input * input).sum(dims)])
-        total = _SumOverRanks.apply(stats)
-        n, channels = total[0], input.shape[1]
-        mean = total[1:1 + channels] / n
-        var = total[1 + channels:] / n - mean * mean
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = (1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum)
-                self.running_mean.lerp_(mean.detach(), momentum)
-                self.running_var.lerp_(var.detach() * n / max(float(n) - 1, 1.0), momentum)
-        shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
