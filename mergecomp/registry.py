@@ -4,12 +4,15 @@ Built-in compressors register with ``@register_compressor("name")`` in their mod
 ``mergecomp.compressors``.  Third-party packages either use the same decorator or declare an
 entry point in the group ``mergecomp.compressors`` (``name = package.module:Class``); entry points
 are loaded lazily the first time a name is not found.
+
+``Compression`` (Horovod's name for the choice of compressor) lives here so that both front
+ends export the same class.
 """
 from __future__ import annotations
 
 import importlib
 from importlib import metadata
-from typing import Callable, Dict, Type, TypeVar
+from typing import Callable, Dict, List, Type, TypeVar
 
 ENTRY_POINT_GROUP = "mergecomp.compressors"
 
@@ -105,3 +108,23 @@ def get_memory(name: str, **kwargs):
     except KeyError:
         raise ValueError(f"unknown memory {name!r}; known memories: {', '.join(memory_names())}") from None
     return cls(**kwargs)
+
+
+class _CompressionNames(type):
+    def __getattr__(cls, name: str) -> str:
+        if not name.startswith("_") and name in compressor_names():
+            return name
+        raise AttributeError(f"Compression has no {name!r}; compressors: {compressor_names()}")
+
+    def __dir__(cls) -> List[str]:
+        return sorted(set(super().__dir__()) | set(compressor_names()))
+
+
+class Compression(metaclass=_CompressionNames):
+    """Horovod's ``Compression``: ``Compression.none`` (lossless, the default),
+    ``Compression.fp16``, and every registered compressor by name (``Compression.topk``,
+    ``Compression.powersgd``...).  Each attribute is the compressor's name, which
+    ``compression=`` accepts like the name itself."""
+
+    none = "none"
+    fp16 = "fp16"

@@ -9,7 +9,7 @@ Example (launch one process per worker with ``torchrun``, like the torch front e
     mct.init()                                    # same communicator as mergecomp.torch
     model = make_model()
     opt = mct.DistributedOptimizer(keras.optimizers.SGD(0.01 * mct.size()),
-                                   compression="topk", groups=2)
+                                   compression=mct.Compression.topk, groups=2)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")  # jit_compile stays off
     model.build(input_shape)
     mct.broadcast_variables(model.variables, root_rank=0)
@@ -17,6 +17,7 @@ Example (launch one process per worker with ``torchrun``, like the torch front e
 
 Custom loops: ``tape = mct.DistributedGradientTape(tape, compression="topk")``.
 """
+from mergecomp.registry import Compression
 from mergecomp.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 from .functions import broadcast_variables
@@ -26,6 +27,7 @@ from .reducer import GradientReducer
 
 __all__ = [
     "Average",
+    "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "GradientReducer",

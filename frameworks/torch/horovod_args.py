@@ -7,30 +7,10 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-from mergecomp.registry import compressor_names
+from mergecomp.registry import Compression
 
 __all__ = ["Adasum", "Compression", "global_process_set", "collect_parameters", "resolve_groups",
            "check_horovod_args"]
-
-
-class _CompressionNames(type):
-    def __getattr__(cls, name: str) -> str:
-        if not name.startswith("_") and name in compressor_names():
-            return name
-        raise AttributeError(f"mc.Compression has no {name!r}; compressors: {compressor_names()}")
-
-    def __dir__(cls) -> List[str]:
-        return sorted(set(super().__dir__()) | set(compressor_names()))
-
-
-class Compression(metaclass=_CompressionNames):
-    """Horovod's ``Compression``: ``Compression.none`` (lossless, the default),
-    ``Compression.fp16``, and every registered compressor by name (``Compression.topk``,
-    ``Compression.powersgd``...).  Each attribute is the compressor's name, which
-    ``compression=`` accepts like the name itself."""
-
-    none = "none"
-    fp16 = "fp16"
 
 
 class _Adasum:
