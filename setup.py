@@ -27,12 +27,14 @@ setup(
         "mergecomp.compressors",
         "mergecomp.torch",
         "mergecomp.tensorflow",
+        "mergecomp.tensorflow.keras",
     ],
     package_dir={
         "mergecomp": "mergecomp",
         "mergecomp.compressors": "compressors",
         "mergecomp.torch": "frameworks/torch",
         "mergecomp.tensorflow": "frameworks/tensorflow",
+        "mergecomp.tensorflow.keras": "frameworks/tensorflow/keras",
     },
     package_data={"mergecomp": ["csrc/*.cpp"]},  # compiled on first use by mergecomp.native
     install_requires=["torch>=2.1", "numpy"],
