@@ -85,6 +85,15 @@ def _callbacks_worker(rank):
     out["end"] = weights(model)
     out["optimizer"] = [np.asarray(v.numpy()) for v in model.optimizer.variables]
     out["raw"], out["logged"] = raw, history.history
+
+    # A model without an input shape is unbuilt at on_train_begin (Keras 3.15): broadcast after batch 1.
+    keras.utils.set_random_seed(rank)
+    lazy = keras.Sequential([keras.layers.Dense(4)])
+    lazy.compile(optimizer=mck.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=loss_fn())
+    callback = mck.callbacks.BroadcastGlobalVariablesCallback(0)
+    lazy.fit(shard(x, rank), shard(y, rank), batch_size=8, epochs=2, shuffle=False, verbose=0,
+             callbacks=[callback])
+    out["lazy"] = (weights(lazy), callback.broadcast_done)
     return out
 
 
@@ -102,3 +111,5 @@ def test_keras_callbacks_and_compression_on_two_ranks():
         mean = [(a[name] + b[name]) / 2 for a, b in zip(r0["raw"], r1["raw"])]
         np.testing.assert_allclose(r0["logged"][name], mean, rtol=1e-12)
     assert [e["loss"] for e in r0["raw"]] != [e["loss"] for e in r1["raw"]]  # the ranks' own values differ
+    assert r0["lazy"][1] and r1["lazy"][1]
+    np.testing.assert_array_equal(r0["lazy"][0], r1["lazy"][0])
