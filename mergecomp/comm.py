@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["Communicator", "Handle", "CommunicationError", "default_timeout", "launcher_local"]
+__all__ = ["Communicator", "Handle", "CommunicationError", "default_timeout", "launcher_local", "object_bytes",
+           "load_object"]
 
 
 def default_timeout() -> float:
@@ -32,6 +33,18 @@ def default_timeout() -> float:
     if seconds <= 0:
         raise ValueError(f"MERGECOMP_TIMEOUT must be positive, got {value!r}")
     return seconds
+
+
+def object_bytes(obj: Any) -> torch.Tensor:
+    """``obj`` pickled with ``torch.save``, as a 1-D uint8 tensor (for object collectives)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def load_object(raw: torch.Tensor) -> Any:
+    """The object :func:`object_bytes` turned into the uint8 CPU tensor ``raw``."""
+    return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=False)
 
 
 class CommunicationError(RuntimeError):
@@ -122,16 +135,11 @@ class Communicator(abc.ABC):
         the length, then the bytes)."""
         if self.size == 1:
             return obj
-        payload = torch.empty(0, dtype=torch.uint8)
-        if self.rank == root:
-            buffer = io.BytesIO()
-            torch.save(obj, buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        payload = object_bytes(obj) if self.rank == root else torch.empty(0, dtype=torch.uint8)
         length = self.broadcast_(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device), root)
         if self.rank != root:
             payload = torch.empty(int(length), dtype=torch.uint8)
-        payload = self.broadcast_(payload.to(self.device), root)
-        return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=False)
+        return load_object(self.broadcast_(payload.to(self.device), root).cpu())
 
 
 class LocalCommunicator(Communicator):

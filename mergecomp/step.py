@@ -378,15 +378,8 @@ class MergedStep:
             self._end_caller_groups()
         self._reset()
         if bad:
-            self._last_end = None  # a skipped or failed step is no timing sample
-            if self.nonfinite == "propagate":
-                self.exchange.rollback()
-                for flat in flats:
-                    flat.fill_(float("nan"))
-                logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", self._who,
-                               step, "; ".join(f"rank {rank}, group {name!r}" for rank, name in bad))
-                return Reduced(groups, flats)
-            return self._nonfinite(bad, groups, step)
+            self._last_end = None  # a step with NaN/Inf is no timing sample
+            return self._nonfinite(bad, Reduced(groups, flats), step)
         self.exchange.commit()
         if self.postscale != 1.0:
             for flat in flats:
@@ -412,11 +405,19 @@ class MergedStep:
             self._plan = GroupPlan(tuple(group.indices for group in self._groups))
         self._before = None
 
-    def _nonfinite(self, bad: List[Tuple[int, str]], groups: List[Group], step: int) -> None:
+    def _nonfinite(self, bad: List[Tuple[int, str]], reduced: Reduced, step: int) -> Optional[Reduced]:
+        """Apply the policy to a step in which ``bad`` (rank, group name) held NaN/Inf."""
         where = "; ".join(f"rank {rank}, group {name!r}" for rank, name in bad)
-        by_name = {group.name: group for group in groups}
-        names = sorted({n for _, name in bad for n in self.tensor_names(by_name[name])})
+        if self.nonfinite == "propagate":  # every rank's GradScaler then skips this step
+            self.exchange.rollback()
+            for flat in reduced.flats:
+                flat.fill_(float("nan"))
+            logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", self._who,
+                        step, where)
+            return reduced
         if self.nonfinite == "raise":
+            by_name = {group.name: group for group in reduced.groups}
+            names = sorted({n for _, name in bad for n in self.tensor_names(by_name[name])})
             raise FloatingPointError(f"{self._who}: non-finite gradient at step {step} ({where}); {self._kind} "
                                      f"in those groups: {names[:8]}{' ...' if len(names) > 8 else ''}")
         self.skipped_steps += 1

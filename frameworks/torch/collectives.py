@@ -17,7 +17,7 @@ Differences from Horovod, on purpose or by necessity:
 """
 from __future__ import annotations
 
-import io
+import math
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
@@ -25,10 +25,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from mergecomp.comm import CommunicationError
+from mergecomp.comm import CommunicationError, load_object, object_bytes
 from mergecomp.runtime import communicator, importable, is_initialized
 
-from .horovod_args import Compression, check_horovod_args
+from .horovod_args import Compression, check_horovod_args, check_process_set
 from .optimizer import _OPS, Average, Sum
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
@@ -223,10 +223,7 @@ def _gather_rows_async(tensor: torch.Tensor, what: str) -> Tuple[List[int], Call
                              f"shape {list(shapes[0])} and rank {r} has {list(shapes[r])}")
     firsts = [s[0] for s in shapes]
     longest, rest = max(firsts), tuple(tensor.shape[1:])
-    row = 1
-    for d in rest:
-        row *= d
-    if longest * row == 0:  # nothing to move (gloo rejects empty tensors)
+    if longest * math.prod(rest) == 0:  # nothing to move (gloo rejects empty tensors)
         empty = tensor.new_empty((sum(firsts),) + rest)
         return firsts, lambda: empty
     padded = tensor.new_zeros((longest,) + rest, device=comm.device)
@@ -259,17 +256,9 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     """A list of every rank's ``obj`` in rank order (pickled with ``torch.save``)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    what = _what("allgather_object", name)
-    sizes, finish = _gather_rows_async(payload, what)
-    data = finish().cpu().numpy().tobytes()
-    objects, start = [], 0
-    for n in sizes:
-        objects.append(torch.load(io.BytesIO(data[start:start + n]), weights_only=False))
-        start += n
-    return objects
+    sizes, finish = _gather_rows_async(object_bytes(obj), _what("allgather_object", name))
+    rows = finish().cpu()
+    return [load_object(part) for part in rows.split(sizes)]
 
 
 # -- broadcast ---------------------------------------------------------------------------------
@@ -283,7 +272,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                ) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with rank ``root_rank``'s, in place; returns ``tensor``."""
     what = _what("broadcast", name)
-    check_horovod_args(Average, _OPS, 1.0, process_set)
+    check_process_set(process_set)
     _check_root(root_rank, what)
     comm = communicator()
     work = _on_device(tensor, comm.device, copy=False)
@@ -315,7 +304,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.T
     it moves O(size x tensor) bytes per rank, not O(tensor).
     """
     what = _what("alltoall", name)
-    check_horovod_args(Average, _OPS, 1.0, process_set)
+    check_process_set(process_set)
     comm = communicator()
     if tensor.dim() == 0:
         raise ValueError(f"{what}: needs a tensor of at least one dimension")
@@ -349,7 +338,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.T
 # -- barrier, join ----------------------------------------------------------------------------
 def barrier(process_set: Any = None) -> None:
     """Return once every rank has called ``barrier`` (CommunicationError after the timeout)."""
-    check_horovod_args(Average, _OPS, 1.0, process_set)
+    check_process_set(process_set)
     comm = communicator()
     with _named("barrier"):
         comm.allreduce_(torch.zeros(1, device=comm.device), "barrier")

@@ -10,7 +10,7 @@ import torch
 from mergecomp.registry import Compression
 
 __all__ = ["Adasum", "Compression", "global_process_set", "collect_parameters", "resolve_groups",
-           "check_horovod_args"]
+           "check_horovod_args", "check_process_set"]
 
 
 class _Adasum:
@@ -43,10 +43,15 @@ def check_horovod_args(op: Any, ops: Tuple[str, ...], gradient_predivide_factor:
         raise ValueError("gradient_predivide_factor not supported with op != mc.Average")
     if factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
-    if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError("mergecomp exchanges gradients among all ranks only: process_set must be "
-                                  "None or mc.global_process_set")
+    check_process_set(process_set)
     return factor
+
+
+def check_process_set(process_set: Any) -> None:
+    """Only the global process set exists: anything else raises NotImplementedError."""
+    if process_set is not None and process_set is not global_process_set:
+        raise NotImplementedError("mergecomp runs collectives among all ranks only: process_set must be "
+                                  "None or mc.global_process_set")
 
 
 def collect_parameters(optimizer: torch.optim.Optimizer,
