@@ -31,18 +31,16 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 import torch
 
 from mergecomp.compressor import Compressor
+from mergecomp.horovod_args import Average, check_horovod_args, resolve_groups, scaling
 from mergecomp.memory import Memory, warn_double_momentum
+from mergecomp.registry import Compression
 from mergecomp.runtime import communicator
 from mergecomp.scheduler import SchedulerConfig
 from mergecomp.step import HoldsMergedStep, MergedStep
 
-from .horovod_args import Adasum, Compression, check_horovod_args, collect_parameters, resolve_groups
+from .named_parameters import collect_parameters
 
-__all__ = ["DistributedOptimizer", "Average", "Sum", "Adasum", "Compression"]
-
-Average = "average"
-Sum = "sum"
-_OPS = (Average, Sum)
+__all__ = ["DistributedOptimizer"]
 
 
 _CLASSES: Dict[type, type] = {}
@@ -122,20 +120,19 @@ class DistributedOptimizer(HoldsMergedStep):
         nonfinite: str = "propagate",
         scheduler: Optional[SchedulerConfig] = None,
     ) -> None:
-        factor = check_horovod_args(op, _OPS, gradient_predivide_factor, process_set)
+        factor = check_horovod_args(op, gradient_predivide_factor, process_set)
         self._check_passes(backward_passes_per_step)
         # The optimizer as torch built it (param_groups, state, defaults, hook registries), shared.
         self.__dict__.update(vars(optimizer))
         self._given = optimizer
         self._exchanged, self.param_names = collect_parameters(optimizer, named_parameters)
-        groups = resolve_groups(groups, num_groups, self._exchanged, self.param_names)
+        name_by_id = {id(p): n for p, n in zip(self._exchanged, self.param_names)}
+        groups = resolve_groups(groups, num_groups, lambda t: name_by_id[id(t)])
         comm = communicator()
-        scaled = factor != 1.0  # Horovod: sum of grad / factor, times factor / size
         self.merged = MergedStep(
             compression, memory, comm, self.param_names, [p.shape for p in self._exchanged],
             [p.dtype for p in self._exchanged], self._exchanged[0].device, groups=groups,
-            average=op == Average and not scaled, nonfinite=nonfinite, scheduler=scheduler,
-            prescale=1.0 / factor, postscale=factor / comm.size if scaled else 1.0,
+            nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size),
             who="DistributedOptimizer", tensor_kind="parameters",
             agree={"backward_passes_per_step": backward_passes_per_step})
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mergecomp.collectives import allreduce
+from mergecomp.horovod_args import Sum
 from mergecomp.runtime import communicator, is_initialized
-
-from .collectives import allreduce
-from .optimizer import Sum
 
 __all__ = ["SyncBatchNorm"]
 

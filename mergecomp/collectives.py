@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 
 from mergecomp.comm import CommunicationError, load_object, object_bytes
+from mergecomp.horovod_args import Average, check_process_set, resolve_op
+from mergecomp.registry import Compression
 from mergecomp.runtime import communicator, importable, is_initialized
-
-from .horovod_args import Compression, check_horovod_args, check_process_set
-from .optimizer import _OPS, Average, Sum
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
            "broadcast", "broadcast_", "alltoall", "allgather_object", "synchronize", "poll", "barrier", "join",
@@ -101,16 +100,6 @@ def poll(handle: CollectiveHandle) -> bool:
 
 
 # -- allreduce ---------------------------------------------------------------------------------
-def _resolve_op(average: Optional[bool], op: Any, process_set: Any) -> str:
-    if average is not None:
-        if op is not None:
-            raise ValueError("allreduce: give op= or the older average=, not both")
-        op = Average if average else Sum
-    op = Average if op is None else op
-    check_horovod_args(op, _OPS, 1.0, process_set)
-    return op
-
-
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = None) -> CollectiveHandle:
@@ -122,8 +111,11 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     after the division by the number of ranks).  Integer tensors: the average is the sum
     floor-divided by the number of ranks, and scale factors other than 1 raise ValueError.
     """
-    op = _resolve_op(average, op, process_set)
     what = _what("allreduce", name)
+    try:
+        op = resolve_op(average, op, process_set)
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from None
     scaled = prescale_factor != 1.0 or postscale_factor != 1.0
     integer = not (tensor.dtype.is_floating_point or tensor.dtype.is_complex)
     if integer and scaled:
