@@ -15,30 +15,26 @@ Example (launch one process per worker with ``torchrun``, like the torch front e
     mct.broadcast_variables(model.variables, root_rank=0)
     model.fit(x_shard, y_shard, epochs=3)
 
-Custom loops: ``tape = mct.DistributedGradientTape(tape, compression="topk")``.
+Custom loops: ``tape = mct.DistributedGradientTape(tape, compression=mct.Compression.topk)``.
+Horovod's ``horovod.tensorflow`` names are here with Horovod's arguments (``allreduce``,
+``broadcast``, ``broadcast_object``, ``PartialDistributedGradientTape`` ...).
 """
+from mergecomp.collectives import (cross_rank, cross_size, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                                  mpi_threads_supported, nccl_built)
+from mergecomp.horovod_args import Adasum, Average, Sum, global_process_set
 from mergecomp.registry import Compression
 from mergecomp.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 
+from .collectives import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object, join
 from .functions import broadcast_variables
 from .ops import allreduce_gradients
-from .optimizer import Average, DistributedGradientTape, DistributedOptimizer, Sum
+from .optimizer import DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape
 from .reducer import GradientReducer
 
 __all__ = [
-    "Average",
-    "Compression",
-    "DistributedGradientTape",
-    "DistributedOptimizer",
-    "GradientReducer",
-    "Sum",
-    "allreduce_gradients",
-    "broadcast_variables",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "shutdown",
-    "size",
+    "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "GradientReducer",
+    "PartialDistributedGradientTape", "Sum", "allgather", "allgather_object", "allreduce", "allreduce_gradients",
+    "barrier", "broadcast", "broadcast_object", "broadcast_variables", "cross_rank", "cross_size", "global_process_set",
+    "gloo_built", "gloo_enabled", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "shutdown", "size",
 ]

@@ -13,14 +13,14 @@ compile it: under ``jit_compile=True`` a clear error is raised.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from .bridge import to_tf, to_torch, torch_dtype
 from .reducer import GradientReducer
 
-__all__ = ["allreduce_gradients", "variable_name"]
+__all__ = ["allreduce_gradients", "exchange_gradients", "variable_name"]
 
 
 def variable_name(variable) -> str:
@@ -37,13 +37,14 @@ def _in_xla_context() -> bool:
         return False
 
 
-def _dense(grad, variable, name: str) -> tf.Tensor:
+def _dense(grad, variable, name: str, warn_sparse: bool) -> tf.Tensor:
     if grad is None:  # a variable the loss does not depend on: every rank still sends its group
         return tf.zeros(variable.shape, dtype=variable.dtype)
     if isinstance(grad, tf.IndexedSlices):
-        warnings.warn(f"variable {name!r} has a sparse gradient (tf.IndexedSlices, e.g. an embedding); "
-                      f"mergecomp exchanges it densely ({variable.shape.num_elements()} elements)",
-                      stacklevel=4)
+        if warn_sparse:
+            warnings.warn(f"variable {name!r} has a sparse gradient (tf.IndexedSlices, e.g. an embedding); "
+                          f"mergecomp exchanges it densely ({variable.shape.num_elements()} elements; "
+                          f"sparse_as_dense=True says so and silences this)", stacklevel=5)
         return tf.convert_to_tensor(grad)
     return grad
 
@@ -54,6 +55,17 @@ def allreduce_gradients(reducer: GradientReducer, grads: Sequence[Optional[tf.Te
 
     Returns dense tensors with the variables' shapes and dtypes, in the same order.
     """
+    return exchange_gradients(reducer, grads, variables)[0]
+
+
+def exchange_gradients(reducer: GradientReducer, grads: Sequence[Optional[tf.Tensor]], variables: Sequence,
+                       local: Sequence[bool] = ()) -> Tuple[List[tf.Tensor], tf.Tensor]:
+    """:func:`allreduce_gradients` with local variables (``local[i]``: keep this rank's
+    gradient) and the reducer's ``backward_passes_per_step``.
+
+    Returns the gradients and a boolean tensor: True when they are the exchanged ones, False on
+    a pass that only added them to the reducer's local sums (then the gradients are the inputs).
+    """
     variables = list(variables)
     if len(grads) != len(variables):
         raise ValueError(f"{len(grads)} gradients for {len(variables)} variables")
@@ -61,13 +73,19 @@ def allreduce_gradients(reducer: GradientReducer, grads: Sequence[Optional[tf.Te
         raise RuntimeError("mergecomp exchanges gradients in a tf.py_function, which XLA cannot compile: "
                            "pass jit_compile=False to model.compile() or tf.function()")
     names = [variable_name(v) for v in variables]
-    dense = [_dense(g, v, n) for g, v, n in zip(grads, variables, names)]
-    reducer.bind(names, [tuple(v.shape) for v in variables], [torch_dtype(g.dtype) for g in dense])
+    dense = [_dense(g, v, n, reducer.warn_sparse) for g, v, n in zip(grads, variables, names)]
+    reducer.bind(names, [tuple(v.shape) for v in variables], [torch_dtype(g.dtype) for g in dense],
+                 list(local) or None)
 
     def exchange(*tensors):
-        return [to_tf(t) for t in reducer.reduce([to_torch(t) for t in tensors])]
+        reduced = reducer.reduce([to_torch(t) for t in tensors])
+        if reduced is None:
+            return [*tensors, False]
+        return [*(to_tf(t) for t in reduced), True]
 
-    reduced = tf.py_function(exchange, dense, Tout=[g.dtype for g in dense], name="mergecomp_exchange")
+    *reduced, ready = tf.py_function(exchange, dense, Tout=[g.dtype for g in dense] + [tf.bool],
+                                     name="mergecomp_exchange")
     for out, v in zip(reduced, variables):
         out.set_shape(v.shape)
-    return list(reduced)
+    ready.set_shape([])
+    return reduced, ready

@@ -1,26 +1,29 @@
-"""Keras 3 ``DistributedOptimizer`` and ``DistributedGradientTape``: the same exchange as
-``mergecomp.torch``, reached through :func:`~.ops.allreduce_gradients`.
+"""Keras 3 ``DistributedOptimizer``, ``DistributedGradientTape`` and
+``PartialDistributedGradientTape``: the same exchange as ``mergecomp.torch``, reached through
+:func:`~.ops.exchange_gradients`, with Horovod's arguments in Horovod's order.
 
 The optimizer is the wrapped optimizer's own class with one method overridden: ``apply``
 (which Keras' ``apply_gradients`` and ``model.fit`` call) averages the gradients over ranks and
 then runs the original ``apply`` (loss-scale unscaling, clipping, weight decay, the update).
+With ``backward_passes_per_step`` N > 1 the gradients are summed locally and the update runs
+on every N-th call only; the calls in between only count ``iterations`` (as Horovod's do).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import tensorflow as tf
 
+from mergecomp.horovod_args import Average, check_horovod_args, check_process_set, resolve_groups
 from mergecomp.memory import warn_double_momentum
+from mergecomp.registry import Compression
 from mergecomp.scheduler import SchedulerConfig
 
-from .ops import allreduce_gradients
+from .collectives import check_devices
+from .ops import exchange_gradients, variable_name
 from .reducer import GradientReducer
 
-__all__ = ["DistributedOptimizer", "DistributedGradientTape", "Average", "Sum"]
-
-Average = "average"
-Sum = "sum"
+__all__ = ["DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape", "make_distributed"]
 
 _CLASSES: Dict[type, type] = {}
 
@@ -33,8 +36,29 @@ def _distributed_class(base: type) -> type:
             def apply(self, grads, trainable_variables=None):
                 variables = (list(trainable_variables) if trainable_variables is not None
                              else list(self._trainable_variables))
-                grads = allreduce_gradients(self.mergecomp_reducer, list(grads), variables)
-                return super().apply(grads, trainable_variables)
+                reducer = self.mergecomp_reducer
+                local = [id(v) in self.mergecomp_local for v in variables]
+                grads, ready = exchange_gradients(reducer, list(grads), variables, local)
+                update = super().apply
+                if reducer.passes == 1:
+                    return update(grads, trainable_variables)
+                if not self.built:  # the slots must exist before the branch that updates them
+                    self.build(variables)
+
+                def apply_now():
+                    update(grads, trainable_variables)
+
+                def count_only():
+                    self.iterations.assign_add(1)
+
+                tf.cond(ready, apply_now, count_only)
+
+            def register_local_var(self, var) -> None:
+                """Keep this rank's own gradient for ``var`` (not exchanged; divided by the number
+                of ranks unless ``scale_local_gradients=False``).  Call before the first step."""
+                if self.mergecomp_reducer.bound:
+                    raise RuntimeError("register_local_var() must be called before the first training step")
+                self.mergecomp_local.add(id(var))
 
         Distributed.__name__ = Distributed.__qualname__ = base.__name__
         Distributed.__module__ = base.__module__
@@ -42,26 +66,71 @@ def _distributed_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def DistributedOptimizer(optimizer, compression="none", memory=None, groups="auto", op: str = Average,
+def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: bool = False, device_dense: str = "",
+                         device_sparse: str = "", compression: Any = Compression.none, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op: Any = Average, gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = "auto",
+                         process_set: Any = None, scale_local_gradients: bool = True, *, memory=None,
                          nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None):
-    """Wrap a Keras 3 optimizer so that gradients are merged, compressed and averaged across ranks.
+    """Wrap a Keras 3 optimizer so that gradients are merged, (optionally) compressed and
+    averaged across ranks.  Positional arguments in ``horovod.tensorflow``'s order
+    (``mergecomp.tensorflow.keras.DistributedOptimizer`` takes ``horovod.tensorflow.keras``'s).
 
     Args:
         optimizer: a ``keras.optimizers.Optimizer`` that has not been used yet (it is rebuilt
             from its config, like Horovod does).
-        compression, memory, groups, op, nonfinite, scheduler: as in
-            :class:`~.reducer.GradientReducer` (and ``mergecomp.torch.DistributedOptimizer``);
-            ``nonfinite`` is ``"raise"`` or ``"ignore"``.
+        name: a new name for the optimizer (default: its own).
+        use_locking, device_dense, device_sparse: Horovod's TF1 and device options: only their
+            defaults are accepted (NotImplementedError otherwise).
+        compression: ``Compression.none`` (default: lossless), ``Compression.fp16`` or any
+            mergecomp compressor (name or ``Compression.<name>``).
+        sparse_as_dense: ``tf.IndexedSlices`` gradients are exchanged densely either way;
+            True does so without a warning.
+        backward_passes_per_step: sum the gradients of this many ``apply`` calls locally and
+            exchange and apply them on the last one.
+        op: ``Average`` (default) or ``Sum`` (``Adasum`` raises NotImplementedError).
+        gradient_predivide_factor: with ``Average``: divide by it before the sum, multiply the
+            sum by ``factor / size`` (Horovod's formula).
+        average_aggregated_gradients: divide the locally summed gradients by
+            ``backward_passes_per_step`` (Horovod's default, False, sums them).
+        num_groups, groups: Horovod's grouping: an int, lists of variables or of their names;
+            mergecomp's own ``groups`` specs too (default ``"auto"``: the online scheduler).
+        process_set: only the global one (None or ``global_process_set``).
+        scale_local_gradients: divide the gradients of variables registered with
+            ``register_local_var`` by the number of ranks.
+        memory, nonfinite, scheduler: mergecomp's options, as in
+            :class:`~.reducer.GradientReducer` (``nonfinite``: ``"raise"`` or ``"ignore"``).
 
     Returns an optimizer of the same class; ``optimizer.mergecomp_reducer`` holds the groups,
     the error-feedback state (``state_dict()``) and the scheduler's report.
 
     Example::
 
-        opt = mct.DistributedOptimizer(keras.optimizers.SGD(0.01 * mct.size()), compression="topk")
+        opt = mct.DistributedOptimizer(keras.optimizers.SGD(0.01 * mct.size()),
+                                       compression=mct.Compression.topk)
         model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
         model.fit(x, y)            # graph mode (tf.function); jit_compile must stay False
     """
+    _check_keras_optimizer(optimizer)
+    if optimizer.built:
+        raise ValueError("wrap the optimizer before it is used: DistributedOptimizer rebuilds it from its "
+                         "config, which would drop its state (slots, iterations)")
+    if use_locking:
+        raise NotImplementedError("use_locking applies to TF1 optimizers; Keras 3 optimizers have no such option")
+    check_devices(device_dense, device_sparse, "DistributedOptimizer")
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    options = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                   backward_passes_per_step=backward_passes_per_step,
+                   gradient_predivide_factor=gradient_predivide_factor,
+                   average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+                   process_set=process_set, scale_local_gradients=scale_local_gradients, memory=memory,
+                   nonfinite=nonfinite, scheduler=scheduler)
+    return make_distributed(type(optimizer).from_config(config), **options)
+
+
+def _check_keras_optimizer(optimizer) -> None:
     import keras
 
     if keras.backend.backend() != "tensorflow":
@@ -69,14 +138,30 @@ def DistributedOptimizer(optimizer, compression="none", memory=None, groups="aut
                          f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow; for PyTorch use mergecomp.torch)")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    if optimizer.built:
-        raise ValueError("wrap the optimizer before it is used: DistributedOptimizer rebuilds it from its "
-                         "config, which would drop its state (slots, iterations)")
-    reducer = GradientReducer(compression, memory, groups, op, nonfinite, scheduler)
+
+
+def make_distributed(optimizer, compression: Any = Compression.none, sparse_as_dense: bool = False,
+                     op: Any = Average, backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
+                     average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = "auto",
+                     process_set: Any = None, scale_local_gradients: bool = True, memory=None,
+                     nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None):
+    """Turn ``optimizer`` itself, state included, into its distributed class (what
+    :func:`DistributedOptimizer` returns) and give it its reducer; returns it."""
+    _check_keras_optimizer(optimizer)
+    if hasattr(optimizer, "mergecomp_reducer"):
+        raise TypeError("the optimizer is already a mergecomp DistributedOptimizer")
+    check_process_set(process_set)
+    reducer = GradientReducer(compression, memory, resolve_groups(groups, num_groups, variable_name), op,
+                              nonfinite, scheduler, gradient_predivide_factor=gradient_predivide_factor,
+                              backward_passes_per_step=backward_passes_per_step,
+                              average_aggregated_gradients=average_aggregated_gradients,
+                              scale_local_gradients=scale_local_gradients)
+    reducer.warn_sparse = not sparse_as_dense
     warn_double_momentum(reducer.memory, getattr(optimizer, "momentum", 0))
-    wrapped = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
-    wrapped.mergecomp_reducer = reducer
-    return wrapped
+    optimizer.__class__ = _distributed_class(type(optimizer))  # adds methods only: the state stays as it is
+    optimizer.mergecomp_reducer = reducer
+    optimizer.mergecomp_local = set()
+    return optimizer
 
 
 _TAPE_REDUCERS: Dict[tuple, GradientReducer] = {}
@@ -84,32 +169,52 @@ _TAPE_REDUCERS: Dict[tuple, GradientReducer] = {}
 
 class DistributedGradientTape:
     """Wrap a ``tf.GradientTape``: ``gradient()`` returns the gradients averaged over ranks.
+    Positional arguments in Horovod's order; the options mean what they mean for
+    :func:`DistributedOptimizer`.
 
     Horovod's pattern, creating the wrapper every step, keeps error-feedback state: the reducer
-    is shared by every tape with the same settings and the same variables (or pass ``reducer``).
+    is shared by every tape with the same settings, variables and local sources (or pass
+    ``reducer``).
 
     Example::
 
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        tape = mct.DistributedGradientTape(tape, compression="topk", groups=2)
+        tape = mct.DistributedGradientTape(tape, compression=mct.Compression.topk, groups=2)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
     """
 
-    def __init__(self, gradtape: tf.GradientTape, compression="none", memory=None, groups="auto",
-                 op: str = Average, nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
+    def __init__(self, gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                 compression: Any = Compression.none, sparse_as_dense: bool = False, op: Any = Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = "auto",
+                 process_set: Any = None, scale_local_gradients: bool = True, *, memory=None,
+                 nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
                  reducer: Optional[GradientReducer] = None) -> None:
+        check_devices(device_dense, device_sparse, "DistributedGradientTape")
+        check_horovod_args(op, gradient_predivide_factor, process_set)
         self._tape = gradtape
         self._reducer = reducer
-        self._settings = (compression, memory, groups, op, nonfinite, scheduler)
+        self._settings = (compression, memory, resolve_groups(groups, num_groups, variable_name), op, nonfinite,
+                          scheduler)
+        self._options = dict(gradient_predivide_factor=gradient_predivide_factor,
+                             scale_local_gradients=scale_local_gradients)
+        self._sparse_as_dense = sparse_as_dense
+        self._local: set = set()
+
+    def register_local_source(self, source) -> None:
+        """Return this rank's own gradient for ``source`` (not exchanged; divided by the number
+        of ranks unless ``scale_local_gradients=False``)."""
+        self._local.add(id(source))
 
     def _reducer_for(self, variables) -> GradientReducer:
         if self._reducer is None:
-            key = (repr(self._settings), tuple(id(v) for v in variables))
+            key = (repr((self._settings, self._options)), tuple(id(v) for v in variables),
+                   frozenset(self._local))
             if key not in _TAPE_REDUCERS:
-                _TAPE_REDUCERS[key] = GradientReducer(*self._settings)
+                _TAPE_REDUCERS[key] = GradientReducer(*self._settings, **self._options)
             self._reducer = _TAPE_REDUCERS[key]
+        self._reducer.warn_sparse = not self._sparse_as_dense
         return self._reducer
 
     @property
@@ -120,8 +225,32 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
-        reduced = allreduce_gradients(self._reducer_for(flat_sources), flat_grads, flat_sources)
+        local = [id(s) in self._local for s in flat_sources]
+        reduced, _ = exchange_gradients(self._reducer_for(flat_sources), flat_grads, flat_sources, local)
         return tf.nest.pack_sequence_as(sources, reduced)
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                                   compression: Any = Compression.none, sparse_as_dense: bool = False,
+                                   op: Any = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = "auto", process_set: Any = None, local_layers: Sequence = None,
+                                   scale_local_gradients: bool = True, **options) -> DistributedGradientTape:
+    """A :class:`DistributedGradientTape` that keeps the gradients of ``local_layers``' trainable
+    weights on each rank (a Keras layer or a list of layers; divided by the number of ranks
+    unless ``scale_local_gradients=False``)."""
+    import keras
+
+    layers = [] if local_layers is None else [local_layers] if isinstance(local_layers, keras.layers.Layer) \
+        else list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in layers):
+        raise ValueError("local_layers must be Keras layers (keras.layers.Layer)")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
+                                   **options)
+    for layer in layers:
+        for variable in layer.trainable_weights:
+            tape.register_local_source(variable)
+    return tape

@@ -7,7 +7,10 @@ here imports TensorFlow.  The TF front end calls :meth:`GradientReducer.reduce` 
 after the whole backward pass (TF has no per-gradient hook), so groups overlap one another's
 encoding and communication but not the backward pass.
 
-Every rank must pass the same variables (names, shapes, dtypes) in the same order.
+Every rank must pass the same variables (names, shapes, dtypes) in the same order.  Variables
+marked local (Horovod's ``register_local_var``, ``PartialDistributedGradientTape``) keep their
+own rank's gradient; with ``backward_passes_per_step`` N > 1 the gradients are summed locally
+over N calls and exchanged on the N-th.
 """
 from __future__ import annotations
 
@@ -17,13 +20,13 @@ import torch
 
 from mergecomp.comm import Communicator
 from mergecomp.exchange import Exchange, resolve
+from mergecomp.horovod_args import Average, check_horovod_args, scaling
 from mergecomp.plan import Group, GroupPlan
 from mergecomp.scheduler import MergeScheduler, SchedulerConfig
 from mergecomp.step import MergedStep
 
 __all__ = ["GradientReducer"]
 
-_OPS = ("average", "sum")
 _NONFINITE = ("raise", "ignore")
 
 
@@ -42,13 +45,23 @@ class GradientReducer:
             variables) or ``"ignore"``.
         scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``.
         comm: the communicator (default: the one :func:`mergecomp.runtime.init` set up).
+        gradient_predivide_factor: with ``op="average"``, each rank's gradient is divided by
+            this factor before the sum and the sum multiplied by ``factor / size`` (Horovod's).
+        backward_passes_per_step: exchange once every this many :meth:`reduce` calls, the sum
+            of their gradients (:meth:`reduce` returns None in between).
+        average_aggregated_gradients: divide that sum by ``backward_passes_per_step``.
+        scale_local_gradients: divide local variables' gradients by the number of ranks (as
+            the exchanged ones are averaged).
     """
 
-    def __init__(self, compression="none", memory=None, groups="auto", op: str = "average",
+    def __init__(self, compression="none", memory=None, groups="auto", op: str = Average,
                  nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
-                 comm: Optional[Communicator] = None) -> None:
-        if op not in _OPS:
-            raise ValueError(f"op must be mct.Average or mct.Sum, got {op!r}")
+                 comm: Optional[Communicator] = None, *, gradient_predivide_factor: float = 1.0,
+                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                 scale_local_gradients: bool = True) -> None:
+        factor = check_horovod_args(op, gradient_predivide_factor, None)
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite must be 'raise' or 'ignore' in the TensorFlow front end, got {nonfinite!r}")
         if comm is None:
@@ -57,8 +70,15 @@ class GradientReducer:
             comm = communicator()
         self.comm = comm
         self.compressor, self.memory = resolve(compression, memory)
-        self._settings = dict(groups=groups, average=op == "average", nonfinite=nonfinite, scheduler=scheduler)
+        self._settings = dict(groups=groups, nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size))
+        self.passes = backward_passes_per_step
+        self._average_passes = average_aggregated_gradients
+        self._scale_local = scale_local_gradients
+        self.warn_sparse = True  # a tf.IndexedSlices gradient warns that it is exchanged densely
         self.merged: Optional[MergedStep] = None
+        self._local: List[bool] = []  # per bound variable: keeps its own rank's gradient
+        self._sums: Optional[List[torch.Tensor]] = None  # gradients summed over passes so far
+        self._count = 0
 
     # -- setup ------------------------------------------------------------------------------
     @property
@@ -86,22 +106,31 @@ class GradientReducer:
             raise RuntimeError("the GradientReducer has no variables yet: call bind() or reduce() first")
         return self.merged
 
-    def bind(self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]) -> None:
-        """Fix the variables (once).  Order for merging: reversed, like the backward pass."""
+    def bind(self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype],
+             local: Optional[Sequence[bool]] = None) -> None:
+        """Fix the variables (once): ``local[i]`` marks a variable whose gradient is not
+        exchanged.  Order for merging: reversed, like the backward pass."""
+        local = [False] * len(names) if local is None else [bool(x) for x in local]
         if self.bound:
-            self._check_same(names, shapes, dtypes)
+            self._check_same(names, shapes, dtypes, local)
             return
-        self.merged = MergedStep(self.compressor, self.memory, self.comm, names, shapes, dtypes,
+        exchanged = [i for i, is_local in enumerate(local) if not is_local]
+        if not exchanged:
+            raise ValueError("every variable is local: there is no gradient to exchange")
+        self._bound_as = (list(names), [torch.Size(s) for s in shapes], list(dtypes), local)
+        self._local, self._exchanged = local, exchanged
+        self.merged = MergedStep(self.compressor, self.memory, self.comm, [names[i] for i in exchanged],
+                                 [shapes[i] for i in exchanged], [dtypes[i] for i in exchanged],
                                  torch.device("cpu"), observe_order=False, timed=False, hand_out=True,
                                  who="GradientReducer", tensor_kind="variables", cache_tag=["tf"],
                                  **self._settings)
 
-    def _check_same(self, names, shapes, dtypes) -> None:
-        merged = self.merged
-        mine = list(zip(merged.names, merged.shapes, merged.dtypes))
-        theirs = list(zip(names, (torch.Size(s) for s in shapes), dtypes))
+    def _check_same(self, names, shapes, dtypes, local) -> None:
+        mine = list(zip(*self._bound_as))
+        theirs = list(zip(names, (torch.Size(s) for s in shapes), dtypes, local))
         if mine != theirs:
-            differ = [f"{a[0]}{tuple(a[1])}:{a[2]} vs {b[0]}{tuple(b[1])}:{b[2]}"
+            differ = [f"{a[0]}{tuple(a[1])}:{a[2]}{' (local)' * a[3]} vs {b[0]}{tuple(b[1])}:{b[2]}"
+                      f"{' (local)' * b[3]}"
                       for a, b in zip(mine, theirs) if a != b][:4]
             raise ValueError(f"this GradientReducer exchanges {len(mine)} gradients and cannot take a different "
                              f"list ({len(theirs)} given; first differences: {differ}); use one reducer per "
@@ -113,19 +142,46 @@ class GradientReducer:
 
     # -- one step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def reduce(self, grads: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def reduce(self, grads: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """Reduce one step's gradients (one tensor per bound variable, any layout, read only).
 
-        Returns one tensor per variable with its shape and dtype: views of each group's result,
-        which is never written again, so the caller may keep them.
+        Returns one tensor per variable with its shape and dtype (exchanged ones: views of each
+        group's result, which is never written again, so the caller may keep them), or None on
+        a call that only adds to the local sums (``backward_passes_per_step`` > 1).
         """
         merged = self._bound()
-        if len(grads) != len(merged.names):
-            raise ValueError(f"expected {len(merged.names)} gradients, got {len(grads)}")
+        if len(grads) != len(self._local):
+            raise ValueError(f"expected {len(self._local)} gradients, got {len(grads)}")
+        if self.passes > 1:
+            grads = self._accumulate(grads)
+            if grads is None:
+                return None
         # Groups start in plan order as they fill: the first overlaps the copies of the next.
-        for i in merged.plan.order:
-            merged.add(i, grads[i])
-        return merged.finish().tensors(len(grads))
+        for j in merged.plan.order:
+            merged.add(j, grads[self._exchanged[j]])
+        out = list(grads)
+        for i, reduced in zip(self._exchanged, merged.finish().tensors(len(self._exchanged))):
+            out[i] = reduced
+        scale_local = 1.0 / self.comm.size if self._scale_local else 1.0
+        per_pass = 1.0 / self.passes if self._average_passes else 1.0
+        for i, is_local in enumerate(self._local):
+            factor = per_pass * (scale_local if is_local else 1.0)
+            if factor != 1.0:
+                out[i] = out[i] * factor
+        return out
+
+    def _accumulate(self, grads: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Add ``grads`` to the local sums; the sums on every ``passes``-th call, else None."""
+        if self._sums is None:
+            self._sums = [g.clone(memory_format=torch.contiguous_format) for g in grads]
+        else:
+            for total, g in zip(self._sums, grads):
+                total.add_(g)
+        self._count += 1
+        if self._count < self.passes:
+            return None
+        sums, self._sums, self._count = self._sums, None, 0
+        return sums
 
     def schedule_report(self) -> Dict[str, Any]:
         return self._bound().schedule_report()
