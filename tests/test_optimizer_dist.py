@@ -275,11 +275,89 @@ def _broadcast_worker(rank):
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
     momenta = torch.cat([sgd.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
-    return flat_params(model), momenta, sgd.param_groups[0]["lr"], mc.broadcast_object({"rank": rank}, 1)
+    return (flat_params(model), momenta, sgd.param_groups[0]["lr"], mc.broadcast_object({"rank": rank}, 1),
+            _zero_grad_checks(rank))
 
 
-def test_broadcast_parameters_optimizer_state_and_objects_from_root():
-    (p0, m0, lr0, obj0), (p1, m1, lr1, obj1) = run_workers(_broadcast_worker, 2)
+def _zero_grad_checks(rank):
+    """What broadcast_optimizer_state leaves in ``p.grad`` (zeros, as Horovod), and that training
+    after it is unchanged (in the same launch as the broadcast test: a launch costs seconds)."""
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    out = {}
+    for run in ("zeros", "none"):  # "none": gradients reset to None, as before zeros were left
+        model = make_model()
+        frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        model.register_parameter("frozen", frozen)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      model.named_parameters(), groups=2)
+        mc.broadcast_parameters(model.state_dict(), root_rank=0)
+        mc.broadcast_optimizer_state(opt, root_rank=0)
+        if run == "zeros":
+            out["zero_grads"] = all(p.grad is not None and not p.grad.is_sparse and p.grad.shape == p.shape
+                                    and p.grad.dtype == p.dtype and not p.grad.any() for p in trainable)
+            out["frozen_none"] = frozen.grad is None
+            out["no_state"] = len(opt.state) == 0  # no step was taken
+        else:
+            for p in trainable:
+                p.grad = None
+        for step in range(4):
+            if step:  # step 0: backward accumulates into what broadcast_optimizer_state left
+                opt.zero_grad(set_to_none=step == 1)
+            torch.nn.functional.cross_entropy(model(shard(x, rank)), shard(y, rank)).backward()
+            opt.step()
+        out["params_" + run] = torch.cat([p.detach().reshape(-1) for p in trainable])
+    reference = make_model()
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), x, y, steps=4)
+    out["reference"] = flat_params(reference)
+
+    # a plain optimizer: a gradient already there is kept; no step is taken
+    lin = torch.nn.Linear(4, 2)
+    given = torch.full_like(lin.weight, 7.0)
+    lin.weight.grad = given
+    adam = torch.optim.Adam(lin.parameters(), lr=0.01)
+    mc.broadcast_optimizer_state(adam, root_rank=0)
+    out["kept"] = lin.weight.grad is given and bool((given == 7).all())
+    out["bias_zero"] = lin.bias.grad is not None and not lin.bias.grad.any()
+    adam.step()
+    out["adam_step"] = adam.state[lin.weight]["step"].item()
+    # once the optimizer has state, missing gradients stay missing
+    adam.zero_grad()
+    mc.broadcast_optimizer_state(adam, root_rank=0)
+    out["stateful_none"] = all(p.grad is None for p in lin.parameters())
+    # SparseAdam rejects dense gradients: its zeros are sparse, and the next step works
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    before = emb.weight.detach().clone()
+    sparse_adam = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    mc.broadcast_optimizer_state(sparse_adam, root_rank=0)
+    out["sparse_zero"] = emb.weight.grad.is_sparse and not emb.weight.grad.to_dense().any()
+    emb(torch.tensor([1, 3])).sum().backward()
+    sparse_adam.step()
+    out["sparse_rows"] = (emb.weight.detach() != before).any(dim=1).nonzero().flatten().tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def broadcasts():
+    return run_workers(_broadcast_worker, 2)
+
+
+def test_broadcast_parameters_optimizer_state_and_objects_from_root(broadcasts):
+    (p0, m0, lr0, obj0, _), (p1, m1, lr1, obj1, _) = broadcasts
     assert torch.equal(p0, p1) and torch.equal(m0, m1)
     assert lr0 == lr1 == pytest.approx(0.1)
     assert obj0 == obj1 == {"rank": 1}
+
+
+def test_broadcast_optimizer_state_leaves_zero_gradients_and_training_is_unchanged(broadcasts):
+    """As after Horovod's: zero gradients where the optimizer has no state yet (no step taken);
+    the DistributedOptimizer's next backward accumulates into them and gives the same result."""
+    for *_, out in broadcasts:
+        assert out["zero_grads"] and out["frozen_none"] and out["no_state"]
+        assert torch.equal(out["params_zeros"], out["params_none"])  # bit for bit as without them
+        assert (out["params_zeros"] - out["reference"]).abs().max().item() < 1e-5
+        assert out["kept"] and out["bias_zero"] and out["adam_step"] == 1
+        assert out["stateful_none"]
+        assert out["sparse_zero"] and out["sparse_rows"] == [1, 3]

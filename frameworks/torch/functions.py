@@ -48,11 +48,28 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     so a checkpoint loaded on ``root_rank`` alone resumes on every rank.  Error-feedback
     residuals are per rank by design: they stay where every rank loaded its own at the same
     step, and are reset on every rank otherwise.
+
+    When this rank's optimizer has no per-parameter state yet, each parameter that requires a
+    gradient and has none is given a zero gradient (sparse for ``SparseAdam``), as Horovod's
+    leaves it; Horovod takes a zero-gradient step to create the state, mergecomp takes no
+    step.  Existing gradients are left as they are.
     """
     from .optimizer import DistributedOptimizer
 
     state = optimizer.state_dict()
     state.pop("mergecomp", None)  # per rank; what must agree is agreed below
+    if not state["state"]:
+        _zero_missing_grads(optimizer)
     optimizer.load_state_dict(broadcast_object(state, root_rank))
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.merged.agree_with(root_rank)
+
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Give each parameter of ``optimizer`` that requires a gradient and has none a zero one."""
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)  # it rejects dense gradients
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zero = torch.zeros_like(p, memory_format=torch.preserve_format)
+                p.grad = zero.to_sparse() if sparse else zero
