@@ -319,13 +319,21 @@ def _optimizer_class_worker(rank):
         for _ in range(3):
             train(model, opt, shard(x, rank), shard(y, rank), steps=1)
             schedule.step()
+    opt.remove_hooks()
+    # After load_state_dict (torch then wraps the class's step() for hooks) each hook still runs once.
+    reloaded = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    reloaded_hooks = []
+    reloaded.register_step_pre_hook(lambda *args: reloaded_hooks.append(1))
+    reloaded.load_state_dict(reloaded.state_dict())
+    train(model, reloaded, shard(x, rank), shard(y, rank), steps=2)
     return (isinstance(opt, torch.optim.SGD), isinstance(opt, mc.DistributedOptimizer), type(opt).__name__,
-            len(pre_hooks), opt.param_groups[0]["lr"], len(opt.state))
+            len(pre_hooks), opt.param_groups[0]["lr"], len(opt.state), len(reloaded_hooks))
 
 
 def test_the_optimizer_is_the_users_class_with_its_hooks_and_lr_schedulers():
     """As with Horovod, the wrapper is a subclass of the user's optimizer class: isinstance checks,
     torch's step hooks and LR schedulers work (and nothing of torch's private state is rebuilt)."""
-    for is_sgd, is_ours, name, hooks, lr, states in run_workers(_optimizer_class_worker, 2):
+    for is_sgd, is_ours, name, hooks, lr, states, reloaded in run_workers(_optimizer_class_worker, 2):
         assert is_sgd and is_ours and name == "SGD"
         assert hooks == 3 and lr == pytest.approx(0.1 * 0.5 ** 3) and states == 6  # a momentum buffer per parameter
+        assert reloaded == 2

@@ -261,6 +261,14 @@ class DistributedOptimizer(HoldsMergedStep):
         if ours is not None:
             self.merged.load_state_dict(ours)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """The optimizer class's own ``__setstate__`` (``load_state_dict`` and unpickling call
+        it), without the ``step`` that torch then sets on this subclass: the wrapped class's
+        ``step`` already runs the step hooks, and a second wrapper here would run each twice."""
+        super().__setstate__(state)
+        if "step" in vars(type(self)):
+            delattr(type(self), "step")
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise NotImplementedError("add_param_group() after wrapping is not supported: add the parameters "
                                   "to the optimizer before creating the DistributedOptimizer")
