@@ -412,6 +412,17 @@ def test_onebit_decodes_to_side_means():
     assert torch.equal(means, torch.tensor([1.0, 0.0]))  # no negative element
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_onebit_keeps_the_mean_of_a_tiny_side(dtype):
+    x = -(torch.rand(20_000) + 0.5)
+    x[[3, 9000, 17000]] = torch.tensor([1e-3, 2e-3, 4e-3])  # 3 small positives
+    x = x.to(dtype)
+    (_, means), _ = make("onebit").compress(x, "g")
+    exact = x.double()
+    expected = torch.stack([exact[exact >= 0].mean(), exact[exact < 0].mean()])
+    torch.testing.assert_close(means.double(), expected, rtol=1e-5, atol=0)
+
+
 def test_efsignsgd_scale():
     x = torch.tensor([1.0, -2.0, 3.0, -4.0, 0.0])
     c = make("efsignsgd")

@@ -20,37 +20,41 @@ class _Reductions:
     """0-d tensors in ``work_dtype(x.dtype)``: slots of ``fused`` (a kernel's fp64 results) when
     given, else reduced from ``x`` on demand."""
 
-    _TOTAL: int  # slot of sum x in the fused results
-
     def __init__(self, x: torch.Tensor, fused: Optional[torch.Tensor] = None) -> None:
         self._x = x
         self._work = work_dtype(x.dtype)
         self._fused = None if fused is None else fused.to(self._work)
 
-    def total(self) -> torch.Tensor:
-        """``sum x``."""
-        if self._fused is not None:
-            return self._fused[self._TOTAL]
-        return self._x.sum(dtype=self._work)
-
 
 class SignStats(_Reductions):
     """What :func:`mergecomp.codecs.pack_signs` learns about ``x`` besides its sign bits:
-    :meth:`total`, :meth:`magnitude` and :meth:`nonnegative`."""
-
-    _TOTAL = 0
+    :meth:`nonnegative_sum`, :meth:`negative_sum`, :meth:`magnitude` and :meth:`nonnegative`.  Each side
+    is summed on its own, so a side of a few small elements keeps its digits beside a large
+    one (``sum x`` and ``sum |x|`` would cancel)."""
 
     def __init__(self, x: torch.Tensor, fused: Optional[torch.Tensor] = None,
                  positive: Optional[torch.Tensor] = None) -> None:
-        """``fused``: the kernel's fp64 ``[sum x, sum |x|, count(x >= 0)]``; else ``positive``:
-        the bool mask ``x >= 0`` the bits were packed from."""
+        """``fused``: the kernel's fp64 ``[sum of the x >= 0, sum of the x < 0, count(x >= 0)]``;
+        else ``positive``: the bool mask ``x >= 0`` the bits were packed from."""
         super().__init__(x, fused)
         self._positive = positive
+
+    def nonnegative_sum(self) -> torch.Tensor:
+        """The sum of the elements ``>= 0``."""
+        if self._fused is not None:
+            return self._fused[0]
+        return torch.clamp_min(self._x, 0).sum(dtype=self._work)
+
+    def negative_sum(self) -> torch.Tensor:
+        """The sum of the elements ``< 0``."""
+        if self._fused is not None:
+            return self._fused[1]
+        return torch.clamp_max(self._x, 0).sum(dtype=self._work)
 
     def magnitude(self) -> torch.Tensor:
         """``sum |x|``."""
         if self._fused is not None:
-            return self._fused[1]
+            return self._fused[0] - self._fused[1]
         return torch.linalg.vector_norm(self._x, 1, dtype=self._work)
 
     def nonnegative(self) -> torch.Tensor:
@@ -63,14 +67,18 @@ class SignStats(_Reductions):
 class Moments(_Reductions):
     """:meth:`extremes`, :meth:`total` and :meth:`squares` of a non-empty ``x``."""
 
-    _TOTAL = 2
-
     def extremes(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(min x, max x)``."""
         if self._fused is not None:
             return self._fused[0], self._fused[1]
         low, high = torch.aminmax(self._x)
         return low.to(self._work), high.to(self._work)
+
+    def total(self) -> torch.Tensor:
+        """``sum x``."""
+        if self._fused is not None:
+            return self._fused[2]
+        return self._x.sum(dtype=self._work)
 
     def squares(self) -> torch.Tensor:
         """``sum x^2``."""

@@ -135,7 +135,8 @@ const std::vector<uint64_t> EXPAND = [] {
 }();
 
 // The sign bits of v[i] (v = x, or the momentum m = m + weight * (x - m), updated in place)
-// packed into out, with stats = {sum v, sum |v|, count of v >= 0}.
+// packed into out, with stats = {sum of the v >= 0, sum of the v < 0, count of v >= 0}: each
+// side summed on its own (fp64), so a small side keeps its digits beside a large one.
 template <bool Momentum>
 void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t* out, double* stats,
                      int threads) {
@@ -149,23 +150,24 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
       const float* src = x + start;
       float* mom = Momentum ? m + start : nullptr;
       uint8_t* c = codes.data();
-      double sum = 0, magnitude = 0;
-      int64_t positive = 0;
-#pragma omp simd reduction(+ : sum, magnitude, positive)
+      double above = 0, below = 0;
+      int32_t positive = 0;  // len <= BLOCK
+#pragma omp simd reduction(+ : above, below, positive)
       for (int64_t k = 0; k < len; ++k) {
         float v = src[k];
         if (Momentum) mom[k] = v = mom[k] + weight * (v - mom[k]);
         const uint8_t bit = v >= 0.0f;
         c[k] = bit;
         positive += bit;
-        sum += v;
-        magnitude += std::fabs(v);
+        const double d = v;  // zeros add nothing to either side
+        above += std::max(d, 0.0);
+        below += std::min(d, 0.0);
       }
       const int64_t padded = (len + 7) / 8 * 8;
       std::fill(codes.begin() + len, codes.begin() + padded, 0);
       pack_codes(c, padded, 1, out + start / 8);
-      p[3 * b] = sum;
-      p[3 * b + 1] = magnitude;
+      p[3 * b] = above;
+      p[3 * b + 1] = below;
       p[3 * b + 2] = static_cast<double>(positive);
     }
   });
@@ -178,7 +180,7 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
 
 extern "C" {
 
-int mc_abi_version() { return 6; }
+int mc_abi_version() { return 7; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -277,7 +279,8 @@ void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* va
 }
 
 // Packs the sign bits x[i] >= 0 (1 bit per element, as mergecomp.codecs.pack_signs) into
-// out (ceil(n / 8) bytes) and writes stats = {sum x, sum |x|, count of x >= 0}.
+// out (ceil(n / 8) bytes) and writes stats = {sum of the x >= 0, sum of the x < 0, count of
+// x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
   pack_signs_impl<false>(x, nullptr, 0.0f, n, out, stats, threads);
 }
