@@ -1,7 +1,8 @@
 """Single-process tests of every registered compressor.
 
 Several ranks are simulated in-process: each fake rank has its own compressor instance (state is
-per rank), summable payloads are added elementwise, the others are handed over as a list.
+per rank), summable payloads are added elementwise, the others travel as an allgather delivers
+them (packed into bytes by the pipeline's own packing, one row per rank, unpacked in place).
 Every test runs twice: with the native fp32 CPU kernels (mergecomp.native) and on the eager
 torch path.
 """
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 import mergecomp
 from mergecomp import bitpack, native
+from mergecomp.exchange import pack_payload, unpack_payload
 from mergecomp.sparse import num_selected
 
 ALL = mergecomp.compressor_names()
@@ -48,6 +50,14 @@ def add_payloads(payloads):
     return tuple(torch.stack(parts).sum(dim=0).to(parts[0].dtype) for parts in zip(*payloads))
 
 
+def gather_payloads(payloads):
+    """What an allgather of the ranks' payloads delivers: each packed into bytes as the pipeline
+    packs it, the rows gathered into one ``(ranks, bytes)`` buffer, each row unpacked in place."""
+    packed = [pack_payload(p) for p in payloads]
+    rows = torch.cat([raw for raw, _ in packed]).view(len(packed), -1)
+    return [unpack_payload(row, packed[0][1]) for row in rows]
+
+
 def run_rounds(compressors, xs, group="g", shapes=None):
     """Compress on every fake rank and run the intermediate rounds: the last round's
     (payload, ctx) per rank."""
@@ -61,10 +71,11 @@ def run_rounds(compressors, xs, group="g", shapes=None):
 def finish(compressors, steps, average=True):
     """What every rank gets from the last round's payloads: one result per rank."""
     payloads = [p for p, _ in steps]
-    arrived = [add_payloads(payloads)] if compressors[0].summable else payloads
-    # every rank receives its own copy (aggregate may reuse the received buffers)
-    return [c.aggregate([tuple(t.clone() for t in p) for p in arrived], ctx, len(steps), average)
-            for c, (_, ctx) in zip(compressors, steps)]
+
+    def arrived():  # every rank receives its own copy (aggregate may reuse the received buffers)
+        return [add_payloads(payloads)] if compressors[0].summable else gather_payloads(payloads)
+
+    return [c.aggregate(arrived(), ctx, len(steps), average) for c, (_, ctx) in zip(compressors, steps)]
 
 
 def exchange(compressors, xs, group="g", shapes=None, average=True):
@@ -152,9 +163,9 @@ def test_payload_and_ctx_do_not_depend_on_values(name):
         assert all(same(ctx, ctxs[0]) for ctx in ctxs)
 
 
+@pytest.mark.parametrize("n", [300, 0])
 @pytest.mark.parametrize("name", ALL)
-def test_aggregate_of_three_ranks(name):
-    n = 300
+def test_aggregate_of_three_ranks(name, n):
     compressors = [make(name) for _ in range(3)]
     steps = run_rounds(compressors, [torch.randn(n) for _ in compressors])
     local = [c.decompress(p, ctx) for c, (p, ctx) in zip(compressors, steps)]
