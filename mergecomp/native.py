@@ -40,7 +40,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -320,10 +320,11 @@ def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Ten
 
 
 def moments(x: torch.Tensor) -> torch.Tensor:
-    """fp64 ``[min x, max x, sum x, sum x^2]`` of a non-empty ``x`` in one pass."""
+    """fp64 ``[min x, max x, sum (x - mean x)^2]`` of a non-empty ``x`` in one pass over memory
+    (the squared deviations summed stably: no cancellation however large the mean)."""
     if x.numel() == 0:
         raise ValueError("moments of an empty tensor")
-    stats = torch.empty(4, dtype=torch.float64)
+    stats = torch.empty(3, dtype=torch.float64)
     _library().mc_moments(_buf("x", x, torch.float32, x.numel()), x.numel(), stats.data_ptr(), _threads())
     return stats
 

@@ -125,10 +125,11 @@ def test_moments_same_on_both_paths(n):
 
     def reduce(x):
         stats = codecs.moments(x)
-        return torch.stack([*stats.extremes(), stats.total(), stats.squares()])
+        return torch.stack([*stats.extremes(), stats.deviations()])
 
     fast, eager = both_paths(reduce, x)
-    expected = torch.stack([x.min(), x.max(), x.double().sum().float(), x.double().square().sum().float()])
+    exact = x.double()
+    expected = torch.stack([x.min(), x.max(), (exact - exact.mean()).square().sum().float()])
     torch.testing.assert_close(fast, expected, rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(eager, fast, rtol=1e-5, atol=1e-3)
 

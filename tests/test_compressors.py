@@ -378,6 +378,13 @@ def test_terngrad_clipping_and_ternary_codes():
     assert torch.all((out == 0) | (torch.sign(out) == torch.sign(x)))
 
 
+@pytest.mark.parametrize("dtype, spread", [(torch.float32, 1.0), (torch.float16, 30.0)], ids=str)
+def test_terngrad_clips_at_the_std_of_a_gradient_with_a_large_mean(dtype, spread):
+    x = (1e4 + spread * torch.randn(20_000, dtype=torch.float64)).to(dtype)
+    (_, scalar), _ = make("terngrad", clip=2.5).compress(x, "g")
+    torch.testing.assert_close(scalar[0].double(), 2.5 * x.double().std(), rtol=1e-5, atol=0)
+
+
 def test_terngrad_constant_tensor_not_clipped_to_zero():
     x = torch.full((100,), 0.5)
     out, _ = roundtrip(make("terngrad"), x)

@@ -1,7 +1,7 @@
 """Reductions of one tensor that a fused kernel computes in the pass it makes anyway.
 
-On the native path they come with that pass; on the torch path each is one reduction, run when
-the caller reads it (again at each read), so a caller pays only for the sums it uses.  Those
+On the native path they come with that pass; on the torch path each is reduced when the caller
+reads it (again at each read), so a caller pays only for the sums it uses.  Those
 read the tensor then: read them before it changes.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class SignStats(_Reductions):
 
 
 class Moments(_Reductions):
-    """:meth:`extremes`, :meth:`total` and :meth:`squares` of a non-empty ``x``."""
+    """:meth:`extremes` and :meth:`deviations` of a non-empty ``x``."""
 
     def extremes(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(min x, max x)``."""
@@ -74,20 +74,16 @@ class Moments(_Reductions):
         low, high = torch.aminmax(self._x)
         return low.to(self._work), high.to(self._work)
 
-    def total(self) -> torch.Tensor:
-        """``sum x``."""
+    def deviations(self) -> torch.Tensor:
+        """``sum (x - mean x)^2``, without the cancellation of ``sum x^2 - (sum x)^2 / n`` when
+        the mean is large beside the spread (torch's ``var``, a stable reduction, on the torch
+        path)."""
         if self._fused is not None:
             return self._fused[2]
-        return self._x.sum(dtype=self._work)
-
-    def squares(self) -> torch.Tensor:
-        """``sum x^2``."""
-        if self._fused is not None:
-            return self._fused[3]
-        return torch.linalg.vector_norm(self._x, dtype=self._work).square()
+        return torch.var(self._x.to(self._work), correction=0) * self._x.numel()
 
 
 def moments(x: torch.Tensor) -> Moments:
-    """The :class:`Moments` of the non-empty ``x`` (any shape): all from one pass on the native
-    path, each reduced when read on the torch path."""
+    """The :class:`Moments` of the non-empty ``x`` (any shape): all from one pass over memory on
+    the native path, each reduced when read on the torch path."""
     return Moments(x, native.moments(x) if native.usable(x) else None)
