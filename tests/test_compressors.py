@@ -266,6 +266,15 @@ def test_topk_keeps_the_k_largest(selection, n):
     assert torch.equal(dense[indices.long()], values)
 
 
+def test_k_is_the_exact_ceiling_of_ratio_times_n():
+    # 0.07 * 200 is 14.000000000000002 in floating point: a float ceiling keeps 15
+    for n, ratio, k in [(200, 0.07, 14), (100, 0.07, 7), (201, 0.07, 15), (5, 0.01, 1), (0, 0.5, 0)]:
+        assert num_selected(n, ratio) == k, (n, ratio)
+        for name in ("topk", "dgc"):
+            (values, indices), _ = make(name, ratio=ratio).compress(torch.randn(n), "g")
+            assert values.numel() == indices.numel() == k, (name, n, ratio)
+
+
 @pytest.mark.parametrize("n", [10, 5000, 200_000])
 def test_dgc_returns_exactly_k(n):
     x = torch.randn(n)
