@@ -24,11 +24,10 @@ class OneBitCompressor(SignValueCompressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         packed, stats = pack_signs(tensor, empty=self.scratch)
-        # The sides' sums from sum(x) = pos + neg and sum(|x|) = pos - neg, no masked copies.
-        total, magnitude, count_pos = stats.total(), stats.magnitude(), stats.nonnegative()
+        count_pos = stats.nonnegative()
         count_neg = tensor.numel() - count_pos
-        mean_pos = (total + magnitude) / 2 / count_pos.clamp_min(1)
-        mean_neg = (total - magnitude) / 2 / count_neg.clamp_min(1)
+        mean_pos = stats.nonnegative_sum() / count_pos.clamp_min(1)
+        mean_neg = stats.negative_sum() / count_neg.clamp_min(1)
         means = torch.stack([mean_pos, mean_neg]).to(torch.float32)
         return (packed, means), (tensor.numel(), tensor.dtype)
 

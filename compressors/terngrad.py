@@ -39,12 +39,11 @@ class TernGradCompressor(Compressor):
         if numel == 0:
             return (bitpack.pack(tensor.new_empty(0, dtype=torch.uint8), 2),
                     torch.zeros(1, device=tensor.device)), (numel, tensor.dtype)
-        stats = moments(tensor)  # min, max, sum and sum of squares: one pass where fused
+        stats = moments(tensor)  # min, max and squared deviations: one pass where fused
         low, high = stats.extremes()
         s = torch.maximum(-low, high)
         if self.clip is not None and numel >= 2:
-            total, squares = stats.total(), stats.squares()  # 3x cheaper than x.std() eagerly
-            std = ((squares - total * total / numel).clamp_min(0) / (numel - 1)).sqrt()
+            std = (stats.deviations() / (numel - 1)).sqrt()
             bound = std * self.clip
             s = torch.where(bound > 0, torch.minimum(s, bound), s)
         scalar = s.to(torch.float32).reshape(1)

@@ -50,11 +50,14 @@ def pack_payload(payload: Payload) -> Tuple[torch.Tensor, List[Spec]]:
 
 
 def unpack_payload(raw: torch.Tensor, specs: Sequence[Spec]) -> Payload:
-    """Views of ``raw`` (one rank's packed bytes) as the payload tensors described by ``specs``."""
+    """Views of ``raw`` (one rank's packed bytes) as the payload tensors described by ``specs``;
+    a tensor without elements comes back as a new empty tensor (the zero-byte rows of a gathered
+    ``(ranks, 0)`` buffer start at unaligned offsets, which no dtype view accepts)."""
     tensors, offset = [], 0
     for dtype, shape in specs:
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        tensors.append(raw[offset:offset + nbytes].view(dtype).view(shape))
+        tensors.append(raw[offset:offset + nbytes].view(dtype).view(shape) if nbytes
+                       else raw.new_empty(shape, dtype=dtype))
         offset += nbytes + (-nbytes) % _ALIGN
     return tuple(tensors)
 

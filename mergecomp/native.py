@@ -40,7 +40,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 6
+_ABI_VERSION = 8
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -256,7 +256,7 @@ def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,
 
 def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The sign bits ``x >= 0`` packed into ``out`` (``ceil(n / 8)`` uint8) and, from the same
-    pass, the fp64 tensor ``[sum x, sum |x|, count(x >= 0)]``."""
+    pass, the fp64 tensor ``[sum of the x >= 0, sum of the x < 0, count(x >= 0)]``."""
     n = x.numel()
     stats = torch.empty(3, dtype=torch.float64)
     _library().mc_pack_signs(_buf("x", x, torch.float32, n), n, _buf("out", out, torch.uint8, -(-n // 8)),
@@ -320,10 +320,11 @@ def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Ten
 
 
 def moments(x: torch.Tensor) -> torch.Tensor:
-    """fp64 ``[min x, max x, sum x, sum x^2]`` of a non-empty ``x`` in one pass."""
+    """fp64 ``[min x, max x, sum (x - mean x)^2]`` of a non-empty ``x`` in one pass over memory
+    (the squared deviations summed stably: no cancellation however large the mean)."""
     if x.numel() == 0:
         raise ValueError("moments of an empty tensor")
-    stats = torch.empty(4, dtype=torch.float64)
+    stats = torch.empty(3, dtype=torch.float64)
     _library().mc_moments(_buf("x", x, torch.float32, x.numel()), x.numel(), stats.data_ptr(), _threads())
     return stats
 

@@ -1,8 +1,9 @@
 """Sparse payloads (values + int32 indices), written once for every sparsifier.
 
 Wire format of a :class:`SparseCompressor` payload: ``(values, indices)``, ``values`` in the
-gradient's dtype and ``indices`` int32, both of length ``k = max(1, ceil(ratio * numel))`` —
-a function of numel and ratio only, so every rank sends the same number of bytes.
+gradient's dtype and ``indices`` int32, both of length ``k = max(1, ceil(ratio * numel))``
+(:func:`num_selected`, exact) — a function of numel and ratio only, so every rank sends the same
+number of bytes.
 
 Also here: a fast top-k selection for large merged buffers (a threshold estimated from a strided
 sample, then an exact top-k among the candidates above it, found by
@@ -11,8 +12,10 @@ and the shared-seed index trick used by rand-k.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
+from fractions import Fraction
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -36,8 +39,19 @@ _MIN_SAMPLE = 16384
 
 
 def num_selected(numel: int, ratio: float) -> int:
-    """How many elements a sparsifier with ``ratio`` keeps out of ``numel``."""
-    return min(numel, max(1, math.ceil(ratio * numel)))
+    """How many elements a sparsifier with ``ratio`` keeps out of ``numel``:
+    ``min(numel, max(1, ceil(ratio * numel)))``, the product taken exactly in integers with
+    ``ratio`` read as the shortest decimal that gives the float (its ``repr``: 0.07 is 7/100,
+    so 200 elements keep 14, where the float product 14.000000000000002 would round up)."""
+    numerator, denominator = _as_decimal(float(ratio))
+    return min(numel, max(1, -(-numerator * numel // denominator)))
+
+
+@functools.lru_cache(maxsize=64)
+def _as_decimal(ratio: float) -> Tuple[int, int]:
+    """``ratio`` as the fraction ``(numerator, denominator)`` of its ``repr`` (parsed once)."""
+    exact = Fraction(repr(ratio))
+    return exact.numerator, exact.denominator
 
 
 def topk_indices(magnitude: torch.Tensor, k: int, method: str = "exact") -> torch.Tensor:

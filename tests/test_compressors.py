@@ -1,7 +1,8 @@
 """Single-process tests of every registered compressor.
 
 Several ranks are simulated in-process: each fake rank has its own compressor instance (state is
-per rank), summable payloads are added elementwise, the others are handed over as a list.
+per rank), summable payloads are added elementwise, the others travel as an allgather delivers
+them (packed into bytes by the pipeline's own packing, one row per rank, unpacked in place).
 Every test runs twice: with the native fp32 CPU kernels (mergecomp.native) and on the eager
 torch path.
 """
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 import mergecomp
 from mergecomp import bitpack, native
+from mergecomp.exchange import pack_payload, unpack_payload
 from mergecomp.sparse import num_selected
 
 ALL = mergecomp.compressor_names()
@@ -48,6 +50,14 @@ def add_payloads(payloads):
     return tuple(torch.stack(parts).sum(dim=0).to(parts[0].dtype) for parts in zip(*payloads))
 
 
+def gather_payloads(payloads):
+    """What an allgather of the ranks' payloads delivers: each packed into bytes as the pipeline
+    packs it, the rows gathered into one ``(ranks, bytes)`` buffer, each row unpacked in place."""
+    packed = [pack_payload(p) for p in payloads]
+    rows = torch.cat([raw for raw, _ in packed]).view(len(packed), -1)
+    return [unpack_payload(row, packed[0][1]) for row in rows]
+
+
 def run_rounds(compressors, xs, group="g", shapes=None):
     """Compress on every fake rank and run the intermediate rounds: the last round's
     (payload, ctx) per rank."""
@@ -61,10 +71,11 @@ def run_rounds(compressors, xs, group="g", shapes=None):
 def finish(compressors, steps, average=True):
     """What every rank gets from the last round's payloads: one result per rank."""
     payloads = [p for p, _ in steps]
-    arrived = [add_payloads(payloads)] if compressors[0].summable else payloads
-    # every rank receives its own copy (aggregate may reuse the received buffers)
-    return [c.aggregate([tuple(t.clone() for t in p) for p in arrived], ctx, len(steps), average)
-            for c, (_, ctx) in zip(compressors, steps)]
+
+    def arrived():  # every rank receives its own copy (aggregate may reuse the received buffers)
+        return [add_payloads(payloads)] if compressors[0].summable else gather_payloads(payloads)
+
+    return [c.aggregate(arrived(), ctx, len(steps), average) for c, (_, ctx) in zip(compressors, steps)]
 
 
 def exchange(compressors, xs, group="g", shapes=None, average=True):
@@ -152,9 +163,9 @@ def test_payload_and_ctx_do_not_depend_on_values(name):
         assert all(same(ctx, ctxs[0]) for ctx in ctxs)
 
 
+@pytest.mark.parametrize("n", [300, 0])
 @pytest.mark.parametrize("name", ALL)
-def test_aggregate_of_three_ranks(name):
-    n = 300
+def test_aggregate_of_three_ranks(name, n):
     compressors = [make(name) for _ in range(3)]
     steps = run_rounds(compressors, [torch.randn(n) for _ in compressors])
     local = [c.decompress(p, ctx) for c, (p, ctx) in zip(compressors, steps)]
@@ -253,6 +264,15 @@ def test_topk_keeps_the_k_largest(selection, n):
     dense = c.decompress((values, indices), ctx)
     assert torch.count_nonzero(dense) == k
     assert torch.equal(dense[indices.long()], values)
+
+
+def test_k_is_the_exact_ceiling_of_ratio_times_n():
+    # 0.07 * 200 is 14.000000000000002 in floating point: a float ceiling keeps 15
+    for n, ratio, k in [(200, 0.07, 14), (100, 0.07, 7), (201, 0.07, 15), (5, 0.01, 1), (0, 0.5, 0)]:
+        assert num_selected(n, ratio) == k, (n, ratio)
+        for name in ("topk", "dgc"):
+            (values, indices), _ = make(name, ratio=ratio).compress(torch.randn(n), "g")
+            assert values.numel() == indices.numel() == k, (name, n, ratio)
 
 
 @pytest.mark.parametrize("n", [10, 5000, 200_000])
@@ -367,6 +387,13 @@ def test_terngrad_clipping_and_ternary_codes():
     assert torch.all((out == 0) | (torch.sign(out) == torch.sign(x)))
 
 
+@pytest.mark.parametrize("dtype, spread", [(torch.float32, 1.0), (torch.float16, 30.0)], ids=str)
+def test_terngrad_clips_at_the_std_of_a_gradient_with_a_large_mean(dtype, spread):
+    x = (1e4 + spread * torch.randn(20_000, dtype=torch.float64)).to(dtype)
+    (_, scalar), _ = make("terngrad", clip=2.5).compress(x, "g")
+    torch.testing.assert_close(scalar[0].double(), 2.5 * x.double().std(), rtol=1e-5, atol=0)
+
+
 def test_terngrad_constant_tensor_not_clipped_to_zero():
     x = torch.full((100,), 0.5)
     out, _ = roundtrip(make("terngrad"), x)
@@ -410,6 +437,17 @@ def test_onebit_decodes_to_side_means():
     assert torch.equal(c.decompress((packed, means), ctx), torch.tensor([1.0, 1.0, -2.0, 1.0, -2.0]))
     (_, means), _ = c.compress(torch.tensor([0.5, 1.5]), "g")
     assert torch.equal(means, torch.tensor([1.0, 0.0]))  # no negative element
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_onebit_keeps_the_mean_of_a_tiny_side(dtype):
+    x = -(torch.rand(20_000) + 0.5)
+    x[[3, 9000, 17000]] = torch.tensor([1e-3, 2e-3, 4e-3])  # 3 small positives
+    x = x.to(dtype)
+    (_, means), _ = make("onebit").compress(x, "g")
+    exact = x.double()
+    expected = torch.stack([exact[exact >= 0].mean(), exact[exact < 0].mean()])
+    torch.testing.assert_close(means.double(), expected, rtol=1e-5, atol=0)
 
 
 def test_efsignsgd_scale():

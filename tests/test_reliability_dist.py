@@ -136,10 +136,27 @@ class OddModel(torch.nn.Module):
         return h + self.embed(torch.arange(x.shape[0]) % 10)
 
 
+#: the compressors whose payloads are allgathered (packed into bytes, one row per rank)
+ALLGATHERED = [name for name in mergecomp.compressor_names() if not mergecomp.get_compressor(name).summable]
+
+
 def _odd_worker(rank):
+    """``(max deviation from one process on the joined batch, groups, {compressor: (empty
+    parameter's gradient shape, parameters after a step) or the error it raised})``."""
     import mergecomp.torch as mc
 
     x, y = make_data()
+    layerwise = {}
+    for name in ALLGATHERED:  # the empty parameter is a group of its own
+        model = OddModel()
+        try:
+            with pytest.warns(UserWarning, match="sparse gradient"):
+                opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                              model.named_parameters(), compression=name, groups="layerwise")
+                train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=1)
+            layerwise[name] = tuple(model.empty.grad.shape), flat_params(model)
+        except RuntimeError as err:
+            layerwise[name] = repr(err)
     model = OddModel()
     with pytest.warns(UserWarning, match="sparse gradient"):
         opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
@@ -154,13 +171,27 @@ def _odd_worker(rank):
         loss.backward()
         ref_opt.step()
     return max((a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
-               for a, b in zip(model.parameters(), reference.parameters())), len(opt.groups)
+               for a, b in zip(model.parameters(), reference.parameters())), len(opt.groups), layerwise
 
 
-def test_odd_tensors_are_exchanged_exactly():
-    for diff, groups in run_workers(_odd_worker, 2):
+@pytest.fixture(scope="module")
+def odd_runs():
+    return run_workers(_odd_worker, 2)
+
+
+def test_odd_tensors_are_exchanged_exactly(odd_runs):
+    for diff, groups, _ in odd_runs:
         assert diff < 1e-5
         assert groups >= 3   # fp64 parameters never share a buffer with fp32 ones
+
+
+@pytest.mark.parametrize("name", ALLGATHERED)
+def test_an_empty_parameter_in_a_group_of_its_own_with_every_allgather_compressor(odd_runs, name):
+    (*_, rank0), (*_, rank1) = odd_runs
+    assert not isinstance(rank0[name], str), rank0[name]
+    (shape, params0), (_, params1) = rank0[name], rank1[name]
+    assert shape == (0, 3)
+    assert torch.isfinite(params0).all() and torch.equal(params0, params1)
 
 
 # -- checkpoint / resume -------------------------------------------------------------------------

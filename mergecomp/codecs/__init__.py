@@ -8,8 +8,8 @@ the torch path.
   majority vote, the sum of the ranks' two-valued decodes);
 * :mod:`.levels`: quantization codes (stochastic rounding, QSGD's encode and decode, decoding
   packed codes through a table);
-* :mod:`.sums`: the reductions a kernel computes in its pass (the sign bits' sums, min, max, sum
-  of squares), each reduced only when read on the torch path;
+* :mod:`.sums`: the reductions a kernel computes in its pass (the sums of each sign, min, max,
+  squared deviations from the mean), each reduced only when read on the torch path;
 * :mod:`.scans`: the gradient copy with its finite check, and the indices above a threshold.
 """
 from .levels import decode_codes, qsgd_encode, scale_levels, stochastic_codes

@@ -19,8 +19,8 @@ Value = Union[float, torch.Tensor]
 
 def pack_signs(x: torch.Tensor, empty: Optional[Callable] = None) -> Tuple[torch.Tensor, SignStats]:
     """``(bits, stats)``: the sign bits of ``x`` (any shape, read flat) and its
-    :class:`~mergecomp.codecs.sums.SignStats` (``sum x``, ``sum |x|``, ``count(x >= 0)``), from the
-    same pass on the native path.  ``empty(numel, dtype, device)`` allocates the bits there
+    :class:`~mergecomp.codecs.sums.SignStats` (the sum of each side, ``sum |x|``,
+    ``count(x >= 0)``), from the same pass on the native path.  ``empty(numel, dtype, device)`` allocates the bits there
     (e.g. a compressor's :meth:`~mergecomp.Compressor.scratch`); default ``torch.empty``."""
     if native.usable(x):
         out = (empty or fresh)(bitpack.packed_size(x.numel(), 1), torch.uint8, x.device)

@@ -1,7 +1,7 @@
 """Reductions of one tensor that a fused kernel computes in the pass it makes anyway.
 
-On the native path they come with that pass; on the torch path each is one reduction, run when
-the caller reads it (again at each read), so a caller pays only for the sums it uses.  Those
+On the native path they come with that pass; on the torch path each is reduced when the caller
+reads it (again at each read), so a caller pays only for the sums it uses.  Those
 read the tensor then: read them before it changes.
 """
 from __future__ import annotations
@@ -20,37 +20,41 @@ class _Reductions:
     """0-d tensors in ``work_dtype(x.dtype)``: slots of ``fused`` (a kernel's fp64 results) when
     given, else reduced from ``x`` on demand."""
 
-    _TOTAL: int  # slot of sum x in the fused results
-
     def __init__(self, x: torch.Tensor, fused: Optional[torch.Tensor] = None) -> None:
         self._x = x
         self._work = work_dtype(x.dtype)
         self._fused = None if fused is None else fused.to(self._work)
 
-    def total(self) -> torch.Tensor:
-        """``sum x``."""
-        if self._fused is not None:
-            return self._fused[self._TOTAL]
-        return self._x.sum(dtype=self._work)
-
 
 class SignStats(_Reductions):
     """What :func:`mergecomp.codecs.pack_signs` learns about ``x`` besides its sign bits:
-    :meth:`total`, :meth:`magnitude` and :meth:`nonnegative`."""
-
-    _TOTAL = 0
+    :meth:`nonnegative_sum`, :meth:`negative_sum`, :meth:`magnitude` and :meth:`nonnegative`.  Each side
+    is summed on its own, so a side of a few small elements keeps its digits beside a large
+    one (``sum x`` and ``sum |x|`` would cancel)."""
 
     def __init__(self, x: torch.Tensor, fused: Optional[torch.Tensor] = None,
                  positive: Optional[torch.Tensor] = None) -> None:
-        """``fused``: the kernel's fp64 ``[sum x, sum |x|, count(x >= 0)]``; else ``positive``:
-        the bool mask ``x >= 0`` the bits were packed from."""
+        """``fused``: the kernel's fp64 ``[sum of the x >= 0, sum of the x < 0, count(x >= 0)]``;
+        else ``positive``: the bool mask ``x >= 0`` the bits were packed from."""
         super().__init__(x, fused)
         self._positive = positive
+
+    def nonnegative_sum(self) -> torch.Tensor:
+        """The sum of the elements ``>= 0``."""
+        if self._fused is not None:
+            return self._fused[0]
+        return torch.clamp_min(self._x, 0).sum(dtype=self._work)
+
+    def negative_sum(self) -> torch.Tensor:
+        """The sum of the elements ``< 0``."""
+        if self._fused is not None:
+            return self._fused[1]
+        return torch.clamp_max(self._x, 0).sum(dtype=self._work)
 
     def magnitude(self) -> torch.Tensor:
         """``sum |x|``."""
         if self._fused is not None:
-            return self._fused[1]
+            return self._fused[0] - self._fused[1]
         return torch.linalg.vector_norm(self._x, 1, dtype=self._work)
 
     def nonnegative(self) -> torch.Tensor:
@@ -61,9 +65,7 @@ class SignStats(_Reductions):
 
 
 class Moments(_Reductions):
-    """:meth:`extremes`, :meth:`total` and :meth:`squares` of a non-empty ``x``."""
-
-    _TOTAL = 2
+    """:meth:`extremes` and :meth:`deviations` of a non-empty ``x``."""
 
     def extremes(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(min x, max x)``."""
@@ -72,14 +74,16 @@ class Moments(_Reductions):
         low, high = torch.aminmax(self._x)
         return low.to(self._work), high.to(self._work)
 
-    def squares(self) -> torch.Tensor:
-        """``sum x^2``."""
+    def deviations(self) -> torch.Tensor:
+        """``sum (x - mean x)^2``, without the cancellation of ``sum x^2 - (sum x)^2 / n`` when
+        the mean is large beside the spread (torch's ``var``, a stable reduction, on the torch
+        path)."""
         if self._fused is not None:
-            return self._fused[3]
-        return torch.linalg.vector_norm(self._x, dtype=self._work).square()
+            return self._fused[2]
+        return torch.var(self._x.to(self._work), correction=0) * self._x.numel()
 
 
 def moments(x: torch.Tensor) -> Moments:
-    """The :class:`Moments` of the non-empty ``x`` (any shape): all from one pass on the native
-    path, each reduced when read on the torch path."""
+    """The :class:`Moments` of the non-empty ``x`` (any shape): all from one pass over memory on
+    the native path, each reduced when read on the torch path."""
     return Moments(x, native.moments(x) if native.usable(x) else None)

@@ -135,7 +135,8 @@ const std::vector<uint64_t> EXPAND = [] {
 }();
 
 // The sign bits of v[i] (v = x, or the momentum m = m + weight * (x - m), updated in place)
-// packed into out, with stats = {sum v, sum |v|, count of v >= 0}.
+// packed into out, with stats = {sum of the v >= 0, sum of the v < 0, count of v >= 0}: each
+// side summed on its own (fp64), so a small side keeps its digits beside a large one.
 template <bool Momentum>
 void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t* out, double* stats,
                      int threads) {
@@ -149,23 +150,24 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
       const float* src = x + start;
       float* mom = Momentum ? m + start : nullptr;
       uint8_t* c = codes.data();
-      double sum = 0, magnitude = 0;
-      int64_t positive = 0;
-#pragma omp simd reduction(+ : sum, magnitude, positive)
+      double above = 0, below = 0;
+      int32_t positive = 0;  // len <= BLOCK
+#pragma omp simd reduction(+ : above, below, positive)
       for (int64_t k = 0; k < len; ++k) {
         float v = src[k];
         if (Momentum) mom[k] = v = mom[k] + weight * (v - mom[k]);
         const uint8_t bit = v >= 0.0f;
         c[k] = bit;
         positive += bit;
-        sum += v;
-        magnitude += std::fabs(v);
+        const double d = v;  // zeros add nothing to either side
+        above += std::max(d, 0.0);
+        below += std::min(d, 0.0);
       }
       const int64_t padded = (len + 7) / 8 * 8;
       std::fill(codes.begin() + len, codes.begin() + padded, 0);
       pack_codes(c, padded, 1, out + start / 8);
-      p[3 * b] = sum;
-      p[3 * b + 1] = magnitude;
+      p[3 * b] = above;
+      p[3 * b + 1] = below;
       p[3 * b + 2] = static_cast<double>(positive);
     }
   });
@@ -178,7 +180,7 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
 
 extern "C" {
 
-int mc_abi_version() { return 6; }
+int mc_abi_version() { return 8; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -277,7 +279,8 @@ void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* va
 }
 
 // Packs the sign bits x[i] >= 0 (1 bit per element, as mergecomp.codecs.pack_signs) into
-// out (ceil(n / 8) bytes) and writes stats = {sum x, sum |x|, count of x >= 0}.
+// out (ceil(n / 8) bytes) and writes stats = {sum of the x >= 0, sum of the x < 0, count of
+// x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
   pack_signs_impl<false>(x, nullptr, 0.0f, n, out, stats, threads);
 }
@@ -390,15 +393,20 @@ int64_t mc_indices_above(const float* x, int64_t n, float threshold, int64_t* ou
   return count;
 }
 
-// stats = {min x, max x, sum x, sum x^2} in one pass (n >= 1).
+// stats = {min x, max x, sum of (x - mean)^2} in one pass (n >= 1), in fp64.  Each block sums
+// d = x - s and d^2, s its first element; its squared deviations are sum d^2 - (sum d)^2 / len,
+// where (sum d)^2 / len = len (mean - s)^2 <= len * (the result): at most about 15 (log2 BLOCK)
+// of the 53 bits cancel however large the mean (sum x^2 - (sum x)^2 / n can lose them all).
+// The blocks are combined in block order with Chan et al.'s update.
 void mc_moments(const float* x, int64_t n, double* stats, int threads) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-  std::vector<double> partial(4 * blocks);
+  std::vector<double> partial(4 * blocks);  // per block: min, max, mean, squared deviations
   double* p = partial.data();
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
       const float* src = x + start;
+      const double shift = src[0];
       float low = src[0], high = src[0];
       double sum = 0, squares = 0;
 #pragma omp simd reduction(min : low) reduction(max : high) reduction(+ : sum, squares)
@@ -406,22 +414,28 @@ void mc_moments(const float* x, int64_t n, double* stats, int threads) {
         const float v = src[k];
         low = std::min(low, v);
         high = std::max(high, v);
-        sum += v;
-        squares += static_cast<double>(v) * v;
+        const double d = static_cast<double>(v) - shift;
+        sum += d;
+        squares += d * d;
       }
       p[4 * b] = low;
       p[4 * b + 1] = high;
-      p[4 * b + 2] = sum;
-      p[4 * b + 3] = squares;
+      p[4 * b + 2] = shift + sum / static_cast<double>(len);
+      p[4 * b + 3] = std::max(0.0, squares - sum * sum / static_cast<double>(len));
     }
   });
-  stats[0] = p[0]; stats[1] = p[1]; stats[2] = stats[3] = 0;
+  double count = 0, mean = 0, squares = 0;
+  stats[0] = p[0]; stats[1] = p[1];
   for (int64_t b = 0; b < blocks; ++b) {
     stats[0] = std::min(stats[0], p[4 * b]);
     stats[1] = std::max(stats[1], p[4 * b + 1]);
-    stats[2] += p[4 * b + 2];
-    stats[3] += p[4 * b + 3];
+    const double len = static_cast<double>(std::min(BLOCK, n - b * BLOCK)), total = count + len;
+    const double delta = p[4 * b + 2] - mean;
+    mean += delta * (len / total);
+    squares += p[4 * b + 3] + delta * delta * (count * len / total);
+    count = total;
   }
+  stats[2] = squares;
 }
 
 // dst = src (n floats); returns 1 when every element is finite (no NaN or Inf), else 0.
