@@ -5,6 +5,9 @@
     check finite -> memory.compensate -> compressor.compress -> collective (async)
                  -> memory.update          ...later: wait -> [next rounds] -> aggregate
 
+A group sent with the codec :data:`~mergecomp.plan.EXEMPT` skips the memory: its gradient is
+allreduced as it is, and neither the memory nor the compressor state of any group changes.
+
 ``start`` returns an :class:`InFlight` right after the first collective is issued; ``finish``
 waits for it, runs any further rounds, and returns the reduced flat gradient.  All collectives
 of a step must be started in the same order on every rank: callers start groups in plan order,
@@ -24,7 +27,7 @@ import torch
 from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
-from .plan import CODECS, Group
+from .plan import CODECS, EXEMPT, Group
 from .registry import get_compressor, get_memory
 from .workspace import Workspace
 
@@ -92,11 +95,12 @@ class InFlight:
     """A group whose collective has been started; :meth:`Exchange.finish` completes it."""
 
     def __init__(self, group: Group, compressor: Compressor, compensated: torch.Tensor,
-                 finite: torch.Tensor) -> None:
+                 finite: torch.Tensor, feedback: bool = True) -> None:
         self.group = group
         self.compressor = compressor
         self.compensated = compensated
         self.finite = finite
+        self.feedback = feedback  # the error-feedback memory takes part
         self.round = 1
         self.ctx: Any = None
         self.payload: Payload = ()
@@ -111,7 +115,8 @@ class Exchange:
     """Compress and communicate merged groups with one compressor and one memory.
 
     Besides the configured compressor (codec ``"compressed"``), a group may be sent with the
-    codec ``"fp16"`` or ``"none"`` (a plain allreduce): the scheduler picks per group.
+    codec ``"fp16"`` or ``"none"`` (a plain allreduce): the scheduler picks per group; or with
+    ``"exempt"`` (a plain allreduce that bypasses the memory: exempt tensors, warm-up steps).
 
     Args:
         compressor: encodes each group's flat buffer.
@@ -154,11 +159,12 @@ class Exchange:
                    recycle=recycle, keep_state=keep_state)
 
     def codec(self, name: str) -> Compressor:
-        """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"`` or ``"none"``)."""
+        """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"``, ``"none"`` or
+        ``"exempt"``)."""
         if name not in self.codecs:
-            if name not in CODECS:
-                raise ValueError(f"codec must be one of {CODECS}, got {name!r}")
-            self.codecs[name] = get_compressor(name)
+            if name not in (*CODECS, EXEMPT):
+                raise ValueError(f"codec must be one of {(*CODECS, EXEMPT)}, got {name!r}")
+            self.codecs[name] = get_compressor("none" if name == EXEMPT else name)
             self.codecs[name].workspace = self.workspace
         return self.codecs[name]
 
@@ -182,10 +188,11 @@ class Exchange:
                     flat.zero_()
             else:
                 flat.masked_fill_(finite.logical_not(), 0)
-        if self.keep_state:
+        feedback = codec != EXEMPT
+        if self.keep_state and feedback:
             self._kept.append((group.name, self.memory.keep(group.name), compressor, compressor.keep(group.name)))
-        compensated = self.memory.compensate(flat, group.name)
-        job = InFlight(group, compressor, compensated, finite)
+        compensated = self.memory.compensate(flat, group.name) if feedback else flat
+        job = InFlight(group, compressor, compensated, finite, feedback)
         job.payload, job.ctx = compressor.compress(compensated, group.name, group.shapes)
         self._launch(job)
         job.encode_seconds = time.perf_counter() - began
@@ -252,7 +259,7 @@ class Exchange:
                 self._remember(job)
 
     def _remember(self, job: InFlight) -> None:
-        if type(self.memory).update is Memory.update:
+        if not job.feedback or type(self.memory).update is Memory.update:
             return  # no error feedback
         entries = job.compressor.sent_entries(job.payload, job.ctx)
         if entries is not None:

@@ -5,25 +5,34 @@ backward (gradient-ready) order — so a scheduler can build, compare, broadcast
 between steps.  :func:`layout` turns a plan plus the parameters' shapes into :class:`Group`
 records with offsets.  :func:`remap_state` moves per-element state (error-feedback residuals,
 momenta) from one plan's buffers onto another's, so switching plans loses nothing.
+:class:`Exemptions` says which tensors are sent uncompressed; :func:`build_plan` puts them in
+trailing groups of their own with the codec :data:`EXEMPT`.
 """
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
 if TYPE_CHECKING:
     from .compressor import Compressor
 
-__all__ = ["CODECS", "GroupPlan", "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
+__all__ = ["CODECS", "EXEMPT", "Exemptions", "GroupPlan", "Group", "has_codec_choice", "layout", "remap_state",
+           "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
 #: codec names a group may use: the configured compressor, a cast to fp16, or nothing
 CODECS = ("compressed", "fp16", "none")
+#: codec of the groups of exempt tensors (:class:`Exemptions`), and of every group during the
+#: compression warm-up: a plain allreduce of the gradient as it is, outside error feedback and
+#: compressor state (the scheduler never picks it)
+EXEMPT = "exempt"
 
 
 def has_codec_choice(compressor: "Compressor") -> bool:
@@ -34,10 +43,42 @@ def has_codec_choice(compressor: "Compressor") -> bool:
 
 
 @dataclass(frozen=True)
+class Exemptions:
+    """Which tensors are sent uncompressed: those whose name matches one of ``patterns``
+    (:func:`fnmatch.fnmatchcase`: ``"*.bias"``, ``"*norm*"``) and those with fewer than
+    ``min_numel`` elements.  Build with :meth:`create` (validates the options)."""
+
+    patterns: Tuple[str, ...] = ()
+    min_numel: int = 0
+
+    @classmethod
+    def create(cls, uncompressed: Union[str, Iterable[str], None] = (), min_compress_numel: int = 0) -> "Exemptions":
+        """From the front ends' options: ``uncompressed`` (a pattern or patterns) and
+        ``min_compress_numel``; ValueError naming the option for anything else."""
+        patterns = (uncompressed,) if isinstance(uncompressed, str) else tuple(uncompressed or ())
+        if not all(isinstance(p, str) and p for p in patterns):
+            raise ValueError(f"uncompressed must be name patterns (non-empty strings), got {uncompressed!r}")
+        if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 0:
+            raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
+        return cls(patterns, min_compress_numel)
+
+    def exempt(self, name: str, numel: int) -> bool:
+        return numel < self.min_numel or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def flags(self, names: Sequence[str], numels: Sequence[int]) -> List[bool]:
+        """:meth:`exempt` of every tensor; warns naming each pattern that matches no name."""
+        unmatched = [p for p in self.patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        if unmatched and names:
+            warnings.warn(f"uncompressed: the pattern(s) {unmatched} match none of the {len(names)} names "
+                          f"(e.g. {list(names[:3])})", UserWarning, stacklevel=4)
+        return [self.exempt(n, k) for n, k in zip(names, numels)]
+
+
+@dataclass(frozen=True)
 class GroupPlan:
     """Groups of parameter indices; concatenating the groups gives the backward order.
 
-    ``codecs`` optionally names each group's codec (one of :data:`CODECS`);
+    ``codecs`` optionally names each group's codec (one of :data:`CODECS`, or :data:`EXEMPT`);
     empty means every group uses the configured compressor, and all-``"compressed"`` is stored
     as empty, so plans that send the same groups the same way compare equal.
     """
@@ -146,6 +187,7 @@ def build_plan(
     names: Sequence[str],
     nbytes: Sequence[int],
     kinds: Sequence[object] = (),
+    exempt: Sequence[bool] = (),
 ) -> GroupPlan:
     """Make a plan from a user spec.
 
@@ -157,26 +199,39 @@ def build_plan(
         nbytes: gradient bytes by index.
         kinds: optional per-index key (dtype, device); a group never mixes two kinds, so
             runs are additionally cut where the kind changes.
+        exempt: optional per-index flag: these tensors leave the groups ``spec`` gives (a
+            ``"layerwise"`` or int spec cuts the others only) and form trailing groups of their
+            own (one per kind) with the codec :data:`EXEMPT`; no other group keeps that codec.
     """
     codecs: List[str] = []
+    exempt = list(exempt) or [False] * len(names)
+    sent = [i for i in order if not exempt[i]]
     if isinstance(spec, GroupPlan):
         groups = [list(g) for g in spec.groups]
         codecs = list(spec.codecs)
     elif isinstance(spec, str):
         if spec != "layerwise":
             raise ValueError(f"groups must be 'layerwise', an int, a list of name lists or a GroupPlan; got {spec!r}")
-        groups = [[i] for i in order]
+        groups = [[i] for i in sent]
     elif isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 1:
             raise ValueError(f"groups must be a positive number of groups, got {spec}")
-        groups = _cut_by_bytes(order, nbytes, spec)
+        groups = _cut_by_bytes(sent, nbytes, spec) if sent else []
     else:
         groups = _groups_from_names(spec, order, names)
+    held = [i for i in order if exempt[i]]
+    runs = [[i for i in g if not exempt[i]] for g in groups]
+    codecs = ["compressed" if c == EXEMPT else c for c, run in zip(codecs, runs) if run]
+    groups = [run for run in runs if run]
     if kinds:
         runs = [_split_kinds(g, kinds) for g in groups]
         if codecs:
             codecs = [c for c, split in zip(codecs, runs) for _ in split]
         groups = [run for split in runs for run in split]
+    if held:
+        tail = _split_kinds(held, kinds) if kinds else [held]
+        codecs = (codecs or ["compressed"] * len(groups)) + [EXEMPT] * len(tail)
+        groups += tail
     plan = GroupPlan(tuple(tuple(g) for g in groups), tuple(codecs))
     _check_covers(plan, order, names)
     return plan

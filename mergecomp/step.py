@@ -12,7 +12,10 @@ A :class:`MergedStep` owns, for tensors ``0..n-1`` (names, shapes, dtypes):
 * the non-finite policy (``"propagate"``, ``"raise"``, ``"skip"`` or ``"ignore"``), the step counter, the first
   step's observed gradient order (rank 0's, broadcast), plan switches that carry error-feedback
   and compressor state over (:func:`~mergecomp.plan.remap_state`), the online scheduler's feed
-  (``groups="auto"``), and checkpoints (:meth:`~MergedStep.state_dict`).
+  (``groups="auto"``), and checkpoints (:meth:`~MergedStep.state_dict`);
+* convergence safety: the compression warm-up (the first steps go uncompressed) and the
+  tensors exempt from compression (:class:`~mergecomp.plan.Exemptions`), both sent with the
+  codec :data:`~mergecomp.plan.EXEMPT`.
 
 Front ends only adapt their framework's objects to it: ``p.grad`` views and hooks for the
 PyTorch optimizer, DDP's buckets for the DDP hook (groups given by the caller through
@@ -20,6 +23,7 @@ PyTorch optimizer, DDP's buckets for the DDP hook (groups given by the caller th
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -33,10 +37,11 @@ from . import codecs
 from .agreement import check_ranks_agree
 from .comm import Communicator
 from .exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
-from .plan import Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
+from .plan import EXEMPT, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
 from .scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
 
-__all__ = ["MergedStep", "Reduced", "HoldsMergedStep", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS"]
+__all__ = ["MergedStep", "Reduced", "HoldsMergedStep", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS",
+           "check_safety_options"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -44,6 +49,16 @@ logger = logging.getLogger("mergecomp")
 DEFAULT_GROUP_BYTES = 25 * 2**20
 #: ... and at most this many
 DEFAULT_MAX_GROUPS = 4
+
+
+def check_safety_options(compression_warmup_steps: int, uncompressed: Sequence[str],
+                         min_compress_numel: int) -> Exemptions:
+    """Validate the convergence-safety options (ValueError naming the option); returns the
+    exemptions.  Front ends that build their :class:`MergedStep` late call it up front."""
+    if (isinstance(compression_warmup_steps, bool) or not isinstance(compression_warmup_steps, int)
+            or compression_warmup_steps < 0):
+        raise ValueError(f"compression_warmup_steps must be an int >= 0, got {compression_warmup_steps!r}")
+    return Exemptions.create(uncompressed, min_compress_numel)
 
 
 @dataclass
@@ -121,6 +136,15 @@ class MergedStep:
         who: the front end's name, for errors; ``agree``: more settings (description -> value)
             every rank must share, checked with the others at construction.
         cache_tag: words prefixed to the plan-cache signature.
+        compression_warmup_steps: the first this many steps (by :attr:`step`, so a resumed
+            run continues the count) send every group with the codec ``"exempt"``: the plain
+            average, which neither the error-feedback memory nor the compressor state sees, so
+            both start clean when compression begins.  The scheduler takes no sample until then.
+        uncompressed, min_compress_numel: tensors whose name matches one of these patterns
+            (fnmatch, e.g. ``"*.bias"``), or with fewer elements, are exempt from compression:
+            they leave their groups for trailing groups of their own sent with the codec
+            ``"exempt"`` (with caller-given groups, each group's exempt tensors are copied out
+            into a group of their own and the results copied back).
     """
 
     def __init__(self, compression, memory, comm: Communicator, names: Sequence[str],
@@ -130,7 +154,9 @@ class MergedStep:
                  scheduler: Optional[SchedulerConfig] = None, observe_order: bool = True, timed: bool = True,
                  hand_out: bool = False, caller_groups: bool = False, who: str = "mergecomp",
                  tensor_kind: str = "tensors",
-                 agree: Optional[Dict[str, Any]] = None, cache_tag: Sequence[str] = ()) -> None:
+                 agree: Optional[Dict[str, Any]] = None, cache_tag: Sequence[str] = (),
+                 compression_warmup_steps: int = 0, uncompressed: Sequence[str] = (),
+                 min_compress_numel: int = 0) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         duplicates = sorted({n for n in names if list(names).count(n) > 1})
@@ -161,14 +187,21 @@ class MergedStep:
         self._cache_tag = list(cache_tag)
         self._last_end: Optional[float] = None
         self._before: Optional[List[Dict]] = None  # state snapshot while caller-given groups change
+        self._exemptions = check_safety_options(compression_warmup_steps, uncompressed, min_compress_numel)
+        self.warmup_steps = compression_warmup_steps
+        self._exempt = self._exemptions.flags(self.names, [s.numel() for s in self.shapes])
+        self._search_order: List[int] = []  # the tensors the scheduler cuts: the exempt ones left out
         check_ranks_agree(self.exchange, {
             f"{tensor_kind} (names, shapes, dtypes)": [(n, tuple(s), str(d)) for n, s, d in
                                                 zip(self.names, self.shapes, self.dtypes)],
             "groups": "caller's" if caller_groups else repr(self._spec if not self._auto
                                                             else ("auto", self._scheduler_config)),
-            "nonfinite": nonfinite, "scaling": (self.prescale, self.postscale), **(agree or {})}, who)
+            "nonfinite": nonfinite, "scaling": (self.prescale, self.postscale),
+            "compression_warmup_steps": compression_warmup_steps,
+            "uncompressed and min_compress_numel": repr(self._exemptions), **(agree or {})}, who)
         if caller_groups:
             self._plan, self._groups, self._where, self._buffers = GroupPlan(()), [], {}, []
+            self._parts: Dict[str, torch.Tensor] = {}  # split groups' buffers, by group name
             self._reset()
             return
         if not self.names:
@@ -212,8 +245,19 @@ class MergedStep:
         self.names.append(name)
         self.shapes.append(torch.Size(shape))
         self.dtypes.append(dtype)
+        self._exempt.append(self._exemptions.exempt(name, self.shapes[-1].numel()))
         self._arrived.append(False)
         return len(self.names) - 1
+
+    @property
+    def exempt(self) -> List[str]:
+        """Names of the tensors sent uncompressed (``uncompressed``, ``min_compress_numel``)."""
+        return [n for n, e in zip(self.names, self._exempt) if e]
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the compression warm-up is over (from this step on, groups are compressed)."""
+        return self.step >= self.warmup_steps
 
     # -- plans -----------------------------------------------------------------------------
     def _nbytes(self) -> List[int]:
@@ -223,8 +267,9 @@ class MergedStep:
         nbytes = self._nbytes()
         spec = self._spec if spec is None else spec
         if spec is None:
-            spec = max(1, min(DEFAULT_MAX_GROUPS, math.ceil(sum(nbytes) / DEFAULT_GROUP_BYTES)))
-        return build_plan(spec, order, self.names, nbytes, self.dtypes)
+            sent = sum(nbytes[i] for i in order if not self._exempt[i])
+            spec = max(1, min(DEFAULT_MAX_GROUPS, math.ceil(sent / DEFAULT_GROUP_BYTES)))
+        return build_plan(spec, order, self.names, nbytes, self.dtypes, self._exempt)
 
     def _install(self, plan: GroupPlan) -> None:
         self._plan = plan
@@ -242,9 +287,9 @@ class MergedStep:
         if self.in_flight:
             raise RuntimeError(f"{self._who}: the merge plan can only change between steps, not while "
                                f"a step's gradients are being exchanged")
-        if not isinstance(plan, GroupPlan):
-            plan = self._make_plan(self._plan.order, plan)
-        self._remap(self._groups, layout(plan, self.shapes))
+        plan = self._make_plan(self._plan.order, plan)  # exempt tensors keep their own groups
+        new = layout(plan, self.shapes)
+        self._remap(self._groups, [g for g, codec in zip(new, plan.codec_names()) if codec != EXEMPT])
         self._install(plan)
 
     def _remap(self, old: Sequence[Group], new: Sequence[Group]) -> None:
@@ -268,9 +313,13 @@ class MergedStep:
         self._started: List[InFlight] = []
         self._outs: List[torch.Tensor] = []
         self._given: List[Group] = []  # caller-given groups started this step
+        self._given_codecs: List[str] = []
         self._ready_at = [0.0] * len(self.names)
         self._order_seen: List[int] = []
         self._encode_spent = 0.0
+        #: caller-given groups split by exemption: (the group's slices, index of the job whose
+        #: result goes back into them)
+        self._copy_back: List[Tuple[List[torch.Tensor], int]] = []
 
     def slot(self, i: int) -> torch.Tensor:
         """Tensor ``i``'s slot in its group's buffer, in its shape (where :meth:`add` copies)."""
@@ -325,22 +374,45 @@ class MergedStep:
             self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g])
 
     def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool]) -> None:
-        job = self.exchange.start(group, flat, codec, finite)
+        job = self.exchange.start(group, flat, codec if self.compressing else EXEMPT, finite)
         self._encode_spent += job.encode_seconds
         self._started.append(job)
         self._outs.append(flat)
 
     def start_group(self, indices: Sequence[int], flat: torch.Tensor) -> None:
         """Start a group the caller defines (DDP's bucket): tensors ``indices`` laid out in
-        ``flat`` in that order, compressed in place.  When the groups differ from the last
-        step's (DDP rebuilt its buckets), each new group takes over its tensors' state."""
+        ``flat`` in that order, compressed in place (its exempt tensors, if any, are copied out
+        into a group of their own, the others into another, and :meth:`finish` copies the
+        results back).  When the groups differ from the last step's (DDP rebuilt its buckets),
+        each new group takes over its tensors' state."""
         if not self._caller_groups:
             raise RuntimeError(f"{self._who}: start_group() needs caller_groups=True")
         group = layout(GroupPlan((tuple(indices),)), self.shapes)[0]
         if group.numel != flat.numel():
             raise RuntimeError(f"{self._who}: a group of {flat.numel()} elements holds tensors "
                                f"{self.tensor_names(group)[:4]} of {group.numel} elements in all")
-        if group not in self._groups and self._groups:
+        exempt = [self._exempt[i] for i in group.indices]
+        if not any(exempt):
+            self._start_given(group, flat, "compressed")
+            return
+        bounds = [*group.offsets, group.numel]
+        slices: Dict[bool, List[torch.Tensor]] = {False: [], True: []}
+        for part, run in itertools.groupby(range(len(exempt)), key=exempt.__getitem__):
+            run = list(run)  # neighbouring tensors of one kind: one copy each way
+            slices[part].append(flat[bounds[run[0]]:bounds[run[-1] + 1]])
+        for part, codec in ((False, "compressed"), (True, EXEMPT)):
+            if slices[part]:
+                sub = layout(GroupPlan((tuple(i for i, e in zip(group.indices, exempt) if e == part),)),
+                             self.shapes)[0]
+                buffer = self._parts.get(sub.name)
+                if buffer is None or buffer.numel() != sub.numel or buffer.dtype != flat.dtype:
+                    buffer = self._parts[sub.name] = flat.new_empty(sub.numel)
+                torch.cat(slices[part], out=buffer)
+                self._copy_back.append((slices[part], len(self._started)))
+                self._start_given(sub, buffer, codec)
+
+    def _start_given(self, group: Group, flat: torch.Tensor, codec: str) -> None:
+        if codec != EXEMPT and group not in self._groups and self._groups:
             holders = (self.exchange.memory, self.exchange.compressor)
             if self._before is None:  # later groups of this step remap from the same snapshot
                 self._before = [holder.state_dict() for holder in holders]
@@ -348,7 +420,8 @@ class MergedStep:
                 holder.state.pop(group.name, None)
                 holder.state.update(remap_state(before, self._groups, [group]))
         self._given.append(group)
-        self._launch(group, flat, "compressed", None)
+        self._given_codecs.append(codec)
+        self._launch(group, flat, codec, None)
 
     def finish(self) -> Optional[Reduced]:
         """Finish the step: start what is left (missing tensors count as zeros), wait, decode,
@@ -366,9 +439,15 @@ class MergedStep:
             if self.nonfinite != "ignore" else None
         hand_out = self._hand_out
         flats = [self.exchange.finish(job, out=None if hand_out else out) for job, out in zip(jobs, outs)]
+        for slices, j in self._copy_back:
+            for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
+                dst.copy_(src)
         bad = check.culprits([group.name for group in groups]) if check else []
         step = self.exchange.step
         self.exchange.step += 1
+        if self.step == self.warmup_steps > 0:
+            logger.info("%s: compression warm-up over after %d steps; %r compresses from now on",
+                        self._who, self.step, self.exchange.compressor)
         if hand_out:  # a buffer that is now a result must not be written again
             handed = {flat.untyped_storage().data_ptr() for flat in flats}
             self._buffers = [None if b is not None and b.untyped_storage().data_ptr() in handed else b
@@ -401,8 +480,9 @@ class MergedStep:
             keep = {group.name for group in self._given}
             for holder in (self.exchange.memory, self.exchange.compressor):
                 holder.state = {name: fields for name, fields in holder.state.items() if name in keep}
+            self._parts = {name: buffer for name, buffer in self._parts.items() if name in keep}
             self._groups = self._given
-            self._plan = GroupPlan(tuple(group.indices for group in self._groups))
+            self._plan = GroupPlan(tuple(group.indices for group in self._groups), tuple(self._given_codecs))
         self._before = None
 
     def _nonfinite(self, bad: List[Tuple[int, str]], reduced: Reduced, step: int) -> Optional[Reduced]:
@@ -439,31 +519,44 @@ class MergedStep:
             self._start_scheduler()
 
     def _start_scheduler(self) -> None:
-        order = list(self._plan.order)
-        first = order[0]
+        """The search covers the tensors that are not exempt: its plans leave out the exempt
+        groups, which :meth:`set_plan` appends again."""
+        order = [i for i in self._plan.order if not self._exempt[i]]
+        if not order:  # every tensor is exempt: nothing to search
+            self._auto = False
+            return
+        self._search_order = order
+        exempt = [f"exempt:{self.exempt}"] if any(self._exempt) else []
         self.scheduler = exchange_scheduler(
-            self.exchange, self._scheduler_config, order, self._nbytes(), self.shapes, self.dtypes[first],
+            self.exchange, self._scheduler_config, order, self._nbytes(), self.shapes, self.dtypes[order[0]],
             self.device, lambda plan: self._make_plan(order, plan),
-            self._cache_tag + [f"{n}:{tuple(s)}:{d}" for n, s, d in zip(self.names, self.shapes, self.dtypes)])
+            self._cache_tag + exempt + [f"{n}:{tuple(s)}:{d}" for n, s, d in zip(self.names, self.shapes, self.dtypes)])
         cached = self.scheduler.initial_plan()
         if cached is not None:
             self.set_plan(cached)
 
+    def _searched(self) -> GroupPlan:
+        """The current plan without its exempt groups (what the scheduler's plans look like)."""
+        kept = [g for g, codec in enumerate(self._plan.codec_names()) if codec != EXEMPT]
+        return GroupPlan(tuple(self._plan.groups[g] for g in kept), tuple(self._plan.codec(g) for g in kept))
+
     def _feed_scheduler(self, ready: Optional[List[float]]) -> None:
         """Give the finished step's wall time (and arrival times, when ``ready``) to the
-        scheduler; switch plans when it says so."""
+        scheduler; switch plans when it says so.  Warm-up steps are no samples: the search
+        starts once compression has begun."""
         now = time.perf_counter()
         previous, self._last_end = self._last_end, now
-        if self.scheduler is None or previous is None:
+        if self.scheduler is None or previous is None or self.step <= self.warmup_steps:
             return
-        order = self._plan.order
+        order = self._search_order
         if ready is None:
             since_first = [0.0] * len(order)
         else:
             first = min(ready[i] for i in order)
             since_first = [ready[i] - first for i in order]
-        plan = self.scheduler.observe(now - previous, since_first, self._plan)
-        if plan is not None and plan != self._plan:
+        current = self._searched()
+        plan = self.scheduler.observe(now - previous, since_first, current)
+        if plan is not None and plan != current:
             self.set_plan(plan)
 
     def stop_scheduler(self) -> None:

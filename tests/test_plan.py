@@ -1,7 +1,7 @@
 """GroupPlan as a value: equality, codecs, JSON round trip, validation."""
 import pytest
 
-from mergecomp.plan import GroupPlan, build_plan
+from mergecomp.plan import Exemptions, GroupPlan, build_plan
 
 
 def test_all_compressed_codecs_equal_the_default():
@@ -33,3 +33,32 @@ def test_bad_plans_are_refused():
         GroupPlan(((0,), ()))
     with pytest.raises(ValueError, match="needs as many codecs"):
         GroupPlan(((0,), (1,)), ("none",))
+
+
+def test_exempt_tensors_leave_their_groups_for_trailing_exempt_groups():
+    names, nbytes = ["w1", "b1", "w2", "b2", "h"], [40, 4, 40, 4, 40]
+    kinds = ["f32", "f32", "f32", "f32", "f16"]
+    exempt = Exemptions.create("b*", min_compress_numel=0).flags(names, [n // 4 for n in nbytes])
+    assert exempt == [False, True, False, True, False]
+    order = [4, 3, 2, 1, 0]
+    # an int spec cuts the others only; exempt tensors keep their order, one group per kind
+    assert build_plan(2, order, names, nbytes, kinds, exempt) == GroupPlan(
+        ((4,), (2, 0), (3, 1)), ("compressed", "compressed", "exempt"))
+    assert build_plan("layerwise", order, names, nbytes, (), exempt).groups == ((4,), (2,), (0,), (3, 1))
+    # a plan that holds exempt tensors elsewhere is rebuilt, keeping the others' codecs; a group
+    # marked exempt that holds none of them is compressed again
+    given = GroupPlan(((4, 3), (2, 1, 0)), ("none", "exempt"))
+    assert build_plan(given, order, names, nbytes, (), exempt) == GroupPlan(
+        ((4,), (2, 0), (3, 1)), ("none", "compressed", "exempt"))
+    assert build_plan(given, order, names, nbytes) == GroupPlan(((4, 3), (2, 1, 0)), ("none", "compressed"))
+    small = Exemptions.create(min_compress_numel=10).flags(names, [n // 4 for n in nbytes])
+    assert build_plan(1, order, names, nbytes, (), small) == GroupPlan(((4, 2, 0), (3, 1)), ("compressed", "exempt"))
+
+
+def test_exemption_options_are_checked():
+    with pytest.raises(ValueError, match="min_compress_numel must be an int >= 0, got -1"):
+        Exemptions.create((), -1)
+    with pytest.raises(ValueError, match="uncompressed must be name patterns"):
+        Exemptions.create([None])
+    with pytest.warns(UserWarning, match=r"pattern\(s\) \['\*norm\*'\] match none of the 2 names"):
+        assert Exemptions.create(["*.bias", "*norm*"]).flags(["fc.weight", "fc.bias"], [6, 2]) == [False, True]

@@ -112,6 +112,26 @@ def _training_worker(rank):
         step(*mine)
     out["tape_none"] = np.abs(weights(model) - weights(reference)).max()
 
+    # Warm-up and exemptions (eager tape): 2 exact averages, then only the exempt variables (the
+    # biases by name, the 32x4 kernel by size) stay exact while the other kernels are compressed.
+    model = make_model()
+
+    def local_gradients(r):
+        with tf.GradientTape() as tape:
+            value = loss(shard(y, r), model(shard(x, r), training=True))
+        return tape, value
+
+    exact = []
+    for _ in range(3):
+        both = [tape.gradient(value, model.trainable_variables) for tape, value in map(local_gradients, (0, 1))]
+        tape, value = local_gradients(rank)
+        tape = mct.DistributedGradientTape(tape, compression="topk", groups=1, compression_warmup_steps=2,
+                                           uncompressed=["*bias"], min_compress_numel=200)
+        grads = tape.gradient(value, model.trainable_variables)
+        exact.append({v.path for v, g, a, b in zip(model.trainable_variables, grads, *both)
+                      if np.array_equal(g.numpy(), ((a + b) / 2).numpy())})
+    out["safety"] = exact, [v.path for v in model.trainable_variables]
+
     # Compressors learn and keep the ranks identical.
     for name, lr in (("topk", 0.2), ("signsgd", 0.02), ("qsgd", 0.2)):
         model = make_model()
@@ -154,6 +174,10 @@ def test_keras_and_tape_on_two_ranks():
         diff, messages = result["sparse"]
         assert diff < 1e-5
         assert messages and "embedding" in messages[0] and "densely" in messages[0]
+    for result in (r0, r1):
+        exact, paths = result["safety"]
+        small = {p for p in paths if p.endswith("bias")} | {paths[-2]}  # the last kernel: 128 elements
+        assert exact == [set(paths), set(paths), small]
     x, y = make_data()
     for name in ("topk", "signsgd", "qsgd"):
         params0, first, full = r0[name]
@@ -175,10 +199,11 @@ def _single_worker(rank):
 
     model = make_model()
     config = SchedulerConfig(warmup_steps=2, probe_steps=2, settle_steps=0, candidates=2)
-    opt = mct.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="topk", scheduler=config)
-    losses = fit(model, opt, x, y, epochs=20)
+    opt = mct.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="topk", scheduler=config,
+                                   compression_warmup_steps=3)
+    losses = fit(model, opt, x, y, epochs=23)
     report = opt.mergecomp_reducer.schedule_report()
-    out["auto"] = (report["phase"], report["chosen"] is not None, losses[0], losses[-1])
+    out["auto"] = (report["phase"], report["chosen"] is not None, losses[0], losses[-1], report["steps"])
 
     def error(build):
         try:
@@ -204,8 +229,9 @@ def _single_worker(rank):
 
 def test_scheduler_and_errors_in_one_process():
     out = run_workers(_single_worker, 1, env=ENV, timeout=170)[0]
-    phase, chosen, first, last = out["auto"]
+    phase, chosen, first, last, searched = out["auto"]
     assert phase == "monitor" and chosen, out["auto"]
+    assert searched == 23 - 3  # the 3 warm-up steps are no samples
     assert last < first
     assert "jit_compile=False" in out["xla"]
     assert "ValueError" in out["built"] and "before it is used" in out["built"]

@@ -17,7 +17,6 @@ import tensorflow as tf
 from mergecomp.horovod_args import Average, check_horovod_args, check_process_set, resolve_groups
 from mergecomp.memory import warn_double_momentum
 from mergecomp.registry import Compression
-from mergecomp.scheduler import SchedulerConfig
 
 from .collectives import check_devices
 from .ops import exchange_gradients, variable_name
@@ -70,8 +69,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
                          device_sparse: str = "", compression: Any = Compression.none, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op: Any = Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = "auto",
-                         process_set: Any = None, scale_local_gradients: bool = True, *, memory=None,
-                         nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None):
+                         process_set: Any = None, scale_local_gradients: bool = True, **options):
     """Wrap a Keras 3 optimizer so that gradients are merged, (optionally) compressed and
     averaged across ranks.  Positional arguments in ``horovod.tensorflow``'s order
     (``mergecomp.tensorflow.keras.DistributedOptimizer`` takes ``horovod.tensorflow.keras``'s).
@@ -98,8 +96,9 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
         process_set: only the global one (None or ``global_process_set``).
         scale_local_gradients: divide the gradients of variables registered with
             ``register_local_var`` by the number of ranks.
-        memory, nonfinite, scheduler: mergecomp's options, as in
-            :class:`~.reducer.GradientReducer` (``nonfinite``: ``"raise"`` or ``"ignore"``).
+        options: mergecomp's own, as keywords, as in :class:`~.reducer.GradientReducer`:
+            ``memory``, ``nonfinite`` (``"raise"`` or ``"ignore"``), ``scheduler``,
+            ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``.
 
     Returns an optimizer of the same class; ``optimizer.mergecomp_reducer`` holds the groups,
     the error-feedback state (``state_dict()``) and the scheduler's report.
@@ -121,13 +120,12 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    options = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                   backward_passes_per_step=backward_passes_per_step,
-                   gradient_predivide_factor=gradient_predivide_factor,
-                   average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
-                   process_set=process_set, scale_local_gradients=scale_local_gradients, memory=memory,
-                   nonfinite=nonfinite, scheduler=scheduler)
-    return make_distributed(type(optimizer).from_config(config), **options)
+    return make_distributed(type(optimizer).from_config(config), compression=compression,
+                            sparse_as_dense=sparse_as_dense, op=op, backward_passes_per_step=backward_passes_per_step,
+                            gradient_predivide_factor=gradient_predivide_factor,
+                            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+                            groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+                            **options)
 
 
 def _check_keras_optimizer(optimizer) -> None:
@@ -143,19 +141,19 @@ def _check_keras_optimizer(optimizer) -> None:
 def make_distributed(optimizer, compression: Any = Compression.none, sparse_as_dense: bool = False,
                      op: Any = Average, backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
                      average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = "auto",
-                     process_set: Any = None, scale_local_gradients: bool = True, memory=None,
-                     nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None):
+                     process_set: Any = None, scale_local_gradients: bool = True, **options):
     """Turn ``optimizer`` itself, state included, into its distributed class (what
-    :func:`DistributedOptimizer` returns) and give it its reducer; returns it."""
+    :func:`DistributedOptimizer` returns) and give it its reducer; returns it.  ``options``:
+    :class:`~.reducer.GradientReducer`'s keywords (``memory``, ``nonfinite``, ``scheduler`` ...)."""
     _check_keras_optimizer(optimizer)
     if hasattr(optimizer, "mergecomp_reducer"):
         raise TypeError("the optimizer is already a mergecomp DistributedOptimizer")
     check_process_set(process_set)
-    reducer = GradientReducer(compression, memory, resolve_groups(groups, num_groups, variable_name), op,
-                              nonfinite, scheduler, gradient_predivide_factor=gradient_predivide_factor,
+    reducer = GradientReducer(compression, groups=resolve_groups(groups, num_groups, variable_name), op=op,
+                              gradient_predivide_factor=gradient_predivide_factor,
                               backward_passes_per_step=backward_passes_per_step,
                               average_aggregated_gradients=average_aggregated_gradients,
-                              scale_local_gradients=scale_local_gradients)
+                              scale_local_gradients=scale_local_gradients, **options)
     reducer.warn_sparse = not sparse_as_dense
     warn_double_momentum(reducer.memory, getattr(optimizer, "momentum", 0))
     optimizer.__class__ = _distributed_class(type(optimizer))  # adds methods only: the state stays as it is
@@ -188,17 +186,15 @@ class DistributedGradientTape:
     def __init__(self, gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                  compression: Any = Compression.none, sparse_as_dense: bool = False, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = "auto",
-                 process_set: Any = None, scale_local_gradients: bool = True, *, memory=None,
-                 nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
-                 reducer: Optional[GradientReducer] = None) -> None:
+                 process_set: Any = None, scale_local_gradients: bool = True, *,
+                 reducer: Optional[GradientReducer] = None, **options) -> None:
         check_devices(device_dense, device_sparse, "DistributedGradientTape")
         check_horovod_args(op, gradient_predivide_factor, process_set)
         self._tape = gradtape
         self._reducer = reducer
-        self._settings = (compression, memory, resolve_groups(groups, num_groups, variable_name), op, nonfinite,
-                          scheduler)
-        self._options = dict(gradient_predivide_factor=gradient_predivide_factor,
-                             scale_local_gradients=scale_local_gradients)
+        self._options = dict(compression=compression, groups=resolve_groups(groups, num_groups, variable_name),
+                             op=op, gradient_predivide_factor=gradient_predivide_factor,
+                             scale_local_gradients=scale_local_gradients, **options)
         self._sparse_as_dense = sparse_as_dense
         self._local: set = set()
 
@@ -209,10 +205,9 @@ class DistributedGradientTape:
 
     def _reducer_for(self, variables) -> GradientReducer:
         if self._reducer is None:
-            key = (repr((self._settings, self._options)), tuple(id(v) for v in variables),
-                   frozenset(self._local))
+            key = (repr(sorted(self._options.items())), tuple(id(v) for v in variables), frozenset(self._local))
             if key not in _TAPE_REDUCERS:
-                _TAPE_REDUCERS[key] = GradientReducer(*self._settings, **self._options)
+                _TAPE_REDUCERS[key] = GradientReducer(**self._options)
             self._reducer = _TAPE_REDUCERS[key]
         self._reducer.warn_sparse = not self._sparse_as_dense
         return self._reducer

@@ -23,7 +23,7 @@ from mergecomp.exchange import Exchange, resolve
 from mergecomp.horovod_args import Average, check_horovod_args, scaling
 from mergecomp.plan import Group, GroupPlan
 from mergecomp.scheduler import MergeScheduler, SchedulerConfig
-from mergecomp.step import MergedStep
+from mergecomp.step import MergedStep, check_safety_options
 
 __all__ = ["GradientReducer"]
 
@@ -52,13 +52,19 @@ class GradientReducer:
         average_aggregated_gradients: divide that sum by ``backward_passes_per_step``.
         scale_local_gradients: divide local variables' gradients by the number of ranks (as
             the exchanged ones are averaged).
+        compression_warmup_steps, uncompressed, min_compress_numel: the first this many
+            exchanges send the plain average, compression starting clean after them; variables
+            whose name (Keras: ``path``, e.g. ``"dense/bias"``) matches one of the patterns, or
+            with fewer elements, are always sent uncompressed
+            (:class:`~mergecomp.step.MergedStep`).
     """
 
     def __init__(self, compression="none", memory=None, groups="auto", op: str = Average,
                  nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
                  comm: Optional[Communicator] = None, *, gradient_predivide_factor: float = 1.0,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 scale_local_gradients: bool = True) -> None:
+                 scale_local_gradients: bool = True, compression_warmup_steps: int = 0,
+                 uncompressed: Sequence[str] = (), min_compress_numel: int = 0) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor, None)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
@@ -70,7 +76,10 @@ class GradientReducer:
             comm = communicator()
         self.comm = comm
         self.compressor, self.memory = resolve(compression, memory)
-        self._settings = dict(groups=groups, nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size))
+        check_safety_options(compression_warmup_steps, uncompressed, min_compress_numel)
+        self._settings = dict(groups=groups, nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size),
+                              compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
+                              min_compress_numel=min_compress_numel)
         self.passes = backward_passes_per_step
         self._average_passes = average_aggregated_gradients
         self._scale_local = scale_local_gradients

@@ -29,7 +29,7 @@ bucket's per-element state is assembled from the old buckets' pieces
 (:meth:`mergecomp.step.MergedStep.start_group`); low-rank state (PowerSGD's Q) is re-drawn.
 """
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real types.
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,9 @@ def ddp_comm_hook(
     named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
     nonfinite: str = "raise",
     timeout: Optional[float] = None,
+    compression_warmup_steps: int = 0,
+    uncompressed: Sequence[str] = (),
+    min_compress_numel: int = 0,
 ) -> Tuple[DDPHookState, Any]:
     """Make ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
@@ -170,6 +173,10 @@ def ddp_comm_hook(
             never enters the error-feedback memory.  ``"ignore"``: no check (like DDP's own
             allreduce, NaN propagates).  A hook cannot skip the optimizer step.
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
+        compression_warmup_steps, uncompressed, min_compress_numel: as for
+            :class:`~mergecomp.torch.DistributedOptimizer`; ``uncompressed`` needs
+            ``named_parameters``.  A bucket holding exempt parameters is split in two groups
+            (its exempt parameters, the others), copied out of the bucket and back.
 
     The hook returns each bucket's gradient averaged over ranks, in the bucket's dtype.
     """
@@ -180,10 +187,14 @@ def ddp_comm_hook(
                          f"optimizer step), got {nonfinite!r}")
     if not dist.is_initialized():
         raise RuntimeError("ddp_comm_hook needs torch.distributed to be initialized (as DDP does)")
+    if uncompressed and named_parameters is None:
+        raise ValueError("ddp_comm_hook: uncompressed matches parameter names: pass named_parameters too")
     comm = TorchCommunicator(process_group, timeout=timeout)
     named = None if named_parameters is None else [(n, p) for n, p in named_parameters if p.requires_grad]
     merged = MergedStep(compression, memory, comm, [n for n, _ in named or ()],
                         [p.shape for _, p in named or ()], [p.dtype for _, p in named or ()], comm.device,
-                        nonfinite=nonfinite, caller_groups=True, who="ddp_comm_hook", tensor_kind="parameters")
+                        nonfinite=nonfinite, caller_groups=True, who="ddp_comm_hook", tensor_kind="parameters",
+                        compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
+                        min_compress_numel=min_compress_numel)
     return DDPHookState(merged, None if named is None else {id(p): i for i, (_, p) in enumerate(named)}), \
         mergecomp_hook

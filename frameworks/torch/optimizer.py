@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -90,6 +90,13 @@ class DistributedOptimizer(HoldsMergedStep):
             ``"raise"`` FloatingPointError on every rank naming the rank and group; ``"skip"``
             the step on all ranks (counted in :attr:`skipped_steps`); ``"ignore"`` (no check).
         scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``.
+        compression_warmup_steps: the first this many steps exchange the plain average (merged,
+            uncompressed); compression, its error feedback and compressor state start clean
+            after them, and so does the scheduler's search (docs/compressors.md).
+        uncompressed: parameter-name patterns (fnmatch: ``"*.bias"``, ``"*norm*"``) whose
+            gradients are sent uncompressed, in a group of their own (default: none).
+        min_compress_numel: parameters with fewer elements are sent uncompressed too
+            (default 0: none).
 
     With a ``GradScaler`` (as with Horovod): ``scaler.scale(loss).backward(); opt.synchronize();
     scaler.unscale_(opt)`` (averaged gradients: NaN on every rank or on none), then
@@ -119,6 +126,9 @@ class DistributedOptimizer(HoldsMergedStep):
         memory: Union[str, Memory, None] = None,
         nonfinite: str = "propagate",
         scheduler: Optional[SchedulerConfig] = None,
+        compression_warmup_steps: int = 0,
+        uncompressed: Sequence[str] = (),
+        min_compress_numel: int = 0,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor, process_set)
         self._check_passes(backward_passes_per_step)
@@ -134,7 +144,9 @@ class DistributedOptimizer(HoldsMergedStep):
             [p.dtype for p in self._exchanged], self._exchanged[0].device, groups=groups,
             nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size),
             who="DistributedOptimizer", tensor_kind="parameters",
-            agree={"backward_passes_per_step": backward_passes_per_step})
+            agree={"backward_passes_per_step": backward_passes_per_step},
+            compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
+            min_compress_numel=min_compress_numel)
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step

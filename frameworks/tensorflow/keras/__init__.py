@@ -36,8 +36,8 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
                          num_groups: int = 0, groups: Any = "auto", process_set: Any = None,
                          scale_local_gradients: bool = True, **options):
     """:func:`mergecomp.tensorflow.DistributedOptimizer` with ``horovod.tensorflow.keras``'s
-    positional order; mergecomp's own options (``memory``, ``nonfinite``, ``scheduler``) as
-    keywords."""
+    positional order; mergecomp's own options (``memory``, ``nonfinite``, ``scheduler``,
+    ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``) as keywords."""
     return _optimizer.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
         sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step, op=op,
