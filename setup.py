@@ -42,7 +42,7 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
         "tf": ["tensorflow-cpu>=2.16"],  # Keras 3 on the TensorFlow backend
         "mpi": ["mpi4py>=4"],  # runs on the system MPI, the one Horovod is built against (one MPI on PATH)
-        "bench": ["matplotlib", "scikit-learn"],
+        "bench": ["matplotlib", "scikit-learn", "transformers"],  # transformers: model classes from configs, no download
     },
     entry_points={
         "console_scripts": ["mergecomp=mergecomp.cli:main"],

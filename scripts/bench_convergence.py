@@ -1,20 +1,31 @@
 """Convergence table: every compressor (with its default error-feedback memory) trains the same
-model for the same number of steps on 2 workers; final test accuracy and loss next to fp32.
+model for the same number of steps on 2 workers; final held-out metrics next to fp32.
 
-Data: scikit-learn's bundled ``digits`` set (1,797 8x8 images, 10 classes; no download),
-split 75/25 with a fixed seed, standardized; each worker trains on its half of the training
-set.  The two worker processes are started once and run every configuration in turn.  Model: an MLP 64-256-256-10 (85k parameters), SGD with momentum 0.9 (none for the ``dgc``
-memory, which applies momentum itself, and for the majority-vote methods ``signsgd``/``signum``,
-which run at ``--sign-lr``), ``mc.DistributedOptimizer(groups=1)`` (one merged
-group), gloo over loopback.  Each configuration runs with ``--seeds`` seeds; the median final
-accuracy is reported.
+Two tasks, no download:
 
-    pip install scikit-learn matplotlib
+* ``--task digits``: scikit-learn's bundled ``digits`` set (1,797 8x8 images, 10 classes),
+  split 75/25 with a fixed seed, standardized; each worker trains on its half of the training
+  set.  Model: an MLP 64-256-256-10 (85k parameters), SGD with momentum 0.9 (none for the
+  ``dgc`` memory, which applies momentum itself, and for the majority-vote methods
+  ``signsgd``/``signum``, which run at ``--sign-lr``).  Target: error-feedback methods within
+  1 percentage point of fp32's test accuracy.
+* ``--task lm``: a byte-level language model on CPython's standard-library sources (the
+  ``*.py`` files at the top of ``sysconfig``'s stdlib folder, sorted by name: the first 90 % of
+  the bytes train, the last 10 % are held out).  Model: ``transformers.GPT2LMHeadModel`` from a
+  small ``GPT2Config`` (2 layers, 96 wide, 4 heads, 64-byte context, 256-symbol vocabulary;
+  0.25 M parameters, no weights downloaded), Adam.  Each worker samples windows from its half of
+  the training bytes.  Target: error-feedback methods within 1 % of fp32's validation loss
+  (nats per byte).
+
+``mc.DistributedOptimizer(groups=1)`` (one merged group), gloo over loopback; the worker
+processes are started once and run every configuration in turn.  Each configuration runs with
+``--seeds`` seeds; medians are reported.  ``--warmup-steps`` and ``--uncompressed`` measure
+the convergence-safety options (``compression_warmup_steps``, ``uncompressed``).
+
+    pip install -e ".[bench]"
     python scripts/bench_convergence.py --json docs/img/data/convergence_digits_mlp_2workers.jsonl
+    python scripts/bench_convergence.py --task lm --json docs/img/data/convergence_stdlib_bytes_gpt2_2workers.jsonl
     python scripts/bench_convergence.py --compressors none,topk,dgc --steps 300 --seeds 1
-
-Target (PASS/FAIL, not asserted): the error-feedback methods (default memory other than
-``none``) end within 1 percentage point of fp32's accuracy.
 """
 import argparse
 import ast
@@ -31,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # -- defaults ------------------------------------------------------------------------------------
-COMPRESSORS = "none,fp16,topk,dgc,randk,qsgd,terngrad,signsgd,signum,efsignsgd,onebit,powersgd"
+COMPRESSORS = "none,fp16,bf16,topk,dgc,randk,qsgd,terngrad,signsgd,signum,efsignsgd,onebit,powersgd"
 STEPS = 600
 BATCH = 32           # per worker
 LR = 0.05
@@ -39,19 +50,25 @@ SIGN_LR = 0.002      # the majority vote returns unit signs: a step of lr per el
 EVAL_EVERY = 25
 SEEDS = "0,1,2"
 WORLD = 2
-TARGET_PP = 1.0
+TARGET_PP = 1.0      # digits: within 1 percentage point of fp32's test accuracy
+LM_STEPS, LM_LR, LM_BATCH, LM_CONTEXT = 300, 2e-3, 8, 64
+TARGET_LOSS = 0.01   # lm: within 1 % of fp32's validation loss
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--compressors", default=COMPRESSORS,
                     help="comma list; NAME:key=value;key=value sets compressor arguments, e.g. randk:ratio=0.1")
-parser.add_argument("--steps", type=int, default=STEPS)
+parser.add_argument("--steps", type=int, default=None, help=f"default: {STEPS} (digits), {LM_STEPS} (lm)")
 parser.add_argument("--batch-size", type=int, default=BATCH)
 parser.add_argument("--lr", type=float, default=LR)
 parser.add_argument("--sign-lr", type=float, default=SIGN_LR, help="lr of the majority-vote methods (signsgd, signum)")
 parser.add_argument("--seeds", default=SEEDS)
 parser.add_argument("--world-size", type=int, default=WORLD)
 parser.add_argument("--json", default=None, help="append one JSON record (with curves) per run")
+parser.add_argument("--task", choices=("digits", "lm"), default="digits")
+parser.add_argument("--warmup-steps", type=int, default=0, help="compression_warmup_steps")
+parser.add_argument("--uncompressed", default="", help="comma list of name patterns sent uncompressed")
+
 
 
 def load_digits_split(seed: int = 0):
@@ -66,6 +83,25 @@ def load_digits_split(seed: int = 0):
     return (to((x_train - mean) / std), torch.tensor(y_train), to((x_test - mean) / std), torch.tensor(y_test))
 
 
+def load_stdlib_bytes():
+    """CPython's top-level standard-library sources as one uint8 tensor: (train, held out)."""
+    import pathlib
+    import sysconfig
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    data = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)), dtype=torch.uint8).long()
+    cut = int(0.9 * len(data))
+    return data[:cut], data[cut:]
+
+
+def make_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=LM_CONTEXT, n_embd=96, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -75,44 +111,95 @@ class MLP(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-def train_one(rank, world, name, seed, args, data):
+class Digits:
+    name, steps, metric = "digits", STEPS, "test_acc"
+
+    def __init__(self, rank, world, args):
+        x_train, y_train, self.x_test, self.y_test = load_digits_split()
+        shard = torch.arange(rank, len(x_train), world)
+        self.x, self.y, self.batch_size = x_train[shard], y_train[shard], args.batch_size
+
+    def model(self):
+        return MLP()
+
+    def optimizer(self, params, compressor, memory, args):
+        lr = args.sign_lr if compressor.votes else args.lr
+        # No optimizer momentum on top of the dgc memory's own, nor on a majority vote's unit signs.
+        momentum = 0.0 if memory == "dgc" or compressor.votes else 0.9
+        return torch.optim.SGD(params, lr=lr, momentum=momentum), lr
+
+    def loss(self, model, gen):
+        idx = torch.randint(len(self.x), (self.batch_size,), generator=gen)
+        return F.cross_entropy(model(self.x[idx]), self.y[idx])
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        logits = model(self.x_test)
+        return {"test_loss": F.cross_entropy(logits, self.y_test).item(),
+                "test_acc": (logits.argmax(1) == self.y_test).float().mean().item()}
+
+
+class StdlibBytes:
+    name, steps, metric = "lm", LM_STEPS, "test_loss"
+
+    def __init__(self, rank, world, args):
+        train, held_out = load_stdlib_bytes()
+        per = len(train) // world
+        self.train = train[rank * per:(rank + 1) * per]
+        starts = torch.linspace(0, len(held_out) - LM_CONTEXT - 1, 64).long()
+        self.held_out = torch.stack([held_out[s:s + LM_CONTEXT] for s in starts])
+
+    def model(self):
+        return make_gpt2()
+
+    def optimizer(self, params, compressor, memory, args):
+        return torch.optim.Adam(params, lr=LM_LR), LM_LR
+
+    def loss(self, model, gen):
+        starts = torch.randint(len(self.train) - LM_CONTEXT, (LM_BATCH,), generator=gen)
+        windows = torch.stack([self.train[s:s + LM_CONTEXT] for s in starts.tolist()])
+        return model(input_ids=windows, labels=windows).loss
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        return {"test_loss": model(input_ids=self.held_out, labels=self.held_out).loss.item()}
+
+
+TASKS = {"digits": Digits, "lm": StdlibBytes}
+
+
+def train_one(rank, world, name, seed, args, task):
     """One configuration on this rank (mergecomp already initialised); rank 0 returns the record."""
     import mergecomp
     import mergecomp.torch as mc
 
-    x_train, y_train, x_test, y_test = data
     torch.manual_seed(seed)
-    model = MLP()
+    model = task.model()
     base, _, options = name.partition(":")  # e.g. "randk:ratio=0.1"
     kwargs = {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in options.split(";") if o)}
     compressor = mergecomp.get_compressor(base, **kwargs)
     memory = compressor.default_memory
-    lr = args.sign_lr if compressor.votes else args.lr
-    # No optimizer momentum on top of the dgc memory's own, nor on a majority vote's unit signs.
-    momentum = 0.0 if memory == "dgc" or compressor.votes else 0.9
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    optimizer, lr = task.optimizer(model.parameters(), compressor, memory, args)
     optimizer = mc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                        compression=compressor, memory=memory, groups=1)
+                                        compression=compressor, memory=memory, groups=1,
+                                        compression_warmup_steps=args.warmup_steps,
+                                        uncompressed=[p for p in args.uncompressed.split(",") if p])
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    steps = args.steps or task.steps
     curve = []
     began = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        idx = torch.randint(len(x_train), (args.batch_size,), generator=gen)
+    for step in range(1, steps + 1):
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+        loss = task.loss(model, gen)
         loss.backward()
         optimizer.step()
-        if step % EVAL_EVERY == 0 or step == args.steps:
-            with torch.no_grad():
-                logits = model(x_test)
-                test_loss = F.cross_entropy(logits, y_test).item()
-                acc = (logits.argmax(1) == y_test).float().mean().item()
-            curve.append({"step": step, "train_loss": loss.item(), "test_loss": test_loss, "test_acc": acc})
+        if step % EVAL_EVERY == 0 or step == steps:
+            curve.append({"step": step, "train_loss": loss.item(), **task.evaluate(model)})
     optimizer.remove_hooks()
-    return {"compressor": name, "memory": memory, "lr": lr, "seed": seed, "steps": args.steps,
-            "world_size": world, "batch_size": args.batch_size, "final_acc": curve[-1]["test_acc"],
-            "final_test_loss": curve[-1]["test_loss"], "curve": curve,
+    return {"task": task.name, "compressor": name, "memory": memory, "lr": lr, "seed": seed, "steps": steps,
+            "world_size": world, "warmup_steps": args.warmup_steps, "uncompressed": args.uncompressed,
+            "final_acc": curve[-1].get("test_acc"), "final_test_loss": curve[-1]["test_loss"], "curve": curve,
             "compressor_repr": repr(optimizer.compressor), "wall_s": time.perf_counter() - began, "status": "ok"}
 
 
@@ -124,12 +211,10 @@ def worker(rank, world, port, jobs, args, queue):
 
     torch.set_num_threads(1)
     mc.init(engine="torch")
-    x_train, y_train, x_test, y_test = load_digits_split()
-    shard = torch.arange(rank, len(x_train), world)
-    data = (x_train[shard], y_train[shard], x_test, y_test)
+    task = TASKS[args.task](rank, world, args)
     for name, seed in jobs:
         try:
-            record = train_one(rank, world, name, seed, args, data)
+            record = train_one(rank, world, name, seed, args, task)
         except Exception as err:  # keep going: a failing compressor is a result too
             record = {"compressor": name, "seed": seed, "status": f"failed: {err}"}
         if rank == 0:
@@ -172,44 +257,78 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",") if s]
     results = {name: [] for name in names}
     jobs = [(name, seed) for name in names for seed in seeds]
+    try:
+        from tqdm import tqdm
+        progress = tqdm(total=len(jobs), desc=args.task, file=sys.stderr)
+    except ImportError:
+        progress = None
     for r in run_all(jobs, args):
         name, seed = r["compressor"], r["seed"]
         results[name].append(r)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(r) + "\n")
-        status = f"acc {r['final_acc']:.4f}, test loss {r['final_test_loss']:.4f}" if r["status"] == "ok" else r["status"]
-        print(f"# {name} seed {seed}: {status}", file=sys.stderr, flush=True)
+        status = (f"test loss {r['final_test_loss']:.4f}" + (f", acc {r['final_acc']:.4f}" if r["final_acc"] else "")
+                  if r["status"] == "ok" else r["status"])
+        message = f"# {name} seed {seed}: {status}"
+        if progress is not None:
+            progress.update()
+            progress.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+    report(args, names, seeds, results)
+
+
+def report(args, names, seeds, results):
+    """A markdown table of medians over seeds, and the PASS/FAIL line of the task's target."""
+    lm = args.task == "lm"
+    key = "final_test_loss" if lm else "final_acc"
     ok = lambda rs: [r for r in rs if r["status"] == "ok"]  # noqa: E731
-    base = statistics.median(r["final_acc"] for r in ok(results["none"])) if ok(results.get("none", [])) else None
-    print(f"digits, MLP 64-256-256-10, {args.world_size} workers x batch {args.batch_size}, {args.steps} steps, "
-          f"lr {args.lr} (sign methods {args.sign_lr}), groups=1, seeds {seeds}: median over seeds")
+    base = statistics.median(r[key] for r in ok(results["none"])) if ok(results.get("none", [])) else None
+    steps = args.steps or (LM_STEPS if lm else STEPS)
+    extras = f", compression_warmup_steps {args.warmup_steps}" * bool(args.warmup_steps) + \
+        f", uncompressed {args.uncompressed}" * bool(args.uncompressed)
+    if lm:
+        print(f"stdlib bytes, GPT-2 (2x96), {args.world_size} workers x batch {LM_BATCH} x {LM_CONTEXT} bytes, "
+              f"{steps} steps, Adam lr {LM_LR}, groups=1{extras}, seeds {seeds}: median over seeds")
+        header = "| compressor | memory | validation loss (nats/byte) | min-max | vs fp32 | error feedback | within 1 % |"
+    else:
+        print(f"digits, MLP 64-256-256-10, {args.world_size} workers x batch {args.batch_size}, {steps} steps, "
+              f"lr {args.lr} (sign methods {args.sign_lr}), groups=1{extras}, seeds {seeds}: median over seeds")
+        header = "| compressor | memory | test accuracy % | min-max % | test loss | vs fp32 (pp) | error feedback | within 1 pp |"
     print()
-    print("| compressor | memory | test accuracy % | min-max % | test loss | vs fp32 (pp) | error feedback | within 1 pp |")
-    print("|---|---|---:|---:|---:|---:|---|---|")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
     verdicts = []
     for name in names:
         rs = ok(results[name])
         if not rs:
-            print(f"| {name} | - | failed | | | | | |")
+            print(f"| {name} | - | {results[name][0]['status'] if results[name] else 'failed'} |" + " |" * 5)
             continue
-        accs = [r["final_acc"] for r in rs]
-        acc = statistics.median(accs)
-        loss = statistics.median(r["final_test_loss"] for r in rs)
+        values = [r[key] for r in rs]
+        value = statistics.median(values)
         ef = rs[0]["memory"] != "none"
-        delta = None if base is None else 100 * (acc - base)
-        within = delta is not None and delta >= -TARGET_PP
+        if lm:
+            delta = None if base is None else value / base - 1
+            within = delta is not None and delta <= TARGET_LOSS
+            shown = f"{value:.4f} | {min(values):.4f}-{max(values):.4f} | " + \
+                ("-" if delta is None or name == "none" else f"{100 * delta:+.2f} %")
+        else:
+            delta = None if base is None else 100 * (value - base)
+            within = delta is not None and delta >= -TARGET_PP
+            loss = statistics.median(r["final_test_loss"] for r in rs)
+            shown = f"{100 * value:.2f} | {100 * min(values):.1f}-{100 * max(values):.1f} | {loss:.4f} | " + \
+                ("-" if delta is None or name == "none" else f"{delta:+.2f}")
         if ef:
             verdicts.append((name, within))
-        print(f"| {'fp32 (none)' if name == 'none' else name} | {rs[0]['memory']} | {100 * acc:.2f} | "
-              f"{100 * min(accs):.1f}-{100 * max(accs):.1f} | {loss:.4f} | "
-              f"{'-' if delta is None or name == 'none' else f'{delta:+.2f}'} | {'yes' if ef else 'no'} | "
+        print(f"| {'fp32 (none)' if name == 'none' else name} | {rs[0]['memory']} | {shown} | {'yes' if ef else 'no'} | "
               f"{('PASS' if within else 'FAIL') if ef else '-'} |")
     print()
     if verdicts:
         passed = sum(v for _, v in verdicts)
+        target = f"{100 * TARGET_LOSS:g} % of fp32's validation loss" if lm else f"{TARGET_PP:g} pp of fp32's accuracy"
         print(f"{'PASS' if passed == len(verdicts) else 'FAIL'}: {passed}/{len(verdicts)} error-feedback methods within "
-              f"{TARGET_PP:g} pp of fp32 ({', '.join(n for n, v in verdicts if not v) or 'none failed'})")
+              f"{target} ({', '.join(n for n, v in verdicts if not v) or 'none failed'})")
 
 
 if __name__ == "__main__":
