@@ -12,10 +12,10 @@ set a benchmark exchanges is the real one.  What makes a CPU run practical is th
 
 Example::
 
-    from mergecomp.bench.models import build_model
+    from mergecomp.bench.models import build_model, loss
     model, make_batch = build_model("resnet50")          # 25,557,032 parameters
     data, target = make_batch(8)                          # 8 images of 3x32x32, 1000 classes
-    loss = model.loss(model(data), target)
+    loss(model(data), target).backward()
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import zoo
 
-__all__ = ["ResNet", "VGG16", "GPT2", "build_model", "MODELS", "DEFAULT_INPUT"]
+__all__ = ["ResNet", "VGG16", "GPT2", "build_model", "loss", "MODELS", "DEFAULT_INPUT"]
 
 #: default input knob per model: image side for CNNs, sequence length for GPT-2
 DEFAULT_INPUT = {"resnet50": 32, "resnet18": 32, "vgg16": 32, "gpt2-small": 64}
@@ -105,10 +105,6 @@ class ResNet(nn.Module):
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
-    @staticmethod
-    def loss(output, target):
-        return F.cross_entropy(output, target)
-
 
 class VGG16(nn.Module):
     """torchvision's vgg16 (no batch norm), names ``features.N`` / ``classifier.N``."""
@@ -135,10 +131,6 @@ class VGG16(nn.Module):
 
     def forward(self, x):
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
-
-    @staticmethod
-    def loss(output, target):
-        return F.cross_entropy(output, target)
 
 
 class _Block(nn.Module):
@@ -189,10 +181,6 @@ class GPT2(nn.Module):
             x = block(x)
         return F.linear(self.ln_f(x), self.wte.weight)  # tied LM head
 
-    @staticmethod
-    def loss(output, target):
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-
 
 MODELS: Dict[str, Callable[..., nn.Module]] = {
     "resnet50": lambda width=1.0, num_classes=1000: ResNet((3, 4, 6, 3), True, num_classes, width),
@@ -202,9 +190,16 @@ MODELS: Dict[str, Callable[..., nn.Module]] = {
 }
 
 
+def loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of a benchmark model's output against ``make_batch``'s target: the logits
+    per image, or per token for GPT-2."""
+    return F.cross_entropy(output.flatten(0, -2), target.flatten())
+
+
 def build_model(name: str, width: float = 1.0, input_size: Optional[int] = None, seed: int = 0
                 ) -> Tuple[nn.Module, Callable[[int, Optional[torch.Generator]], Tuple[torch.Tensor, torch.Tensor]]]:
-    """A model and ``make_batch(batch_size, generator=None) -> (data, target)`` of synthetic data.
+    """A model and ``make_batch(batch_size, generator=None) -> (data, target)`` of synthetic data;
+    :func:`loss` turns the model's output and the target into the training loss.
 
     Args:
         name: ``resnet50``, ``resnet18``, ``vgg16`` or ``gpt2-small``.
