@@ -12,7 +12,7 @@ What is timed, per compressor with its default settings (no error-feedback memor
 with ``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
 round's payload to the next as if allreduced over one rank.  As in the pipeline on CPU, each run
 is one step of a :class:`mergecomp.workspace.Workspace` (outputs recycled; ``--no-workspace``:
-fresh allocations).  The gradient set is the 161 tensors of torchvision's resnet50 (25,557,032 fp32 elements, randn values) in backward order, cut into:
+fresh allocations).  The gradient set is ResNet-50's 161 tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order, cut into:
 
 * ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
 * ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.plan.build_plan`` with an
@@ -57,7 +57,7 @@ MERGED_GROUPS = (1, 2, 4)
 #: seconds one case (one compressor, one plan) may take in total; slower cases get fewer repeats
 BUDGET_S = 20.0
 SEED = 0
-#: torchvision's resnet50: 161 parameter tensors, 25,557,032 elements
+#: ResNet-50: 161 parameter tensors, 25,557,032 elements
 RESNET50_TENSORS = 161
 RESNET50_NUMEL = 25_557_032
 #: targets: merged (best of 1/2/4 groups) time at most this many times memcpy

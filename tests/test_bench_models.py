@@ -1,17 +1,25 @@
-"""Benchmark models: the real gradient sets at full width, a working forward/backward scaled down."""
+"""Benchmark models (transformers' ResNets and GPT-2, a VGG-16): the zoo's gradient sets at full width,
+a working forward/backward scaled down."""
 import pytest
 import torch
 
 from mergecomp.bench import zoo
-from mergecomp.bench.models import MODELS, build_model
+from mergecomp.bench.models import MODELS, build_model, loss
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_full_width_parameters_match_the_model_zoo(name):
-    model, _ = build_model(name)
+    with torch.device("meta"):  # names and shapes only: no memory, no initialisation
+        model, _ = build_model(name)
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     assert named == zoo.named_shapes(name)
     assert sum(p.numel() for p in model.parameters()) == zoo.numel(name)
+
+
+def test_zoo_counts_are_the_published_ones():
+    assert [zoo.numel(n) for n in ("resnet50", "resnet18", "vgg16", "gpt2-small")] == [
+        25_557_032, 11_689_512, 138_357_544, 124_439_808]
+    assert [len(zoo.named_shapes(n)) for n in ("resnet50", "resnet18", "vgg16", "gpt2-small")] == [161, 62, 32, 148]
 
 
 @pytest.mark.parametrize("name,input_size", [("resnet50", 16), ("resnet18", 16), ("vgg16", 32), ("gpt2-small", 8)])
@@ -19,17 +27,34 @@ def test_forward_backward_at_small_scale(name, input_size):
     torch.set_num_threads(1)
     model, make_batch = build_model(name, width=0.125, input_size=input_size)
     data, target = make_batch(2, torch.Generator().manual_seed(0))
-    loss = model.loss(model(data), target)
-    loss.backward()
-    assert torch.isfinite(loss)
+    value = loss(model(data), target)
+    value.backward()
+    assert torch.isfinite(value)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_unknown_model_and_bad_width():
+def test_same_seed_same_weights():
+    first, _ = build_model("resnet18", width=0.125, seed=3)
+    second, _ = build_model("resnet18", width=0.125, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))
+
+
+def test_unknown_model_bad_width_and_too_long_a_sequence():
     with pytest.raises(ValueError, match="unknown model"):
         build_model("alexnet")
     with pytest.raises(ValueError, match="width"):
         build_model("resnet18", width=0)
+    with pytest.raises(ValueError, match="1024"):
+        build_model("gpt2-small", input_size=1025)
+
+
+def test_without_transformers_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[bench\]"'):
+        build_model("resnet18", width=0.125)
+    build_model("vgg16", width=0.125)  # written here: no transformers needed
 
 
 def test_bench_cli_runs_in_one_process(tmp_path):

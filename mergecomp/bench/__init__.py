@@ -2,6 +2,6 @@
 
     mergecomp.bench.runner   the throughput benchmark: ``mergecomp bench``, ``python -m mergecomp.bench``
     mergecomp.bench.cluster  a bandwidth-limited multi-host cluster from network namespaces
-    mergecomp.bench.models   ResNet-50/18, VGG-16 and GPT-2 small as ``torch.nn.Module``
+    mergecomp.bench.models   ResNet-50/18 and GPT-2 small (transformers' classes, from configs) and VGG-16
     mergecomp.bench.zoo      those models' parameter shapes, without torch (also for ``mergecomp plan``)
 """

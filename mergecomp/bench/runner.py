@@ -119,12 +119,13 @@ class _Worker:
     """One rank's benchmark: the model, one fixed batch, a train step and a step timer."""
 
     def __init__(self, args) -> None:
-        from .models import build_model
+        from .models import build_model, loss
 
         torch.set_num_threads(args.threads)
         torch.set_flush_denormal(True)
         self.args = args
         self.model, make_batch = build_model(args.model, args.width, args.input_size, args.seed)
+        self.loss = loss
         self.rank = int(os.environ.get("RANK", "0"))
         gen = torch.Generator().manual_seed(args.seed + 1 + self.rank)
         self.data, self.target = make_batch(args.batch_size, gen)
@@ -133,7 +134,7 @@ class _Worker:
     def step(self) -> float:
         began = time.perf_counter()
         self.optimizer.zero_grad()
-        loss = self.model.loss(self.model(self.data), self.target)
+        loss = self.loss(self.model(self.data), self.target)
         loss.backward()
         self.optimizer.step()
         return time.perf_counter() - began
@@ -272,7 +273,7 @@ def _run_ddp(w: _Worker, args) -> List[Dict]:
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         hook = f"powerSGD_hook(rank={args.powersgd_rank}, start_powerSGD_iter=2)"
     w.optimizer = _sgd(model.parameters(), args.lr)
-    w.model = _Wrapped(model, w.model.loss)
+    w.model = model
     for _ in range(args.warmup + 1):
         w.step()
     times = [w.step() for _ in range(args.steps * args.rounds)]
@@ -280,14 +281,6 @@ def _run_ddp(w: _Worker, args) -> List[Dict]:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
     return [{"plan": "ddp", "hook": hook, "step_s": float(t), "steps_s": times, "bucket_cap_mb": 25}]
-
-
-class _Wrapped:
-    def __init__(self, module, loss) -> None:
-        self.module, self.loss = module, loss
-
-    def __call__(self, x):
-        return self.module(x)
 
 
 def _run_local(w: _Worker, args) -> List[Dict]:

@@ -1,5 +1,7 @@
-"""Parameter shapes of well-known models, generated in code (no torchvision, no downloads).
+"""Parameter shapes of the benchmark models, generated in code (no torch, no downloads).
 
+The names, shapes and order are those of :mod:`mergecomp.bench.models`: transformers'
+``ResNetForImageClassification`` and ``GPT2LMHeadModel``, and torchvision's ``vgg16``.
 Each ``*_named_shapes()`` returns ``(name, shape)`` in forward (``named_parameters``) order;
 :func:`backward_shapes` reverses it into the order gradients become ready.  Used by the offline
 planner and the benchmarks.
@@ -15,43 +17,48 @@ Shape = Tuple[int, ...]
 Named = List[Tuple[str, Shape]]
 
 
-def _conv_bn(params: Named, prefix: str, conv: str, bn: str, out_ch: int, in_ch: int, kernel: int) -> None:
-    params.append((f"{prefix}{conv}.weight", (out_ch, in_ch, kernel, kernel)))
-    params.append((f"{prefix}{bn}.weight", (out_ch,)))
-    params.append((f"{prefix}{bn}.bias", (out_ch,)))
+def _conv_norm(params: Named, prefix: str, out_ch: int, in_ch: int, kernel: int) -> None:
+    """A ``ResNetConvLayer`` / ``ResNetShortCut``: bias-free convolution, then batch norm."""
+    params.append((f"{prefix}convolution.weight", (out_ch, in_ch, kernel, kernel)))
+    params.append((f"{prefix}normalization.weight", (out_ch,)))
+    params.append((f"{prefix}normalization.bias", (out_ch,)))
 
 
 def _resnet(blocks: Tuple[int, ...], bottleneck: bool, classes: int = 1000) -> Named:
+    """transformers' ``ResNetForImageClassification`` (``downsample_in_first_stage=False``)."""
     expansion = 4 if bottleneck else 1
     params: Named = []
-    _conv_bn(params, "", "conv1", "bn1", 64, 3, 7)
+    _conv_norm(params, "resnet.embedder.embedder.", 64, 3, 7)
     inplanes = 64
-    for stage, count in enumerate(blocks, start=1):
-        planes = 64 * 2 ** (stage - 1)
+    for stage, count in enumerate(blocks):
+        planes = 64 * 2 ** stage
+        out = planes * expansion
         for block in range(count):
-            prefix = f"layer{stage}.{block}."
+            prefix = f"resnet.encoder.stages.{stage}.layers.{block}."
+            if block == 0 and (stage > 0 or inplanes != out):  # registered before the block's convolutions
+                _conv_norm(params, prefix + "shortcut.", out, inplanes, 1)
             if bottleneck:
-                _conv_bn(params, prefix, "conv1", "bn1", planes, inplanes, 1)
-                _conv_bn(params, prefix, "conv2", "bn2", planes, planes, 3)
-                _conv_bn(params, prefix, "conv3", "bn3", planes * expansion, planes, 1)
+                _conv_norm(params, prefix + "layer.0.", planes, inplanes, 1)
+                _conv_norm(params, prefix + "layer.1.", planes, planes, 3)
+                _conv_norm(params, prefix + "layer.2.", out, planes, 1)
             else:
-                _conv_bn(params, prefix, "conv1", "bn1", planes, inplanes, 3)
-                _conv_bn(params, prefix, "conv2", "bn2", planes, planes, 3)
-            if block == 0 and (stage > 1 or inplanes != planes * expansion):
-                _conv_bn(params, prefix, "downsample.0", "downsample.1", planes * expansion, inplanes, 1)
-            inplanes = planes * expansion
-    params.append(("fc.weight", (classes, inplanes)))
-    params.append(("fc.bias", (classes,)))
+                _conv_norm(params, prefix + "layer.0.", out, inplanes, 3)
+                _conv_norm(params, prefix + "layer.1.", out, out, 3)
+            inplanes = out
+    params.append(("classifier.1.weight", (classes, inplanes)))
+    params.append(("classifier.1.bias", (classes,)))
     return params
 
 
 def resnet50_named_shapes() -> Named:
-    """torchvision resnet50: 161 tensors, 25,557,032 elements."""
+    """ResNet-50 (transformers' bottleneck ``ResNetForImageClassification``, 1000 classes): 161
+    tensors, 25,557,032 elements; torchvision's resnet50 has the same shapes."""
     return _resnet((3, 4, 6, 3), bottleneck=True)
 
 
 def resnet18_named_shapes() -> Named:
-    """torchvision resnet18: 62 tensors, 11,689,512 elements."""
+    """ResNet-18 (transformers' basic ``ResNetForImageClassification``, 1000 classes): 62 tensors,
+    11,689,512 elements; torchvision's resnet18 has the same shapes."""
     return _resnet((2, 2, 2, 2), bottleneck=False)
 
 
@@ -71,19 +78,20 @@ def vgg16_named_shapes() -> Named:
 
 
 def gpt2_small_named_shapes() -> Named:
-    """GPT-2 small (12 layers, d=768, vocab 50257, context 1024, tied head): 148 tensors,
-    124,439,808 elements."""
+    """GPT-2 small (transformers' ``GPT2LMHeadModel``: 12 layers, d=768, vocab 50257, context 1024,
+    LM head tied to ``wte``, so not a parameter of its own): 148 tensors, 124,439,808 elements.
+    The projections are ``Conv1D`` weights, stored (in, out)."""
     d, vocab, context = 768, 50257, 1024
-    params: Named = [("wte.weight", (vocab, d)), ("wpe.weight", (context, d))]
+    params: Named = [("transformer.wte.weight", (vocab, d)), ("transformer.wpe.weight", (context, d))]
     for layer in range(12):
-        p = f"h.{layer}."
+        p = f"transformer.h.{layer}."
         params += [(p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,)),
-                   (p + "attn.c_attn.weight", (3 * d, d)), (p + "attn.c_attn.bias", (3 * d,)),
+                   (p + "attn.c_attn.weight", (d, 3 * d)), (p + "attn.c_attn.bias", (3 * d,)),
                    (p + "attn.c_proj.weight", (d, d)), (p + "attn.c_proj.bias", (d,)),
                    (p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)),
-                   (p + "mlp.c_fc.weight", (4 * d, d)), (p + "mlp.c_fc.bias", (4 * d,)),
-                   (p + "mlp.c_proj.weight", (d, 4 * d)), (p + "mlp.c_proj.bias", (d,))]
-    params += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+                   (p + "mlp.c_fc.weight", (d, 4 * d)), (p + "mlp.c_fc.bias", (4 * d,)),
+                   (p + "mlp.c_proj.weight", (4 * d, d)), (p + "mlp.c_proj.bias", (d,))]
+    params += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
     return params
 
 
