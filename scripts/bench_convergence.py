@@ -68,6 +68,7 @@ parser.add_argument("--world-size", type=int, default=WORLD)
 parser.add_argument("--json", default=None, help="append one JSON record (with curves) per run")
 parser.add_argument("--task", choices=("digits", "lm"), default="digits")
 parser.add_argument("--warmup-steps", type=int, default=0, help="compression_warmup_steps")
+parser.add_argument("--memory", default=None, help="error-feedback memory for every compressor (default: each one's own)")
 parser.add_argument("--uncompressed", default="", help="comma list of name patterns sent uncompressed")
 parser.add_argument("--report", metavar="JSONL", default=None,
                     help="print the table from the records of an earlier --json run (with the same options); no training")
@@ -191,7 +192,7 @@ def train_one(rank, world, name, seed, args, task):
     base, _, options = name.partition(":")  # e.g. "randk:ratio=0.1"
     kwargs = {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in options.split(";") if o)}
     compressor = mergecomp.get_compressor(base, **kwargs)
-    memory = compressor.default_memory
+    memory = args.memory or compressor.default_memory
     optimizer, lr = task.optimizer(model.parameters(), compressor, memory, args)
     optimizer = mc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                         compression=compressor, memory=memory, groups=1,
@@ -273,7 +274,8 @@ def main():
         with open(args.report) as f:
             for r in map(json.loads, f):
                 if r.get("task", "digits") == args.task and r["compressor"] in results and r["seed"] in seeds \
-                        and r.get("warmup_steps", 0) == args.warmup_steps and r.get("uncompressed", "") == args.uncompressed:
+                        and r.get("warmup_steps", 0) == args.warmup_steps and r.get("uncompressed", "") == args.uncompressed \
+                        and (args.memory is None or r["memory"] == args.memory):
                     results[r["compressor"]].append(r)
         return report(args, names, seeds, results)
     jobs = [(name, seed) for name in names for seed in seeds]

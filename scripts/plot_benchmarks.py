@@ -17,6 +17,7 @@ Each figure is named after what it shows and reads the data file of the same que
 * ``scheduler_vs_sweep_<link>_resnet50_batch<N>.png``: per compressor, layer-wise / 1 group / the
   best cut of the sweep / ``auto`` / fused fp32 (``scheduler_vs_sweep_<link>_resnet50_batch<N>.jsonl``);
 * ``convergence_digits_mlp_2workers.png``: test accuracy vs step per compressor;
+* ``convergence_stdlib_bytes_gpt2_2workers.png``: validation loss vs step per compressor (byte-level GPT-2);
 * ``codec_encode_decode_resnet50.png``: encode + decode time per compressor, layer-wise and the best
   merged plan, against one memcpy (``codec_encode_decode_resnet50_native.json``).
 """
@@ -44,6 +45,7 @@ THROUGHPUT = "throughput_vs_bandwidth_resnet50_2workers.jsonl"
 LARGER_MODELS = "throughput_vgg16_gpt2small_1gbit_2workers.jsonl"
 SCALING = "scaling_4workers_resnet50.jsonl"
 CONVERGENCE = "convergence_digits_mlp_2workers.jsonl"
+CONVERGENCE_LM = "convergence_stdlib_bytes_gpt2_2workers.jsonl"
 CODECS = "codec_encode_decode_resnet50_native.json"
 MACHINE = "2-core machine"
 
@@ -252,8 +254,10 @@ def scheduler_vs_sweep(path):
     return save(fig, stem + ".png")
 
 
-def convergence():
-    recs = ok(load(CONVERGENCE))
+def convergence(data=CONVERGENCE, key="test_acc", title="digits, MLP, 2 workers x batch 32", percent=True,
+                ylim=(80, 100)):
+    """Held-out metric vs step per compressor, median over seeds (default memory, no warm-up or exemptions)."""
+    recs = [r for r in ok(load(data)) if not r.get("warmup_steps") and not r.get("uncompressed")]
     if not recs:
         return None
     curves = collections.defaultdict(list)
@@ -261,23 +265,29 @@ def convergence():
         curves[r["compressor"]].append(r["curve"])
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
+    scale = 100 if percent else 1
     for name, runs_ in curves.items():
         steps = [p["step"] for p in runs_[0]]
-        acc = [100 * statistics.median(run[i]["test_acc"] for run in runs_) for i in range(len(steps))]
-        ax.plot(steps, acc, label="fp32" if name == "none" else name, lw=2.2 if name == "none" else 1.1,
+        ys = [scale * statistics.median(run[i][key] for run in runs_) for i in range(len(steps))]
+        ax.plot(steps, ys, label="fp32" if name == "none" else name, lw=2.2 if name == "none" else 1.1,
                 color="k" if name == "none" else None)
-    failed = sorted({r["compressor"] for r in load(CONVERGENCE) if r.get("status") != "ok"} - set(curves))
+    failed = sorted({r["compressor"] for r in load(data) if r.get("status") != "ok"} - set(curves))
     if failed:
         ax.text(0.99, 0.03, ", ".join(failed) + ": diverged (non-finite gradients)", transform=ax.transAxes,
                 fontsize=7, ha="right", color="firebrick")
-    ax.set_ylim(80, 100)
+    ax.set_ylim(*ylim)
     ax.set_xlabel("step")
-    ax.set_ylabel("test accuracy, % (median over seeds)")
-    ax.set_title("digits, MLP, 2 workers x batch 32, default error-feedback memory")
+    ax.set_ylabel(("test accuracy, %" if percent else "validation loss, nats/byte") + " (median over seeds)")
+    ax.set_title(title + ", default error-feedback memory")
     ax.legend(fontsize=7, ncol=3)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return save(fig, "convergence_digits_mlp_2workers.png")
+    return save(fig, data[:-len(".jsonl")] + ".png")
+
+
+def convergence_lm():
+    return convergence(CONVERGENCE_LM, "test_loss", "stdlib bytes, GPT-2 2x96, 2 workers x 8 x 64 bytes",
+                       percent=False, ylim=(2.0, 3.5))
 
 
 def codec_times():
@@ -361,7 +371,7 @@ if __name__ == "__main__":
     makers = [throughput_vs_bandwidth, scaling_vs_workers, auto_vs_layerwise_4workers]
     makers += [lambda p=p: scheduler_vs_sweep(p)
                for p in sorted(glob.glob(os.path.join(args.data, "scheduler_vs_sweep_*.jsonl")))]
-    makers += [convergence, codec_times]
+    makers += [convergence, convergence_lm, codec_times]
     for make in makers:
         path = make()
         if path:
