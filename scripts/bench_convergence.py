@@ -327,7 +327,7 @@ def report(args, names, seeds, results):
     for name in names:
         rs = ok(results[name])
         if not rs:
-            print(f"| {name} | - | {results[name][0]['status'] if results[name] else 'failed'} |" + " |" * 5)
+            print(f"| {name} | - | {results[name][0]['status'] if results[name] else 'no record'} |" + " |" * 5)
             continue
         values = [r[key] for r in rs]
         value = statistics.median(values)
