@@ -70,8 +70,9 @@ parser.add_argument("--task", choices=("digits", "lm"), default="digits")
 parser.add_argument("--warmup-steps", type=int, default=0, help="compression_warmup_steps")
 parser.add_argument("--memory", default=None, help="error-feedback memory for every compressor (default: each one's own)")
 parser.add_argument("--uncompressed", default="", help="comma list of name patterns sent uncompressed")
-parser.add_argument("--report", metavar="JSONL", default=None,
-                    help="print the table from the records of an earlier --json run (with the same options); no training")
+parser.add_argument("--report", metavar="JSONL[,JSONL]", default=None,
+                    help="print the table from the records of earlier --json runs (with the same options; fp32's "
+                         "records without them are the baseline); no training")
 
 
 
@@ -271,12 +272,16 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",") if s]
     results = {name: [] for name in names}
     if args.report:
-        with open(args.report) as f:
-            for r in map(json.loads, f):
-                if r.get("task", "digits") == args.task and r["compressor"] in results and r["seed"] in seeds \
-                        and r.get("warmup_steps", 0) == args.warmup_steps and r.get("uncompressed", "") == args.uncompressed \
-                        and (args.memory is None or r["memory"] == args.memory):
-                    results[r["compressor"]].append(r)
+        options = (args.warmup_steps, args.uncompressed)
+        for path in args.report.split(","):
+            with open(path) as f:
+                for r in map(json.loads, f):
+                    own = (r.get("warmup_steps", 0), r.get("uncompressed", ""))
+                    baseline = r["compressor"] == "none" and own == (0, "")
+                    if r.get("task", "digits") == args.task and r["compressor"] in results and r["seed"] in seeds \
+                            and (own == options or baseline) and (args.memory in (None, r["memory"]) or baseline) \
+                            and r not in results[r["compressor"]]:
+                        results[r["compressor"]].append(r)
         return report(args, names, seeds, results)
     jobs = [(name, seed) for name in names for seed in seeds]
     try:
