@@ -31,7 +31,7 @@ from mergecomp.registry import Compression
 from mergecomp.runtime import communicator, importable, is_initialized
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
-           "broadcast", "broadcast_", "alltoall", "allgather_object", "synchronize", "poll", "barrier", "join",
+           "broadcast", "broadcast_", "broadcast_object", "alltoall", "allgather_object", "synchronize", "poll", "barrier", "join",
            "cross_rank", "cross_size", "mpi_threads_supported", "nccl_built", "mpi_built", "gloo_built",
            "mpi_enabled", "gloo_enabled", "cuda_built", "rocm_built"]
 
@@ -258,6 +258,15 @@ def _check_root(root_rank: int, what: str) -> None:
     size = communicator().size
     if not 0 <= root_rank < size:
         raise ValueError(f"{what}: root_rank {root_rank} is not a rank of this job (size {size})")
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set: Any = None) -> Any:
+    """Rank ``root_rank``'s ``obj`` on every rank (pickled with ``torch.save``)."""
+    what = _what("broadcast_object", name)
+    check_process_set(process_set)
+    _check_root(root_rank, what)
+    with _named(what):
+        return communicator().broadcast_object(obj, root_rank)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: Any = None

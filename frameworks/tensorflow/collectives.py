@@ -17,7 +17,6 @@ import torch
 from mergecomp import collectives
 from mergecomp.horovod_args import check_process_set
 from mergecomp.registry import Compression
-from mergecomp.runtime import communicator
 
 from .bridge import to_tf, to_torch
 
@@ -82,8 +81,7 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, process_set: A
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
                      process_set: Any = None) -> Any:
     """Rank ``root_rank``'s Python object on every rank (pickled; call it eagerly)."""
-    check_process_set(process_set)
-    return communicator().broadcast_object(obj, root_rank)
+    return collectives.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,

@@ -13,14 +13,15 @@ Example::
 """
 from mergecomp.collectives import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
                                   allreduce_async, allreduce_async_, alltoall, barrier, broadcast, broadcast_,
-                                  cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, join, mpi_built,
-                                  mpi_enabled, mpi_threads_supported, nccl_built, poll, rocm_built, synchronize)
+                                  broadcast_object, cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, join,
+                                  mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rocm_built,
+                                  synchronize)
 from mergecomp.horovod_args import Adasum, Average, Sum, global_process_set
 from mergecomp.registry import Compression
 from mergecomp.runtime import communicator, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 from .ddp_hook import ddp_comm_hook
-from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 

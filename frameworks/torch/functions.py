@@ -5,9 +5,10 @@ from typing import Iterable, Mapping, Tuple, Union
 
 import torch
 
+from mergecomp.collectives import broadcast_object
 from mergecomp.runtime import communicator
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object"]
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
 Params = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
@@ -33,11 +34,6 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
             comm.broadcast_(tensor, root_rank)
         else:
             tensor.copy_(comm.broadcast_(tensor.contiguous(), root_rank))
-
-
-def broadcast_object(obj, root_rank: int = 0):
-    """Return rank ``root_rank``'s ``obj`` on every rank (pickled with ``torch.save``)."""
-    return communicator().broadcast_object(obj, root_rank)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
