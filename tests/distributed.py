@@ -144,7 +144,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args, timeout: float =
     short ``MERGECOMP_TIMEOUT``) fresh processes run the call.
     """
     if env is None and not os.environ.get("MERGECOMP_TEST_FRESH"):
-        pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _Pool(world_size))
+        pool = _POOLS.get(world_size)
+        if pool is None:
+            pool = _POOLS[world_size] = _Pool(world_size)
         try:
             collected = pool.run(fn, args, timeout)
         except BaseException:
