@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from .compressor import Compressor
 
-__all__ = ["CODECS", "EXEMPT", "Exemptions", "GroupPlan", "Group", "has_codec_choice", "layout", "remap_state",
+__all__ = ["CODECS", "EXEMPT", "TWO_PHASE", "Exemptions", "GroupPlan", "Group", "has_codec_choice", "layout", "remap_state",
            "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
@@ -33,6 +33,11 @@ CODECS = ("compressed", "fp16", "none")
 #: compression warm-up: a plain allreduce of the gradient as it is, outside error feedback and
 #: compressor state (the scheduler never picks it)
 EXEMPT = "exempt"
+#: codec of a group sent with the configured (non-summable) compressor by the two-phase scheme:
+#: compressed shards by all-to-all, then each rank's compressed aggregate of its shard by
+#: allgather (:mod:`mergecomp.twophase`); ``"compressed"`` sends such a compressor's payload
+#: whole by allgather
+TWO_PHASE = "two-phase"
 
 
 def has_codec_choice(compressor: "Compressor") -> bool:
@@ -78,7 +83,8 @@ class Exemptions:
 class GroupPlan:
     """Groups of parameter indices; concatenating the groups gives the backward order.
 
-    ``codecs`` optionally names each group's codec (one of :data:`CODECS`, or :data:`EXEMPT`);
+    ``codecs`` optionally names each group's codec (one of :data:`CODECS`, :data:`TWO_PHASE` or
+    :data:`EXEMPT`);
     empty means every group uses the configured compressor, and all-``"compressed"`` is stored
     as empty, so plans that send the same groups the same way compare equal.
     """
