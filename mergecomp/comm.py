@@ -130,6 +130,11 @@ class Communicator(abc.ABC):
     def allgather(self, tensor: torch.Tensor, what: str = "allgather") -> torch.Tensor:
         return self.allgather_async(tensor).wait(what)
 
+    def _describe(self, op: str, tensor: torch.Tensor) -> Callable[[], str]:
+        """A function naming ``op`` on ``tensor`` here, for the engines' error messages."""
+        return lambda: (f"{op} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} "
+                        f"elements on rank {self.rank} of {self.size}")
+
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """Rank ``root``'s ``obj`` on every rank (pickled with ``torch.save``; two broadcasts:
         the length, then the bytes)."""

@@ -122,10 +122,6 @@ class HorovodCommunicator(Communicator):
     def _name(self, kind: str) -> str:
         return f"mergecomp.{kind}.{next(self._counter)}"
 
-    def _describe(self, op: str, name: str, tensor: torch.Tensor) -> Callable[[], str]:
-        return lambda: (f"Horovod {op} {name!r} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} "
-                        f"elements on rank {self.rank} of {self.size}")
-
     def _host(self, tensor: torch.Tensor) -> bool:
         """Does ``tensor`` have to be staged through host memory?"""
         return tensor.is_cuda and not self._cuda
@@ -144,7 +140,7 @@ class HorovodCommunicator(Communicator):
     # -- collectives --------------------------------------------------------------------------
     def allreduce_async(self, tensor: torch.Tensor) -> Handle:
         name = self._name("allreduce")
-        describe = self._describe("allreduce", name, tensor)
+        describe = self._describe(f"Horovod allreduce {name!r}", tensor)
         if tensor.numel() == 0 or self.size == 1:
             return self._done(tensor)
         dtype = _sum_dtype(tensor.dtype)
@@ -168,7 +164,7 @@ class HorovodCommunicator(Communicator):
 
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
         name = self._name("allgather")
-        describe = self._describe("allgather", name, tensor)
+        describe = self._describe(f"Horovod allgather {name!r}", tensor)
         flat = tensor.detach().reshape(-1)
         if self._host(flat):
             flat = flat.cpu()
@@ -184,7 +180,7 @@ class HorovodCommunicator(Communicator):
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         name = self._name("broadcast")
-        describe = self._describe(f"broadcast from rank {root}", name, tensor)
+        describe = self._describe(f"Horovod broadcast from rank {root} {name!r}", tensor)
         if tensor.numel() == 0 or self.size == 1:
             return tensor
         direct = not self._host(tensor) and tensor.is_contiguous()

@@ -139,10 +139,6 @@ class MPICommunicator(Communicator):
             ok = False
         return bool(self._min([ok], "agreement on float16 sums")[0])
 
-    def _describe(self, op: str, tensor: torch.Tensor) -> Callable[[], str]:
-        return lambda: (f"MPI {op} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} "
-                        f"elements on rank {self.rank} of {self.size}")
-
     def _handle(self, req, finish: Callable[[], torch.Tensor], describe: Callable[[], str]) -> Handle:
         def wait(timeout: float) -> torch.Tensor:
             _poll(req, timeout, describe)
@@ -156,7 +152,7 @@ class MPICommunicator(Communicator):
 
     # -- collectives --------------------------------------------------------------------------
     def allreduce_async(self, tensor: torch.Tensor) -> Handle:
-        describe = self._describe("Iallreduce", tensor)
+        describe = self._describe("MPI Iallreduce", tensor)
         if tensor.numel() == 0 or self.size == 1:
             return self._done(tensor)
         datatype = self._sum_types.get(tensor.dtype)
@@ -180,7 +176,7 @@ class MPICommunicator(Communicator):
         return self._handle(req, finish, describe)
 
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
-        describe = self._describe("Iallgather", tensor)
+        describe = self._describe("MPI Iallgather", tensor)
         flat = tensor.detach().reshape(-1)
         if flat.is_cuda:
             flat = flat.cpu()
@@ -197,7 +193,7 @@ class MPICommunicator(Communicator):
         return self._handle(req, finish, describe)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
-        describe = self._describe(f"Ibcast from rank {root}", tensor)
+        describe = self._describe(f"MPI Ibcast from rank {root}", tensor)
         if tensor.numel() == 0 or self.size == 1:
             return tensor
         direct = not tensor.is_cuda and tensor.is_contiguous()

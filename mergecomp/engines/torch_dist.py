@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,21 +39,26 @@ class TorchCommunicator(Communicator):
         if dist.get_backend(group) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def _handle(self, work, result: torch.Tensor) -> Handle:
+    def _handle(self, work, result: torch.Tensor, describe: Callable[[], str]) -> Handle:
         def wait(timeout: float) -> torch.Tensor:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
+            except RuntimeError as err:  # gloo/NCCL name neither the rank nor the operation
+                raise RuntimeError(f"{describe()} failed: {err}") from err
             return result
 
         return Handle(wait, self.timeout)
 
     def allreduce_async(self, tensor: torch.Tensor) -> Handle:
-        return self._handle(dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self._handle(work, tensor, self._describe("torch all_reduce", tensor))
 
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
         out = tensor.new_empty(self.size * tensor.numel())
         work = dist.all_gather_single(out, tensor.reshape(-1), group=self.group, async_op=True)
-        return self._handle(work, out.view(self.size, -1))
+        return self._handle(work, out.view(self.size, -1), self._describe("torch all_gather_single", tensor))
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
-        return self._handle(work, tensor).wait(f"broadcast from rank {root}")
+        describe = self._describe(f"torch broadcast from rank {root}", tensor)
+        return self._handle(work, tensor, describe).wait(f"broadcast from rank {root}")
