@@ -6,9 +6,15 @@ never moves bytes itself.  All ranks must issue the same collectives in the same
 * ``allreduce_async(t)`` sums ``t`` over ranks in place; the handle's ``wait()`` returns ``t``.
 * ``allgather_async(t)`` gathers equal-sized 1-D ``t`` from all ranks; ``wait()`` returns a
   ``(size, t.numel())`` tensor, row ``r`` from rank ``r``.
+* ``alltoall_async(t)`` sends block ``r`` of the 1-D contiguous ``t`` (elements
+  ``[r*m, (r+1)*m)``, ``m = t.numel() / size``; ValueError unless it divides) to rank ``r``;
+  ``wait()`` returns a ``(size, m)`` tensor of ``t``'s dtype and device, row ``r`` from rank
+  ``r``.  ``m`` may be 0 (a ``(size, 0)`` result, no hang).
 * ``broadcast_(t, root)`` copies rank ``root``'s ``t`` into every rank's ``t`` (blocking).
 
-Every wait has a timeout; expiry raises :class:`CommunicationError` naming what was waited on.
+Any dtype travels unchanged through allgather, all-to-all and broadcast (engines move raw bytes
+where their library needs it).  Every wait has a timeout; expiry raises
+:class:`CommunicationError` naming what was waited on.
 """
 from __future__ import annotations
 
@@ -121,6 +127,12 @@ class Communicator(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
+    def alltoall_async(self, tensor: torch.Tensor) -> Handle:
+        """Start sending block ``r`` of ``tensor`` to rank ``r`` (see the module docstring);
+        ``wait()`` returns the ``(size, m)`` received blocks, row ``r`` from rank ``r``."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         raise NotImplementedError
 
@@ -129,6 +141,19 @@ class Communicator(abc.ABC):
 
     def allgather(self, tensor: torch.Tensor, what: str = "allgather") -> torch.Tensor:
         return self.allgather_async(tensor).wait(what)
+
+    def alltoall(self, tensor: torch.Tensor, what: str = "alltoall") -> torch.Tensor:
+        return self.alltoall_async(tensor).wait(what)
+
+    def _block(self, tensor: torch.Tensor) -> int:
+        """``m``, the elements per block of :meth:`alltoall_async`'s ``tensor``; ValueError
+        unless it is 1-D, contiguous and its numel divides by ``size``."""
+        where = f"alltoall on rank {self.rank} of {self.size}"
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"{where}: needs a 1-D contiguous tensor, got shape {list(tensor.shape)}")
+        if tensor.numel() % self.size:
+            raise ValueError(f"{where}: {tensor.numel()} elements do not divide into {self.size} equal blocks")
+        return tensor.numel() // self.size
 
     def _describe(self, op: str, tensor: torch.Tensor) -> Callable[[], str]:
         """A function naming ``op`` on ``tensor`` here, for the engines' error messages."""
@@ -160,6 +185,10 @@ class LocalCommunicator(Communicator):
 
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
         return Handle(lambda _: tensor.reshape(1, -1), self.timeout)
+
+    def alltoall_async(self, tensor: torch.Tensor) -> Handle:
+        result = tensor.view(1, self._block(tensor))
+        return Handle(lambda _: result, self.timeout)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         return tensor

@@ -178,6 +178,22 @@ class HorovodCommunicator(Communicator):
 
         return self._handle(handle, finish, describe)
 
+    def alltoall_async(self, tensor: torch.Tensor) -> Handle:
+        """``hvd.alltoall_async`` of a ``(size, m * itemsize)`` uint8 view, split equally (one row
+        per rank); ``synchronize`` returns ``(rows, received_splits)``."""
+        name = self._name("alltoall")
+        describe = self._describe(f"Horovod alltoall {name!r}", tensor)
+        block = self._block(tensor)
+        send = tensor.detach().cpu() if self._host(tensor) else tensor.detach()
+        if block == 0 or self.size == 1:
+            return self._done(send.view(self.size, block).clone().to(tensor.device))
+        handle = self.hvd.alltoall_async(send.view(self.size, block).view(torch.uint8), name=name)
+
+        def finish(result) -> torch.Tensor:
+            return result[0].view(send.dtype).to(tensor.device)
+
+        return self._handle(handle, finish, describe)
+
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         name = self._name("broadcast")
         describe = self._describe(f"Horovod broadcast from rank {root} {name!r}", tensor)

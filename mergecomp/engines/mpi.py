@@ -192,6 +192,21 @@ class MPICommunicator(Communicator):
 
         return self._handle(req, finish, describe)
 
+    def alltoall_async(self, tensor: torch.Tensor) -> Handle:
+        """``Ialltoall`` of ``m * itemsize`` bytes per rank (CUDA tensors staged through the host)."""
+        describe = self._describe("MPI Ialltoall", tensor)
+        block = self._block(tensor)
+        send = tensor.detach().cpu()
+        if block == 0 or self.size == 1:
+            return self._done(send.view(self.size, block).clone().to(tensor.device))
+        out = send.new_empty((self.size, block))
+        req = self.mpi_comm.Ialltoall([_bytes(send), self.MPI.BYTE], [_bytes(out), self.MPI.BYTE])
+
+        def finish(sent: torch.Tensor = send) -> torch.Tensor:  # holds the send buffer until done
+            return out.to(tensor.device)
+
+        return self._handle(req, finish, describe)
+
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         describe = self._describe(f"MPI Ibcast from rank {root}", tensor)
         if tensor.numel() == 0 or self.size == 1:

@@ -58,6 +58,13 @@ class TorchCommunicator(Communicator):
         work = dist.all_gather_single(out, tensor.reshape(-1), group=self.group, async_op=True)
         return self._handle(work, out.view(self.size, -1), self._describe("torch all_gather_single", tensor))
 
+    def alltoall_async(self, tensor: torch.Tensor) -> Handle:
+        """``all_to_all_single`` on ``tensor`` as it is: gloo and NCCL move any dtype, and gloo
+        empty blocks too."""
+        out = tensor.new_empty((self.size, self._block(tensor)))
+        work = dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
+        return self._handle(work, out, self._describe("torch all_to_all_single", tensor))
+
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
         describe = self._describe(f"torch broadcast from rank {root}", tensor)
