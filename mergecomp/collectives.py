@@ -8,8 +8,8 @@ raises :class:`~mergecomp.comm.CommunicationError` naming the operation (and ``n
 
 Differences from Horovod, on purpose or by necessity:
 
-* ``alltoall`` is built on allgather: every rank receives every rank's whole tensor and keeps
-  its part, so each rank moves O(size x tensor) bytes instead of O(tensor).
+* ``alltoall`` pads each destination's rows to the largest block any rank sends, so uneven
+  splits move ``size x`` that block per rank.
 * ``allgather_async`` exchanges the first dimensions synchronously; only the data is in flight.
 * ``poll`` cannot ask the engine whether a collective finished: it waits for it, then says True.
 * ``join`` does not serve the other ranks' later collectives (see its docstring).
@@ -191,6 +191,22 @@ def _header(tensor: torch.Tensor, what: str) -> torch.Tensor:
     return torch.tensor([tensor.dim(), code, *tensor.shape] + [-1] * (MAX_DIMS - tensor.dim()), dtype=torch.int64)
 
 
+def _check_headers(headers: torch.Tensor, what: str) -> List[Tuple[int, ...]]:
+    """The shapes in ``headers`` (row ``r``: rank ``r``'s :func:`_header`); ValueError naming two
+    ranks unless all send one dtype and shapes that differ in the first dimension only.  Every
+    rank holds the same rows, so every rank raises the same error."""
+    shapes = [tuple(int(d) for d in row[2:2 + int(row[0])]) for row in headers]
+    codes = [int(row[1]) for row in headers]
+    for r in range(len(shapes)):
+        if codes[r] != codes[0]:
+            raise ValueError(f"{what}: rank 0 sends {_DTYPES[codes[0]] if codes[0] >= 0 else 'another dtype'} "
+                             f"but rank {r} sends {_DTYPES[codes[r]] if codes[r] >= 0 else 'another dtype'}")
+        if len(shapes[r]) != len(shapes[0]) or shapes[r][1:] != shapes[0][1:]:
+            raise ValueError(f"{what}: only the first dimension may differ between ranks, but rank 0 has "
+                             f"shape {list(shapes[0])} and rank {r} has {list(shapes[r])}")
+    return shapes
+
+
 def _gather_rows_async(tensor: torch.Tensor, what: str) -> Tuple[List[int], Callable[[], torch.Tensor]]:
     """Start gathering every rank's ``tensor`` (first dimension may differ): returns each rank's
     first dimension and a function that waits and returns the concatenation along dim 0.
@@ -204,16 +220,7 @@ def _gather_rows_async(tensor: torch.Tensor, what: str) -> Tuple[List[int], Call
         tensor = tensor.reshape(1)
     with _named(what):
         headers = comm.allgather(_header(tensor, what).to(comm.device), what + " (shapes)").cpu()
-    shapes = [tuple(int(d) for d in row[2:2 + int(row[0])]) for row in headers]
-    codes = [int(row[1]) for row in headers]
-    for r in range(comm.size):
-        if codes[r] != codes[0]:
-            raise ValueError(f"{what}: rank 0 sends {_DTYPES[codes[0]] if codes[0] >= 0 else 'another dtype'} "
-                             f"but rank {r} sends {_DTYPES[codes[r]] if codes[r] >= 0 else 'another dtype'}")
-        if len(shapes[r]) != len(shapes[0]) or shapes[r][1:] != shapes[0][1:]:
-            raise ValueError(f"{what}: only the first dimension may differ between ranks, but rank 0 has "
-                             f"shape {list(shapes[0])} and rank {r} has {list(shapes[r])}")
-    firsts = [s[0] for s in shapes]
+    firsts = [s[0] for s in _check_headers(headers, what)]
     longest, rest = max(firsts), tuple(tensor.shape[1:])
     if longest * math.prod(rest) == 0:  # nothing to move (gloo rejects empty tensors)
         empty = tensor.new_empty((sum(firsts),) + rest)
@@ -292,6 +299,21 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, 
 
 
 # -- alltoall ----------------------------------------------------------------------------------
+def _send_splits(rows: int, splits: Optional[Union[Sequence[int], torch.Tensor]], size: int,
+                 what: str) -> List[int]:
+    """The rows for each destination: ``splits`` checked, or equal parts of ``rows``."""
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"{what}: the first dimension {rows} does not divide into {size} equal splits; "
+                             f"pass splits=")
+        return [rows // size] * size
+    send = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(send) != size or any(s < 0 for s in send) or sum(send) != rows:
+        raise ValueError(f"{what}: splits {send} must be {size} non-negative counts summing to the "
+                         f"first dimension {rows}")
+    return send
+
+
 def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
              name: Optional[str] = None, process_set: Any = None):
     """Rank ``r`` sends the ``splits[d]`` rows of ``tensor`` after the first ``sum(splits[:d])``
@@ -300,40 +322,33 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.T
     ``splits`` None: equal parts (the first dimension must divide by the number of ranks).
     Returns the tensor when ``splits`` is None, else ``(tensor, received_splits)`` where
     ``received_splits[s]`` (int64) is how many rows came from rank ``s`` (newer Horovod's form).
+    The dtype and all dimensions but the first must match across ranks (ValueError naming two).
 
-    Built on allgather: every rank receives all of every rank's tensor and keeps its part, so
-    it moves O(size x tensor) bytes per rank, not O(tensor).
+    Two of the engine's all-to-alls: first, to each destination, its row count with the most
+    rows this rank sends anyone and the shape header (int64); then the rows, each destination's
+    padded to the most any rank sends anyone.  Each rank moves ``size x`` that largest block:
+    O(tensor) when the splits are even.
     """
     what = _what("alltoall", name)
     check_process_set(process_set)
     comm = communicator()
     if tensor.dim() == 0:
         raise ValueError(f"{what}: needs a tensor of at least one dimension")
-    rows = tensor.shape[0]
-    if splits is None:
-        if rows % comm.size:
-            raise ValueError(f"{what}: the first dimension {rows} does not divide into {comm.size} equal splits; "
-                             f"pass splits=")
-        send = [rows // comm.size] * comm.size
-    else:
-        send = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(send) != comm.size or any(s < 0 for s in send) or sum(send) != rows:
-            raise ValueError(f"{what}: splits {send} must be {comm.size} non-negative counts summing to the "
-                             f"first dimension {rows}")
+    tensor = tensor.detach()  # not differentiable; the padded copy must not record autograd history
+    send = _send_splits(tensor.shape[0], splits, comm.size, what)
+    meta = torch.cat([torch.tensor([[count, max(send)] for count in send], dtype=torch.int64),
+                      _header(tensor, what).expand(comm.size, -1)], dim=1)
     with _named(what):
-        matrix = comm.allgather(torch.tensor(send, dtype=torch.int64, device=comm.device),
-                                what + " (splits)").cpu().tolist()
-    firsts, finish = _gather_rows_async(tensor, what)
-    everything = finish()
-    parts, start = [], 0
-    for src in range(comm.size):
-        offset = start + sum(matrix[src][:comm.rank])
-        parts.append(everything[offset:offset + matrix[src][comm.rank]])
-        start += firsts[src]
-    out = torch.cat(parts)
-    if splits is None:
-        return out
-    return out, torch.tensor([matrix[src][comm.rank] for src in range(comm.size)], dtype=torch.int64)
+        got = comm.alltoall(meta.reshape(-1).to(comm.device), what + " (splits)").cpu()
+    _check_headers(got[:, 2:], what)
+    received, longest, rest = got[:, 0].clone(), int(got[:, 1].max()), tuple(tensor.shape[1:])
+    padded = tensor.new_zeros((comm.size, longest) + rest, device=comm.device)
+    for dest, part in enumerate(tensor.split(send)):
+        padded[dest, :send[dest]] = part
+    with _named(what):
+        blocks = comm.alltoall(padded.reshape(-1), what).view((comm.size, longest) + rest)
+    out = torch.cat([blocks[src, :count] for src, count in enumerate(received.tolist())]).to(tensor.device)
+    return out if splits is None else (out, received)
 
 
 # -- barrier, join ----------------------------------------------------------------------------
