@@ -8,17 +8,19 @@ Each rank prints lines ``MCJSON {...}`` (launchers prefix output lines; parse fr
 and, with ``--out DIR``, appends the full records (with ``params``) to ``DIR/rank<r>.jsonl``:
 
 * ``--mode train`` (default): ``{"kind": "collectives", ...}`` (a self-check of the engine's
-  collectives: dtypes incl. bf16/fp16, strided tensors, allgather, broadcast), then for each
-  compressor ``{"kind": "train", "compressor", "params": [...flat parameters...]}`` after
+  collectives: dtypes incl. bf16/fp16, strided tensors, allgather, broadcast, all-to-all), then
+  for each compressor ``{"kind": "train", "compressor", "params": [...flat parameters...]}`` after
   ``--steps`` steps with fixed groups (deterministic given the seed: qsgd draws from torch's
   generator, seeded per rank).
   With ``--out``, then a timeout check: rank 0 waits 1.5 s for an allreduce the other ranks
   have not joined yet and reports ``{"kind": "timeout", "error": "...", "recovered": bool}``:
   the error, and whether the same collective completed once they joined (after a marker file).
+* ``--mode collectives``: the ``collectives`` record only.
 * ``--mode init``: ``{"kind": "init", "engine", "rank", "size", "local_rank"}`` or, when
   ``mc.init`` raises, ``{"kind": "error", "error": "..."}`` and exit status 3.
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -75,15 +77,18 @@ def train(compressor: str, steps: int, seed: int):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _expect(failures: list, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Append to ``failures`` unless ``got`` equals ``want`` exactly, in dtype and shape too."""
+    if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        failures.append(f"{what}: got {got.tolist()} ({got.dtype}), want {want.tolist()} ({want.dtype})")
+
+
 def check_collectives(comm) -> list:
     """Failures (strings) of a self-check of ``comm``'s collectives; empty when all is well."""
     rank, size = comm.rank, comm.size
     ranks_sum = size * (size - 1) / 2
     failures = []
-
-    def expect(what, got, want):
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-            failures.append(f"{what}: got {got.tolist()} ({got.dtype}), want {want.tolist()} ({want.dtype})")
+    expect = functools.partial(_expect, failures)
 
     # Values whose sums are exact in every dtype used (bf16 has 8 significant bits).
     base = torch.tensor([[1.5, -2.25], [1024.0, 0.0078125]])
@@ -116,6 +121,34 @@ def check_collectives(comm) -> list:
     t = torch.tensor(rank + 7, dtype=torch.int64)
     comm.broadcast_(t, root)
     expect("broadcast 0-d int64", t, torch.tensor(root + 7, dtype=torch.int64))
+    return failures + check_alltoall(comm)
+
+
+def check_alltoall(comm) -> list:
+    """Failures of a self-check of ``comm``'s all-to-all (dtypes; blocks of 0, 1 and 5 elements;
+    the error for a size that does not divide) and of ``mc.alltoall`` with uneven splits on it."""
+    rank, size = comm.rank, comm.size
+    failures = []
+    expect = functools.partial(_expect, failures)
+    for dtype in (torch.bfloat16, torch.int64, torch.uint8, torch.float32):
+        for block in (0, 1, 5):
+            # element k of the block for rank d is 25 * rank + 5 * d + k: distinct, and exact in
+            # every dtype up to 4 ranks (< 100)
+            t = torch.tensor([25 * rank + 5 * d + k for d in range(size) for k in range(block)]).to(dtype)
+            want = torch.tensor([[25 * s + 5 * rank + k for k in range(block)] for s in range(size)]).to(dtype)
+            expect(f"alltoall {dtype} block {block}", comm.alltoall(t, f"alltoall {dtype}"), want.view(size, block))
+    try:
+        comm.alltoall(torch.zeros(size + 1), "alltoall of size + 1 elements")
+        failures.append("alltoall of size + 1 elements did not raise")
+    except ValueError as err:
+        if f"rank {rank} of {size}" not in str(err) or f"{size + 1} elements" not in str(err):
+            failures.append(f"alltoall of size + 1 elements: unclear error {err}")
+    splits = [(d + rank) % 3 for d in range(size)]  # a row is (sender, destination, index)
+    rows = torch.tensor([[rank, d, i] for d in range(size) for i in range(splits[d])], dtype=torch.bfloat16)
+    out, received = mc.alltoall(rows.view(-1, 3), splits=splits, name="rows")
+    want = torch.tensor([[s, rank, i] for s in range(size) for i in range((rank + s) % 3)], dtype=torch.bfloat16)
+    expect("mc.alltoall rows", out, want.view(-1, 3))
+    expect("mc.alltoall received splits", received, torch.tensor([(rank + s) % 3 for s in range(size)]))
     return failures
 
 
@@ -153,7 +186,7 @@ def main(argv=None) -> int:
     global _OUT
     p = argparse.ArgumentParser()
     p.add_argument("--engine", default="auto")
-    p.add_argument("--mode", default="train", choices=["train", "init"])
+    p.add_argument("--mode", default="train", choices=["train", "collectives", "init"])
     p.add_argument("--compressors", default=COMPRESSORS)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
@@ -175,6 +208,7 @@ def main(argv=None) -> int:
     else:
         emit(kind="collectives", engine=comm.engine, rank=rank, size=comm.size,
              local_rank=mc.local_rank(), failures=check_collectives(comm))
+    if args.mode == "train":
         for name in args.compressors.split(","):
             flat = train(name, args.steps, args.seed)
             emit(kind="train", engine=comm.engine, rank=rank, compressor=name, params=flat.tolist(),

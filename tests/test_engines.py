@@ -3,9 +3,9 @@
 The same script (tests/engine_train.py) runs under each launcher with 2 ranks; every engine must
 produce bit-for-bit the parameters the torch.distributed engine produces (2 ranks: a + b is
 exact whatever the algorithm), identical on all ranks, and pass a self-check of its collectives
-(bf16 and fp16 sums, strided tensors, allgather, broadcast).  Engine selection and its errors
-(missing library, mismatched launcher) are checked too.  MPI tests skip without mpi4py/mpirun,
-Horovod tests without horovod.torch/horovodrun.
+(bf16 and fp16 sums, strided tensors, allgather, broadcast, all-to-all; the self-check also on 3
+ranks).  Engine selection and its errors (missing library, mismatched launcher) are checked too.
+MPI tests skip without mpi4py/mpirun, Horovod tests without horovod.torch/horovodrun.
 """
 import importlib.util
 import json
@@ -51,6 +51,14 @@ needs_horovod = pytest.mark.skipif(HOROVODRUN is None or not _has("horovod.torch
                                    reason="horovod not installed: bash scripts/install_horovod.sh")
 
 
+def _skip_without(launcher):
+    """Skip unless ``launcher`` (``mpirun``, ``horovodrun ...``) and its engine's library are installed."""
+    if launcher == "mpirun" and (MPIRUN is None or not _has("mpi4py.MPI")):
+        pytest.skip("mpi4py or mpirun not installed")
+    if launcher.startswith("horovodrun") and (HOROVODRUN is None or not _has("horovod.torch")):
+        pytest.skip("horovod not installed")
+
+
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCHER_VARS and not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_"))}
@@ -60,10 +68,10 @@ def _env(**extra):
     return env
 
 
-def _mpirun_args():
+def _mpirun_args(ranks=2):
     version = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True, timeout=30)
     open_mpi = "Open MPI" in version.stdout + version.stderr or "prte" in version.stdout.lower()
-    return [MPIRUN, "-np", "2"] + (["--oversubscribe"] if open_mpi else [])
+    return [MPIRUN, "-np", str(ranks)] + (["--oversubscribe"] if open_mpi else [])
 
 
 def launch(cmd, env=None, timeout=TIMEOUT):
@@ -99,13 +107,13 @@ def torchrun_cmd(script_args=()):
             *script_args]
 
 
-def mpirun_cmd(script_args=()):
-    return _mpirun_args() + [sys.executable, SCRIPT, *script_args]
+def mpirun_cmd(script_args=(), ranks=2):
+    return _mpirun_args(ranks) + [sys.executable, SCRIPT, *script_args]
 
 
-def horovodrun_cmd(script_args=(), controller=("--gloo",)):
+def horovodrun_cmd(script_args=(), controller=("--gloo",), ranks=2):
     """horovodrun as users type it; ``controller=()`` is its default (MPI, Horovod being built with it)."""
-    return [HOROVODRUN, "-np", "2", *controller, sys.executable, SCRIPT, *script_args]
+    return [HOROVODRUN, "-np", str(ranks), *controller, sys.executable, SCRIPT, *script_args]
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +214,21 @@ def test_horovodrun_mpi_controller_as_typed_matches_torch(controller, reference,
     check_run(run, "horovod", reference, ["none"])
 
 
+# -- three ranks: the collectives self-check alone (all-to-all blocks to two peers) ---------------
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun --gloo", "horovodrun --mpi"])
+def test_collectives_on_three_ranks_under_every_launcher(launcher):
+    _skip_without(launcher)
+    args = ["--mode", "collectives"]
+    cmd = mpirun_cmd(args, ranks=3) if launcher == "mpirun" else \
+        horovodrun_cmd(args, controller=(launcher.split()[1],), ranks=3)
+    rc, records, text = launch(cmd)
+    assert rc == 0, text[-4000:]
+    checks = [r for r in records if r["kind"] == "collectives"]
+    assert sorted((r["rank"], r["size"]) for r in checks) == [(0, 3), (1, 3), (2, 3)], text[-3000:]
+    for r in checks:
+        assert r["failures"] == [], f"{launcher} rank {r['rank']}: {r['failures']}"
+
+
 # -- engine selection --------------------------------------------------------------------------
 @pytest.mark.parametrize("env,engine", [
     ({}, "local"),
@@ -280,10 +303,7 @@ def test_unknown_engine():
 def test_killed_worker_ends_the_job_nonzero_under_every_launcher(launcher, tmp_path):
     from test_reliability_dist import KILLED_WORKER
 
-    if launcher == "mpirun" and (MPIRUN is None or not _has("mpi4py.MPI")):
-        pytest.skip("mpi4py or mpirun not installed")
-    if launcher == "horovodrun" and (HOROVODRUN is None or not _has("horovod.torch")):
-        pytest.skip("horovod not installed")
+    _skip_without(launcher)
     script = tmp_path / "killed.py"
     script.write_text(KILLED_WORKER.format(tests=HERE))
     cmd = {"torchrun": torchrun_cmd()[:-1], "mpirun": _mpirun_args(),
