@@ -21,9 +21,9 @@ Contracts, beyond :mod:`mergecomp.comm`:
 
 * Names are unique per collective and issued in the same order on every rank (the caller's
   guarantee), so Horovod never matches the wrong tensors.
-* Allgather and broadcast move raw bytes (uint8 views), so any dtype travels unchanged.
-  Horovod cannot sum bfloat16: it is reduced in fp32 (convert, reduce, convert back); 8- and
-  16-bit integers are summed in int32.
+* Allgather, all-to-all and broadcast move raw bytes (uint8 views), so any dtype travels
+  unchanged.  Horovod cannot sum bfloat16: it is reduced in fp32 (convert, reduce, convert
+  back); 8- and 16-bit integers are summed in int32.
 * CUDA tensors are staged through host memory unless Horovod was built with CUDA.
 * Every wait polls ``hvd.poll`` until a deadline (sleeping ``POLL_SLEEP`` between polls after a
   first busy millisecond), then ``hvd.synchronize``; expiry raises naming rank and operation.

