@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -152,6 +153,15 @@ def check_alltoall(comm) -> list:
     return failures
 
 
+def error_of(call) -> Optional[str]:
+    """The exception ``call()`` raises, as ``"Type: message"``; None when it returns."""
+    try:
+        call()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def check_timeout(comm, marker: str, seconds: float = 1.5) -> None:
     """Rank 0 times out on an allreduce the others join only after ``marker`` exists; then the
     same handle, waited again, completes."""
@@ -160,11 +170,7 @@ def check_timeout(comm, marker: str, seconds: float = 1.5) -> None:
         saved, comm.timeout = comm.timeout, seconds
         handle = comm.allreduce_async(t)  # the handle keeps the short timeout
         comm.timeout = saved
-        try:
-            handle.wait("the lonely allreduce")
-            error = None
-        except Exception as err:
-            error = f"{type(err).__name__}: {err}"
+        error = error_of(lambda: handle.wait("the lonely allreduce"))
         open(marker, "w").close()
         recovered = False
         for _ in range(40):  # the others join now: the collective completes after all

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distributed import run_workers
-from engine_train import check_alltoall
+from engine_train import check_alltoall, error_of
 
 
 def _raises(kind, fn, *words) -> None:
@@ -69,11 +69,7 @@ def _late_peer_worker(rank, marker):
             time.sleep(0.01)
         return comm.alltoall(blocks).tolist()
     handle = comm.alltoall_async(blocks)
-    try:
-        handle.wait("the lonely alltoall", timeout=1.0)
-        error = None
-    except Exception as err:
-        error = f"{type(err).__name__}: {err}"
+    error = error_of(lambda: handle.wait("the lonely alltoall", timeout=1.0))
     open(marker, "w").close()
     return error, handle.wait("the joined alltoall").tolist()
 

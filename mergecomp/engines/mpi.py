@@ -151,6 +151,17 @@ class MPICommunicator(Communicator):
     def _done(result: torch.Tensor) -> Handle:
         return Handle(lambda _: result, float("inf"))
 
+    def _exchange(self, start, send: torch.Tensor, out: torch.Tensor, device: torch.device,
+                  describe: Callable[[], str]) -> Handle:
+        """``start`` (``Iallgather``, ``Ialltoall``) from ``send``'s bytes into ``out``'s (both
+        contiguous on the host); the handle keeps ``send`` alive and returns ``out`` on ``device``."""
+        req = start([_bytes(send), self.MPI.BYTE], [_bytes(out), self.MPI.BYTE])
+
+        def finish(sent: torch.Tensor = send) -> torch.Tensor:  # holds the send buffer until done
+            return out.to(device)
+
+        return self._handle(req, finish, describe)
+
     # -- collectives --------------------------------------------------------------------------
     def allreduce_async(self, tensor: torch.Tensor) -> Handle:
         describe = self._describe("MPI Iallreduce", tensor)
@@ -186,12 +197,7 @@ class MPICommunicator(Communicator):
         if flat.numel() == 0 or self.size == 1:
             out.copy_(flat.view(1, -1).expand_as(out))
             return self._done(out.to(tensor.device))
-        req = self.mpi_comm.Iallgather([_bytes(flat), self.MPI.BYTE], [_bytes(out), self.MPI.BYTE])
-
-        def finish(sent: torch.Tensor = flat) -> torch.Tensor:  # holds the send buffer until done
-            return out.to(tensor.device)
-
-        return self._handle(req, finish, describe)
+        return self._exchange(self.mpi_comm.Iallgather, flat, out, tensor.device, describe)
 
     def alltoall_async(self, tensor: torch.Tensor) -> Handle:
         """``Ialltoall`` of ``m * itemsize`` bytes per rank (CUDA tensors staged through the host)."""
@@ -201,12 +207,7 @@ class MPICommunicator(Communicator):
         if block == 0 or self.size == 1:
             return self._done(send.view(self.size, block).clone().to(tensor.device))
         out = send.new_empty((self.size, block))
-        req = self.mpi_comm.Ialltoall([_bytes(send), self.MPI.BYTE], [_bytes(out), self.MPI.BYTE])
-
-        def finish(sent: torch.Tensor = send) -> torch.Tensor:  # holds the send buffer until done
-            return out.to(tensor.device)
-
-        return self._handle(req, finish, describe)
+        return self._exchange(self.mpi_comm.Ialltoall, send, out, tensor.device, describe)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         describe = self._describe(f"MPI Ibcast from rank {root}", tensor)
