@@ -33,6 +33,11 @@ class QSGDCompressor(Compressor):
         self.levels = int(levels)
         self.bucket_size = None if bucket_size is None else int(bucket_size)
 
+    @property
+    def shard_alignment(self) -> int:
+        """Two-phase shards hold whole buckets."""
+        return self.bucket_size or 1
+
     def _bucket_size(self, numel: int) -> int:
         return numel if self.bucket_size is None else self.bucket_size
 

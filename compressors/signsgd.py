@@ -1,7 +1,8 @@
 """signSGD with majority vote (Bernstein et al., 2018).
 
 Wire: the sign bits of the gradient, 1 bit per element packed in uint8 (``ceil(n / 8)`` bytes);
-zeros are sent as ``+``, so an element decodes to ``+1`` or ``-1`` (never 0).  Not summable:
+zeros are sent as ``+``, so an element decodes to ``+1`` or ``-1`` (never 0).  Two-phase: each
+rank sends the vote on its shard exactly, as 2-bit codes.  Not summable:
 payloads are allgathered and :meth:`aggregate` returns the majority vote, the sign of the sum of
 the ranks' signs (0 on a tie), whether or not ``average`` is set.  No options; no memory.
 """
@@ -12,6 +13,7 @@ import torch
 from mergecomp.codecs import decode_signs, majority_vote, pack_signs
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.registry import register_compressor
+from mergecomp.twophase import VoteCodec
 
 Ctx = Tuple[int, torch.dtype]
 
@@ -20,6 +22,7 @@ Ctx = Tuple[int, torch.dtype]
 class SignSGDCompressor(Compressor):
     votes = True
     default_memory = "none"
+    shard_alignment = 8  # whole bytes of sign bits
 
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The packed sign bits sent for ``tensor`` (subclasses: of a momentum, e.g.)."""
@@ -28,6 +31,9 @@ class SignSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         return (self.sign_bits(tensor, name),), (tensor.numel(), tensor.dtype)
+
+    def second_phase(self) -> Compressor:
+        return VoteCodec()
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         numel, dtype = ctx

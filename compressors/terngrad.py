@@ -24,6 +24,8 @@ Ctx = Tuple[int, torch.dtype]
 
 @register_compressor("terngrad")
 class TernGradCompressor(Compressor):
+    shard_alignment = 4  # whole bytes of 2-bit codes
+
     def __init__(self, clip: Optional[float] = 2.5) -> None:
         super().__init__()
         if clip is not None:

@@ -22,6 +22,11 @@ Contract (what the pipeline in :mod:`mergecomp.exchange` relies on):
   ``r + 1``'s payload.  Compressors never communicate themselves.
 * Per-group state (momentum, PowerSGD factors) lives in ``self.state[name]``, a dict of tensors,
   so it can be checkpointed and carried over when the merge plan changes.
+* The two-phase scheme (:mod:`mergecomp.twophase`) compresses a group in shards: each
+  ``compress_shard`` call encodes one contiguous slice on its own (shards start at multiples of
+  ``shard_alignment`` elements), and each rank's aggregate of one shard is sent again with the
+  codec :meth:`second_phase` returns, whose ``ctx`` and payload sizes must depend only on the
+  shard's numel and dtype.
 * Full-size outputs and temporaries come from :meth:`Compressor.scratch`.  When the pipeline
   attached a :class:`~mergecomp.workspace.Workspace` (on CPU), they are recycled step by step:
   what ``decompress``/``aggregate`` return is then valid until the pipeline's next step, and a
@@ -66,6 +71,9 @@ class Compressor(GroupStateful, abc.ABC):
     #: this compressor and none is offered the fp16 or uncompressed codec instead
     #: (:func:`mergecomp.plan.has_codec_choice`)
     votes: bool = False
+    #: two-phase shards start at multiples of this many elements (whole bytes of packed bits,
+    #: whole quantization buckets), so each shard is encoded as it would be inside the group
+    shard_alignment: int = 1
     #: step-scoped buffer pool attached by the pipeline; None: plain allocations
     workspace: Optional[Workspace] = None
 
@@ -85,6 +93,18 @@ class Compressor(GroupStateful, abc.ABC):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Decode one payload (or the elementwise sum of several) into a flat tensor."""
         raise NotImplementedError
+
+    def compress_shard(self, tensor: torch.Tensor, name: str, start: int, total: int) -> Tuple[Payload, Any]:
+        """Encode ``tensor``, elements ``[start, start + numel)`` of group ``name``'s flat buffer
+        of ``total`` elements, as a payload of its own (the two-phase scheme's first phase).
+        Default: :meth:`compress`; a compressor with per-element state of the group overrides
+        it to use the slice of that state."""
+        return self.compress(tensor, name)
+
+    def second_phase(self) -> "Compressor":
+        """The codec each rank sends its aggregated shard with in the two-phase scheme: this
+        compressor (majority votes: the exact vote)."""
+        return self
 
     def sent_entries(self, payload: Payload, ctx: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``decompress(payload, ctx)`` as sparse entries ``(indices, values)`` when it is zero

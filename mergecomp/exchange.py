@@ -5,6 +5,10 @@
     check finite -> memory.compensate -> compressor.compress -> collective (async)
                  -> memory.update          ...later: wait -> [next rounds] -> aggregate
 
+A group sent with the codec :data:`~mergecomp.plan.TWO_PHASE` goes compensate -> compress
+each shard -> all-to-all -> aggregate its own shard -> second-stage memory -> compress ->
+allgather -> decode (:mod:`mergecomp.twophase`); :meth:`Exchange.advance` runs the middle part.
+
 A group sent with the codec :data:`~mergecomp.plan.EXEMPT` skips the memory: its gradient is
 allreduced as it is, and neither the memory nor the compressor state of any group changes.
 
@@ -14,7 +18,7 @@ of a step must be started in the same order on every rank: callers start groups 
 and a multi-round compressor's later rounds are issued from ``finish``, again in plan order.
 
 Allgathered payloads travel as one byte buffer per group (one collective, not one per payload
-tensor); each tensor's bytes start on an 8-byte boundary so they can be viewed back in place.
+tensor; :mod:`mergecomp.wire`).
 """
 from __future__ import annotations
 
@@ -27,44 +31,15 @@ import torch
 from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
-from .plan import CODECS, EXEMPT, Group
+from .plan import CODECS, EXEMPT, TWO_PHASE, Group
 from .registry import get_compressor, get_memory
+from .twophase import Sharded, ShardLayouts, ShardMemory, VoteCodec, sent_by_shards, shard_bounds
+from .wire import Spec, pack_payload, pack_rows, unpack_payload
 from .workspace import Workspace
 
 __all__ = ["Exchange", "InFlight", "NONFINITE_POLICIES", "NonfiniteCheck", "resolve"]
 
 NONFINITE_POLICIES = ("propagate", "raise", "skip", "ignore")
-_ALIGN = 8
-
-Spec = Tuple[torch.dtype, torch.Size]
-
-
-def pack_payload(payload: Payload) -> Tuple[torch.Tensor, List[Spec]]:
-    """Concatenate the payload tensors' bytes into one uint8 tensor (8-byte aligned parts)."""
-    parts, specs = [], []
-    for tensor in payload:
-        raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-        parts.append(raw)
-        pad = (-raw.numel()) % _ALIGN
-        if pad:
-            parts.append(raw.new_zeros(pad))
-        specs.append((tensor.dtype, tensor.shape))
-    return torch.cat(parts), specs
-
-
-def unpack_payload(raw: torch.Tensor, specs: Sequence[Spec]) -> Payload:
-    """Views of ``raw`` (one rank's packed bytes) as the payload tensors described by ``specs``;
-    a tensor without elements comes back as a new empty tensor (the zero-byte rows of a gathered
-    ``(ranks, 0)`` buffer start at unaligned offsets, which no dtype view accepts)."""
-    tensors, offset = [], 0
-    for dtype, shape in specs:
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        tensors.append(raw[offset:offset + nbytes].view(dtype).view(shape) if nbytes
-                       else raw.new_empty(shape, dtype=dtype))
-        offset += nbytes + (-nbytes) % _ALIGN
-    return tuple(tensors)
-
-
 def _all_finite(flat: torch.Tensor) -> torch.Tensor:
     """0-d bool: no NaN/Inf in ``flat``.  NaN propagates through min/max and an Inf is an
     extreme, so one fused min/max pass decides (16x faster than ``isfinite(flat).all()`` on
@@ -106,6 +81,8 @@ class InFlight:
         self.payload: Payload = ()
         self.specs: Optional[List[Spec]] = None
         self.handle: Optional[Handle] = None
+        #: the two-phase scheme's shards, while the group is in it
+        self.sharded: Optional[Sharded] = None
         #: seconds spent encoding (compensate, compress, start) and decoding on this process
         self.encode_seconds = 0.0
         self.decode_seconds = 0.0
@@ -147,9 +124,14 @@ class Exchange:
         self.check_finite = check_finite
         self.step = 0
         self.keep_state = keep_state
-        self._kept: List[Tuple[str, Any, Compressor, Any]] = []
+        self._kept: List[Tuple[Any, str, Any]] = []  # (state holder, group, what it kept)
         self.workspace = Workspace() if recycle and torch.device(comm.device).type == "cpu" else None
         compressor.workspace = self.workspace
+        #: the two-phase scheme's second-stage residuals (and carries after a plan change)
+        self.shard_memory = ShardMemory()
+        self.second = compressor.second_phase()
+        self.second.workspace = self.workspace
+        self._layouts = ShardLayouts(self.second)
 
     @classmethod
     def create(cls, compression, memory, comm: Communicator, average: bool = True,
@@ -159,11 +141,16 @@ class Exchange:
                    recycle=recycle, keep_state=keep_state)
 
     def codec(self, name: str) -> Compressor:
-        """The compressor behind codec ``name`` (``"compressed"``, ``"fp16"``, ``"none"`` or
-        ``"exempt"``)."""
+        """The compressor behind codec ``name`` (``"compressed"``, ``"two-phase"``, ``"fp16"``,
+        ``"none"`` or ``"exempt"``)."""
+        if name == TWO_PHASE:
+            if self.compressor.rounds > 1:
+                raise ValueError(f"the two-phase scheme needs a single-round compressor; "
+                                 f"{self.compressor.name!r} takes {self.compressor.rounds} rounds")
+            return self.compressor
         if name not in self.codecs:
             if name not in (*CODECS, EXEMPT):
-                raise ValueError(f"codec must be one of {(*CODECS, EXEMPT)}, got {name!r}")
+                raise ValueError(f"codec must be one of {(*CODECS, TWO_PHASE, EXEMPT)}, got {name!r}")
             self.codecs[name] = get_compressor("none" if name == EXEMPT else name)
             self.codecs[name].workspace = self.workspace
         return self.codecs[name]
@@ -189,14 +176,45 @@ class Exchange:
             else:
                 flat.masked_fill_(finite.logical_not(), 0)
         feedback = codec != EXEMPT
+        name = group.name
         if self.keep_state and feedback:
-            self._kept.append((group.name, self.memory.keep(group.name), compressor, compressor.keep(group.name)))
-        compensated = self.memory.compensate(flat, group.name) if feedback else flat
+            self._kept += [(holder, name, holder.keep(name)) for holder in (self.memory, compressor, self.shard_memory)]
+        compensated = flat
+        if feedback:
+            compensated = self.memory.compensate(flat, name)
+            carry = self.shard_memory.take_carry(name)
+            if carry is not None:
+                compensated.add_(carry)
         job = InFlight(group, compressor, compensated, finite, feedback)
-        job.payload, job.ctx = compressor.compress(compensated, group.name, group.shapes)
-        self._launch(job)
+        if codec == TWO_PHASE and self.comm.size > 1:
+            self._scatter_shards(job)
+        else:
+            job.payload, job.ctx = compressor.compress(compensated, name, group.shapes)
+            self._launch(job)
         job.encode_seconds = time.perf_counter() - began
         return job
+
+    def advance(self, job: InFlight) -> None:
+        """A two-phase group whose all-to-all was started: wait for it, aggregate this rank's
+        shard and start the allgather (nothing for other groups, or when done already).
+        Callers advance every started group, in plan order, before finishing the first."""
+        sharded = job.sharded
+        if sharded is None or sharded.gathering:
+            return
+        began = time.perf_counter()
+        rows = job.handle.wait(self._what(job, "all-to-all"))
+        arrived = [unpack_payload(row, sharded.specs) for row in rows]
+        total = job.compressor.aggregate(arrived, sharded.ctx, self.comm.size, self.average)
+        name, second = job.group.name, self.second
+        feedback = job.feedback and self._feeds_back() and not isinstance(second, VoteCodec)
+        compensated = self.shard_memory.compensate(total, name) if feedback else total
+        payload, ctx = second.compress(compensated, name)
+        raw, _ = pack_payload(payload)
+        job.handle = self.comm.allgather_async(sharded.pad(raw))
+        sharded.gathering = True
+        if feedback:
+            self._feed(self.shard_memory, second, compensated, name, payload, ctx)
+        job.decode_seconds += time.perf_counter() - began
 
     def finish(self, job: InFlight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Wait for ``job``, run its remaining rounds, and return the reduced flat gradient.
@@ -207,6 +225,8 @@ class Exchange:
         the workspace, else the result is copied in.
         """
         compressor, size = job.compressor, self.comm.size
+        if job.sharded is not None:
+            return self._gather_shards(job, out)
         while True:
             arrived = self._wait(job)
             if job.round == compressor.rounds:
@@ -217,7 +237,7 @@ class Exchange:
                     result = compressor.aggregate(arrived, job.ctx, size, self.average)
                 if out is not None and result.data_ptr() != out.data_ptr():
                     result = out.copy_(result)
-                job.decode_seconds = time.perf_counter() - began
+                job.decode_seconds += time.perf_counter() - began
                 return result
             job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
             job.round += 1
@@ -230,14 +250,22 @@ class Exchange:
     def rollback(self) -> None:
         """Undo the memory and compressor state changes of the groups started since the last
         :meth:`commit` (``keep_state``), as if this step had not happened."""
-        for name, memory, compressor, kept in reversed(self._kept):
-            self.memory.restore(name, memory)
-            compressor.restore(name, kept)
+        for holder, name, kept in reversed(self._kept):
+            holder.restore(name, kept)
         self._kept = []
 
+    def fold_shards(self, groups: Sequence[Group]) -> None:
+        """Before the plan changes away from ``groups``: turn each one's second-stage residual
+        into a carry at its elements (:meth:`ShardMemory.fold`), which moves with them."""
+        size, align = self.comm.size, self.compressor.shard_alignment
+        for group in groups:
+            self.shard_memory.fold(group.name, group.numel, shard_bounds(group.numel, size, align),
+                                   self.comm.rank, size if self.average else 1)
+
     # -- internals ---------------------------------------------------------------------------
-    def _what(self, job: InFlight) -> str:
-        return (f"round {job.round} of group {job.group.name!r} ({len(job.group.indices)} tensors, "
+    def _what(self, job: InFlight, phase: str = "") -> str:
+        step = f"the {phase} of" if phase else f"round {job.round} of"
+        return (f"{step} group {job.group.name!r} ({len(job.group.indices)} tensors, "
                 f"{job.group.numel} elements) at step {self.step} on rank {self.comm.rank}")
 
     def _launch(self, job: InFlight) -> None:
@@ -258,15 +286,58 @@ class Exchange:
             if last_round:
                 self._remember(job)
 
+    def _feeds_back(self) -> bool:
+        return type(self.memory).update is not Memory.update
+
     def _remember(self, job: InFlight) -> None:
-        if not job.feedback or type(self.memory).update is Memory.update:
-            return  # no error feedback
-        entries = job.compressor.sent_entries(job.payload, job.ctx)
+        if job.feedback and self._feeds_back():
+            self._feed(self.memory, job.compressor, job.compensated, job.group.name, job.payload, job.ctx)
+
+    @staticmethod
+    def _feed(memory: Memory, codec: Compressor, compensated: torch.Tensor, name: str,
+              payload: Payload, ctx: Any) -> None:
+        """Tell ``memory`` what of ``compensated`` ``payload`` sent."""
+        entries = codec.sent_entries(payload, ctx)
         if entries is not None:
-            self.memory.update_sparse(job.compensated, job.group.name, *entries)
+            memory.update_sparse(compensated, name, *entries)
         else:
-            transmitted = job.compressor.decompress(job.payload, job.ctx)
-            self.memory.update(job.compensated, job.group.name, transmitted)
+            memory.update(compensated, name, codec.decompress(payload, ctx))
+
+    def _scatter_shards(self, job: InFlight) -> None:
+        """Phase 1 of the two-phase scheme: compress each shard, start the all-to-all, feed the
+        first-stage memory."""
+        compressor, compensated, name = job.compressor, job.compensated, job.group.name
+        numel, rank = compensated.numel(), self.comm.rank
+        bounds = shard_bounds(numel, self.comm.size, compressor.shard_alignment)
+        shards = [compressor.compress_shard(compensated[a:b], name, a, numel) for a, b in bounds]
+        rows, specs = pack_rows([payload for payload, _ in shards])
+        job.sharded = Sharded.create(bounds, shards[rank][1], specs[rank], self._layouts, compensated)
+        job.handle = self.comm.alltoall_async(rows.reshape(-1))
+        if job.feedback and self._feeds_back():
+            sparse, sent = sent_by_shards(compressor, shards, bounds, compensated)
+            if sparse:
+                self.memory.update_sparse(compensated, name, *sent)
+            else:
+                self.memory.update(compensated, name, sent)
+
+    def _gather_shards(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Phase 2's end: decode every rank's aggregated shard into the group's result."""
+        self.advance(job)
+        rows = job.handle.wait(self._what(job, "allgather"))
+        began = time.perf_counter()
+        sharded, second = job.sharded, self.second
+        result = out if out is not None else job.compressor.scratch(job.compensated.numel(), job.compensated.dtype,
+                                                                     job.compensated.device)
+        for row, (start, stop), (ctx, specs) in zip(rows, sharded.bounds, sharded.layouts):
+            target = result[start:stop]
+            lend = self.workspace.serving(target) if self.workspace is not None else contextlib.nullcontext()
+            with lend:
+                decoded = second.decompress(unpack_payload(row, specs), ctx)
+            if decoded.data_ptr() != target.data_ptr():
+                target.copy_(decoded)
+        job.sharded = None
+        job.decode_seconds += time.perf_counter() - began
+        return result
 
     def _wait(self, job: InFlight) -> List[Payload]:
         result = job.handle.wait(self._what(job))
@@ -282,12 +353,13 @@ class Exchange:
 
     def state_dict(self) -> Dict[str, Any]:
         return {"step": self.step, "compressor": self.compressor.state_dict(),
-                "memory": self.memory.state_dict()}
+                "memory": self.memory.state_dict(), "shard_memory": self.shard_memory.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
+        self.shard_memory.load_state_dict(state.get("shard_memory", {}))
 
 
 class NonfiniteCheck:

@@ -18,6 +18,8 @@ class SignValueCompressor(Compressor):
     :func:`mergecomp.codecs.sign_sum` (one pass natively on fp32 CPU) instead of one full-size
     decode and add per rank."""
 
+    shard_alignment = 8  # whole bytes of sign bits
+
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(negative, positive)``: what a 0 bit and a 1 bit of this payload decode to."""
         raise NotImplementedError

@@ -36,12 +36,13 @@ import torch
 from . import codecs
 from .agreement import check_ranks_agree
 from .comm import Communicator
+from .compressor import Compressor
 from .exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
-from .plan import EXEMPT, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
+from .plan import EXEMPT, TWO_PHASE, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
 from .scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS",
-           "check_safety_options"]
+           "SCHEMES", "check_safety_options", "check_scheme"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -59,6 +60,20 @@ def check_safety_options(compression_warmup_steps: int, uncompressed: Sequence[s
             or compression_warmup_steps < 0):
         raise ValueError(f"compression_warmup_steps must be an int >= 0, got {compression_warmup_steps!r}")
     return Exemptions.create(uncompressed, min_compress_numel)
+
+
+#: values of the ``scheme`` option (None: the default, see :class:`MergedStep`)
+SCHEMES = ("allgather", TWO_PHASE)
+
+
+def check_scheme(scheme: Optional[str], compressor: Compressor) -> Optional[str]:
+    """Validate the ``scheme`` option against ``compressor`` (ValueError naming both)."""
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES} or None, got {scheme!r}")
+    if scheme == TWO_PHASE and compressor.rounds > 1:
+        raise ValueError(f"scheme='two-phase' needs a single-round compressor; {compressor.name!r} "
+                         f"takes {compressor.rounds} rounds")
+    return scheme
 
 
 @dataclass
@@ -145,6 +160,13 @@ class MergedStep:
             they leave their groups for trailing groups of their own sent with the codec
             ``"exempt"`` (with caller-given groups, each group's exempt tensors are copied out
             into a group of their own and the results copied back).
+        scheme: how a group sent with the configured compressor travels: ``"allgather"`` (each
+            rank's payload of the whole group to every rank), ``"two-phase"`` (compressed shards
+            by all-to-all, then each rank's compressed aggregate of its shard by allgather:
+            bytes per rank flat in the number of ranks; :mod:`mergecomp.twophase`), or None:
+            allgather, unless the scheduler (``groups="auto"``) chooses two-phase for a group.
+            Compressors whose payloads are summed always travel by allreduce unless
+            ``"two-phase"`` is asked for.
     """
 
     def __init__(self, compression, memory, comm: Communicator, names: Sequence[str],
@@ -156,7 +178,7 @@ class MergedStep:
                  tensor_kind: str = "tensors",
                  agree: Optional[Dict[str, Any]] = None, cache_tag: Sequence[str] = (),
                  compression_warmup_steps: int = 0, uncompressed: Sequence[str] = (),
-                 min_compress_numel: int = 0) -> None:
+                 min_compress_numel: int = 0, scheme: Optional[str] = None) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         duplicates = sorted({n for n in names if list(names).count(n) > 1})
@@ -188,6 +210,7 @@ class MergedStep:
         self._last_end: Optional[float] = None
         self._before: Optional[List[Dict]] = None  # state snapshot while caller-given groups change
         self._exemptions = check_safety_options(compression_warmup_steps, uncompressed, min_compress_numel)
+        self.scheme = check_scheme(scheme, self.exchange.compressor)
         self.warmup_steps = compression_warmup_steps
         self._exempt = self._exemptions.flags(self.names, [s.numel() for s in self.shapes])
         self._search_order: List[int] = []  # the tensors the scheduler cuts: the exempt ones left out
@@ -197,7 +220,7 @@ class MergedStep:
             "groups": "caller's" if caller_groups else repr(self._spec if not self._auto
                                                             else ("auto", self._scheduler_config)),
             "nonfinite": nonfinite, "scaling": (self.prescale, self.postscale),
-            "compression_warmup_steps": compression_warmup_steps,
+            "compression_warmup_steps": compression_warmup_steps, "scheme": scheme,
             "uncompressed and min_compress_numel": repr(self._exemptions), **(agree or {})}, who)
         if caller_groups:
             self._plan, self._groups, self._where, self._buffers = GroupPlan(()), [], {}, []
@@ -293,8 +316,14 @@ class MergedStep:
         self._install(plan)
 
     def _remap(self, old: Sequence[Group], new: Sequence[Group]) -> None:
-        for holder in (self.exchange.memory, self.exchange.compressor):
+        self.exchange.fold_shards(old)
+        for holder in self._holders():
             holder.load_state_dict(remap_state(holder.state_dict(), old, new))
+
+    def _holders(self) -> tuple:
+        """What holds per-group state that follows the tensors when groups change."""
+        exchange = self.exchange
+        return exchange.memory, exchange.compressor, exchange.shard_memory
 
     def _buffer(self, g: int) -> torch.Tensor:
         flat = self._buffers[g]
@@ -374,7 +403,11 @@ class MergedStep:
             self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g])
 
     def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool]) -> None:
-        job = self.exchange.start(group, flat, codec if self.compressing else EXEMPT, finite)
+        if not self.compressing:
+            codec = EXEMPT
+        elif codec == "compressed" and self.scheme == TWO_PHASE:
+            codec = TWO_PHASE
+        job = self.exchange.start(group, flat, codec, finite)
         self._encode_spent += job.encode_seconds
         self._started.append(job)
         self._outs.append(flat)
@@ -413,8 +446,9 @@ class MergedStep:
 
     def _start_given(self, group: Group, flat: torch.Tensor, codec: str) -> None:
         if codec != EXEMPT and group not in self._groups and self._groups:
-            holders = (self.exchange.memory, self.exchange.compressor)
+            holders = self._holders()
             if self._before is None:  # later groups of this step remap from the same snapshot
+                self.exchange.fold_shards(self._groups)
                 self._before = [holder.state_dict() for holder in holders]
             for holder, before in zip(holders, self._before):
                 holder.state.pop(group.name, None)
@@ -438,6 +472,8 @@ class MergedStep:
         check = NonfiniteCheck(self.comm, [job.finite for job in jobs], self.step) \
             if self.nonfinite != "ignore" else None
         hand_out = self._hand_out
+        for job in jobs:  # the two-phase groups' second collectives, in plan order
+            self.exchange.advance(job)
         flats = [self.exchange.finish(job, out=None if hand_out else out) for job, out in zip(jobs, outs)]
         for slices, j in self._copy_back:
             for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
@@ -478,7 +514,7 @@ class MergedStep:
         """The groups started this step become the layout; state of groups gone is dropped."""
         if self._given != self._groups:
             keep = {group.name for group in self._given}
-            for holder in (self.exchange.memory, self.exchange.compressor):
+            for holder in self._holders():
                 holder.state = {name: fields for name, fields in holder.state.items() if name in keep}
             self._parts = {name: buffer for name, buffer in self._parts.items() if name in keep}
             self._groups = self._given
@@ -602,7 +638,7 @@ class MergedStep:
             logger.warning("%s: the checkpoint was saved with %d ranks and runs on %d: error-feedback "
                            "residuals and compressor state start afresh, and the scheduler searches again",
                            self._who, saved_size, self.comm.size)
-            state = {**state, "memory": {}, "compressor": {}, "scheduler": None}
+            state = {**state, "memory": {}, "compressor": {}, "shard_memory": {}, "scheduler": None}
         self.exchange.load_state_dict(state)
         self._last_end = None
         if self._auto and self._order_final:
@@ -619,18 +655,19 @@ class MergedStep:
         if self.in_flight:
             raise RuntimeError(f"{self._who}: ranks can only agree between steps")
         exchange = self.exchange
-        has_state = bool(exchange.memory.state or exchange.compressor.state)
+        has_state = any(holder.state for holder in self._holders())
         seen = self.comm.allgather(torch.tensor([self.step, int(has_state)], dtype=torch.int64,
                                                 device=self.comm.device), "the resume agreement").cpu()
         shared = self.comm.broadcast_object(
-            {k: v for k, v in self.state_dict().items() if k not in ("memory", "compressor")}, root)
+            {k: v for k, v in self.state_dict().items() if k not in ("memory", "compressor", "shard_memory")}, root)
         keep = bool((seen == seen[root]).all())
         if not keep and seen[:, 1].any():
             logger.warning("%s: ranks resumed from different steps or not all of them loaded a checkpoint "
                            "(steps %s): error-feedback residuals and compressor state start afresh on every "
                            "rank", self._who, seen[:, 0].tolist())
         self.load_state_dict({**shared, "memory": exchange.memory.state_dict() if keep else {},
-                              "compressor": exchange.compressor.state_dict() if keep else {}})
+                              "compressor": exchange.compressor.state_dict() if keep else {},
+                              "shard_memory": exchange.shard_memory.state_dict() if keep else {}})
 
     def __repr__(self) -> str:
         return (f"MergedStep(compressor={self.exchange.compressor!r}, memory={self.exchange.memory!r}, "

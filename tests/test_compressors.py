@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mergecomp
 from mergecomp import bitpack, native
-from mergecomp.exchange import pack_payload, unpack_payload
+from mergecomp.wire import pack_payload, unpack_payload
 from mergecomp.sparse import num_selected
 
 ALL = mergecomp.compressor_names()

@@ -98,7 +98,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
             ``register_local_var`` by the number of ranks.
         options: mergecomp's own, as keywords, as in :class:`~.reducer.GradientReducer`:
             ``memory``, ``nonfinite`` (``"raise"`` or ``"ignore"``), ``scheduler``,
-            ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``.
+            ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``, ``scheme``.
 
     Returns an optimizer of the same class; ``optimizer.mergecomp_reducer`` holds the groups,
     the error-feedback state (``state_dict()``) and the scheduler's report.

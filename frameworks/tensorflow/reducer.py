@@ -23,7 +23,7 @@ from mergecomp.exchange import Exchange, resolve
 from mergecomp.horovod_args import Average, check_horovod_args, scaling
 from mergecomp.plan import Group, GroupPlan
 from mergecomp.scheduler import MergeScheduler, SchedulerConfig
-from mergecomp.step import MergedStep, check_safety_options
+from mergecomp.step import MergedStep, check_safety_options, check_scheme
 
 __all__ = ["GradientReducer"]
 
@@ -57,6 +57,7 @@ class GradientReducer:
             whose name (Keras: ``path``, e.g. ``"dense/bias"``) matches one of the patterns, or
             with fewer elements, are always sent uncompressed
             (:class:`~mergecomp.step.MergedStep`).
+        scheme: ``"two-phase"``, ``"allgather"`` or None (:class:`~mergecomp.step.MergedStep`).
     """
 
     def __init__(self, compression="none", memory=None, groups="auto", op: str = Average,
@@ -64,7 +65,8 @@ class GradientReducer:
                  comm: Optional[Communicator] = None, *, gradient_predivide_factor: float = 1.0,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                  scale_local_gradients: bool = True, compression_warmup_steps: int = 0,
-                 uncompressed: Sequence[str] = (), min_compress_numel: int = 0) -> None:
+                 uncompressed: Sequence[str] = (), min_compress_numel: int = 0,
+                 scheme: Optional[str] = None) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor, None)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
@@ -77,9 +79,10 @@ class GradientReducer:
         self.comm = comm
         self.compressor, self.memory = resolve(compression, memory)
         check_safety_options(compression_warmup_steps, uncompressed, min_compress_numel)
+        check_scheme(scheme, self.compressor)
         self._settings = dict(groups=groups, nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size),
                               compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
-                              min_compress_numel=min_compress_numel)
+                              min_compress_numel=min_compress_numel, scheme=scheme)
         self.passes = backward_passes_per_step
         self._average_passes = average_aggregated_gradients
         self._scale_local = scale_local_gradients

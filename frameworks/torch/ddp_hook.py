@@ -156,6 +156,7 @@ def ddp_comm_hook(
     compression_warmup_steps: int = 0,
     uncompressed: Sequence[str] = (),
     min_compress_numel: int = 0,
+    scheme: Optional[str] = None,
 ) -> Tuple[DDPHookState, Any]:
     """Make ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
@@ -173,7 +174,7 @@ def ddp_comm_hook(
             never enters the error-feedback memory.  ``"ignore"``: no check (like DDP's own
             allreduce, NaN propagates).  A hook cannot skip the optimizer step.
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
-        compression_warmup_steps, uncompressed, min_compress_numel: as for
+        compression_warmup_steps, uncompressed, min_compress_numel, scheme: as for
             :class:`~mergecomp.torch.DistributedOptimizer`; ``uncompressed`` needs
             ``named_parameters``.  A bucket holding exempt parameters is split in two groups
             (its exempt parameters, the others), copied out of the bucket and back.
@@ -195,6 +196,6 @@ def ddp_comm_hook(
                         [p.shape for _, p in named or ()], [p.dtype for _, p in named or ()], comm.device,
                         nonfinite=nonfinite, caller_groups=True, who="ddp_comm_hook", tensor_kind="parameters",
                         compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
-                        min_compress_numel=min_compress_numel)
+                        min_compress_numel=min_compress_numel, scheme=scheme)
     return DDPHookState(merged, None if named is None else {id(p): i for i, (_, p) in enumerate(named)}), \
         mergecomp_hook

@@ -97,6 +97,10 @@ class DistributedOptimizer(HoldsMergedStep):
             gradients are sent uncompressed, in a group of their own (default: none).
         min_compress_numel: parameters with fewer elements are sent uncompressed too
             (default 0: none).
+        scheme: how groups sent with a compressor travel: ``"two-phase"`` (compressed shards
+            by all-to-all, then compressed aggregates by allgather: bytes per rank flat in the
+            number of ranks), ``"allgather"``, or None (default: allgather unless the scheduler
+            picks two-phase for a group); see docs/compressors.md.
 
     With a ``GradScaler`` (as with Horovod): ``scaler.scale(loss).backward(); opt.synchronize();
     scaler.unscale_(opt)`` (averaged gradients: NaN on every rank or on none), then
@@ -129,6 +133,7 @@ class DistributedOptimizer(HoldsMergedStep):
         compression_warmup_steps: int = 0,
         uncompressed: Sequence[str] = (),
         min_compress_numel: int = 0,
+        scheme: Optional[str] = None,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor, process_set)
         self._check_passes(backward_passes_per_step)
@@ -146,7 +151,7 @@ class DistributedOptimizer(HoldsMergedStep):
             who="DistributedOptimizer", tensor_kind="parameters",
             agree={"backward_passes_per_step": backward_passes_per_step},
             compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
-            min_compress_numel=min_compress_numel)
+            min_compress_numel=min_compress_numel, scheme=scheme)
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step

@@ -1,0 +1,162 @@
+"""The two-phase exchange of a group whose compressor's payloads cannot be summed.
+
+With ``allgather`` every rank receives the N-1 other payloads of the whole group and decodes
+N of them: bytes and decode work per rank grow with N.  Two-phase keeps both flat in N::
+
+    phase 1  cut the error-compensated group into N shards (:func:`shard_bounds`), compress
+             each shard on its own (:meth:`Compressor.compress_shard`); one all-to-all sends
+             shard j's payload to rank j
+    phase 2  rank j aggregates the N payloads of its shard as the allgather scheme aggregates
+             whole groups (mean or sum; the majority vote for the sign methods), adds its
+             second-stage residual, compresses the result with the phase-2 codec
+             (:meth:`Compressor.second_phase`) and keeps what that codec did not send as the
+             new residual; one allgather brings every rank the N aggregated shards
+    finish   every rank decodes shard r from rank r's row into the group's buffer
+
+On the wire, per rank: ``(N-1)/N`` of the group's compressed bytes out and in by the
+all-to-all, the same again by the allgather.  Payloads travel packed into bytes
+(:func:`mergecomp.wire.pack_rows`), each shard's padded to the largest shard's, so every
+rank sends equal blocks; a shard's payload size depends only on its numel, so all ranks agree.
+
+Second-stage residual: kept only when the exchange's memory does error feedback, and not for
+the majority vote (sent exactly, as 2-bit codes).  It lives in :class:`ShardMemory` per group,
+one shard long.  When the merge plan changes, each rank's residual is put back at its elements,
+scaled to a gradient of its own (times N when averaging), as a one-off ``carry`` that the next
+exchange of the new group adds to the compensated gradient; the first-stage memory keeps
+whatever of it is not sent, so applied updates plus both stages' residuals still sum to the
+gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import bitpack
+from .codecs import decode_codes
+from .compressor import Compressor, Payload
+from .memory import ResidualMemory
+from .wire import Spec, pack_payload
+
+__all__ = ["shard_bounds", "Sharded", "ShardLayouts", "VoteCodec", "ShardMemory", "sent_by_shards"]
+
+Bounds = List[Tuple[int, int]]
+#: how to read one shard's phase-2 payload: the codec's ctx and the payload's specs
+Layout = Tuple[Any, List[Spec]]
+
+
+def shard_bounds(numel: int, parts: int, align: int = 1) -> Bounds:
+    """``parts`` contiguous ``(start, stop)`` ranges covering ``[0, numel)``: each is
+    ``ceil(numel / parts)`` rounded up to a multiple of ``align`` elements long, except the
+    last ones, which may be shorter or empty."""
+    if parts < 1 or align < 1:
+        raise ValueError(f"shard_bounds needs parts >= 1 and align >= 1, got {parts} and {align}")
+    chunk = -(-numel // parts)
+    chunk = -(-chunk // align) * align
+    return [(min(j * chunk, numel), min((j + 1) * chunk, numel)) for j in range(parts)]
+
+
+class ShardLayouts:
+    """The phase-2 codec's ``ctx``, payload specs and packed bytes for a shard of a given numel
+    and dtype, found once by encoding zeros (they depend on nothing else, by the
+    :class:`~mergecomp.compressor.Compressor` contract), so every rank can read every rank's
+    aggregated shard."""
+
+    def __init__(self, codec: Compressor) -> None:
+        self.codec = codec
+        self._known: Dict[Tuple[int, torch.dtype, torch.device], Tuple[Layout, int]] = {}
+
+    def of(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tuple[Layout, int]:
+        key = (numel, dtype, torch.device(device))
+        if key not in self._known:
+            payload, ctx = self.codec.compress(torch.zeros(numel, dtype=dtype, device=device), "__layout__")
+            self.codec.state.pop("__layout__", None)
+            raw, specs = pack_payload(payload)
+            self._known[key] = ((ctx, specs), raw.numel())
+        return self._known[key]
+
+
+@dataclass
+class Sharded:
+    """A group in the two-phase scheme: its shards' ``bounds``, this rank's shard's phase-1
+    ``ctx`` and payload ``specs`` (every rank's payload of that shard has them), every shard's
+    phase-2 ``layouts``, the phase-2 row ``width`` in bytes, and whether the allgather
+    (phase 2) has started."""
+
+    bounds: Bounds
+    ctx: Any
+    specs: List[Spec]
+    layouts: List[Layout]
+    width: int
+    gathering: bool = False
+
+    @classmethod
+    def create(cls, bounds: Bounds, ctx: Any, specs: List[Spec], layouts: ShardLayouts,
+               like: torch.Tensor) -> "Sharded":
+        found = [layouts.of(stop - start, like.dtype, like.device) for start, stop in bounds]
+        return cls(bounds, ctx, specs, [layout for layout, _ in found], max(n for _, n in found))
+
+    def pad(self, raw: torch.Tensor) -> torch.Tensor:
+        """This rank's packed phase-2 payload, zero-padded to :attr:`width` bytes."""
+        if raw.numel() == self.width:
+            return raw
+        padded = raw.new_zeros(self.width)
+        padded[:raw.numel()] = raw
+        return padded
+
+
+def sent_by_shards(compressor: Compressor, shards: Sequence[Tuple[Payload, Any]], bounds: Bounds,
+                   like: torch.Tensor) -> Tuple[bool, Any]:
+    """What this rank's phase-1 payloads decode to, for the first-stage memory:
+    ``(True, (indices, values))`` when every shard's codec gives its entries
+    (:meth:`Compressor.sent_entries`), else ``(False, tensor)`` shaped like ``like``."""
+    entries = [compressor.sent_entries(payload, ctx) for payload, ctx in shards]
+    if all(e is not None for e in entries):
+        indices = torch.cat([i + start for (i, _), (start, _) in zip(entries, bounds)])
+        return True, (indices, torch.cat([v for _, v in entries]))
+    dense = compressor.scratch(like.numel(), like.dtype, like.device)
+    for (payload, ctx), (start, stop) in zip(shards, bounds):
+        dense[start:stop] = compressor.decompress(payload, ctx)
+    return False, dense
+
+
+class VoteCodec(Compressor):
+    """The phase-2 codec of the majority-vote compressors: the vote (``-1``, ``0``, ``+1``) sent
+    exactly as 2-bit codes ``vote + 1`` packed 4 per byte.  Summing is not needed: each rank
+    sends the vote of its own shard."""
+
+    name = "vote"
+
+    def compress(self, tensor: torch.Tensor, name: str, shapes=None) -> Tuple[Payload, Any]:
+        codes = tensor.to(torch.int8).add_(1).view(torch.uint8)
+        return (bitpack.pack(codes, 2),), (tensor.numel(), tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        numel, dtype = ctx
+        values = torch.tensor([-1, 0, 1, 0], dtype=dtype, device=payload[0].device)
+        return decode_codes(payload[0], 2, numel, values, self.scratch(numel, dtype, payload[0].device))
+
+
+class ShardMemory(ResidualMemory):
+    """The second-stage residual of each group (``state[group]["residual"]``, this rank's shard
+    long) and the ``carry`` a plan change leaves (the group's numel: per element, so it follows
+    its tensors to the new groups like any first-stage state)."""
+
+    def fold(self, name: str, numel: int, bounds: Bounds, rank: int, scale: float) -> None:
+        """Turn group ``name``'s residual into a group-long ``carry``: the residual, times
+        ``scale``, at this rank's shard of ``bounds``; zeros elsewhere."""
+        fields = self.state.get(name)
+        residual = fields.pop("residual", None) if fields else None
+        if residual is None:
+            return
+        carry = fields.get("carry")
+        if carry is None:
+            carry = fields["carry"] = residual.new_zeros(numel)
+        start, stop = bounds[rank]
+        carry[start:stop].add_(residual, alpha=scale)
+
+    def take_carry(self, name: str) -> Optional[torch.Tensor]:
+        """Group ``name``'s carry, removed (None if there is none)."""
+        fields = self.state.get(name)
+        return fields.pop("carry", None) if fields else None
