@@ -1,7 +1,9 @@
 """What the scheduler's cost model is fitted on: micro-benchmarks, and the record the ranks agree on.
 
 :func:`probe_sizes` picks the gradient sizes to time; :func:`time_codec` times a codec's encode
-and decode on them, :func:`time_network` the engine's collective on their payloads.
+and decode on them, :func:`time_network` the engine's collective on their payloads;
+:func:`time_two_phase` and :func:`time_two_phase_network` do both for the two-phase scheme, whose
+work between its two collectives (aggregate, encode again) counts as part of its network time.
 :func:`measure` runs them all for a profile step into a :class:`Measurements` record;
 :meth:`Measurements.agree` gives every rank the same record, the slowest rank's number
 everywhere, with one allgather; :meth:`Measurements.cost_profile` turns it into the
@@ -20,9 +22,12 @@ import torch
 from .comm import Communicator
 from .compressor import Compressor
 from .costmodel import CodecCost, Profile, fit_affine
+from .plan import TWO_PHASE
+from .twophase import shard_bounds
 from .workspace import Workspace
 
-__all__ = ["CodecProbe", "Measurements", "measure", "probe_sizes", "time_codec", "time_network"]
+__all__ = ["CodecProbe", "Measurements", "measure", "probe_sizes", "time_codec", "time_network", "time_two_phase",
+           "time_two_phase_network"]
 
 
 def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
@@ -92,6 +97,85 @@ def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shape
     finally:
         compressor.workspace = attached
     return encode, decode, wire
+
+
+def time_two_phase(compressor: Compressor, samples: Sequence[Tuple[int, int]], dtype: torch.dtype,
+                   device: torch.device, world_size: int) -> Tuple[List[float], List[float], List[float], float, float]:
+    """The two-phase scheme's CPU work on random gradients of each sample's bytes, as
+    :func:`time_codec` times it (steady state, the fastest run): seconds to encode the N shards;
+    between the collectives, to aggregate N payloads of one shard, encode the aggregate and
+    decode it (the second-stage residual); after them, to decode N aggregated shards.  Also the
+    phase-1 and phase-2 payload bytes per input byte."""
+    encode, middle, decode = [], [], []
+    ratios = (1.0, 1.0)
+    element = torch.empty((), dtype=dtype).element_size()
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    name = "__scheduler_probe__"
+    second = compressor.second_phase()
+    attached = compressor.workspace
+    runs = 0
+    try:
+        for nbytes, _ in samples:
+            data = torch.randn(nbytes // element, generator=generator).to(dtype=dtype, device=device)
+            bounds = shard_bounds(data.numel(), world_size, compressor.shard_alignment)
+            times = []
+            for _ in range(1 + (2 if nbytes < 2**22 else 1)):
+                runs += 1
+                compressor.workspace = second.workspace = Workspace() if torch.device(device).type == "cpu" else None
+                flat = data.clone()
+                _settle(device)
+                began = time.perf_counter()
+                shards = [compressor.compress_shard(flat[a:b], name, a, flat.numel()) for a, b in bounds]
+                _settle(device)
+                encoded = time.perf_counter()
+                payload, ctx = shards[0]
+                total = compressor.aggregate([payload] * world_size, ctx, world_size, True)
+                again, ctx2 = second.compress(total, name)
+                second.decompress(again, ctx2)
+                _settle(device)
+                aggregated = time.perf_counter()
+                for _ in bounds:
+                    second.decompress(again, ctx2)
+                _settle(device)
+                times.append((encoded - began, aggregated - encoded, time.perf_counter() - aggregated))
+                compressor.state.pop(name, None)
+                second.state.pop(name, None)
+            times = times[1:]
+            encode.append(min(t[0] for t in times))
+            middle.append(min(t[1] for t in times))
+            decode.append(min(t[2] for t in times))
+            first = sum(t.numel() * t.element_size() for payload, _ in shards for t in payload)
+            ratios = (first / max(nbytes, 1),
+                      len(bounds) * sum(t.numel() * t.element_size() for t in again) / max(nbytes, 1))
+    finally:
+        compressor.workspace = attached
+        second.workspace = None
+    return encode, middle, decode, ratios[0], ratios[1]
+
+
+def time_two_phase_network(comm: Communicator, payload_bytes: Sequence[float], second_bytes: Sequence[float],
+                           device: torch.device) -> Tuple[List[float], List[float]]:
+    """Wall and CPU seconds of an all-to-all of each ``payload_bytes`` (what one rank sends in
+    phase 1) followed by an allgather of ``second_bytes / size`` (its aggregated shard), as
+    :func:`time_network` times them.  A collective: every rank calls it with the same sizes."""
+    wall, cpu = [], []
+    size = comm.size
+    for first, second in zip(payload_bytes, second_bytes):
+        block = -(-max(8, int(first)) // size)
+        scattered = torch.zeros(block * size, dtype=torch.uint8, device=device)
+        gathered = torch.zeros(max(8, int(second) // size), dtype=torch.uint8, device=device)
+        times = []
+        for _ in range(2):
+            _settle(device)
+            began, began_cpu = time.perf_counter(), time.process_time()
+            comm.alltoall_async(scattered).wait("scheduler network probe")
+            comm.allgather_async(gathered).wait("scheduler network probe")
+            _settle(device)
+            times.append((time.perf_counter() - began, time.process_time() - began_cpu))
+        fastest = min(times)
+        wall.append(fastest[0])
+        cpu.append(fastest[1])
+    return wall, cpu
 
 
 def time_network(comm: Communicator, compressor: Compressor, payload_bytes: Sequence[float],
@@ -206,10 +290,19 @@ def measure(comm: Communicator, codecs: Mapping[str, Compressor], samples: Seque
     codec timed on ``samples`` (see :func:`probe_sizes`).  Every codec is encoded and decoded
     before the first collective runs; the collectives run in the order of ``codecs``, which
     must be the same on every rank."""
-    timed = {name: time_codec(compressor, samples, shapes, dtype, device, comm.size)
+    timed = {name: (time_two_phase(compressor, samples, dtype, device, comm.size) if name == TWO_PHASE
+                    else time_codec(compressor, samples, shapes, dtype, device, comm.size))
              for name, compressor in codecs.items()}
     probes = {}
-    for name, (encode, decode, ratio) in timed.items():
-        wall, cpu = time_network(comm, codecs[name], [n * ratio for n, _ in samples], device)
+    for name, times in timed.items():
+        if name == TWO_PHASE:
+            encode, middle, decode, ratio, second = times
+            wall, cpu = time_two_phase_network(comm, [n * ratio for n, _ in samples],
+                                               [n * second for n, _ in samples], device)
+            wall = [w + m for w, m in zip(wall, middle)]
+            cpu = [c + m for c, m in zip(cpu, middle)]
+        else:
+            encode, decode, ratio = times
+            wall, cpu = time_network(comm, codecs[name], [n * ratio for n, _ in samples], device)
         probes[name] = CodecProbe(ratio, encode, decode, wall, cpu)
     return Measurements(list(ready), probes, step_seconds)

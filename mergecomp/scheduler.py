@@ -40,17 +40,21 @@ import torch
 from .comm import Communicator
 from .compressor import Compressor
 from .costmodel import Prediction, Profile, predict, search
-from .plan import CODECS, GroupPlan, has_codec_choice
+from .plan import CODECS, TWO_PHASE, GroupPlan, has_codec_choice
 from .probes import measure, probe_sizes
 
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["MergeScheduler", "SchedulerConfig", "exchange_scheduler"]
+__all__ = ["MergeScheduler", "SchedulerConfig", "SEARCHED", "exchange_scheduler", "searched_codecs"]
 
 logger = logging.getLogger("mergecomp")
 
 MakePlan = Callable[[Sequence[int], Sequence[str]], GroupPlan]
+
+#: the codecs a group may get from the search: the configured compressor by allgather (or
+#: allreduce), by the two-phase scheme, fp16, or plain
+SEARCHED = (*CODECS, TWO_PHASE)
 
 
 @dataclass
@@ -67,7 +71,7 @@ class SchedulerConfig:
     min_improvement: float = 0.03
     retune_threshold: float = 0.15
     retune_window: int = 50
-    codecs: Tuple[str, ...] = CODECS
+    codecs: Tuple[str, ...] = SEARCHED
     cache_path: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -80,28 +84,45 @@ class SchedulerConfig:
         if not 0 <= self.min_improvement < 1 or self.retune_threshold <= 0 or self.runoff_margin < 0:
             raise ValueError("scheduler min_improvement must be in [0, 1), retune_threshold > 0 and "
                              "runoff_margin >= 0")
-        bad = [c for c in self.codecs if c not in CODECS]
+        bad = [c for c in self.codecs if c not in SEARCHED]
         if bad or not self.codecs:
-            raise ValueError(f"scheduler codecs must be drawn from {CODECS}, got {self.codecs}")
+            raise ValueError(f"scheduler codecs must be drawn from {SEARCHED}, got {self.codecs}")
+
+
+def searched_codecs(codecs: Sequence[str], compressor: Compressor, world_size: int,
+                    scheme: Optional[str] = None) -> Tuple[str, ...]:
+    """The codecs of ``codecs`` the search offers each group: fp16 and none only where the
+    compressor leaves a choice (:func:`~mergecomp.plan.has_codec_choice`); two-phase for a
+    single-round compressor whose payloads are allgathered, on 3 or more ranks (on 2 it moves
+    the same bytes as the allgather, with a second encode), unless ``scheme="allgather"``;
+    with ``scheme="two-phase"`` the compressor travels only that way."""
+    if not has_codec_choice(compressor):
+        codecs = [c for c in codecs if c in ("compressed", TWO_PHASE)]
+    if scheme == TWO_PHASE:
+        codecs = [TWO_PHASE if c == "compressed" else c for c in codecs]
+    elif scheme == "allgather" or compressor.summable or compressor.rounds > 1 or world_size < 3:
+        codecs = [c for c in codecs if c != TWO_PHASE]
+    return tuple(dict.fromkeys(codecs))
 
 
 def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: Sequence[int],
                        sizes: Sequence[int], shapes: Sequence[torch.Size], dtype: torch.dtype,
                        device: torch.device, build: Callable[[GroupPlan], GroupPlan],
-                       model: Sequence[str]) -> "MergeScheduler":
+                       model: Sequence[str], scheme: Optional[str] = None) -> "MergeScheduler":
     """The scheduler of a front end whose groups go through ``exchange``.
 
     ``order``: parameter indices in backward order; ``sizes`` (bytes) and ``shapes`` by parameter
     index; ``build(plan)`` completes a cut plan the way the front end builds its own (names,
     dtype checks).  ``model`` describes the parameters (e.g. ``"name:shape:dtype"`` each); with
     the compressor, memory, world size and engine it is hashed into the plan-cache signature.
-    Without a choice of codec to make (:func:`~mergecomp.plan.has_codec_choice`) only the
-    configured compressor is searched.
+    The codecs searched are :func:`searched_codecs` of the config's, for the front end's
+    ``scheme``.
     """
     compressor = exchange.compressor
-    if not has_codec_choice(compressor):
-        config = dataclasses.replace(config, codecs=("compressed",))
-    parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine]
+    config = dataclasses.replace(config, codecs=searched_codecs(config.codecs, compressor, exchange.comm.size,
+                                                                  scheme))
+    parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine,
+             *config.codecs]
     signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
     codecs = {name: exchange.codec(name) for name in config.codecs}
     return MergeScheduler(exchange.comm, codecs, order, sizes, shapes, dtype, device,
@@ -222,13 +243,17 @@ class MergeScheduler:
         budget = self.config.candidates
         predictions = search(profile, self.config.max_groups, self.config.codecs, budget)
         pure = []
-        if "compressed" in self.config.codecs and len(self.config.codecs) > 1:
+        schemes = [c for c in ("compressed", TWO_PHASE) if c in self.config.codecs]
+        if schemes and len(self.config.codecs) > 1:
             # Always verify the two best plans that use only the configured compressor (two
-            # group counts), in the places of the last predicted candidates (same search cost).
-            # While codecs were timed cold, mixed plans measured 10-40 % above their prediction
-            # on the 1 Gbit/s cluster and lost to these; timed warm, the median error of every
-            # kind of plan is within 3 % (docs/scheduler.md), and these stay as insurance.
-            pure = search(profile, self.config.max_groups, ("compressed",), 2)[:max(1, budget - 1)]
+            # group counts; with two schemes, the best of each), in the places of the last
+            # predicted candidates (same search cost).  While codecs were timed cold, mixed
+            # plans measured 10-40 % above their prediction on the 1 Gbit/s cluster and lost to
+            # these; timed warm, the median error of every kind of plan is within 3 %
+            # (docs/scheduler.md), and these stay as insurance.
+            each = 2 if len(schemes) == 1 else 1
+            pure = [p for scheme in schemes for p in search(profile, self.config.max_groups, (scheme,), each)]
+            pure = pure[:max(1, budget - 1)]
             chosen = {(p.cuts, p.codecs) for p in pure}
             predictions = [p for p in predictions if (p.cuts, p.codecs) not in chosen]
             predictions = predictions[:max(1, budget - len(pure))]  # at least one other plan

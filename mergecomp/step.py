@@ -566,7 +566,8 @@ class MergedStep:
         self.scheduler = exchange_scheduler(
             self.exchange, self._scheduler_config, order, self._nbytes(), self.shapes, self.dtypes[order[0]],
             self.device, lambda plan: self._make_plan(order, plan),
-            self._cache_tag + exempt + [f"{n}:{tuple(s)}:{d}" for n, s, d in zip(self.names, self.shapes, self.dtypes)])
+            self._cache_tag + exempt + [f"{n}:{tuple(s)}:{d}" for n, s, d in zip(self.names, self.shapes, self.dtypes)],
+            self.scheme)
         cached = self.scheduler.initial_plan()
         if cached is not None:
             self.set_plan(cached)

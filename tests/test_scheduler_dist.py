@@ -70,6 +70,39 @@ def test_auto_converges_agrees_and_stays_exact_across_switches():
     assert r0["profiled"] == (len(r0["plans"][-1].order), ["compressed"])
 
 
+def test_auto_on_three_ranks_searches_the_two_phase_scheme_and_agrees():
+    results = run_workers(_auto_worker, 3, 3, "qsgd", 40)
+    r0 = results[0]
+    assert all(r["plans"] == r0["plans"] and torch.equal(r["params"], r0["params"]) for r in results[1:])
+    assert r0["report"]["phase"] == "monitor"
+    assert "two-phase" in r0["profiled"][1]
+    # the best plan sending the compressor by each scheme alone is verified
+    verified = [set(c["codecs"]) for c in r0["report"]["candidates"] if c["measured_s"] is not None]
+    assert {"compressed"} in verified and {"two-phase"} in verified
+
+
+def _scheme_codecs(rank):
+    import mergecomp
+    from mergecomp.scheduler import SEARCHED, searched_codecs
+
+    get = mergecomp.get_compressor
+    return {"qsgd@2": searched_codecs(SEARCHED, get("qsgd"), 2), "qsgd@3": searched_codecs(SEARCHED, get("qsgd"), 3),
+            "signsgd@4": searched_codecs(SEARCHED, get("signsgd"), 4),
+            "fp16@4": searched_codecs(SEARCHED, get("fp16"), 4),
+            "qsgd@4 allgather": searched_codecs(SEARCHED, get("qsgd"), 4, "allgather"),
+            "topk@4 two-phase": searched_codecs(SEARCHED, get("topk"), 4, "two-phase")}
+
+
+def test_which_codecs_the_search_offers():
+    got = _scheme_codecs(0)
+    assert got["qsgd@2"] == ("compressed", "fp16", "none")
+    assert got["qsgd@3"] == ("compressed", "fp16", "none", "two-phase")
+    assert got["signsgd@4"] == ("compressed", "two-phase")  # the vote: no fp16/none
+    assert got["fp16@4"] == ("compressed", "fp16", "none")   # summable: allreduce already
+    assert got["qsgd@4 allgather"] == ("compressed", "fp16", "none")
+    assert got["topk@4 two-phase"] == ("two-phase", "fp16", "none")
+
+
 def test_auto_with_a_compressor_keeps_ranks_identical():
     r0, r1 = run_workers(_auto_worker, 2, 2, "topk", 25)
     assert r0["plans"] == r1["plans"]
