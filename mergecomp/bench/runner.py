@@ -14,7 +14,9 @@ same code runs under any launcher: ``torchrun``, plain ``RANK``/``WORLD_SIZE``/`
 
 Modes: ``mergecomp`` (``mc.DistributedOptimizer``; ``--plan`` takes a comma list of
 ``auto``, ``layerwise``, an int number of groups, ``default``, ``fp32`` or ``fp16`` (one fused
-group sent uncompressed / cast to fp16, whatever the compressor)), ``ddp``, ``ddp-fp16``,
+group sent uncompressed / cast to fp16, whatever the compressor); ``layerwise``, an int or
+``default`` with the suffix ``@two-phase`` send their compressed groups by the two-phase scheme),
+``ddp``, ``ddp-fp16``,
 ``ddp-powersgd`` (PyTorch's own hooks, ``start_powerSGD_iter=2``), ``local`` (the plain model and
 optimizer in one process: the single-worker reference of the scaling factor).
 
@@ -72,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default=None, help="error-feedback memory (default: the compressor's)")
     p.add_argument("--plan", default="auto",
                    help="comma list of: auto, layerwise, <int groups>, default, fp32 (1 fused group, no "
-                        "compression), fp16 (1 fused group cast to fp16)")
+                        "compression), fp16 (1 fused group cast to fp16); a fixed one with the suffix "
+                        "@two-phase sends its compressed groups by the two-phase scheme (e.g. default@two-phase)")
     p.add_argument("--powersgd-rank", type=int, default=1, help="ddp-powersgd: matrix_approximation_rank")
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--steps", type=int, default=STEPS)
@@ -91,7 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: a fixed plan label ending in this sends its compressed groups by the two-phase scheme
+TWO_PHASE_SUFFIX = "@two-phase"
+
+
 def _plan_spec(label: str):
+    if label.endswith(TWO_PHASE_SUFFIX):
+        label = label[:-len(TWO_PHASE_SUFFIX)]
+        if label in ("auto", "fp32", "fp16"):
+            raise SystemExit(f"mergecomp bench: {TWO_PHASE_SUFFIX!r} goes with layerwise, an int or default, "
+                             f"not {label!r}")
     if label in ("auto", "layerwise", "fp32", "fp16"):
         return label
     if label == "default":
@@ -99,8 +111,8 @@ def _plan_spec(label: str):
     try:
         return int(label)
     except ValueError:
-        raise SystemExit(f"mergecomp bench: --plan items must be auto, layerwise, an int, default, fp32 or fp16; "
-                         f"got {label!r}")
+        raise SystemExit(f"mergecomp bench: --plan items must be auto, layerwise, an int, default, fp32 or fp16, "
+                         f"the fixed ones optionally with {TWO_PHASE_SUFFIX!r}; got {label!r}")
 
 
 def machine() -> Dict[str, object]:
@@ -181,8 +193,9 @@ def search_auto(w: _Worker, max_steps: int = 200) -> Dict:
 def fixed_plan(opt, label: str):
     """The GroupPlan of a plan label over the optimizer's (final) backward order: ``layerwise``,
     an int, ``default`` (25 MB groups, at most 4), ``fp32``/``fp16`` (one fused group, codec
-    ``none``/``fp16``: plain fused allreduce)."""
-    from mergecomp.plan import GroupPlan
+    ``none``/``fp16``: plain fused allreduce); with the suffix ``@two-phase`` its compressed
+    groups use the two-phase scheme."""
+    from mergecomp.plan import TWO_PHASE, GroupPlan
 
     order = opt.plan.order
     if label in ("fp32", "fp16"):
@@ -191,6 +204,9 @@ def fixed_plan(opt, label: str):
     if spec is None:
         spec = _default_groups(opt.param_groups)
     opt.set_plan(spec)
+    if label.endswith(TWO_PHASE_SUFFIX):
+        plan = opt.plan
+        opt.set_plan(GroupPlan(plan.groups, tuple(TWO_PHASE if c == "compressed" else c for c in plan.codec_names())))
     return opt.plan
 
 
