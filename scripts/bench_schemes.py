@@ -4,8 +4,8 @@ schemes for the compressors whose payloads cannot be summed.
 For each N, N gloo ranks run inside a network namespace of their own (``unshare -n``, so its
 loopback carries nothing but their traffic; needs root).  Every rank feeds the same random
 gradients with a model's shapes (default ResNet-50) to a :class:`mergecomp.step.MergedStep`
-(``groups=None``: about 25 MB per group) and exchanges them with each compressor and scheme in
-turn, round after round.  Reported per configuration: the median exchange time (``add`` every
+(``groups=None``: about 25 MB per group) and exchanges them with each compressor, its two
+schemes in turn, round after round (one compressor at a time, which bounds the memory).  Reported per configuration: the median exchange time (``add`` every
 tensor + ``finish``; max over ranks), and the bytes one rank sent per step, measured as the
 namespace loopback's transmitted bytes (TCP/IP headers and gloo's own messages included) over
 the timed steps, divided by N.  One JSON record per (N, compressor, scheme) with ``--json``::
@@ -15,6 +15,7 @@ the timed steps, divided by N.  One JSON record per (N, compressor, scheme) with
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -64,39 +65,38 @@ def _rank(rank, args, port, out):
     names, shapes = [n for n, _ in named], [s for _, s in named]
     g = torch.Generator().manual_seed(rank)
     grads = [torch.randn(s, generator=g) for s in shapes]
-    steps = {(c, s): MergedStep(c, None, comm, names, shapes, [torch.float32] * len(names), torch.device("cpu"),
-                                groups=None, observe_order=False, scheme=s)
-             for c in args.compressors.split(",") for s in SCHEMES}
-    times = {key: [] for key in steps}
-    sent = {key: 0 for key in steps}
-
     def exchange(step):
         for i in reversed(range(len(grads))):
             step.add(i, grads[i])
         step.finish()
 
-    for key, step in steps.items():  # warm-up: buffers, workspace, first-step order
-        exchange(step)
-    for _ in range(args.rounds):
-        for key, step in steps.items():
-            dist.barrier()
-            before = loopback_tx_bytes()
-            for _ in range(args.steps):
-                began = time.perf_counter()
-                exchange(step)
-                times[key].append(time.perf_counter() - began)
-            dist.barrier()
-            sent[key] += loopback_tx_bytes() - before
-    slowest = {}
-    for key in steps:
-        t = torch.tensor([statistics.median(times[key])], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        slowest[key] = t.item()
+    records = []
+    for compressor in args.compressors.split(","):
+        steps = {s: MergedStep(compressor, None, comm, names, shapes, [torch.float32] * len(names),
+                               torch.device("cpu"), groups=None, observe_order=False, scheme=s) for s in SCHEMES}
+        times = {s: [] for s in SCHEMES}
+        sent = {s: 0 for s in SCHEMES}
+        for step in steps.values():  # warm-up: buffers, workspace
+            exchange(step)
+        for _ in range(args.rounds):
+            for scheme, step in steps.items():
+                dist.barrier()
+                before = loopback_tx_bytes()
+                for _ in range(args.steps):
+                    began = time.perf_counter()
+                    exchange(step)
+                    times[scheme].append(time.perf_counter() - began)
+                dist.barrier()
+                sent[scheme] += loopback_tx_bytes() - before
+        for scheme in SCHEMES:
+            t = torch.tensor([statistics.median(times[scheme])], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            records.append({"ranks": args.world, "model": args.model, "compressor": compressor, "scheme": scheme,
+                            "exchange_s": t.item(),
+                            "bytes_per_rank": sent[scheme] / (args.rounds * args.steps) / args.world})
+        del steps
     if rank == 0:
-        per_step = args.rounds * args.steps
-        out.put([{"ranks": args.world, "model": args.model, "compressor": c, "scheme": s,
-                  "exchange_s": slowest[(c, s)], "bytes_per_rank": sent[(c, s)] / per_step / args.world}
-                 for c, s in steps])
+        out.put(records)
     mc.shutdown()
 
 
@@ -112,7 +112,17 @@ def run_inside(args):
     procs = [ctx.Process(target=_rank, args=(r, args, port, out)) for r in range(args.world)]
     for p in procs:
         p.start()
-    records = out.get(timeout=3600)
+    while True:  # a rank that dies (e.g. out of memory) ends the run instead of hanging it
+        try:
+            records = out.get(timeout=5)
+            break
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"bench_schemes: rank(s) {dead} of {args.world} died "
+                                 f"(exit codes {[procs[r].exitcode for r in dead]})")
     for p in procs:
         p.join()
     print(json.dumps(records))

@@ -19,7 +19,9 @@ Each figure is named after what it shows and reads the data file of the same que
 * ``convergence_digits_mlp_2workers.png``: test accuracy vs step per compressor;
 * ``convergence_stdlib_bytes_gpt2_2workers.png``: validation loss vs step per compressor (byte-level GPT-2);
 * ``codec_encode_decode_resnet50.png``: encode + decode time per compressor, layer-wise and the best
-  merged plan, against one memcpy (``codec_encode_decode_resnet50_native.json``).
+  merged plan, against one memcpy (``codec_encode_decode_resnet50_native.json``);
+* ``schemes_bytes_vs_ranks_resnet50_loopback.png``: bytes per rank and exchange time vs ranks,
+  allgather and two-phase, per compressor (``schemes_bytes_vs_ranks_resnet50_loopback.jsonl``).
 """
 import argparse
 import collections
@@ -47,6 +49,7 @@ SCALING = "scaling_4workers_resnet50.jsonl"
 CONVERGENCE = "convergence_digits_mlp_2workers.jsonl"
 CONVERGENCE_LM = "convergence_stdlib_bytes_gpt2_2workers.jsonl"
 CODECS = "codec_encode_decode_resnet50_native.json"
+SCHEMES = "schemes_bytes_vs_ranks_resnet50_loopback.jsonl"
 MACHINE = "2-core machine"
 
 RATES = ["1gbit", "10gbit", "unlimited", "loopback"]
@@ -318,6 +321,28 @@ def codec_times():
     return save(fig, "codec_encode_decode_resnet50.png")
 
 
+def schemes_vs_ranks():
+    records = load(SCHEMES)
+    if not records:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for compressor in dict.fromkeys(r["compressor"] for r in records):
+        for scheme, style in (("allgather", "--"), ("two-phase", "-")):
+            rs = sorted((r for r in records if r["compressor"] == compressor and r["scheme"] == scheme),
+                        key=lambda r: r["ranks"])
+            ranks = [r["ranks"] for r in rs]
+            label = f"{compressor} {scheme}"
+            line, = left.plot(ranks, [r["bytes_per_rank"] / 2**20 for r in rs], style, marker="o", label=label)
+            right.plot(ranks, [r["exchange_s"] for r in rs], style, marker="o", color=line.get_color(), label=label)
+    left.set(xlabel="ranks", ylabel="MB sent per rank per step", yscale="log",
+             title="bytes on the wire (loopback counters)")
+    right.set(xlabel="ranks", ylabel="exchange s (max over ranks)", title=f"exchange time ({MACHINE}, oversubscribed)")
+    left.legend(fontsize=7, ncol=2)
+    fig.suptitle("ResNet-50 gradients, allgather (dashed) vs two-phase (solid)")
+    fig.tight_layout()
+    return save(fig, SCHEMES[:-len(".jsonl")] + ".png")
+
+
 def ddp_name(r):
     hook = r.get("hook") or r["mode"]
     if hook == "none":
@@ -371,7 +396,7 @@ if __name__ == "__main__":
     makers = [throughput_vs_bandwidth, scaling_vs_workers, auto_vs_layerwise_4workers]
     makers += [lambda p=p: scheduler_vs_sweep(p)
                for p in sorted(glob.glob(os.path.join(args.data, "scheduler_vs_sweep_*.jsonl")))]
-    makers += [convergence, convergence_lm, codec_times]
+    makers += [convergence, convergence_lm, codec_times, schemes_vs_ranks]
     for make in makers:
         path = make()
         if path:
