@@ -48,6 +48,7 @@ __all__ = [
     "Prediction",
     "cpu_taken",
     "fit_affine",
+    "fit_span",
     "predict",
     "search",
     "ring_allreduce",
@@ -94,6 +95,19 @@ def fit_affine(nbytes: Sequence[float], seconds: Sequence[float]) -> Affine:
     sxy = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds))
     per_byte = max(sxy / sxx, 0.0)
     return Affine(max(my - per_byte * mx, 0.0), per_byte)
+
+
+def fit_span(nbytes: Sequence[float], seconds: Sequence[float]) -> Affine:
+    """The line through the smallest and the largest sample (both terms clamped at >= 0): the
+    small one pins the per-call cost, the large one the per-byte cost.  For a per-call cost that
+    gets multiplied (one per gathered payload, N of them), where a least-squares intercept moves
+    with the noise on the largest sample."""
+    lo = min(range(len(nbytes)), key=nbytes.__getitem__)
+    hi = max(range(len(nbytes)), key=nbytes.__getitem__)
+    if nbytes[hi] == nbytes[lo]:
+        return fit_affine(nbytes, seconds)
+    per_byte = max((seconds[hi] - seconds[lo]) / (nbytes[hi] - nbytes[lo]), 0.0)
+    return Affine(max(seconds[lo] - per_byte * nbytes[lo], 0.0), per_byte)
 
 
 def ring_allreduce(latency: float, bandwidth: float, world_size: int) -> Affine:

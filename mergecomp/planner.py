@@ -31,7 +31,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from .compressor import Compressor
-from .costmodel import (Affine, Cluster, CodecFit, Prediction, Profile, fit_affine, flat_cost,
+from .costmodel import (Affine, Cluster, CodecFit, Prediction, Profile, fit_span, flat_cost,
                         hierarchical_cost, predict, search, two_phase_cost)
 from .plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, has_codec_choice
 from .probes import probe_sizes, time_codec
@@ -61,7 +61,8 @@ PLAIN = ("fp16", "none")
 
 def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[str, CodecFit]:
     """Each compressor's :class:`~mergecomp.costmodel.CodecFit`: measured once, with 1 and 2
-    payloads, or assumed from ``codec_gbps``."""
+    payloads (:func:`~mergecomp.costmodel.fit_span`: the per-call costs get multiplied by up to N
+    payloads), or assumed from ``codec_gbps``."""
     samples = probe_sizes(gradient_bytes(shapes))
     nbytes = [b for b, _ in samples]
     torch_shapes = [torch.Size(s) for s in shapes]
@@ -76,8 +77,8 @@ def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[
         encode, decode1, ratio = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 1)
         _, decode2, _ = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 2)
         extra = [max(0.0, b - a) for a, b in zip(decode1, decode2)]
-        out[name] = CodecFit(ratio, fit_affine(nbytes, encode), fit_affine(nbytes, decode1),
-                             fit_affine(nbytes, extra), compressor.summable, second)
+        out[name] = CodecFit(ratio, fit_span(nbytes, encode), fit_span(nbytes, decode1),
+                             fit_span(nbytes, extra), compressor.summable, second)
     return out
 
 

@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from mergecomp.costmodel import (TIE, Affine, Cluster, CodecCost, CodecFit, Profile, all_to_all, candidate_cuts,
-                                 cpu_taken, fit_affine, flat_cost, hierarchical_cost, predict, ring_allgather,
+                                 cpu_taken, fit_affine, fit_span, flat_cost, hierarchical_cost, predict, ring_allgather,
                                  ring_allreduce, search, two_phase_cost)
 
 FREE = Affine()
@@ -152,6 +152,17 @@ def test_fit_affine_recovers_a_line():
     assert fit.fixed == pytest.approx(0.001)
     assert fit.per_byte == pytest.approx(2e-9)
     assert fit_affine([100], [1.0]).per_byte == pytest.approx(0.01)
+
+
+def test_fit_span_keeps_the_per_call_cost_of_the_smallest_sample():
+    nbytes = [3e3, 4e7, 1.3e8, 5e8]
+    seconds = [1e-4 + 3e-10 * x for x in nbytes]
+    assert fit_span(nbytes, seconds).fixed == pytest.approx(1e-4)
+    assert fit_span(nbytes, seconds).per_byte == pytest.approx(3e-10)
+    seconds[-1] -= 0.05  # one noisy run of the largest sample
+    assert fit_span(nbytes, seconds).fixed == pytest.approx(1e-4, rel=0.01)
+    assert fit_affine(nbytes, seconds).fixed > 1e-3  # a least-squares intercept: 50 times too large
+    assert fit_span([10], [1.0]).per_byte == pytest.approx(0.1)
 
 
 def test_ring_costs_follow_the_alpha_beta_model():
