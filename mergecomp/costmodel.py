@@ -147,7 +147,10 @@ class Cluster:
     one link (``latency`` seconds per message, ``bandwidth`` bytes/s) that its ranks share; ranks
     of a host reach each other at ``intra_latency``, ``intra_bandwidth``.  Rings are ordered by
     host, so each ring step crosses a host's link once and its hops run at the slower of the two
-    bandwidths."""
+    bandwidths.  ``two_level``: an allreduce on hosts of several ranks is a reduce-scatter inside
+    the host, L concurrent ring allreduces of the 1/L shards across hosts, and an allgather inside
+    the host, instead of one ring over all ranks (fewer steps, fewer bytes on the host's link,
+    more inside the host)."""
 
     world_size: int
     latency: float
@@ -155,6 +158,7 @@ class Cluster:
     host_size: int = 1
     intra_latency: float = 0.0
     intra_bandwidth: float = math.inf
+    two_level: bool = False
 
     def __post_init__(self) -> None:
         if self.host_size < 1 or self.world_size % self.host_size:
@@ -168,6 +172,8 @@ class Cluster:
         return min(self.bandwidth, self.intra_bandwidth) if self.host_size > 1 else self.bandwidth
 
     def allreduce(self) -> Affine:
+        if self.two_level and self.host_size > 1:
+            return self.inside_host() + self.across_hosts().allreduce().of(1 / self.host_size)
         return ring_allreduce(self.latency, self._ring_bandwidth(), self.world_size)
 
     def allgather(self) -> Affine:
@@ -175,6 +181,10 @@ class Cluster:
 
     def all_to_all(self) -> Affine:
         return all_to_all(self.latency, self.bandwidth, self.world_size, self.host_size, self.intra_bandwidth)
+
+    def inside_host(self) -> Affine:
+        """A ring reduce-scatter and a ring allgather of B bytes among the ranks of a host."""
+        return ring_allreduce(self.intra_latency, self.intra_bandwidth, self.host_size)
 
     def across_hosts(self) -> "Cluster":
         """One rank per host with 1/L of its link: each of the L concurrent exchanges among the
@@ -244,8 +254,7 @@ def hierarchical_cost(fit: CodecFit, cluster: Cluster, across=flat_cost) -> Code
     runs it before the allgather inside the host).  With one rank per host it is ``across``."""
     shard = 1 / cluster.host_size
     inner = across(fit, cluster.across_hosts())
-    inside = ring_allreduce(cluster.intra_latency, cluster.intra_bandwidth, cluster.host_size)
-    network = inside.of(1 / fit.ratio) + inner.network.of(shard)
+    network = cluster.inside_host().of(1 / fit.ratio) + inner.network.of(shard)
     return CodecCost(fit.ratio, inner.encode.of(shard), inner.decode.of(shard), network,
                      inner.network_cpu.of(shard))
 

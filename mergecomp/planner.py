@@ -98,6 +98,16 @@ def _fastest(predictions: Sequence[Prediction]) -> Prediction:
     return min(predictions, key=lambda p: p.total)
 
 
+def _predictions(profile: Profile, schemes: Sequence[str], plain: Sequence[str], max_groups: int) -> Dict:
+    """The best plan, the baselines' plans, layer-wise and one group (see :func:`plan_table`)."""
+    n = len(profile.sizes)
+    return {"best": _fastest([search(profile, max_groups, (name, *plain), top=1)[0] for name in schemes]),
+            "fp16": search(profile, max_groups, PLAIN, top=1)[0],
+            "fp32_fused": search(profile, max_groups, ("none",), top=1)[0],
+            "layerwise": predict(profile, list(range(1, n)), ["compressed"] * n),
+            "one_group": predict(profile, [], ["compressed"])}
+
+
 def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Sequence[int],
                bandwidth_gbit: float, latency_us: float, backward_ms: float, max_groups: int,
                codec_gbps=None, host_sizes: Sequence[int] = (1,), intra_gbit: float = 100.0,
@@ -108,7 +118,9 @@ def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Seque
     Each row maps ``world_size`` and ``host_size`` to ints and ``best``, ``fp16`` (the best plan
     of fp16 and uncompressed groups), ``fp32_fused``, ``layerwise`` and ``one_group`` to
     :class:`~mergecomp.costmodel.Prediction` s.  Each plan of ``best`` sends its compressed
-    groups by one exchange scheme (:func:`exchange_codecs`).
+    groups by one exchange scheme (:func:`exchange_codecs`); with several ranks per host, each
+    plan allreduces by one ring or in two levels (:class:`~mergecomp.costmodel.Cluster`),
+    whichever predicts faster.
     """
     sizes = gradient_bytes(shapes)
     total = sum(sizes)
@@ -123,19 +135,16 @@ def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Seque
     rows = []
     for host_size in host_sizes:
         for n in (n for n in world_sizes if n % host_size == 0):
-            cluster = Cluster(n, latency_us * 1e-6, bandwidth_gbit * 1e9 / 8, host_size,
-                              intra_latency_us * 1e-6, intra_gbit * 1e9 / 8)
-            schemes = exchange_codecs(compressor, cluster)
-            codecs = {name: flat_cost(fits[name], cluster) for name in PLAIN}
-            codecs.update((name, SCHEMES[name](fits["compressed"], cluster)) for name in schemes)
-            profile = Profile(sizes, ready, codecs)
-            rows.append({
-                "world_size": n, "host_size": host_size,
-                "best": _fastest([search(profile, max_groups, (name, *plain), top=1)[0] for name in schemes]),
-                "fp16": search(profile, max_groups, PLAIN, top=1)[0],
-                "fp32_fused": search(profile, max_groups, ("none",), top=1)[0],
-                "layerwise": predict(profile, list(range(1, len(sizes))), ["compressed"] * len(sizes)),
-                "one_group": predict(profile, [], ["compressed"])})
+            found = []
+            for two_level in sorted({False, host_size > 1}):
+                cluster = Cluster(n, latency_us * 1e-6, bandwidth_gbit * 1e9 / 8, host_size,
+                                  intra_latency_us * 1e-6, intra_gbit * 1e9 / 8, two_level)
+                schemes = exchange_codecs(compressor, cluster)
+                codecs = {name: flat_cost(fits[name], cluster) for name in PLAIN}
+                codecs.update((name, SCHEMES[name](fits["compressed"], cluster)) for name in schemes)
+                found.append(_predictions(Profile(sizes, ready, codecs), schemes, plain, max_groups))
+            rows.append({"world_size": n, "host_size": host_size,
+                         **{key: _fastest([f[key] for f in found]) for key in found[0]}})
     return rows
 
 

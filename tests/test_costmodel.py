@@ -249,6 +249,15 @@ def test_hierarchical_costs_by_hand():
     assert cost.decode(group) == pytest.approx(2e-3 + 3 * 5e-4 + 5e-9 * 1e8)  # 4 hosts' shards
 
 
+def test_two_level_allreduce_by_hand():
+    flat = Cluster(64, 1e-4, 1e9, 8, 1e-5, 1e10)
+    two_level = Cluster(64, 1e-4, 1e9, 8, 1e-5, 1e10, two_level=True)
+    assert flat.allreduce()(6.4e9) == pytest.approx(126e-4 + 2 * 63 / 64 * 6.4)
+    # inside: 14 steps, 2 · 7/8 · B at 1e10; across: 8 rings of B/8 among 8 hosts on 1/8 of the link
+    assert two_level.allreduce()(6.4e9) == pytest.approx(14e-5 + 1.12 + 14e-4 + 2 * 7 / 8 * 6.4)
+    assert Cluster(64, 1e-4, 1e9, two_level=True).allreduce() == Cluster(64, 1e-4, 1e9).allreduce()
+
+
 def test_candidate_grid_and_bad_input():
     grid = candidate_cuts([1] * 100, points=9)
     assert len(grid) == 9 and grid == sorted(grid) and 0 < grid[0] and grid[-1] < 100
