@@ -5,8 +5,9 @@ bytes along the backward order, one codec per group) and its step-time breakdown
 predictor the online scheduler uses (:mod:`mergecomp.costmodel`).  Assumptions, stated once:
 
 * Network: α-β model; each host has one link (``--bandwidth``, ``--latency``) shared by its
-  ``--host-size`` ranks, which reach each other at ``--intra-bandwidth``, ``--intra-latency``.
-  Rings are ordered by host.  Allreduce of B bytes costs ``2(N-1)·α + 2(N-1)/N · B/β``;
+  ``--host-sizes`` ranks, which reach each other at ``--intra-bandwidth``, ``--intra-latency``.
+  Rings are ordered by host.  Allreduce of B bytes costs ``2(N-1)·α + 2(N-1)/N · B/β`` by one
+  ring (with several ranks per host, a plan may take a two-level allreduce instead);
   allgather where each rank contributes B bytes ``(N-1)·α + (N-1) · B/β``, growing with N;
   all-to-all ``(N-1)·α + (N-1)/N · B/β`` with one rank per host (the shared link carries L
   times more with L).  One collective at a time; no congestion.
