@@ -21,6 +21,7 @@ DEFAULT_WORLD_SIZES = "2,4,8,16,32,64,128,256,512,1024"
 PLAN_EXAMPLES = """examples:
   mergecomp plan --model resnet50 --compressor topk --bandwidth 10 --latency 50
   mergecomp plan --sizes grads.json --compressor qsgd -C bucket_size=256 --world-sizes 8,64,512
+  mergecomp plan --model gpt2-small --compressor onebit --codec-gbps 200 --host-size 1,8
 """
 
 
@@ -37,20 +38,33 @@ def _load_shapes(args) -> List[Sequence[int]]:
         raise SystemExit(f"mergecomp: {err}") from None
 
 
+def _positive_ints(text: str, option: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise SystemExit(f"mergecomp: {option} must be positive integers, got {text!r}")
+    return values
+
+
 def _cmd_plan(args) -> int:
     shapes = _load_shapes(args)
-    world_sizes = [int(x) for x in args.world_sizes.split(",")]
-    if any(n < 1 for n in world_sizes):
-        raise SystemExit("mergecomp: --world-sizes must be positive integers")
+    world_sizes = _positive_ints(args.world_sizes, "--world-sizes")
+    host_sizes = _positive_ints(args.host_sizes, "--host-sizes")
     try:
         rows = planner.plan_table(shapes, args.compressor, keyword_args(args.compressor_arg), world_sizes,
-                                  args.bandwidth, args.latency, args.backward_ms, args.max_groups, args.codec_gbps)
+                                  args.bandwidth, args.latency, args.backward_ms, args.max_groups, args.codec_gbps,
+                                  host_sizes, args.intra_bandwidth, args.intra_latency)
     except (ValueError, TypeError) as err:
         raise SystemExit(f"mergecomp: {err}") from None
+    if not rows:
+        raise SystemExit("mergecomp: no world size is a multiple of a host size")
     source = args.sizes or args.model
     print(f"# {source}: {len(shapes)} tensors, {sum(planner.gradient_bytes(shapes)) / 2**20:.1f} MB of fp32 "
-          f"gradients; compressor {args.compressor}; link {args.bandwidth:g} Gbit/s, {args.latency:g} us; "
-          f"backward {args.backward_ms:g} ms")
+          f"gradients; compressor {args.compressor}; link {args.bandwidth:g} Gbit/s, {args.latency:g} us per host; "
+          f"inside a host {args.intra_bandwidth:g} Gbit/s, {args.intra_latency:g} us; backward {args.backward_ms:g} ms; "
+          f"codecs {f'at {args.codec_gbps:g} Gbit/s' if args.codec_gbps else 'measured here'}")
     print("\n".join(planner.markdown_table(rows)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -69,8 +83,15 @@ def main(argv=None) -> int:
     plan.add_argument("--compressor", default="topk", help=f"one of {', '.join(compressor_names())}")
     plan.add_argument("-C", "--compressor-arg", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--world-sizes", default=DEFAULT_WORLD_SIZES)
-    plan.add_argument("--bandwidth", type=float, default=10.0, help="link bandwidth, Gbit/s (default 10)")
+    plan.add_argument("--host-sizes", default="1",
+                      help="ranks per host, comma-separated (default 1); each world size it divides gets a row")
+    plan.add_argument("--bandwidth", type=float, default=10.0,
+                      help="each host's link bandwidth, Gbit/s, shared by its ranks (default 10)")
     plan.add_argument("--latency", type=float, default=50.0, help="per-message latency, us (default 50)")
+    plan.add_argument("--intra-bandwidth", type=float, default=100.0,
+                      help="bandwidth between ranks of a host, Gbit/s (default 100)")
+    plan.add_argument("--intra-latency", type=float, default=5.0,
+                      help="per-message latency between ranks of a host, us (default 5)")
     plan.add_argument("--backward-ms", type=float, default=100.0, help="backward compute time (default 100)")
     plan.add_argument("--max-groups", type=int, default=4)
     plan.add_argument("--codec-gbps", type=float, default=None,

@@ -4,7 +4,8 @@ Everything here is a plain function of plain numbers, shared by the online sched
 (:mod:`mergecomp.scheduler`) and the offline planner (:mod:`mergecomp.planner`, ``mergecomp plan``).
 
 The timeline of one backward pass, for a partition of the tensors (in backward order) into
-contiguous groups, each with a codec (``"compressed"``, ``"fp16"`` or ``"none"``)::
+contiguous groups, each with a codec (``"compressed"``, ``"fp16"``, ``"none"``, or an exchange
+scheme of the compressor such as ``"two-phase"``)::
 
     compute thread: grad ready ... [encode g0] ... grad ready ... [encode g1] ...   (encodes delay
                                                                                     later grads)
@@ -24,10 +25,15 @@ contiguous groups, each with a codec (``"compressed"``, ``"fp16"`` or ``"none"``
 
 Costs are affine fits ``a + b * bytes`` (:class:`Affine`): per codec for encode and decode
 (input bytes), per collective kind for the network and its CPU (bytes one rank contributes).
+
+Exchange schemes (:func:`flat_cost`, :func:`two_phase_cost`, :func:`hierarchical_cost`) turn a
+compressor's measured costs (:class:`CodecFit`) into a :class:`CodecCost` on a :class:`Cluster`
+under the α-β model.
 """
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
@@ -35,15 +41,22 @@ from .plan import CODECS
 
 __all__ = [
     "Affine",
+    "Cluster",
     "CodecCost",
+    "CodecFit",
     "Profile",
     "Prediction",
     "cpu_taken",
     "fit_affine",
+    "fit_span",
     "predict",
     "search",
     "ring_allreduce",
     "ring_allgather",
+    "all_to_all",
+    "flat_cost",
+    "two_phase_cost",
+    "hierarchical_cost",
 ]
 
 
@@ -56,6 +69,17 @@ class Affine:
 
     def __call__(self, nbytes: float) -> float:
         return self.fixed + self.per_byte * nbytes
+
+    def __add__(self, other: "Affine") -> "Affine":
+        return Affine(self.fixed + other.fixed, self.per_byte + other.per_byte)
+
+    def times(self, count: float) -> "Affine":
+        """``count`` runs of this cost."""
+        return Affine(self.fixed * count, self.per_byte * count)
+
+    def of(self, fraction: float) -> "Affine":
+        """This cost on ``fraction`` of the bytes, as a function of all of them."""
+        return Affine(self.fixed, self.per_byte * fraction)
 
 
 def fit_affine(nbytes: Sequence[float], seconds: Sequence[float]) -> Affine:
@@ -71,6 +95,19 @@ def fit_affine(nbytes: Sequence[float], seconds: Sequence[float]) -> Affine:
     sxy = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds))
     per_byte = max(sxy / sxx, 0.0)
     return Affine(max(my - per_byte * mx, 0.0), per_byte)
+
+
+def fit_span(nbytes: Sequence[float], seconds: Sequence[float]) -> Affine:
+    """The line through the smallest and the largest sample (both terms clamped at >= 0): the
+    small one pins the per-call cost, the large one the per-byte cost.  For a per-call cost that
+    gets multiplied (one per gathered payload, N of them), where a least-squares intercept moves
+    with the noise on the largest sample."""
+    lo = min(range(len(nbytes)), key=nbytes.__getitem__)
+    hi = max(range(len(nbytes)), key=nbytes.__getitem__)
+    if nbytes[hi] == nbytes[lo]:
+        return fit_affine(nbytes, seconds)
+    per_byte = max((seconds[hi] - seconds[lo]) / (nbytes[hi] - nbytes[lo]), 0.0)
+    return Affine(max(seconds[lo] - per_byte * nbytes[lo], 0.0), per_byte)
 
 
 def ring_allreduce(latency: float, bandwidth: float, world_size: int) -> Affine:
@@ -91,6 +128,70 @@ def ring_allgather(latency: float, bandwidth: float, world_size: int) -> Affine:
     return Affine((world_size - 1) * latency, (world_size - 1) / bandwidth)
 
 
+def all_to_all(latency: float, bandwidth: float, world_size: int, host_size: int = 1,
+               intra_bandwidth: float = math.inf) -> Affine:
+    """α-β cost of a pairwise all-to-all where each rank contributes B bytes, B/N to every rank:
+    N-1 rounds.  With one rank per host ``(N-1)α + (N-1)/N · B/β``, flat in N.  With L ranks per
+    host sharing its link, that link carries ``L(N-L)/N · B`` and each rank's link inside the host
+    ``(L-1)/N · B`` (at ``intra_bandwidth``); the busier one bounds the time.
+    """
+    if world_size <= 1:
+        return Affine()
+    carried = max(host_size * (world_size - host_size) / bandwidth, (host_size - 1) / intra_bandwidth)
+    return Affine((world_size - 1) * latency, carried / world_size)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``world_size`` ranks on hosts of ``host_size`` ranks.  Each host reaches the others through
+    one link (``latency`` seconds per message, ``bandwidth`` bytes/s) that its ranks share; ranks
+    of a host reach each other at ``intra_latency``, ``intra_bandwidth``.  Rings are ordered by
+    host, so each ring step crosses a host's link once and its hops run at the slower of the two
+    bandwidths.  ``two_level``: an allreduce on hosts of several ranks is a reduce-scatter inside
+    the host, L concurrent ring allreduces of the 1/L shards across hosts, and an allgather inside
+    the host, instead of one ring over all ranks (fewer steps, fewer bytes on the host's link,
+    more inside the host)."""
+
+    world_size: int
+    latency: float
+    bandwidth: float
+    host_size: int = 1
+    intra_latency: float = 0.0
+    intra_bandwidth: float = math.inf
+    two_level: bool = False
+
+    def __post_init__(self) -> None:
+        if self.host_size < 1 or self.world_size % self.host_size:
+            raise ValueError(f"host size {self.host_size} does not divide world size {self.world_size}")
+
+    @property
+    def hosts(self) -> int:
+        return self.world_size // self.host_size
+
+    def _ring_bandwidth(self) -> float:
+        return min(self.bandwidth, self.intra_bandwidth) if self.host_size > 1 else self.bandwidth
+
+    def allreduce(self) -> Affine:
+        if self.two_level and self.host_size > 1:
+            return self.inside_host() + self.across_hosts().allreduce().of(1 / self.host_size)
+        return ring_allreduce(self.latency, self._ring_bandwidth(), self.world_size)
+
+    def allgather(self) -> Affine:
+        return ring_allgather(self.latency, self._ring_bandwidth(), self.world_size)
+
+    def all_to_all(self) -> Affine:
+        return all_to_all(self.latency, self.bandwidth, self.world_size, self.host_size, self.intra_bandwidth)
+
+    def inside_host(self) -> Affine:
+        """A ring reduce-scatter and a ring allgather of B bytes among the ranks of a host."""
+        return ring_allreduce(self.intra_latency, self.intra_bandwidth, self.host_size)
+
+    def across_hosts(self) -> "Cluster":
+        """One rank per host with 1/L of its link: each of the L concurrent exchanges among the
+        ranks with the same local rank."""
+        return Cluster(self.hosts, self.latency, self.bandwidth / self.host_size)
+
+
 @dataclass(frozen=True)
 class CodecCost:
     """What one codec costs: payload bytes per input byte, encode/decode time, the collective's
@@ -101,6 +202,61 @@ class CodecCost:
     decode: Affine
     network: Affine
     network_cpu: Affine = Affine()
+
+
+@dataclass(frozen=True)
+class CodecFit:
+    """A compressor's own costs on a group, whatever the exchange: payload bytes per input byte;
+    encode, and decode of one payload (with its aggregation), by the group's input bytes; each
+    further payload aggregated by the same decode (``gathered``); whether payloads are summed by
+    allreduce; and, in the two-phase scheme, the second phase's payload bytes per first-phase
+    payload byte (2 where a vote of 1-bit signs travels as 2-bit codes)."""
+
+    ratio: float
+    encode: Affine
+    decode: Affine
+    gathered: Affine = Affine()
+    summable: bool = False
+    second_ratio: float = 1.0
+
+    def aggregate(self, payloads: int) -> Affine:
+        """Decoding and aggregating ``payloads`` payloads of the group."""
+        return self.decode + self.gathered.times(payloads - 1)
+
+
+def flat_cost(fit: CodecFit, cluster: Cluster) -> CodecCost:
+    """The payload in one ring collective over all ranks: allreduce if summable, else allgather,
+    after which every rank decodes N payloads."""
+    if fit.summable:
+        return CodecCost(fit.ratio, fit.encode, fit.decode, cluster.allreduce())
+    return CodecCost(fit.ratio, fit.encode, fit.aggregate(cluster.world_size), cluster.allgather())
+
+
+def two_phase_cost(fit: CodecFit, cluster: Cluster) -> CodecCost:
+    """Each rank encodes the group (N shards); an all-to-all gives rank j shard j of every rank;
+    rank j decodes and aggregates those N payloads, encodes the result and decodes it again (its
+    residual), all between the two collectives: that middle stage holds the group's place on the
+    network and, like collective CPU, delays a backward pass it overlaps.  A ring allgather of
+    the aggregated shards follows, and every rank decodes N shards.  Bytes per rank:
+    ``(1 + second_ratio)(N-1)/N`` times the payload, flat in N."""
+    n = cluster.world_size
+    middle = (fit.aggregate(n) + fit.encode + fit.decode).of(1 / n).of(1 / fit.ratio)
+    network = cluster.all_to_all() + cluster.allgather().of(fit.second_ratio / n) + middle
+    return CodecCost(fit.ratio, fit.encode, fit.decode.of(1 / n).times(n), network, middle)
+
+
+def hierarchical_cost(fit: CodecFit, cluster: Cluster, across=flat_cost) -> CodecCost:
+    """A ring reduce-scatter of the uncompressed group inside each host; each rank encodes its
+    1/L shard and exchanges it with the ranks of the same local rank on the other hosts by
+    ``across`` (:func:`flat_cost` or :func:`two_phase_cost`), the host's L exchanges sharing its
+    link; a ring allgather of the decoded shards inside the host.  Encode and decode cover the
+    shard (the decode is charged after the backward pass like every codec's, though the exchange
+    runs it before the allgather inside the host).  With one rank per host it is ``across``."""
+    shard = 1 / cluster.host_size
+    inner = across(fit, cluster.across_hosts())
+    network = cluster.inside_host().of(1 / fit.ratio) + inner.network.of(shard)
+    return CodecCost(fit.ratio, inner.encode.of(shard), inner.decode.of(shard), network,
+                     inner.network_cpu.of(shard))
 
 
 def cpu_taken(cpu: float, start: float, duration: float, compute_end: float) -> float:

@@ -22,8 +22,8 @@ import torch
 if TYPE_CHECKING:
     from .compressor import Compressor
 
-__all__ = ["CODECS", "EXEMPT", "TWO_PHASE", "Exemptions", "GroupPlan", "Group", "has_codec_choice", "layout", "remap_state",
-           "build_plan", "group_name"]
+__all__ = ["CODECS", "EXEMPT", "TWO_PHASE", "HIERARCHICAL", "HIERARCHICAL_TWO_PHASE", "Exemptions", "GroupPlan",
+           "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
@@ -38,6 +38,12 @@ EXEMPT = "exempt"
 #: allgather (:mod:`mergecomp.twophase`); ``"compressed"`` sends such a compressor's payload
 #: whole by allgather
 TWO_PHASE = "two-phase"
+#: codecs of a group sent with the configured (non-summable) compressor across hosts only: a
+#: reduce-scatter inside each host, each rank's shard compressed and exchanged with the ranks of
+#: the same local rank on the other hosts (by allgather, or by the two-phase scheme), an allgather
+#: inside the host; modelled by the offline planner (:mod:`mergecomp.planner`)
+HIERARCHICAL = "hierarchical"
+HIERARCHICAL_TWO_PHASE = "hierarchical-two-phase"
 
 
 def has_codec_choice(compressor: "Compressor") -> bool:
@@ -83,8 +89,8 @@ class Exemptions:
 class GroupPlan:
     """Groups of parameter indices; concatenating the groups gives the backward order.
 
-    ``codecs`` optionally names each group's codec (one of :data:`CODECS`, :data:`TWO_PHASE` or
-    :data:`EXEMPT`);
+    ``codecs`` optionally names each group's codec (one of :data:`CODECS`, :data:`TWO_PHASE`,
+    :data:`HIERARCHICAL`, :data:`HIERARCHICAL_TWO_PHASE` or :data:`EXEMPT`);
     empty means every group uses the configured compressor, and all-``"compressed"`` is stored
     as empty, so plans that send the same groups the same way compare equal.
     """

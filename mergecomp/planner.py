@@ -1,33 +1,44 @@
 """Offline planner: the best merge plan of a model for 2..1024 workers, predicted on one machine.
 
-For each world size, :func:`plan_table` predicts the best merge plan (groups cut by bytes along
-the backward order, one codec per group) and its step-time breakdown, with the same predictor
-the online scheduler uses (:mod:`mergecomp.costmodel`).  Assumptions, stated once:
+For each world size and host size, :func:`plan_table` predicts the best merge plan (groups cut by
+bytes along the backward order, one codec per group) and its step-time breakdown, with the same
+predictor the online scheduler uses (:mod:`mergecomp.costmodel`).  Assumptions, stated once:
 
-* Network: ring collectives under the α-β model.  Allreduce of B bytes costs
-  ``2(N-1)·α + 2(N-1)/N · B/β``; allgather where each rank contributes B bytes costs
-  ``(N-1)·α + (N-1) · B/β`` — it grows with N, so sparse and quantized payloads (which cannot
-  be summed) lose to allreduce at scale.  One collective at a time; no congestion or hierarchy.
+* Network: α-β model; each host has one link (``--bandwidth``, ``--latency``) shared by its
+  ``--host-sizes`` ranks, which reach each other at ``--intra-bandwidth``, ``--intra-latency``.
+  Rings are ordered by host.  Allreduce of B bytes costs ``2(N-1)·α + 2(N-1)/N · B/β`` by one
+  ring (with several ranks per host, a plan may take a two-level allreduce instead);
+  allgather where each rank contributes B bytes ``(N-1)·α + (N-1) · B/β``, growing with N;
+  all-to-all ``(N-1)·α + (N-1)/N · B/β`` with one rank per host (the shared link carries L
+  times more with L).  One collective at a time; no congestion.
+* Exchange schemes of a non-summable compressor: ``compressed`` (allgather), ``two-phase``
+  (all-to-all of the compressed shards, aggregation, allgather of the re-compressed aggregates;
+  N >= 3), and with several ranks per host ``hierarchical`` and ``hierarchical-two-phase``
+  (uncompressed reduce-scatter and allgather inside the host, the compressed 1/L shard across
+  hosts).  A plan uses one of them, beside fp16 and uncompressed groups.
 * Compute: the backward pass takes ``backward_ms`` (``--backward-ms``) and gradients become
   ready in proportion to their bytes, last layer first.
-* Codec costs are measured once on this machine on random data with the model's shapes (or
-  assumed from ``codec_gbps``, ``--codec-gbps``); decoding gathered payloads grows linearly
-  with N, extrapolated from 1 and 2 payloads.
+* Codec costs are measured once on this machine on random data with the model's shapes, with
+  1 and 2 payloads (each further gathered payload decodes at the measured difference), or
+  assumed from ``codec_gbps`` (``--codec-gbps``: every encode, and every payload's decode, at
+  that throughput of the gradient's bytes).
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from .costmodel import (Affine, CodecCost, Prediction, Profile, fit_affine, predict, ring_allgather,
-                        ring_allreduce, search)
-from .plan import CODECS, has_codec_choice
+from .compressor import Compressor
+from .costmodel import (Affine, Cluster, CodecFit, Prediction, Profile, fit_span, flat_cost,
+                        hierarchical_cost, predict, search, two_phase_cost)
+from .plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, has_codec_choice
 from .probes import probe_sizes, time_codec
 from .registry import get_compressor
 
-__all__ = ["gradient_bytes", "plan_table", "markdown_table", "to_json"]
+__all__ = ["exchange_codecs", "gradient_bytes", "plan_table", "markdown_table", "to_json"]
 
 #: the planner models fp32 gradients
 ELEMENT_BYTES = 4
@@ -38,34 +49,79 @@ def gradient_bytes(shapes: Sequence[Sequence[int]]) -> List[int]:
     return [math.prod(s) * ELEMENT_BYTES for s in shapes]
 
 
-def _codec_costs(compressors, shapes, codec_gbps) -> Dict[str, tuple]:
-    """Per codec: (payload ratio, encode fit, decode fit for one payload, extra decode fit per
-    additional gathered payload, summable).  Measured once, with 1 and 2 payloads."""
+#: the cost of each codec of the configured compressor (a plan codec name) on a cluster
+SCHEMES = {
+    "compressed": flat_cost,
+    TWO_PHASE: two_phase_cost,
+    HIERARCHICAL: hierarchical_cost,
+    HIERARCHICAL_TWO_PHASE: functools.partial(hierarchical_cost, across=two_phase_cost),
+}
+#: the codecs of the fp16/bf16 baseline (a cast, or nothing, by ring allreduce)
+PLAIN = ("fp16", "none")
+
+
+def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[str, CodecFit]:
+    """Each compressor's :class:`~mergecomp.costmodel.CodecFit`: measured once, with 1 and 2
+    payloads (:func:`~mergecomp.costmodel.fit_span`: the per-call costs get multiplied by up to N
+    payloads), or assumed from ``codec_gbps``."""
     samples = probe_sizes(gradient_bytes(shapes))
     nbytes = [b for b, _ in samples]
     torch_shapes = [torch.Size(s) for s in shapes]
     out = {}
     for name, compressor in compressors.items():
+        second = 2.0 if compressor.votes else 1.0
         if codec_gbps:
-            per_byte = 8 / (codec_gbps * 1e9) if name != "none" else 0.0
+            rate = Affine(0.0, 8 / (codec_gbps * 1e9) if name != "none" else 0.0)
             _, _, ratio = time_codec(compressor, samples[:1], torch_shapes, torch.float32, torch.device("cpu"), 1)
-            out[name] = (ratio, Affine(0.0, per_byte), Affine(0.0, per_byte), Affine(), compressor.summable)
+            out[name] = CodecFit(ratio, rate, rate, rate, compressor.summable, second)
             continue
         encode, decode1, ratio = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 1)
         _, decode2, _ = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 2)
         extra = [max(0.0, b - a) for a, b in zip(decode1, decode2)]
-        out[name] = (ratio, fit_affine(nbytes, encode), fit_affine(nbytes, decode1),
-                     fit_affine(nbytes, extra) if not compressor.summable else Affine(), compressor.summable)
+        out[name] = CodecFit(ratio, fit_span(nbytes, encode), fit_span(nbytes, decode1),
+                             fit_span(nbytes, extra), compressor.summable, second)
     return out
+
+
+def exchange_codecs(compressor: Compressor, cluster: Cluster) -> Tuple[str, ...]:
+    """The codecs that send a group with ``compressor`` on ``cluster``: ``compressed`` always;
+    for a non-summable single-round compressor also ``two-phase`` (N >= 3) and, with several
+    ranks per host, ``hierarchical`` and ``hierarchical-two-phase`` (3 hosts or more)."""
+    if compressor.summable or compressor.rounds > 1:
+        return ("compressed",)
+    wanted = {"compressed": True, TWO_PHASE: cluster.world_size >= 3,
+              HIERARCHICAL: cluster.host_size > 1,
+              HIERARCHICAL_TWO_PHASE: cluster.host_size > 1 and cluster.hosts >= 3}
+    return tuple(name for name, ok in wanted.items() if ok)
+
+
+def _fastest(predictions: Sequence[Prediction]) -> Prediction:
+    return min(predictions, key=lambda p: p.total)
+
+
+def _predictions(profile: Profile, schemes: Sequence[str], plain: Sequence[str], max_groups: int) -> Dict:
+    """The best plan, the baselines' plans, layer-wise and one group (see :func:`plan_table`)."""
+    n = len(profile.sizes)
+    return {"best": _fastest([search(profile, max_groups, (name, *plain), top=1)[0] for name in schemes]),
+            "fp16": search(profile, max_groups, PLAIN, top=1)[0],
+            "fp32_fused": search(profile, max_groups, ("none",), top=1)[0],
+            "layerwise": predict(profile, list(range(1, n)), ["compressed"] * n),
+            "one_group": predict(profile, [], ["compressed"])}
 
 
 def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Sequence[int],
                bandwidth_gbit: float, latency_us: float, backward_ms: float, max_groups: int,
-               codec_gbps=None) -> List[Dict]:
-    """One row per world size: the predicted best plan and the baselines (seconds).
+               codec_gbps=None, host_sizes: Sequence[int] = (1,), intra_gbit: float = 100.0,
+               intra_latency_us: float = 5.0) -> List[Dict]:
+    """One row per host size and world size that it divides: the predicted best plan and the
+    baselines (seconds).
 
-    Each row maps ``world_size`` to the int and ``best``, ``fp32_fused``, ``layerwise`` and
-    ``one_group`` to :class:`~mergecomp.costmodel.Prediction` s.
+    Each row maps ``world_size`` and ``host_size`` to ints and ``best``, ``fp16`` (the best plan
+    of fp16 and uncompressed groups), ``fp32_fused``, ``layerwise`` and ``one_group`` to
+    :class:`~mergecomp.costmodel.Prediction` s.  Each plan of ``best`` sends its compressed
+    groups by one exchange scheme (:func:`exchange_codecs`); with several ranks per host, each
+    plan allreduces by one ring or in two levels (:class:`~mergecomp.costmodel.Cluster`),
+    whichever predicts faster.
     """
     sizes = gradient_bytes(shapes)
     total = sum(sizes)
@@ -75,24 +131,21 @@ def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Seque
         ready.append(backward_ms / 1e3 * prefix / total)
     compressor = get_compressor(compressor_name, **compressor_args)
     compressors = {name: compressor if name == "compressed" else get_compressor(name) for name in CODECS}
-    bandwidth = bandwidth_gbit * 1e9 / 8
-    latency = latency_us * 1e-6
-    measured = _codec_costs(compressors, shapes, codec_gbps)
+    fits = _codec_fits(compressors, shapes, codec_gbps)
+    plain = PLAIN if has_codec_choice(compressor) else ()
     rows = []
-    for n in world_sizes:
-        codecs = {}
-        for name, (ratio, enc, dec, extra, summable) in measured.items():
-            network = (ring_allreduce if summable else ring_allgather)(latency, bandwidth, n)
-            decode = Affine(dec.fixed + (n - 1) * extra.fixed, dec.per_byte + (n - 1) * extra.per_byte)
-            codecs[name] = CodecCost(ratio, enc, decode, network)
-        profile = Profile(sizes, ready, codecs)
-        allowed = CODECS if has_codec_choice(compressor) else ("compressed",)
-        best = search(profile, max_groups, allowed, top=1)[0]
-        fused = search(profile, max_groups, ("none",), top=1)[0]
-        layerwise = predict(profile, list(range(1, len(sizes))), ["compressed"] * len(sizes))
-        single = predict(profile, [], ["compressed"])
-        rows.append({"world_size": n, "best": best, "fp32_fused": fused, "layerwise": layerwise,
-                     "one_group": single})
+    for host_size in host_sizes:
+        for n in (n for n in world_sizes if n % host_size == 0):
+            found = []
+            for two_level in sorted({False, host_size > 1}):
+                cluster = Cluster(n, latency_us * 1e-6, bandwidth_gbit * 1e9 / 8, host_size,
+                                  intra_latency_us * 1e-6, intra_gbit * 1e9 / 8, two_level)
+                schemes = exchange_codecs(compressor, cluster)
+                codecs = {name: flat_cost(fits[name], cluster) for name in PLAIN}
+                codecs.update((name, SCHEMES[name](fits["compressed"], cluster)) for name in schemes)
+                found.append(_predictions(Profile(sizes, ready, codecs), schemes, plain, max_groups))
+            rows.append({"world_size": n, "host_size": host_size,
+                         **{key: _fastest([f[key] for f in found]) for key in found[0]}})
     return rows
 
 
@@ -104,20 +157,23 @@ def _describe(prediction: Prediction) -> str:
 
 def markdown_table(rows: Sequence[Dict]) -> List[str]:
     """The lines of a markdown table of :func:`plan_table`'s rows (milliseconds, speedups)."""
-    lines = ["| workers | best plan (groups: MB:codec) | predicted ms | exposed net ms | fp32 fused ms "
-             "| layer-wise ms | 1 group ms | vs fp32 | vs layer-wise |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| workers | per host | best plan (groups: MB:codec) | predicted ms | exposed net ms "
+             "| best fp16/bf16 plan ms | vs fp16 | fp32 fused ms | layer-wise ms | 1 group ms | vs fp32 "
+             "| vs layer-wise |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        best, fused, layer, single = row["best"], row["fp32_fused"], row["layerwise"], row["one_group"]
-        lines.append(f"| {row['world_size']} | {_describe(best)} | {best.total * 1e3:.1f} | "
-                     f"{best.exposed_network * 1e3:.1f} | {fused.total * 1e3:.1f} | {layer.total * 1e3:.1f} | "
-                     f"{single.total * 1e3:.1f} | {fused.total / best.total:.2f}x | {layer.total / best.total:.2f}x |")
+        best, fp16, fused = row["best"], row["fp16"], row["fp32_fused"]
+        layer, single = row["layerwise"], row["one_group"]
+        lines.append(f"| {row['world_size']} | {row['host_size']} | {_describe(best)} | {best.total * 1e3:.1f} | "
+                     f"{best.exposed_network * 1e3:.1f} | {fp16.total * 1e3:.1f} | {fp16.total / best.total:.2f}x | "
+                     f"{fused.total * 1e3:.1f} | {layer.total * 1e3:.1f} | {single.total * 1e3:.1f} | "
+                     f"{fused.total / best.total:.2f}x | {layer.total / best.total:.2f}x |")
     return lines
 
 
 def to_json(rows: Sequence[Dict]) -> List[Dict]:
     """:func:`plan_table`'s rows as JSON values: each prediction's total, cuts, codecs and
     exposed network seconds."""
-    return [{k: (v if k == "world_size" else {"total_s": v.total, "cuts": v.cuts, "codecs": v.codecs,
-                                              "exposed_network_s": v.exposed_network})
+    return [{k: (v if isinstance(v, int) else {"total_s": v.total, "cuts": v.cuts, "codecs": v.codecs,
+                                               "exposed_network_s": v.exposed_network})
              for k, v in row.items()} for row in rows]

@@ -3,8 +3,9 @@ import itertools
 
 import pytest
 
-from mergecomp.costmodel import (TIE, Affine, CodecCost, Profile, candidate_cuts, cpu_taken, fit_affine,
-                                 predict, ring_allgather, ring_allreduce, search)
+from mergecomp.costmodel import (TIE, Affine, Cluster, CodecCost, CodecFit, Profile, all_to_all, candidate_cuts,
+                                 cpu_taken, fit_affine, fit_span, flat_cost, hierarchical_cost, predict, ring_allgather,
+                                 ring_allreduce, search, two_phase_cost)
 
 FREE = Affine()
 
@@ -153,10 +154,108 @@ def test_fit_affine_recovers_a_line():
     assert fit_affine([100], [1.0]).per_byte == pytest.approx(0.01)
 
 
+def test_fit_span_keeps_the_per_call_cost_of_the_smallest_sample():
+    nbytes = [3e3, 4e7, 1.3e8, 5e8]
+    seconds = [1e-4 + 3e-10 * x for x in nbytes]
+    assert fit_span(nbytes, seconds).fixed == pytest.approx(1e-4)
+    assert fit_span(nbytes, seconds).per_byte == pytest.approx(3e-10)
+    seconds[-1] -= 0.05  # one noisy run of the largest sample
+    assert fit_span(nbytes, seconds).fixed == pytest.approx(1e-4, rel=0.01)
+    assert fit_affine(nbytes, seconds).fixed > 1e-3  # a least-squares intercept: 50 times too large
+    assert fit_span([10], [1.0]).per_byte == pytest.approx(0.1)
+
+
 def test_ring_costs_follow_the_alpha_beta_model():
     assert ring_allreduce(1e-3, 1e9, 4)(4e9) == pytest.approx(6e-3 + 6.0)
     assert ring_allgather(1e-3, 1e9, 4)(1e9) == pytest.approx(3e-3 + 3.0)   # grows with N
     assert ring_allreduce(1e-3, 1e9, 1)(1e9) == 0.0
+
+
+def test_all_to_all_follows_the_alpha_beta_model_and_shares_the_host_link():
+    assert all_to_all(1e-3, 1e9, 4)(4e9) == pytest.approx(3e-3 + 3.0)       # (N-1)/N·B/β
+    # 4 ranks per host: the host's link carries 4 · 12/16 · B, not 15/16 · B
+    assert all_to_all(1e-3, 1e9, 16, 4)(1.6e9) == pytest.approx(15e-3 + 4.8)
+    assert all_to_all(0.0, 1e9, 4, 4, intra_bandwidth=1e10)(4e9) == pytest.approx(0.3)  # one host
+    assert all_to_all(1e-3, 1e9, 1)(1e9) == 0.0
+    with pytest.raises(ValueError, match="does not divide"):
+        Cluster(12, 0.0, 1e9, 8)
+
+
+#: a non-summable codec of 1/32 the bytes, with per-call and per-byte costs
+FIT = CodecFit(1 / 32, Affine(1e-4, 1e-10), Affine(1e-4, 1e-10), Affine(5e-5, 1e-10))
+
+
+@pytest.mark.parametrize("world_size", [4, 16, 64, 256, 1024])
+def test_two_phase_bytes_per_rank_are_flat_in_n_while_allgather_grows(world_size):
+    bandwidth = 1e9
+    cluster = Cluster(world_size, 0.0, bandwidth)
+    free = CodecFit(FIT.ratio, FREE, FREE)  # the network alone
+    per_rank = two_phase_cost(free, cluster).network.per_byte
+    assert per_rank * bandwidth == pytest.approx(2 * (world_size - 1) / world_size)  # 2(N-1)/N of the payload
+    assert per_rank * bandwidth < 2.0
+    gathered = flat_cost(free, cluster).network.per_byte * bandwidth
+    assert gathered == pytest.approx(world_size - 1)
+    if world_size >= 16:  # within 10 % of 2 payloads from 16 ranks on (1.5 at N=4)
+        assert per_rank * bandwidth == pytest.approx(2.0, rel=0.1)
+
+
+def test_two_phase_costs_by_hand():
+    fit = CodecFit(0.25, Affine(1e-3, 1e-9), Affine(2e-3, 2e-9), Affine(5e-4, 1e-9))
+    cost = two_phase_cost(fit, Cluster(4, 0.0, 1e9))
+    group, payload = 4e8, 1e8
+    # middle stage on 1/4 of the group: decode 4 payloads (2 ms + 3 · 0.5 ms + 5e-9 · 1e8),
+    # encode (1 ms + 0.1 s), decode the re-encoded shard for the residual (2 ms + 0.2 s)
+    middle = 3.5e-3 + 0.5 + 0.101 + 0.202
+    assert cost.network_cpu(payload) == pytest.approx(middle)
+    # all-to-all 3/4 · 1e8 B and allgather of 3 shards of 2.5e7 B at 1e9 B/s, plus the middle
+    assert cost.network(payload) == pytest.approx(0.075 + 0.075 + middle)
+    assert cost.encode(group) == pytest.approx(0.401)
+    assert cost.decode(group) == pytest.approx(4 * 2e-3 + 0.8)  # 4 shards: 4 calls, the group's bytes
+    votes = two_phase_cost(CodecFit(0.25, FREE, FREE, second_ratio=2.0), Cluster(4, 0.0, 1e9))
+    assert votes.network(payload) == pytest.approx(0.075 + 2 * 0.075)  # 2-bit codes of 1-bit signs
+
+
+def _compressed_vs_two_phase(world_size):
+    sizes = [4_000_000] * 25
+    ready = [0.004 * i for i in range(25)]
+    cluster = Cluster(world_size, 5e-5, 1.25e9)
+    p = profile(sizes, ready, compressed=flat_cost(FIT, cluster), two=two_phase_cost(FIT, cluster))
+    return search(p, 4, ("compressed",), top=1)[0].total, search(p, 4, ("two",), top=1)[0].total
+
+
+def test_two_phase_wins_over_allgather_at_scale_and_not_with_two_ranks():
+    gathered, two_phase = _compressed_vs_two_phase(2)
+    assert gathered < two_phase
+    gathered, two_phase = _compressed_vs_two_phase(512)
+    assert two_phase < gathered / 10
+
+
+@pytest.mark.parametrize("across", [flat_cost, two_phase_cost])
+def test_hierarchical_with_one_rank_per_host_is_flat(across):
+    cluster = Cluster(64, 5e-5, 1.25e9, 1, 5e-6, 1.25e10)
+    assert hierarchical_cost(FIT, cluster, across) == across(FIT, cluster)
+
+
+def test_hierarchical_costs_by_hand():
+    fit = CodecFit(0.25, Affine(1e-3, 1e-9), Affine(2e-3, 2e-9), Affine(5e-4, 1e-9))
+    cost = hierarchical_cost(fit, Cluster(16, 1e-4, 1e9, 4, 1e-5, 1e10))
+    group, payload = 4e8, 1e8
+    # reduce-scatter + allgather of the fp32 group inside the host: 6 steps, 2 · 3/4 · 4e8 B at 1e10;
+    # allgather of 2.5e7-byte shards among 4 hosts, 4 of them sharing each host's link
+    inside = 6e-5 + 0.06
+    across = 3e-4 + 3 * 2.5e7 / (1e9 / 4)
+    assert cost.network(payload) == pytest.approx(inside + across)
+    assert cost.encode(group) == pytest.approx(1e-3 + 0.1)                   # the 1/4 shard
+    assert cost.decode(group) == pytest.approx(2e-3 + 3 * 5e-4 + 5e-9 * 1e8)  # 4 hosts' shards
+
+
+def test_two_level_allreduce_by_hand():
+    flat = Cluster(64, 1e-4, 1e9, 8, 1e-5, 1e10)
+    two_level = Cluster(64, 1e-4, 1e9, 8, 1e-5, 1e10, two_level=True)
+    assert flat.allreduce()(6.4e9) == pytest.approx(126e-4 + 2 * 63 / 64 * 6.4)
+    # inside: 14 steps, 2 · 7/8 · B at 1e10; across: 8 rings of B/8 among 8 hosts on 1/8 of the link
+    assert two_level.allreduce()(6.4e9) == pytest.approx(14e-5 + 1.12 + 14e-4 + 2 * 7 / 8 * 6.4)
+    assert Cluster(64, 1e-4, 1e9, two_level=True).allreduce() == Cluster(64, 1e-4, 1e9).allreduce()
 
 
 def test_candidate_grid_and_bad_input():
