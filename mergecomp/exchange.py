@@ -33,7 +33,7 @@ from .compressor import Compressor, Payload
 from .memory import Memory
 from .plan import CODECS, EXEMPT, TWO_PHASE, Group
 from .registry import get_compressor, get_memory
-from .twophase import Sharded, ShardLayouts, ShardMemory, VoteCodec, sent_by_shards, shard_bounds
+from .twophase import Sharded, ShardLayouts, ShardMemory, VoteCodec, feed_shards, shard_bounds
 from .wire import Spec, pack_payload, pack_rows, unpack_payload
 from .workspace import Workspace
 
@@ -206,14 +206,14 @@ class Exchange:
         arrived = [unpack_payload(row, sharded.specs) for row in rows]
         total = job.compressor.aggregate(arrived, sharded.ctx, self.comm.size, self.average)
         name, second = job.group.name, self.second
-        feedback = job.feedback and self._feeds_back() and not isinstance(second, VoteCodec)
+        feedback = job.feedback and self.memory.feeds_back and not isinstance(second, VoteCodec)
         compensated = self.shard_memory.compensate(total, name) if feedback else total
         payload, ctx = second.compress(compensated, name)
         raw, _ = pack_payload(payload)
         job.handle = self.comm.allgather_async(sharded.pad(raw))
         sharded.gathering = True
         if feedback:
-            self._feed(self.shard_memory, second, compensated, name, payload, ctx)
+            self.shard_memory.feed(second, compensated, name, payload, ctx)
         job.decode_seconds += time.perf_counter() - began
 
     def finish(self, job: InFlight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -286,22 +286,9 @@ class Exchange:
             if last_round:
                 self._remember(job)
 
-    def _feeds_back(self) -> bool:
-        return type(self.memory).update is not Memory.update
-
     def _remember(self, job: InFlight) -> None:
-        if job.feedback and self._feeds_back():
-            self._feed(self.memory, job.compressor, job.compensated, job.group.name, job.payload, job.ctx)
-
-    @staticmethod
-    def _feed(memory: Memory, codec: Compressor, compensated: torch.Tensor, name: str,
-              payload: Payload, ctx: Any) -> None:
-        """Tell ``memory`` what of ``compensated`` ``payload`` sent."""
-        entries = codec.sent_entries(payload, ctx)
-        if entries is not None:
-            memory.update_sparse(compensated, name, *entries)
-        else:
-            memory.update(compensated, name, codec.decompress(payload, ctx))
+        if job.feedback and self.memory.feeds_back:
+            self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload, job.ctx)
 
     def _scatter_shards(self, job: InFlight) -> None:
         """Phase 1 of the two-phase scheme: compress each shard, start the all-to-all, feed the
@@ -313,12 +300,8 @@ class Exchange:
         rows, specs = pack_rows([payload for payload, _ in shards])
         job.sharded = Sharded.create(bounds, shards[rank][1], specs[rank], self._layouts, compensated)
         job.handle = self.comm.alltoall_async(rows.reshape(-1))
-        if job.feedback and self._feeds_back():
-            sparse, sent = sent_by_shards(compressor, shards, bounds, compensated)
-            if sparse:
-                self.memory.update_sparse(compensated, name, *sent)
-            else:
-                self.memory.update(compensated, name, sent)
+        if job.feedback and self.memory.feeds_back:
+            feed_shards(self.memory, compressor, shards, bounds, compensated, name)
 
     def _gather_shards(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Phase 2's end: decode every rank's aggregated shard into the group's result."""

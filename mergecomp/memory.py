@@ -46,6 +46,21 @@ class Memory(GroupStateful):
         transmitted = torch.zeros_like(compensated).index_put_((indices,), values)
         self.update(compensated, name, transmitted)
 
+    @property
+    def feeds_back(self) -> bool:
+        """Whether this memory does error feedback (overrides :meth:`update`)."""
+        return type(self).update is not Memory.update
+
+    def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx) -> None:
+        """Tell the memory what of ``compensated`` the ``codec`` (a
+        :class:`~mergecomp.compressor.Compressor`) sent as ``payload``: its entries when the
+        codec gives them (:meth:`update_sparse`), else its decode (:meth:`update`)."""
+        entries = codec.sent_entries(payload, ctx)
+        if entries is not None:
+            self.update_sparse(compensated, name, *entries)
+        else:
+            self.update(compensated, name, codec.decompress(payload, ctx))
+
     #: every write of a kept group's state goes through :meth:`_fresh` (see :meth:`keep`)
     writes_fresh = False
 

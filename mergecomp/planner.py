@@ -36,7 +36,7 @@ from .costmodel import (Affine, Cluster, CodecFit, Prediction, Profile, fit_span
                         hierarchical_cost, predict, search, two_phase_cost)
 from .plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, has_codec_choice
 from .probes import probe_sizes, time_codec
-from .registry import get_compressor
+from .registry import get_compressor, get_memory
 
 __all__ = ["exchange_codecs", "gradient_bytes", "plan_table", "markdown_table", "to_json"]
 
@@ -63,8 +63,10 @@ PLAIN = ("fp16", "none")
 def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[str, CodecFit]:
     """Each compressor's :class:`~mergecomp.costmodel.CodecFit`: measured once, with 1 and 2
     payloads (:func:`~mergecomp.costmodel.fit_span`: the per-call costs get multiplied by up to N
-    payloads), or assumed from ``codec_gbps``."""
+    payloads), or assumed from ``codec_gbps``.  Measured encodes include the configured
+    compressor's default error-feedback memory, which every codec's groups go through."""
     samples = probe_sizes(gradient_bytes(shapes))
+    memory = get_memory(compressors["compressed"].default_memory)
     nbytes = [b for b, _ in samples]
     torch_shapes = [torch.Size(s) for s in shapes]
     out = {}
@@ -75,7 +77,8 @@ def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[
             _, _, ratio = time_codec(compressor, samples[:1], torch_shapes, torch.float32, torch.device("cpu"), 1)
             out[name] = CodecFit(ratio, rate, rate, rate, compressor.summable, second)
             continue
-        encode, decode1, ratio = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 1)
+        encode, decode1, ratio = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 1,
+                                            memory)
         _, decode2, _ = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 2)
         extra = [max(0.0, b - a) for a, b in zip(decode1, decode2)]
         out[name] = CodecFit(ratio, fit_span(nbytes, encode), fit_span(nbytes, decode1),

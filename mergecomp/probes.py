@@ -15,15 +15,16 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .comm import Communicator
 from .compressor import Compressor
 from .costmodel import CodecCost, Profile, fit_affine
+from .memory import Memory
 from .plan import TWO_PHASE
-from .twophase import shard_bounds
+from .twophase import ShardMemory, VoteCodec, feed_shards, shard_bounds
 from .workspace import Workspace
 
 __all__ = ["CodecProbe", "Measurements", "measure", "probe_sizes", "time_codec", "time_network", "time_two_phase",
@@ -51,10 +52,12 @@ def _settle(device: torch.device) -> None:
 
 
 def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shapes: Sequence[torch.Size],
-               dtype: torch.dtype, device: torch.device, world_size: int
+               dtype: torch.dtype, device: torch.device, world_size: int, memory: Optional[Memory] = None
                ) -> Tuple[List[float], List[float], float]:
     """Seconds to encode and to decode (aggregating ``world_size`` payloads) random gradients of
-    each ``(bytes, leading tensor count)`` sample, and the payload/input byte ratio.
+    each ``(bytes, leading tensor count)`` sample, and the payload/input byte ratio.  With an
+    error-feedback ``memory``, the encode includes its work as the exchange does it (compensate
+    before, the residual update after).
 
     Timed in steady state, as training runs: each sample runs once untimed first, and on CPU
     the compressor gets a private workspace (as the exchange attaches one), advanced before
@@ -80,16 +83,18 @@ def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shape
                 flat = data.clone()  # a compressor may work in place on its input
                 _settle(device)
                 began = time.perf_counter()
+                flat = _compensate(memory, flat, name)
                 payload, ctx = compressor.compress(flat, name, shapes[:count])
                 for _ in range(compressor.rounds - 1):
                     payload, ctx = compressor.next_round(payload, ctx)
+                _remember(memory, compressor, flat, name, payload, ctx)
                 _settle(device)
                 middle = time.perf_counter()
                 arrived = [payload] if compressor.summable else [payload] * world_size
                 compressor.aggregate(arrived, ctx, world_size, True)
                 _settle(device)
                 times.append((middle - began, time.perf_counter() - middle))
-                compressor.state.pop(name, None)
+                _forget(name, compressor, memory)
             times = times[1:]  # the first run warmed the pool and caches
             encode.append(min(t[0] for t in times))
             decode.append(min(t[1] for t in times))
@@ -100,11 +105,13 @@ def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shape
 
 
 def time_two_phase(compressor: Compressor, samples: Sequence[Tuple[int, int]], dtype: torch.dtype,
-                   device: torch.device, world_size: int) -> Tuple[List[float], List[float], List[float], float, float]:
+                   device: torch.device, world_size: int, memory: Optional[Memory] = None
+                   ) -> Tuple[List[float], List[float], List[float], float, float]:
     """The two-phase scheme's CPU work on random gradients of each sample's bytes, as
-    :func:`time_codec` times it (steady state, the fastest run): seconds to encode the N shards;
-    between the collectives, to aggregate N payloads of one shard, encode the aggregate and
-    decode it (the second-stage residual); after them, to decode N aggregated shards.  Also the
+    :func:`time_codec` times it (steady state, the fastest run): seconds to encode the N shards
+    (with ``memory``'s compensate and update, as :func:`time_codec`); between the collectives,
+    to aggregate N payloads of one shard, encode the aggregate and, where the memory feeds back,
+    update the second-stage residual; after them, to decode N aggregated shards.  Also the
     phase-1 and phase-2 payload bytes per input byte."""
     encode, middle, decode = [], [], []
     ratios = (1.0, 1.0)
@@ -112,6 +119,8 @@ def time_two_phase(compressor: Compressor, samples: Sequence[Tuple[int, int]], d
     generator = torch.Generator(device="cpu").manual_seed(0)
     name = "__scheduler_probe__"
     second = compressor.second_phase()
+    shard_memory = ShardMemory() if memory is not None and memory.feeds_back and not isinstance(second, VoteCodec) \
+        else None
     attached = compressor.workspace
     runs = 0
     try:
@@ -125,21 +134,24 @@ def time_two_phase(compressor: Compressor, samples: Sequence[Tuple[int, int]], d
                 flat = data.clone()
                 _settle(device)
                 began = time.perf_counter()
+                flat = _compensate(memory, flat, name)
                 shards = [compressor.compress_shard(flat[a:b], name, a, flat.numel()) for a, b in bounds]
+                if memory is not None and memory.feeds_back:
+                    feed_shards(memory, compressor, shards, bounds, flat, name)
                 _settle(device)
                 encoded = time.perf_counter()
                 payload, ctx = shards[0]
-                total = compressor.aggregate([payload] * world_size, ctx, world_size, True)
+                total = _compensate(shard_memory, compressor.aggregate([payload] * world_size, ctx, world_size, True),
+                                    name)
                 again, ctx2 = second.compress(total, name)
-                second.decompress(again, ctx2)
+                _remember(shard_memory, second, total, name, again, ctx2)
                 _settle(device)
                 aggregated = time.perf_counter()
                 for _ in bounds:
                     second.decompress(again, ctx2)
                 _settle(device)
                 times.append((encoded - began, aggregated - encoded, time.perf_counter() - aggregated))
-                compressor.state.pop(name, None)
-                second.state.pop(name, None)
+                _forget(name, compressor, second, memory, shard_memory)
             times = times[1:]
             encode.append(min(t[0] for t in times))
             middle.append(min(t[1] for t in times))
@@ -176,6 +188,23 @@ def time_two_phase_network(comm: Communicator, payload_bytes: Sequence[float], s
         wall.append(fastest[0])
         cpu.append(fastest[1])
     return wall, cpu
+
+
+def _compensate(memory: Optional[Memory], tensor: torch.Tensor, name: str) -> torch.Tensor:
+    return memory.compensate(tensor, name) if memory is not None else tensor
+
+
+def _remember(memory: Optional[Memory], codec: Compressor, compensated: torch.Tensor, name: str,
+              payload, ctx) -> None:
+    if memory is not None and memory.feeds_back:
+        memory.feed(codec, compensated, name, payload, ctx)
+
+
+def _forget(name: str, *holders) -> None:
+    """Drop the probe's state from each holder (None: skipped)."""
+    for holder in holders:
+        if holder is not None:
+            holder.state.pop(name, None)
 
 
 def time_network(comm: Communicator, compressor: Compressor, payload_bytes: Sequence[float],
@@ -285,13 +314,14 @@ def _refill(record, numbers: Iterator[float]):
 
 def measure(comm: Communicator, codecs: Mapping[str, Compressor], samples: Sequence[Tuple[int, int]],
             shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device, ready: Sequence[float],
-            step_seconds: float) -> Measurements:
+            step_seconds: float, memory: Optional[Memory] = None) -> Measurements:
     """This rank's record of a profile step: its ``ready`` times and ``step_seconds``, and each
-    codec timed on ``samples`` (see :func:`probe_sizes`).  Every codec is encoded and decoded
+    codec timed on ``samples`` (see :func:`probe_sizes`), with the exchange's error-feedback
+    ``memory`` where it takes part (every codec of :data:`~mergecomp.plan.CODECS`).  Every codec is encoded and decoded
     before the first collective runs; the collectives run in the order of ``codecs``, which
     must be the same on every rank."""
-    timed = {name: (time_two_phase(compressor, samples, dtype, device, comm.size) if name == TWO_PHASE
-                    else time_codec(compressor, samples, shapes, dtype, device, comm.size))
+    timed = {name: (time_two_phase(compressor, samples, dtype, device, comm.size, memory) if name == TWO_PHASE
+                    else time_codec(compressor, samples, shapes, dtype, device, comm.size, memory))
              for name, compressor in codecs.items()}
     probes = {}
     for name, times in timed.items():

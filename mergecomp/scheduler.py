@@ -40,6 +40,7 @@ import torch
 from .comm import Communicator
 from .compressor import Compressor
 from .costmodel import Prediction, Profile, predict, search
+from .memory import Memory
 from .plan import CODECS, TWO_PHASE, GroupPlan, has_codec_choice
 from .probes import measure, probe_sizes
 
@@ -126,7 +127,8 @@ def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: S
     signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
     codecs = {name: exchange.codec(name) for name in config.codecs}
     return MergeScheduler(exchange.comm, codecs, order, sizes, shapes, dtype, device,
-                          lambda cuts, names: build(GroupPlan.from_cuts(order, cuts, names)), signature, config)
+                          lambda cuts, names: build(GroupPlan.from_cuts(order, cuts, names)), signature, config,
+                          exchange.memory)
 
 
 @dataclass
@@ -150,11 +152,13 @@ class MergeScheduler:
         dtype, device: of the gradient buffers.
         make_plan: ``(cuts, codecs) -> GroupPlan`` over the backward order.
         signature: identifies model, compressor and world size for the plan cache.
+        memory: the exchange's error-feedback memory, whose work the codec probes include.
     """
 
     def __init__(self, comm: Communicator, codecs: Dict[str, Compressor], order: Sequence[int],
                  sizes: Sequence[int], shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device,
-                 make_plan: MakePlan, signature: str, config: Optional[SchedulerConfig] = None) -> None:
+                 make_plan: MakePlan, signature: str, config: Optional[SchedulerConfig] = None,
+                 memory: Optional[Memory] = None) -> None:
         self.config = config or SchedulerConfig()
         self.comm = comm
         self.codecs = codecs
@@ -165,6 +169,7 @@ class MergeScheduler:
         self.device = device
         self.make_plan = make_plan
         self.signature = signature
+        self.memory = memory
         self.phase = "warmup"
         self.steps = 0
         self.search_steps = 0
@@ -365,7 +370,8 @@ class MergeScheduler:
         """Measure codec and network costs; agree on everything by taking the max over ranks."""
         samples = probe_sizes(self.sizes)
         codecs = {name: self.codecs[name] for name in self.config.codecs}
-        local = measure(self.comm, codecs, samples, self.shapes, self.dtype, self.device, ready, step_seconds)
+        local = measure(self.comm, codecs, samples, self.shapes, self.dtype, self.device, ready, step_seconds,
+                        self.memory)
         agreed = local.agree(self.comm, self.device)
         profile = agreed.cost_profile(self.sizes, [nbytes for nbytes, _ in samples])
         # What the timeline does not model (forward, optimizer, data) is the same for every plan:

@@ -36,10 +36,10 @@ import torch
 from . import bitpack
 from .codecs import decode_codes
 from .compressor import Compressor, Payload
-from .memory import ResidualMemory
+from .memory import Memory, ResidualMemory
 from .wire import Spec, pack_payload
 
-__all__ = ["shard_bounds", "Sharded", "ShardLayouts", "VoteCodec", "ShardMemory", "sent_by_shards"]
+__all__ = ["shard_bounds", "Sharded", "ShardLayouts", "VoteCodec", "ShardMemory", "feed_shards"]
 
 Bounds = List[Tuple[int, int]]
 #: how to read one shard's phase-2 payload: the codec's ctx and the payload's specs
@@ -106,19 +106,20 @@ class Sharded:
         return padded
 
 
-def sent_by_shards(compressor: Compressor, shards: Sequence[Tuple[Payload, Any]], bounds: Bounds,
-                   like: torch.Tensor) -> Tuple[bool, Any]:
-    """What this rank's phase-1 payloads decode to, for the first-stage memory:
-    ``(True, (indices, values))`` when every shard's codec gives its entries
-    (:meth:`Compressor.sent_entries`), else ``(False, tensor)`` shaped like ``like``."""
+def feed_shards(memory: Memory, compressor: Compressor, shards: Sequence[Tuple[Payload, Any]], bounds: Bounds,
+                compensated: torch.Tensor, name: str) -> None:
+    """Tell the first-stage ``memory`` what this rank's phase-1 payloads of group ``name`` sent:
+    their entries when every shard's codec gives them (:meth:`Compressor.sent_entries`), else
+    their decodes laid side by side."""
     entries = [compressor.sent_entries(payload, ctx) for payload, ctx in shards]
     if all(e is not None for e in entries):
         indices = torch.cat([i + start for (i, _), (start, _) in zip(entries, bounds)])
-        return True, (indices, torch.cat([v for _, v in entries]))
-    dense = compressor.scratch(like.numel(), like.dtype, like.device)
+        memory.update_sparse(compensated, name, indices, torch.cat([v for _, v in entries]))
+        return
+    sent = compressor.scratch(compensated.numel(), compensated.dtype, compensated.device)
     for (payload, ctx), (start, stop) in zip(shards, bounds):
-        dense[start:stop] = compressor.decompress(payload, ctx)
-    return False, dense
+        sent[start:stop] = compressor.decompress(payload, ctx)
+    memory.update(compensated, name, sent)
 
 
 class VoteCodec(Compressor):
