@@ -6,6 +6,10 @@ A memory sits around the compressor of each group::
     payload, ctx = compressor.compress(x, name)
     memory.update(x, name, transmitted)          # transmitted = decode of this rank's payload
 
+``update`` keeps what of its ``compensated`` argument was not transmitted; that tensor may differ
+from what ``compensate`` returned (the hierarchical exchange passes this rank's shard of the host's
+sum, zero elsewhere: what it holds after the reduce-scatter inside the host).
+
 All state is per-element (same numel as the group), stored in ``self.state[name]`` as a dict of
 flat tensors, so it can be checkpointed and remapped onto a new merge plan.
 """
@@ -174,9 +178,10 @@ class DGCMemory(Memory):
 
     def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
                       values: torch.Tensor) -> None:
-        # compensate() left velocity == compensated, so only the sent entries change: O(k)
+        # one copy instead of a dense decode and a subtraction (``compensated`` need not be what
+        # compensate() returned: the hierarchical exchange updates with the host's sum)
         fields = self.state[name]
-        fields["velocity"].index_put_((indices,), compensated[indices] - values)
+        fields["velocity"].copy_(compensated).index_put_((indices,), compensated[indices] - values)
         fields["momentum"].index_fill_(0, indices[values != 0], 0)
 
 
