@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from distributed import run_workers
-from test_two_phase import ALLGATHERED, CONSERVING, CUTS, NAMES, SHAPES, STEPS, grads, make_step, mean_grads, \
-    residual_total, run
+from test_two_phase import ALLGATHERED, CONSERVING, CUTS, NAMES, STEPS, grads, make_step, mean_grads, residual_total, \
+    run
 
 HIER, HIER2 = "hierarchical", "hierarchical-two-phase"
 #: every tensor a group of its own: the empty and the 1-element tensors alone
