@@ -11,6 +11,8 @@ never moves bytes itself.  All ranks must issue the same collectives in the same
   ``wait()`` returns a ``(size, m)`` tensor of ``t``'s dtype and device, row ``r`` from rank
   ``r``.  ``m`` may be 0 (a ``(size, 0)`` result, no hang).
 * ``broadcast_(t, root)`` copies rank ``root``'s ``t`` into every rank's ``t`` (blocking).
+* ``split_hosts()`` returns ``(local, cross)``: communicators over this host's processes and
+  over the processes with this local rank on every host (the hierarchical exchange's levels).
 
 Any dtype travels unchanged through allgather, all-to-all and broadcast (engines move raw bytes
 where their library needs it).  Every wait has a timeout; expiry raises
@@ -21,12 +23,12 @@ from __future__ import annotations
 import abc
 import io
 import os
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["Communicator", "Handle", "CommunicationError", "default_timeout", "launcher_local", "object_bytes",
-           "load_object"]
+           "load_object", "host_layout"]
 
 
 def default_timeout() -> float:
@@ -96,6 +98,35 @@ def launcher_local(rank: int, size: int) -> Tuple[int, int]:
     return rank, size
 
 
+def host_layout(pairs: Sequence[Tuple[int, int]], host_major: bool) -> int:
+    """``L``, the processes per host, from every rank's ``(local_rank, local_size)`` (row ``r``:
+    rank ``r``'s), after checking that every host runs ``L`` processes numbered ``0..L-1`` and,
+    when ``host_major``, that rank ``r`` is local rank ``r % L`` (hosts hold consecutive ranks, as
+    torchrun numbers them).  ValueError naming the ranks that break it."""
+    size = len(pairs)
+    by_size: Dict[int, List[int]] = {}
+    for rank, (_, local_size) in enumerate(pairs):
+        by_size.setdefault(local_size, []).append(rank)
+    if len(by_size) > 1:
+        raise ValueError(f"every host must run the same number of processes, but the ranks report local sizes "
+                         f"{dict(sorted(by_size.items()))} (local size: ranks)")
+    local_size = next(iter(by_size))
+    if local_size < 1 or size % local_size:
+        raise ValueError(f"{size} ranks do not make hosts of {local_size} processes each (the local size every "
+                         f"rank reports)")
+    if host_major:
+        bad = [rank for rank, (local_rank, _) in enumerate(pairs) if local_rank != rank % local_size]
+        rule = f"ranks must be numbered host by host (rank r is local rank r % {local_size})"
+    else:
+        counts = [sum(local_rank == l for local_rank, _ in pairs) for l in range(local_size)]
+        bad = [rank for rank, (local_rank, _) in enumerate(pairs)
+               if not 0 <= local_rank < local_size or counts[local_rank] != size // local_size]
+        rule = f"each local rank 0..{local_size - 1} must occur once per host"
+    if bad:
+        raise ValueError(f"{rule}; ranks {bad} have local ranks {[pairs[r][0] for r in bad]}")
+    return local_size
+
+
 class Communicator(abc.ABC):
     """Collectives over one group of processes.
 
@@ -113,10 +144,53 @@ class Communicator(abc.ABC):
         self.size = size
         self.local_rank, self.local_size = launcher_local(rank, size)
         self.timeout = default_timeout() if timeout is None else float(timeout)
+        self._hosts: Optional[Tuple[Communicator, Communicator]] = None
 
     def close(self) -> None:
-        """Release what the engine set up for this communicator (nothing by default); call it
-        only when no collective is in flight."""
+        """Release what the engine set up for this communicator, its :meth:`split_hosts`
+        communicators included; call it only when no collective is in flight."""
+        for comm in self._hosts or ():
+            if comm is not self:
+                comm.close()
+        self._hosts = None
+
+    #: :meth:`split_hosts` needs rank ``r`` to be local rank ``r % local_size`` (the engine
+    #: derives hosts from rank numbers)
+    host_major = True
+
+    def split_hosts(self) -> Tuple["Communicator", "Communicator"]:
+        """``(local, cross)``: this host's processes (``local.rank`` is the local rank) and the
+        processes with this local rank on every host (``cross.rank`` is the host's index), with
+        this communicator's timeout.  Built on the first call, which every rank makes at the same
+        point: one allgather of every rank's ``(local_rank, local_size)``, checked by
+        :func:`host_layout` (ValueError on every rank), then the engine's groups.  One process per
+        host: ``local`` is a single-process :class:`LocalCommunicator` and ``cross`` this one; one
+        host: the other way round (neither needs engine groups)."""
+        if self._hosts is None:
+            local_size = self._local_size() if self.size > 1 else 1
+            if local_size == 1:
+                self._hosts = (LocalCommunicator(self.timeout), self)
+            elif local_size == self.size:
+                self._hosts = (self, LocalCommunicator(self.timeout))
+            else:
+                self._hosts = self._split_hosts(local_size)
+        return self._hosts
+
+    def _local_size(self) -> int:
+        """Every rank's ``(local_rank, local_size)`` by one allgather, checked by :func:`host_layout`."""
+        mine = torch.tensor([self.local_rank, self.local_size], dtype=torch.int64, device=self.device)
+        table = self.allgather(mine, f"the host layout check on rank {self.rank}").cpu().tolist()
+        try:
+            return host_layout([(local_rank, local_size) for local_rank, local_size in table], self.host_major)
+        except ValueError as err:
+            raise ValueError(f"rank {self.rank}: cannot split the {self.size} ranks into hosts: {err}") from None
+
+    def _split_hosts(self, local_size: int) -> Tuple["Communicator", "Communicator"]:
+        """The engine's ``(local, cross)`` communicators for hosts of ``local_size`` processes
+        (at least 2 hosts of at least 2 processes; the layout is checked)."""
+        raise NotImplementedError(f"the {self.engine or type(self).__name__} engine cannot build per-host "
+                                  f"communicators (the hierarchical exchange on several hosts of several "
+                                  f"processes); use the torch or mpi engine")
 
     @abc.abstractmethod
     def allreduce_async(self, tensor: torch.Tensor) -> Handle:

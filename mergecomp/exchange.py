@@ -7,7 +7,11 @@
 
 A group sent with the codec :data:`~mergecomp.plan.TWO_PHASE` goes compensate -> compress
 each shard -> all-to-all -> aggregate its own shard -> second-stage memory -> compress ->
-allgather -> decode (:mod:`mergecomp.twophase`); :meth:`Exchange.advance` runs the middle part.
+allgather -> decode (:mod:`mergecomp.twophase`).  A group sent with
+:data:`~mergecomp.plan.HIERARCHICAL` (or :data:`~mergecomp.plan.HIERARCHICAL_TWO_PHASE`) goes
+compensate -> reduce-scatter inside the host -> compress this rank's shard of the host's sum ->
+allgather (or the two-phase scheme) across hosts -> aggregate -> allgather inside the host.
+:meth:`Exchange.advance` runs the stages between the first collective and the last.
 
 A group sent with the codec :data:`~mergecomp.plan.EXEMPT` skips the memory: its gradient is
 allreduced as it is, and neither the memory nor the compressor state of any group changes.
@@ -24,22 +28,30 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
-from .plan import CODECS, EXEMPT, TWO_PHASE, Group
+from .plan import CODECS, EXEMPT, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, Group
 from .registry import get_compressor, get_memory
-from .twophase import Sharded, ShardLayouts, ShardMemory, VoteCodec, feed_shards, shard_bounds
+from .twophase import (Bounds, Sharded, ShardLayouts, ShardMemory, VoteCodec, feed_shards, pad_to, shard_bounds,
+                       shard_size, zero_outside)
 from .wire import Spec, pack_payload, pack_rows, unpack_payload
 from .workspace import Workspace
 
-__all__ = ["Exchange", "InFlight", "NONFINITE_POLICIES", "NonfiniteCheck", "resolve"]
+__all__ = ["Exchange", "InFlight", "Hosts", "NONFINITE_POLICIES", "NonfiniteCheck", "SHARDED", "resolve"]
 
 NONFINITE_POLICIES = ("propagate", "raise", "skip", "ignore")
+#: codecs that send the configured compressor's payloads in shards (single-round compressors)
+SHARDED = (TWO_PHASE, HIERARCHICAL, HIERARCHICAL_TWO_PHASE)
+#: the flat scheme each hierarchical codec becomes on one host or on hosts of one process
+_FLAT = {HIERARCHICAL: "compressed", HIERARCHICAL_TWO_PHASE: TWO_PHASE}
+
+
 def _all_finite(flat: torch.Tensor) -> torch.Tensor:
     """0-d bool: no NaN/Inf in ``flat``.  NaN propagates through min/max and an Inf is an
     extreme, so one fused min/max pass decides (16x faster than ``isfinite(flat).all()`` on
@@ -66,11 +78,29 @@ def resolve(compression, memory) -> Tuple[Compressor, Memory]:
     return compression, memory
 
 
+@dataclass
+class Hosts:
+    """A group in the hierarchical scheme: the communicators inside this host and across
+    hosts, the group's ``bounds`` cut in one shard per local rank (each at most ``chunk``
+    elements), and whether the shards cross hosts by the two-phase scheme."""
+
+    local: Communicator
+    cross: Communicator
+    bounds: Bounds
+    chunk: int
+    two_phase: bool = False
+
+    @property
+    def span(self) -> Tuple[int, int]:
+        """This rank's shard."""
+        return self.bounds[self.local.rank]
+
+
 class InFlight:
     """A group whose collective has been started; :meth:`Exchange.finish` completes it."""
 
     def __init__(self, group: Group, compressor: Compressor, compensated: torch.Tensor,
-                 finite: torch.Tensor, feedback: bool = True) -> None:
+                 finite: torch.Tensor, feedback: bool, comm: Communicator) -> None:
         self.group = group
         self.compressor = compressor
         self.compensated = compensated
@@ -81,8 +111,18 @@ class InFlight:
         self.payload: Payload = ()
         self.specs: Optional[List[Spec]] = None
         self.handle: Optional[Handle] = None
+        #: where the compressor's collectives run: the exchange's communicator, or across hosts
+        self.comm = comm
+        #: the elements ``[start, stop)`` of the group this rank compresses: all of them, or in
+        #: the hierarchical scheme its shard of the host's sum (``compensated`` is then zero
+        #: elsewhere)
+        self.span = (0, group.numel)
+        #: the stages :meth:`Exchange.advance` runs before :meth:`Exchange.finish` waits
+        self.stages: List[Callable[["InFlight"], None]] = []
         #: the two-phase scheme's shards, while the group is in it
         self.sharded: Optional[Sharded] = None
+        #: the hierarchical scheme's host level, while the group is in it
+        self.hosts: Optional[Hosts] = None
         #: seconds spent encoding (compensate, compress, start) and decoding on this process
         self.encode_seconds = 0.0
         self.decode_seconds = 0.0
@@ -141,19 +181,30 @@ class Exchange:
                    recycle=recycle, keep_state=keep_state)
 
     def codec(self, name: str) -> Compressor:
-        """The compressor behind codec ``name`` (``"compressed"``, ``"two-phase"``, ``"fp16"``,
-        ``"none"`` or ``"exempt"``)."""
-        if name == TWO_PHASE:
+        """The compressor behind codec ``name`` (``"compressed"``, ``"two-phase"``,
+        ``"hierarchical"``, ``"hierarchical-two-phase"``, ``"fp16"``, ``"none"`` or ``"exempt"``)."""
+        if name in SHARDED:
             if self.compressor.rounds > 1:
-                raise ValueError(f"the two-phase scheme needs a single-round compressor; "
+                raise ValueError(f"the {name} scheme needs a single-round compressor; "
                                  f"{self.compressor.name!r} takes {self.compressor.rounds} rounds")
             return self.compressor
         if name not in self.codecs:
             if name not in (*CODECS, EXEMPT):
-                raise ValueError(f"codec must be one of {(*CODECS, TWO_PHASE, EXEMPT)}, got {name!r}")
+                raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, EXEMPT)}, got {name!r}")
             self.codecs[name] = get_compressor("none" if name == EXEMPT else name)
             self.codecs[name].workspace = self.workspace
         return self.codecs[name]
+
+    def sent_as(self, codec: str) -> str:
+        """The codec a group given ``codec`` travels with: a hierarchical codec becomes its flat
+        counterpart (``"compressed"``, ``"two-phase"``) on one host or on hosts of one process,
+        where the two agree.  The first hierarchical codec asks every rank for the hosts' layout
+        (:meth:`~mergecomp.comm.Communicator.split_hosts`; every rank gets there at once)."""
+        if codec in _FLAT:
+            local, cross = self.comm.split_hosts()
+            if local.size == 1 or cross.size == 1:
+                return _FLAT[codec]
+        return codec
 
     def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed",
               finite: Optional[bool] = None) -> InFlight:
@@ -165,6 +216,7 @@ class Exchange:
         began = time.perf_counter()
         if self.workspace is not None:
             self.workspace.advance(self.step)
+        codec = self.sent_as(codec)
         compressor = self.codec(codec)
         if not self.check_finite:
             finite = flat.new_ones((), dtype=torch.bool)
@@ -185,23 +237,145 @@ class Exchange:
             carry = self.shard_memory.take_carry(name)
             if carry is not None:
                 compensated.add_(carry)
-        job = InFlight(group, compressor, compensated, finite, feedback)
-        if codec == TWO_PHASE and self.comm.size > 1:
+        job = InFlight(group, compressor, compensated, finite, feedback, self.comm)
+        if codec in _FLAT:
+            self._reduce_in_host(job, codec == HIERARCHICAL_TWO_PHASE)
+            job.stages = [self._across_hosts, *([self._second_phase] if job.hosts.two_phase else []),
+                          self._gather_in_host]
+        elif codec == TWO_PHASE and self.comm.size > 1:
             self._scatter_shards(job)
+            job.stages = [self._second_phase]
         else:
-            job.payload, job.ctx = compressor.compress(compensated, name, group.shapes)
-            self._launch(job)
+            self._compress(job)
         job.encode_seconds = time.perf_counter() - began
         return job
 
-    def advance(self, job: InFlight) -> None:
-        """A two-phase group whose all-to-all was started: wait for it, aggregate this rank's
-        shard and start the allgather (nothing for other groups, or when done already).
-        Callers advance every started group, in plan order, before finishing the first."""
-        sharded = job.sharded
-        if sharded is None or sharded.gathering:
-            return
+    def advance(self, job: InFlight) -> bool:
+        """Run ``job``'s next stage between its first collective and its last: wait for the one
+        in flight and start the next (the two-phase allgather; the hierarchical scheme's
+        exchange across hosts, then its allgather inside the host).  Returns whether stages are
+        left.  Callers advance every started group in plan order, and again while any has
+        stages left, before finishing the first: every rank then starts each communicator's
+        collectives in the same order."""
+        if job.stages:
+            job.stages.pop(0)(job)
+        return bool(job.stages)
+
+    def finish(self, job: InFlight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Wait for ``job``, run its remaining stages and rounds, and return the reduced flat
+        gradient.
+
+        With ``out`` (flat, the group's numel and dtype; typically the buffer passed to
+        :meth:`start`, whose contents are no longer needed) the result is written there and
+        ``out`` is returned: the codec decodes straight into it when it takes its output from
+        the workspace, else the result is copied in.
+        """
+        while self.advance(job):
+            pass
+        if job.hosts is not None:
+            return self._gather_hosts(job, out)
+        return self._reduce(job, out)
+
+    def commit(self) -> None:
+        """The step's state changes stand (``keep_state``)."""
+        self._kept = []
+
+    def rollback(self) -> None:
+        """Undo the memory and compressor state changes of the groups started since the last
+        :meth:`commit` (``keep_state``), as if this step had not happened."""
+        for holder, name, kept in reversed(self._kept):
+            holder.restore(name, kept)
+        self._kept = []
+
+    def fold_shards(self, groups: Sequence[Group], codecs: Sequence[str]) -> None:
+        """Before the plan changes away from ``groups``, last started with ``codecs``: turn each
+        one's second-stage residual into a carry at its elements (:meth:`ShardMemory.fold`),
+        which moves with them."""
+        scale = self.comm.size if self.average else 1
+        for group, codec in zip(groups, codecs):
+            codec = self.sent_as(codec)
+            if codec in (TWO_PHASE, HIERARCHICAL_TWO_PHASE):
+                comm, span = self._level(group.numel, codec)
+                start, _ = self._shards(comm, span)[comm.rank]
+                self.shard_memory.fold(group.name, group.numel, start, scale)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _what(self, job: InFlight, phase: str = "") -> str:
+        step = f"the {phase} of" if phase else f"round {job.round} of"
+        return (f"{step} group {job.group.name!r} ({len(job.group.indices)} tensors, "
+                f"{job.group.numel} elements) at step {self.step} on rank {self.comm.rank}")
+
+    def _hosts(self, numel: int, two_phase: bool = False) -> Hosts:
+        """The host level of a group of ``numel`` elements in the hierarchical scheme."""
+        local, cross = self.comm.split_hosts()
+        align = self.compressor.shard_alignment
+        return Hosts(local, cross, shard_bounds(numel, local.size, align), shard_size(numel, local.size, align),
+                     two_phase)
+
+    def _level(self, numel: int, codec: str) -> Tuple[Communicator, Tuple[int, int]]:
+        """Where a group of ``numel`` elements sent with ``codec`` (as :meth:`sent_as` gives it)
+        is compressed: the communicator of its compressed collectives, and the elements this
+        rank compresses (the hierarchical scheme: this local rank's shard, across hosts)."""
+        if codec in _FLAT:
+            hosts = self._hosts(numel)
+            return hosts.cross, hosts.span
+        return self.comm, (0, numel)
+
+    def _shards(self, comm: Communicator, span: Tuple[int, int]) -> Bounds:
+        """The two-phase scheme's shards of the elements ``span`` on ``comm``."""
+        start, stop = span
+        return shard_bounds(stop - start, comm.size, self.compressor.shard_alignment, start)
+
+    def _compress(self, job: InFlight) -> None:
+        """Compress the elements of ``job.span`` and start the collective on ``job.comm``."""
+        (start, stop), compensated = job.span, job.compensated
+        if stop - start == compensated.numel():
+            job.payload, job.ctx = job.compressor.compress(compensated, job.group.name, job.group.shapes)
+        else:
+            job.payload, job.ctx = job.compressor.compress_shard(compensated[start:stop], job.group.name, start,
+                                                                 compensated.numel())
+        self._launch(job)
+
+    def _launch(self, job: InFlight) -> None:
+        compressor = job.compressor
+        last_round = job.round == compressor.rounds
+        if compressor.summable:
+            if last_round:
+                # The allreduce sums in place: decode this rank's part for the memory first.
+                self._remember(job)
+            if len(job.payload) == 1:
+                buffer = job.payload[0]
+            else:
+                buffer = torch.cat([t.reshape(-1) for t in job.payload])
+            job.handle = job.comm.allreduce_async(buffer)
+        else:
+            buffer, job.specs = pack_payload(job.payload)
+            job.handle = job.comm.allgather_async(buffer)
+            if last_round:
+                self._remember(job)
+
+    def _remember(self, job: InFlight) -> None:
+        if job.feedback and self.memory.feeds_back:
+            self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload, job.ctx, job.span[0])
+
+    def _scatter_shards(self, job: InFlight) -> None:
+        """Phase 1 of the two-phase scheme on ``job.comm``: compress each shard of
+        ``job.span``, start the all-to-all, feed the first-stage memory."""
+        compressor, compensated, name, comm = job.compressor, job.compensated, job.group.name, job.comm
+        numel = compensated.numel()
+        bounds = self._shards(comm, job.span)
+        shards = [compressor.compress_shard(compensated[a:b], name, a, numel) for a, b in bounds]
+        rows, specs = pack_rows([payload for payload, _ in shards])
+        job.sharded = Sharded.create(bounds, shards[comm.rank][1], specs[comm.rank], self._layouts, compensated)
+        job.handle = comm.alltoall_async(rows.reshape(-1))
+        if job.feedback and self.memory.feeds_back:
+            feed_shards(self.memory, compressor, shards, bounds, compensated, name)
+
+    def _second_phase(self, job: InFlight) -> None:
+        """Phase 2 of the two-phase scheme: wait for the all-to-all, aggregate this rank's
+        shard, feed the second-stage memory and start the allgather of its compressed aggregate."""
         began = time.perf_counter()
+        sharded = job.sharded
         rows = job.handle.wait(self._what(job, "all-to-all"))
         arrived = [unpack_payload(row, sharded.specs) for row in rows]
         total = job.compressor.aggregate(arrived, sharded.ctx, self.comm.size, self.average)
@@ -210,23 +384,17 @@ class Exchange:
         compensated = self.shard_memory.compensate(total, name) if feedback else total
         payload, ctx = second.compress(compensated, name)
         raw, _ = pack_payload(payload)
-        job.handle = self.comm.allgather_async(sharded.pad(raw))
-        sharded.gathering = True
+        job.handle = job.comm.allgather_async(sharded.pad(raw))
         if feedback:
             self.shard_memory.feed(second, compensated, name, payload, ctx)
         job.decode_seconds += time.perf_counter() - began
 
-    def finish(self, job: InFlight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Wait for ``job``, run its remaining rounds, and return the reduced flat gradient.
-
-        With ``out`` (flat, the group's numel and dtype; typically the buffer passed to
-        :meth:`start`, whose contents are no longer needed) the result is written there and
-        ``out`` is returned: the codec decodes straight into it when it takes its output from
-        the workspace, else the result is copied in.
-        """
-        compressor, size = job.compressor, self.comm.size
+    def _reduce(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Wait for the collective on ``job.comm`` (and run any later rounds) and return the
+        aggregate of ``job.span``: in ``out`` when given, else in the codec's scratch."""
         if job.sharded is not None:
             return self._gather_shards(job, out)
+        compressor, size = job.compressor, self.comm.size
         while True:
             arrived = self._wait(job)
             if job.round == compressor.rounds:
@@ -243,82 +411,63 @@ class Exchange:
             job.round += 1
             self._launch(job)
 
-    def commit(self) -> None:
-        """The step's state changes stand (``keep_state``)."""
-        self._kept = []
-
-    def rollback(self) -> None:
-        """Undo the memory and compressor state changes of the groups started since the last
-        :meth:`commit` (``keep_state``), as if this step had not happened."""
-        for holder, name, kept in reversed(self._kept):
-            holder.restore(name, kept)
-        self._kept = []
-
-    def fold_shards(self, groups: Sequence[Group]) -> None:
-        """Before the plan changes away from ``groups``: turn each one's second-stage residual
-        into a carry at its elements (:meth:`ShardMemory.fold`), which moves with them."""
-        size, align = self.comm.size, self.compressor.shard_alignment
-        for group in groups:
-            self.shard_memory.fold(group.name, group.numel, shard_bounds(group.numel, size, align),
-                                   self.comm.rank, size if self.average else 1)
-
-    # -- internals ---------------------------------------------------------------------------
-    def _what(self, job: InFlight, phase: str = "") -> str:
-        step = f"the {phase} of" if phase else f"round {job.round} of"
-        return (f"{step} group {job.group.name!r} ({len(job.group.indices)} tensors, "
-                f"{job.group.numel} elements) at step {self.step} on rank {self.comm.rank}")
-
-    def _launch(self, job: InFlight) -> None:
-        compressor = job.compressor
-        last_round = job.round == compressor.rounds
-        if compressor.summable:
-            if last_round:
-                # The allreduce sums in place: decode this rank's part for the memory first.
-                self._remember(job)
-            if len(job.payload) == 1:
-                buffer = job.payload[0]
-            else:
-                buffer = torch.cat([t.reshape(-1) for t in job.payload])
-            job.handle = self.comm.allreduce_async(buffer)
-        else:
-            buffer, job.specs = pack_payload(job.payload)
-            job.handle = self.comm.allgather_async(buffer)
-            if last_round:
-                self._remember(job)
-
-    def _remember(self, job: InFlight) -> None:
-        if job.feedback and self.memory.feeds_back:
-            self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload, job.ctx)
-
-    def _scatter_shards(self, job: InFlight) -> None:
-        """Phase 1 of the two-phase scheme: compress each shard, start the all-to-all, feed the
-        first-stage memory."""
-        compressor, compensated, name = job.compressor, job.compensated, job.group.name
-        numel, rank = compensated.numel(), self.comm.rank
-        bounds = shard_bounds(numel, self.comm.size, compressor.shard_alignment)
-        shards = [compressor.compress_shard(compensated[a:b], name, a, numel) for a, b in bounds]
-        rows, specs = pack_rows([payload for payload, _ in shards])
-        job.sharded = Sharded.create(bounds, shards[rank][1], specs[rank], self._layouts, compensated)
-        job.handle = self.comm.alltoall_async(rows.reshape(-1))
-        if job.feedback and self.memory.feeds_back:
-            feed_shards(self.memory, compressor, shards, bounds, compensated, name)
-
     def _gather_shards(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
-        """Phase 2's end: decode every rank's aggregated shard into the group's result."""
-        self.advance(job)
+        """Phase 2's end: decode every rank's aggregated shard into the aggregate of ``job.span``."""
         rows = job.handle.wait(self._what(job, "allgather"))
         began = time.perf_counter()
-        sharded, second = job.sharded, self.second
-        result = out if out is not None else job.compressor.scratch(job.compensated.numel(), job.compensated.dtype,
-                                                                     job.compensated.device)
+        sharded, second, like = job.sharded, self.second, job.compensated
+        offset, end = job.span
+        result = out if out is not None else job.compressor.scratch(end - offset, like.dtype, like.device)
         for row, (start, stop), (ctx, specs) in zip(rows, sharded.bounds, sharded.layouts):
-            target = result[start:stop]
+            target = result[start - offset:stop - offset]
             lend = self.workspace.serving(target) if self.workspace is not None else contextlib.nullcontext()
             with lend:
                 decoded = second.decompress(unpack_payload(row, specs), ctx)
             if decoded.data_ptr() != target.data_ptr():
                 target.copy_(decoded)
         job.sharded = None
+        job.decode_seconds += time.perf_counter() - began
+        return result
+
+    def _reduce_in_host(self, job: InFlight, two_phase: bool) -> None:
+        """The hierarchical scheme's first collective: the compensated group, cut in one shard
+        per local rank (padded to equal blocks), by all-to-all inside the host."""
+        hosts = job.hosts = self._hosts(job.compensated.numel(), two_phase)
+        job.comm, job.span = hosts.local, hosts.span
+        job.handle = hosts.local.alltoall_async(pad_to(job.compensated, hosts.local.size * hosts.chunk))
+
+    def _across_hosts(self, job: InFlight) -> None:
+        """Sum this rank's shard over the host into ``job.compensated`` (zero elsewhere: what
+        this rank now holds of the host's gradients, for the memory) and start its compressed
+        exchange across hosts: allgather, or the two-phase scheme."""
+        rows = job.handle.wait(self._what(job, "reduce-scatter in the host"))
+        began = time.perf_counter()
+        (start, stop), compensated = job.span, job.compensated
+        torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
+        zero_outside(compensated, start, stop)
+        job.comm = job.hosts.cross
+        if job.hosts.two_phase:
+            self._scatter_shards(job)
+        else:
+            self._compress(job)
+        job.decode_seconds += time.perf_counter() - began
+
+    def _gather_in_host(self, job: InFlight) -> None:
+        """Aggregate this rank's shard across hosts and start its allgather inside the host."""
+        shard = self._reduce(job, None)
+        job.comm = job.hosts.local
+        job.handle = job.comm.allgather_async(pad_to(shard, job.hosts.chunk))
+
+    def _gather_hosts(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """The hierarchical scheme's end: every local rank's aggregated shard into the group's
+        result (``out`` when given)."""
+        rows = job.handle.wait(self._what(job, "allgather in the host"))
+        began = time.perf_counter()
+        like = job.compensated
+        result = out if out is not None else job.compressor.scratch(like.numel(), like.dtype, like.device)
+        for row, (start, stop) in zip(rows, job.hosts.bounds):
+            result[start:stop] = row[:stop - start]
+        job.hosts = None
         job.decode_seconds += time.perf_counter() - began
         return result
 

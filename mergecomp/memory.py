@@ -6,6 +6,10 @@ A memory sits around the compressor of each group::
     payload, ctx = compressor.compress(x, name)
     memory.update(x, name, transmitted)          # transmitted = decode of this rank's payload
 
+``update`` keeps what of its ``compensated`` argument was not transmitted; that tensor may differ
+from what ``compensate`` returned (the hierarchical exchange passes this rank's shard of the host's
+sum, zero elsewhere: what it holds after the reduce-scatter inside the host).
+
 All state is per-element (same numel as the group), stored in ``self.state[name]`` as a dict of
 flat tensors, so it can be checkpointed and remapped onto a new merge plan.
 """
@@ -51,15 +55,25 @@ class Memory(GroupStateful):
         """Whether this memory does error feedback (overrides :meth:`update`)."""
         return type(self).update is not Memory.update
 
-    def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx) -> None:
+    def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx, start: int = 0) -> None:
         """Tell the memory what of ``compensated`` the ``codec`` (a
-        :class:`~mergecomp.compressor.Compressor`) sent as ``payload``: its entries when the
-        codec gives them (:meth:`update_sparse`), else its decode (:meth:`update`)."""
+        :class:`~mergecomp.compressor.Compressor`) sent as ``payload``, which encodes the
+        elements from ``start`` on (as many as it decodes to) and nothing else: its entries when
+        the codec gives them (:meth:`update_sparse`), else its decode (:meth:`update`)."""
         entries = codec.sent_entries(payload, ctx)
         if entries is not None:
-            self.update_sparse(compensated, name, *entries)
-        else:
-            self.update(compensated, name, codec.decompress(payload, ctx))
+            indices, values = entries
+            self.update_sparse(compensated, name, indices + start if start else indices, values)
+            return
+        sent = codec.decompress(payload, ctx)
+        if sent.numel() != compensated.numel():
+            stop = start + sent.numel()
+            full = codec.scratch(compensated.numel(), sent.dtype, sent.device)
+            full[:start].zero_()
+            full[stop:].zero_()
+            full[start:stop] = sent
+            sent = full
+        self.update(compensated, name, sent)
 
     #: every write of a kept group's state goes through :meth:`_fresh` (see :meth:`keep`)
     writes_fresh = False
@@ -189,9 +203,10 @@ class DGCMemory(Memory):
 
     def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
                       values: torch.Tensor) -> None:
-        # compensate() left velocity == compensated, so only the sent entries change: O(k)
+        # one copy instead of a dense decode and a subtraction (``compensated`` need not be what
+        # compensate() returned: the hierarchical exchange updates with the host's sum)
         fields = self.state[name]
-        fields["velocity"].index_put_((indices,), compensated[indices] - values)
+        fields["velocity"].copy_(compensated).index_put_((indices,), compensated[indices] - values)
         fields["momentum"].index_fill_(0, indices[values != 0], 0)
 
 

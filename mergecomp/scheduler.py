@@ -41,7 +41,7 @@ from .comm import Communicator
 from .compressor import Compressor
 from .costmodel import Prediction, Profile, predict, search
 from .memory import Memory
-from .plan import CODECS, TWO_PHASE, GroupPlan, has_codec_choice
+from .plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, GroupPlan, has_codec_choice
 from .probes import measure, probe_sizes
 
 if TYPE_CHECKING:
@@ -95,13 +95,15 @@ def searched_codecs(codecs: Sequence[str], compressor: Compressor, world_size: i
     """The codecs of ``codecs`` the search offers each group: fp16 and none only where the
     compressor leaves a choice (:func:`~mergecomp.plan.has_codec_choice`); two-phase for a
     single-round compressor whose payloads are allgathered, on 3 or more ranks (on 2 it moves
-    the same bytes as the allgather, with a second encode), unless ``scheme="allgather"``;
-    with ``scheme="two-phase"`` the compressor travels only that way."""
+    the same bytes as the allgather, with a second encode), unless ``scheme="allgather"`` or a
+    hierarchical scheme (every group sent with the compressor then travels by it); with
+    ``scheme="two-phase"`` the compressor travels only that way."""
     if not has_codec_choice(compressor):
         codecs = [c for c in codecs if c in ("compressed", TWO_PHASE)]
     if scheme == TWO_PHASE:
         codecs = [TWO_PHASE if c == "compressed" else c for c in codecs]
-    elif scheme == "allgather" or compressor.summable or compressor.rounds > 1 or world_size < 3:
+    elif (scheme in ("allgather", HIERARCHICAL, HIERARCHICAL_TWO_PHASE) or compressor.summable
+          or compressor.rounds > 1 or world_size < 3):
         codecs = [c for c in codecs if c != TWO_PHASE]
     return tuple(dict.fromkeys(codecs))
 

@@ -37,8 +37,8 @@ from . import codecs
 from .agreement import check_ranks_agree
 from .comm import Communicator
 from .compressor import Compressor
-from .exchange import NONFINITE_POLICIES, Exchange, InFlight, NonfiniteCheck
-from .plan import EXEMPT, TWO_PHASE, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
+from .exchange import NONFINITE_POLICIES, SHARDED, Exchange, InFlight, NonfiniteCheck
+from .plan import EXEMPT, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
 from .scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS",
@@ -63,15 +63,15 @@ def check_safety_options(compression_warmup_steps: int, uncompressed: Sequence[s
 
 
 #: values of the ``scheme`` option (None: the default, see :class:`MergedStep`)
-SCHEMES = ("allgather", TWO_PHASE)
+SCHEMES = ("allgather", *SHARDED)
 
 
 def check_scheme(scheme: Optional[str], compressor: Compressor) -> Optional[str]:
     """Validate the ``scheme`` option against ``compressor`` (ValueError naming both)."""
     if scheme is not None and scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES} or None, got {scheme!r}")
-    if scheme == TWO_PHASE and compressor.rounds > 1:
-        raise ValueError(f"scheme='two-phase' needs a single-round compressor; {compressor.name!r} "
+    if scheme in SHARDED and compressor.rounds > 1:
+        raise ValueError(f"scheme={scheme!r} needs a single-round compressor; {compressor.name!r} "
                          f"takes {compressor.rounds} rounds")
     return scheme
 
@@ -163,10 +163,16 @@ class MergedStep:
         scheme: how a group sent with the configured compressor travels: ``"allgather"`` (each
             rank's payload of the whole group to every rank), ``"two-phase"`` (compressed shards
             by all-to-all, then each rank's compressed aggregate of its shard by allgather:
-            bytes per rank flat in the number of ranks; :mod:`mergecomp.twophase`), or None:
-            allgather, unless the scheduler (``groups="auto"``) chooses two-phase for a group.
-            Compressors whose payloads are summed always travel by allreduce unless
-            ``"two-phase"`` is asked for.
+            bytes per rank flat in the number of ranks; :mod:`mergecomp.twophase`),
+            ``"hierarchical"`` (a reduce-scatter inside each host, each rank's shard of the
+            host's sum compressed and allgathered among the ranks of its local rank on every
+            host, an allgather inside the host: compressed bytes cross hosts only) or
+            ``"hierarchical-two-phase"`` (the same, with the two-phase scheme across hosts), or
+            None: allgather, unless the scheduler (``groups="auto"``) chooses two-phase for a
+            group.  Compressors whose payloads are summed travel by allreduce unless another
+            scheme is asked for.  The hierarchical schemes need the same number of processes on
+            every host; on one host, or with one process per host, they are allgather and
+            two-phase.
     """
 
     def __init__(self, compression, memory, comm: Communicator, names: Sequence[str],
@@ -312,13 +318,19 @@ class MergedStep:
                                f"a step's gradients are being exchanged")
         plan = self._make_plan(self._plan.order, plan)  # exempt tensors keep their own groups
         new = layout(plan, self.shapes)
-        self._remap(self._groups, [g for g, codec in zip(new, plan.codec_names()) if codec != EXEMPT])
+        self._remap([g for g, codec in zip(new, plan.codec_names()) if codec != EXEMPT])
         self._install(plan)
 
-    def _remap(self, old: Sequence[Group], new: Sequence[Group]) -> None:
-        self.exchange.fold_shards(old)
+    def _remap(self, new: Sequence[Group]) -> None:
+        """Move the state of the current groups onto ``new``."""
+        old = self._groups
+        self._fold()
         for holder in self._holders():
             holder.load_state_dict(remap_state(holder.state_dict(), old, new))
+
+    def _fold(self) -> None:
+        """Turn the current groups' second-stage residuals into per-element carries."""
+        self.exchange.fold_shards(self._groups, [self._sent_as(codec) for codec in self._plan.codec_names()])
 
     def _holders(self) -> tuple:
         """What holds per-group state that follows the tensors when groups change."""
@@ -403,14 +415,15 @@ class MergedStep:
             self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g])
 
     def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool]) -> None:
-        if not self.compressing:
-            codec = EXEMPT
-        elif codec == "compressed" and self.scheme == TWO_PHASE:
-            codec = TWO_PHASE
-        job = self.exchange.start(group, flat, codec, finite)
+        job = self.exchange.start(group, flat, self._sent_as(codec) if self.compressing else EXEMPT, finite)
         self._encode_spent += job.encode_seconds
         self._started.append(job)
         self._outs.append(flat)
+
+    def _sent_as(self, codec: str) -> str:
+        """The codec a group of the plan's ``codec`` is started with: ``"compressed"`` travels by
+        the ``scheme`` option's scheme."""
+        return self.scheme if codec == "compressed" and self.scheme in SHARDED else codec
 
     def start_group(self, indices: Sequence[int], flat: torch.Tensor) -> None:
         """Start a group the caller defines (DDP's bucket): tensors ``indices`` laid out in
@@ -448,7 +461,7 @@ class MergedStep:
         if codec != EXEMPT and group not in self._groups and self._groups:
             holders = self._holders()
             if self._before is None:  # later groups of this step remap from the same snapshot
-                self.exchange.fold_shards(self._groups)
+                self._fold()
                 self._before = [holder.state_dict() for holder in holders]
             for holder, before in zip(holders, self._before):
                 holder.state.pop(group.name, None)
@@ -472,8 +485,9 @@ class MergedStep:
         check = NonfiniteCheck(self.comm, [job.finite for job in jobs], self.step) \
             if self.nonfinite != "ignore" else None
         hand_out = self._hand_out
-        for job in jobs:  # the two-phase groups' second collectives, in plan order
-            self.exchange.advance(job)
+        pending = jobs  # the groups' later collectives, stage by stage, in plan order
+        while pending:
+            pending = [job for job in pending if self.exchange.advance(job)]
         flats = [self.exchange.finish(job, out=None if hand_out else out) for job, out in zip(jobs, outs)]
         for slices, j in self._copy_back:
             for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):

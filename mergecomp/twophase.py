@@ -39,22 +39,44 @@ from .compressor import Compressor, Payload
 from .memory import Memory, ResidualMemory
 from .wire import Spec, pack_payload
 
-__all__ = ["shard_bounds", "Sharded", "ShardLayouts", "VoteCodec", "ShardMemory", "feed_shards"]
+__all__ = ["shard_size", "shard_bounds", "pad_to", "zero_outside", "Sharded", "ShardLayouts", "VoteCodec",
+           "ShardMemory", "feed_shards"]
 
 Bounds = List[Tuple[int, int]]
 #: how to read one shard's phase-2 payload: the codec's ctx and the payload's specs
 Layout = Tuple[Any, List[Spec]]
 
 
-def shard_bounds(numel: int, parts: int, align: int = 1) -> Bounds:
-    """``parts`` contiguous ``(start, stop)`` ranges covering ``[0, numel)``: each is
-    ``ceil(numel / parts)`` rounded up to a multiple of ``align`` elements long, except the
-    last ones, which may be shorter or empty."""
+def shard_size(numel: int, parts: int, align: int = 1) -> int:
+    """The length of the full shards of :func:`shard_bounds`: ``ceil(numel / parts)`` rounded up
+    to a multiple of ``align``."""
     if parts < 1 or align < 1:
         raise ValueError(f"shard_bounds needs parts >= 1 and align >= 1, got {parts} and {align}")
     chunk = -(-numel // parts)
-    chunk = -(-chunk // align) * align
-    return [(min(j * chunk, numel), min((j + 1) * chunk, numel)) for j in range(parts)]
+    return -(-chunk // align) * align
+
+
+def shard_bounds(numel: int, parts: int, align: int = 1, start: int = 0) -> Bounds:
+    """``parts`` contiguous ``(start, stop)`` ranges covering ``[start, start + numel)``: each is
+    :func:`shard_size` long, except the last ones, which may be shorter or empty."""
+    chunk = shard_size(numel, parts, align)
+    return [(start + min(j * chunk, numel), start + min((j + 1) * chunk, numel)) for j in range(parts)]
+
+
+def pad_to(tensor: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat ``tensor`` zero-padded to ``numel`` elements (``tensor`` itself when it has them)."""
+    if tensor.numel() == numel:
+        return tensor
+    padded = tensor.new_zeros(numel)
+    padded[:tensor.numel()] = tensor
+    return padded
+
+
+def zero_outside(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``tensor`` with every element outside ``[start, stop)`` set to zero (in place)."""
+    tensor[:start].zero_()
+    tensor[stop:].zero_()
+    return tensor
 
 
 class ShardLayouts:
@@ -81,15 +103,14 @@ class ShardLayouts:
 class Sharded:
     """A group in the two-phase scheme: its shards' ``bounds``, this rank's shard's phase-1
     ``ctx`` and payload ``specs`` (every rank's payload of that shard has them), every shard's
-    phase-2 ``layouts``, the phase-2 row ``width`` in bytes, and whether the allgather
-    (phase 2) has started."""
+    phase-2 ``layouts`` and the phase-2 row ``width`` in bytes.  The bounds are the group's
+    elements (a hierarchical group's shards cover this rank's shard of the host's sum)."""
 
     bounds: Bounds
     ctx: Any
     specs: List[Spec]
     layouts: List[Layout]
     width: int
-    gathering: bool = False
 
     @classmethod
     def create(cls, bounds: Bounds, ctx: Any, specs: List[Spec], layouts: ShardLayouts,
@@ -99,24 +120,22 @@ class Sharded:
 
     def pad(self, raw: torch.Tensor) -> torch.Tensor:
         """This rank's packed phase-2 payload, zero-padded to :attr:`width` bytes."""
-        if raw.numel() == self.width:
-            return raw
-        padded = raw.new_zeros(self.width)
-        padded[:raw.numel()] = raw
-        return padded
+        return pad_to(raw, self.width)
 
 
 def feed_shards(memory: Memory, compressor: Compressor, shards: Sequence[Tuple[Payload, Any]], bounds: Bounds,
                 compensated: torch.Tensor, name: str) -> None:
-    """Tell the first-stage ``memory`` what this rank's phase-1 payloads of group ``name`` sent:
-    their entries when every shard's codec gives them (:meth:`Compressor.sent_entries`), else
-    their decodes laid side by side."""
+    """Tell the first-stage ``memory`` what this rank's phase-1 payloads of group ``name`` sent
+    (of the elements ``bounds`` cover, consecutive ranges of ``compensated``; nothing else was
+    sent): their entries when every shard's codec gives them (:meth:`Compressor.sent_entries`),
+    else their decodes laid side by side, zero outside ``bounds``."""
     entries = [compressor.sent_entries(payload, ctx) for payload, ctx in shards]
     if all(e is not None for e in entries):
         indices = torch.cat([i + start for (i, _), (start, _) in zip(entries, bounds)])
         memory.update_sparse(compensated, name, indices, torch.cat([v for _, v in entries]))
         return
-    sent = compressor.scratch(compensated.numel(), compensated.dtype, compensated.device)
+    sent = zero_outside(compressor.scratch(compensated.numel(), compensated.dtype, compensated.device),
+                        bounds[0][0], bounds[-1][1])
     for (payload, ctx), (start, stop) in zip(shards, bounds):
         sent[start:stop] = compressor.decompress(payload, ctx)
     memory.update(compensated, name, sent)
@@ -140,13 +159,13 @@ class VoteCodec(Compressor):
 
 
 class ShardMemory(ResidualMemory):
-    """The second-stage residual of each group (``state[group]["residual"]``, this rank's shard
-    long) and the ``carry`` a plan change leaves (the group's numel: per element, so it follows
-    its tensors to the new groups like any first-stage state)."""
+    """The second-stage residual of each group (``state[group]["residual"]``, as long as the
+    shard this rank aggregates) and the ``carry`` a plan change leaves (the group's numel: per
+    element, so it follows its tensors to the new groups like any first-stage state)."""
 
-    def fold(self, name: str, numel: int, bounds: Bounds, rank: int, scale: float) -> None:
-        """Turn group ``name``'s residual into a group-long ``carry``: the residual, times
-        ``scale``, at this rank's shard of ``bounds``; zeros elsewhere."""
+    def fold(self, name: str, numel: int, start: int, scale: float) -> None:
+        """Turn group ``name``'s residual into a group-long (``numel``) ``carry``: the residual,
+        times ``scale``, at the elements it belongs to, from ``start`` on; zeros elsewhere."""
         fields = self.state.get(name)
         residual = fields.pop("residual", None) if fields else None
         if residual is None:
@@ -154,8 +173,7 @@ class ShardMemory(ResidualMemory):
         carry = fields.get("carry")
         if carry is None:
             carry = fields["carry"] = residual.new_zeros(numel)
-        start, stop = bounds[rank]
-        carry[start:stop].add_(residual, alpha=scale)
+        carry[start:start + residual.numel()].add_(residual, alpha=scale)
 
     def take_carry(self, name: str) -> Optional[torch.Tensor]:
         """Group ``name``'s carry, removed (None if there is none)."""

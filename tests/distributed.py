@@ -27,8 +27,9 @@ DEFAULT_ENV = {"MERGECOMP_TIMEOUT": "60"}
 
 
 def _join_group(rank, world_size, port, env):
+    local_size = int(env.get("LOCAL_WORLD_SIZE", world_size))  # hosts of that many ranks, host by host
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), **env})
+                       "LOCAL_RANK": str(rank % local_size), "WORLD_SIZE": str(world_size), **env})
     import torch
 
     import mergecomp.torch as mc
@@ -141,7 +142,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args, timeout: float =
     Without ``env`` the ranks come from a pool kept for the session (set
     ``MERGECOMP_TEST_FRESH=1`` for fresh processes every call); a call that fails, times out or
     shuts the runtime down retires its pool.  With ``env`` (variables for the workers, e.g. a
-    short ``MERGECOMP_TIMEOUT``) fresh processes run the call.
+    short ``MERGECOMP_TIMEOUT``) fresh processes run the call; ``LOCAL_WORLD_SIZE=L`` there
+    makes hosts of ``L`` consecutive ranks (``LOCAL_RANK = rank % L``, as torchrun numbers them).
     """
     if env is None and not os.environ.get("MERGECOMP_TEST_FRESH"):
         pool = _POOLS.get(world_size)

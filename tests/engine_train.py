@@ -122,7 +122,33 @@ def check_collectives(comm) -> list:
     t = torch.tensor(rank + 7, dtype=torch.int64)
     comm.broadcast_(t, root)
     expect("broadcast 0-d int64", t, torch.tensor(root + 7, dtype=torch.int64))
-    return failures + check_alltoall(comm)
+    return failures + check_alltoall(comm) + check_split_hosts(comm)
+
+
+def check_split_hosts(comm) -> list:
+    """Failures of a self-check of the per-host communicators on this one host: ``split_hosts()``
+    (this communicator and a single process), and the engine's own groups for hosts of all the
+    ranks (every rank in the host's group, alone in its group across hosts), each allgathering
+    the ranks; Horovod's NotImplementedError."""
+    rank, size = comm.rank, comm.size
+    failures = []
+    expect = functools.partial(_expect, failures)
+    sizes = [c.size for c in comm.split_hosts()]
+    if sizes != [size, 1]:
+        failures.append(f"split_hosts() on one host of {size} ranks: sizes {sizes}")
+    try:
+        local, cross = comm._split_hosts(size)
+    except NotImplementedError as err:
+        if comm.engine != "horovod" or "process sets" not in str(err):
+            failures.append(f"split_hosts: {err}")
+        return failures
+    mine = torch.tensor([rank])
+    expect("allgather inside the host", local.allgather(mine, "allgather inside the host"),
+           torch.arange(size).view(-1, 1))
+    expect("allgather across hosts", cross.allgather(mine, "allgather across hosts"), mine.view(1, 1))
+    local.close()
+    cross.close()
+    return failures
 
 
 def check_alltoall(comm) -> list:

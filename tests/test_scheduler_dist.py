@@ -90,7 +90,9 @@ def _scheme_codecs(rank):
             "signsgd@4": searched_codecs(SEARCHED, get("signsgd"), 4),
             "fp16@4": searched_codecs(SEARCHED, get("fp16"), 4),
             "qsgd@4 allgather": searched_codecs(SEARCHED, get("qsgd"), 4, "allgather"),
-            "topk@4 two-phase": searched_codecs(SEARCHED, get("topk"), 4, "two-phase")}
+            "topk@4 two-phase": searched_codecs(SEARCHED, get("topk"), 4, "two-phase"),
+            **{f"topk@4 {scheme}": searched_codecs(SEARCHED, get("topk"), 4, scheme)
+               for scheme in ("hierarchical", "hierarchical-two-phase")}}
 
 
 def test_which_codecs_the_search_offers():
@@ -101,6 +103,8 @@ def test_which_codecs_the_search_offers():
     assert got["fp16@4"] == ("compressed", "fp16", "none")   # summable: allreduce already
     assert got["qsgd@4 allgather"] == ("compressed", "fp16", "none")
     assert got["topk@4 two-phase"] == ("two-phase", "fp16", "none")
+    # the hierarchical schemes take every compressed group ("compressed" travels by them)
+    assert got["topk@4 hierarchical"] == got["topk@4 hierarchical-two-phase"] == ("compressed", "fp16", "none")
 
 
 def test_auto_with_a_compressor_keeps_ranks_identical():

@@ -44,28 +44,33 @@ def run(step, rank, steps, integers=False):
     return out
 
 
-def residual_total(comm, step):
-    """Every rank's first-stage residuals / N plus every rank's second-stage residual, as one
-    flat vector in tensor order (gathered with the engine's allgather)."""
+def two_phase_start(comm, step, group, codec):
+    """Where this rank's second-stage residual of ``group`` starts."""
     from mergecomp.twophase import shard_bounds
 
+    return shard_bounds(group.numel, comm.size, step.exchange.compressor.shard_alignment)[comm.rank][0]
+
+
+def residual_total(comm, step, start_of=two_phase_start):
+    """Every rank's first-stage residuals / N plus every rank's second-stage residual (at
+    ``start_of(comm, step, group, codec)``), as one flat vector in tensor order (gathered with
+    the engine's allgather)."""
     size = comm.size
     total = torch.zeros(sum(torch.Size(s).numel() for s in SHAPES))
     starts = [0]
     for s in SHAPES:
         starts.append(starts[-1] + torch.Size(s).numel())
     exchange = step.exchange
-    for group in step.groups:
+    for group, codec in zip(step.groups, step.plan.codec_names()):
         mine = torch.zeros(group.numel)
         first = exchange.memory.state.get(group.name, {})
         field = first.get("residual", first.get("velocity"))
         if field is not None:
             mine += field / size
         second = exchange.shard_memory.state.get(group.name, {})
-        bounds = shard_bounds(group.numel, size, exchange.compressor.shard_alignment)
         if "residual" in second:
-            a, b = bounds[comm.rank]
-            mine[a:b] += second["residual"]
+            a = start_of(comm, step, group, codec)
+            mine[a:a + second["residual"].numel()] += second["residual"]
         if "carry" in second:
             mine += second["carry"] / size
         summed = comm.allgather(mine).sum(0)

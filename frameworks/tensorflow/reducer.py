@@ -57,7 +57,8 @@ class GradientReducer:
             whose name (Keras: ``path``, e.g. ``"dense/bias"``) matches one of the patterns, or
             with fewer elements, are always sent uncompressed
             (:class:`~mergecomp.step.MergedStep`).
-        scheme: ``"two-phase"``, ``"allgather"`` or None (:class:`~mergecomp.step.MergedStep`).
+        scheme: ``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"``,
+            ``"allgather"`` or None (:class:`~mergecomp.step.MergedStep`).
     """
 
     def __init__(self, compression="none", memory=None, groups="auto", op: str = Average,

@@ -99,7 +99,9 @@ class DistributedOptimizer(HoldsMergedStep):
             (default 0: none).
         scheme: how groups sent with a compressor travel: ``"two-phase"`` (compressed shards
             by all-to-all, then compressed aggregates by allgather: bytes per rank flat in the
-            number of ranks), ``"allgather"``, or None (default: allgather unless the scheduler
+            number of ranks), ``"hierarchical"`` or ``"hierarchical-two-phase"`` (summed
+            uncompressed inside each host, compressed across hosts only, by allgather or by
+            two-phase), ``"allgather"``, or None (default: allgather unless the scheduler
             picks two-phase for a group); see docs/compressors.md.
 
     With a ``GradScaler`` (as with Horovod): ``scaler.scale(loss).backward(); opt.synchronize();

@@ -10,15 +10,18 @@ A ``tbf`` qdisc limits each host's link, in both directions by default (the host
     [ns h1: eth0 10.77.0.2] ==veth== [         v1 -- bridge mcbr ]
     ...                                        ...
 
-One worker per host is started with ``ip netns exec`` and torchrun's variables (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK=0``, ``MASTER_ADDR`` = host 0's address, ``MASTER_PORT``) plus
-``GLOO_SOCKET_IFNAME=eth0`` (gloo otherwise picks the namespace's unusable hostname address).
+``procs_per_host`` workers (default 1) per host are started with ``ip netns exec`` and
+torchrun's variables (``RANK``, numbered host by host; ``WORLD_SIZE``; ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``; ``GROUP_RANK``, the host; ``MASTER_ADDR`` = host 0's address,
+``MASTER_PORT``) plus ``GLOO_SOCKET_IFNAME=eth0`` (gloo otherwise picks the namespace's unusable
+hostname address).  The processes of one host talk through its own stack, unlimited; only
+traffic between hosts crosses the limited links.
 Everything is torn down on exit, failure, timeout, Ctrl-C or SIGTERM.  Needs root and iproute2
 (``ip``, ``tc``); only ``tbf`` is used (no ``netem``).
 
 Command line (everything after ``--`` is the worker command)::
 
-    sudo python -m mergecomp.bench.cluster --hosts 2 --rate 1gbit --timeout 300 -- \\
+    sudo python -m mergecomp.bench.cluster --hosts 2 --procs-per-host 1 --rate 1gbit --timeout 300 -- \\
         python -m mergecomp.bench --model resnet50 --compressor topk --plan auto
 
 Python::
@@ -65,21 +68,26 @@ class Cluster:
     """``hosts`` namespaces on one bridge, each link limited to ``rate`` (``None``: unlimited).
 
     Args:
-        hosts: number of hosts (one worker each), 1..250.
+        hosts: number of hosts, 1..250.
         rate: tc rate, e.g. ``"1gbit"``, ``"10gbit"``, ``"500mbit"``; ``None`` for no limit;
             ``"loopback"``: no namespaces at all, every worker on 127.0.0.1 (``lo``), no root needed.
         duplex: ``"both"`` limits each host's egress and ingress; ``"egress"`` only its egress.
         burst, latency: the tbf bucket size and queueing limit.
         port: MASTER_PORT of the workers.
+        procs_per_host: workers started on each host (ranks ``host * procs_per_host + local``).
     """
 
     def __init__(self, hosts: int, rate: Optional[str] = None, duplex: str = "both",
-                 burst: str = TBF_BURST, latency: str = TBF_LATENCY, port: int = DEFAULT_PORT) -> None:
+                 burst: str = TBF_BURST, latency: str = TBF_LATENCY, port: int = DEFAULT_PORT,
+                 procs_per_host: int = 1) -> None:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
+        if isinstance(procs_per_host, bool) or not isinstance(procs_per_host, int) or procs_per_host < 1:
+            raise ValueError(f"procs_per_host must be an int >= 1, got {procs_per_host!r}")
         if duplex not in ("both", "egress"):
             raise ValueError(f"duplex must be 'both' or 'egress', got {duplex!r}")
         self.hosts = hosts
+        self.procs_per_host = procs_per_host
         self.rate = rate
         self.duplex = duplex
         self.burst = burst
@@ -91,7 +99,7 @@ class Cluster:
         self._created: List[str] = []
         self._procs: List[subprocess.Popen] = []
         self._up = False
-        #: the last 200 output lines of each rank of the latest run
+        #: the last 200 output lines of each rank of the latest run, in rank order
         self.output: List[collections.deque] = []
         self.loopback = rate == "loopback"
         if self.loopback:
@@ -177,9 +185,16 @@ class Cluster:
         self.down()
 
     # -- workers -----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.procs_per_host
+
     def worker_env(self, rank: int, threads: Optional[int] = None) -> Dict[str, str]:
-        env = {"RANK": str(rank), "WORLD_SIZE": str(self.hosts), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "GROUP_RANK": str(rank), "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port),
+        """torchrun's variables (and gloo's interface) of rank ``rank``."""
+        host, local = divmod(rank, self.procs_per_host)
+        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local),
+               "LOCAL_WORLD_SIZE": str(self.procs_per_host), "GROUP_RANK": str(host),
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.port),
                "GLOO_SOCKET_IFNAME": "lo" if self.loopback else "eth0",
                "MERGECOMP_CLUSTER_RATE": "loopback" if self.loopback else (self.rate or "unlimited")}
         if threads:
@@ -188,14 +203,14 @@ class Cluster:
 
     def start(self, command: Sequence[str], threads: Optional[int] = None,
               env: Optional[Dict[str, str]] = None) -> List[subprocess.Popen]:
-        """Start ``command`` once per host; rank 0's output passes through, the others' lines
-        are prefixed ``[rank N]``."""
+        """Start ``command`` ``procs_per_host`` times on every host; rank 0's output passes
+        through, the others' lines are prefixed ``[rank N]``."""
         if not self._up:
             raise ClusterError("the cluster is not up: use `with Cluster(...) as c:` or call up()")
-        self.output = [collections.deque(maxlen=200) for _ in self.host_ns]
-        for rank, ns in enumerate(self.host_ns):
+        self.output = [collections.deque(maxlen=200) for _ in range(self.world_size)]
+        for rank in range(self.world_size):
             full_env = {**os.environ, **(env or {}), **self.worker_env(rank, threads)}
-            prefix = [] if self.loopback else ["ip", "netns", "exec", ns]
+            prefix = [] if self.loopback else ["ip", "netns", "exec", self.host_ns[rank // self.procs_per_host]]
             proc = subprocess.Popen([*prefix, *command], env=full_env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             self._procs.append(proc)
@@ -276,6 +291,7 @@ def main(argv=None) -> int:
                                      epilog="example: python -m mergecomp.bench.cluster --hosts 2 --rate 1gbit -- "
                                             "python -m mergecomp.bench --model resnet50")
     parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--procs-per-host", type=int, default=1, help="workers per host (default 1)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate per link, e.g. 1gbit, 10gbit; 'none' = unlimited; "
                                                         "'loopback' = no namespaces, 127.0.0.1")
     parser.add_argument("--duplex", choices=["both", "egress"], default="both")
@@ -290,8 +306,9 @@ def main(argv=None) -> int:
     rate = None if args.rate.lower() in ("none", "unlimited", "0") else args.rate.lower()
     install_signal_handlers()
     try:
-        with Cluster(args.hosts, rate, args.duplex, port=args.port) as cluster:
-            print(f"# cluster: {args.hosts} hosts, link {rate or 'unlimited'} ({args.duplex}), "
+        with Cluster(args.hosts, rate, args.duplex, port=args.port, procs_per_host=args.procs_per_host) as cluster:
+            print(f"# cluster: {args.hosts} hosts x {args.procs_per_host} processes, "
+                  f"link {rate or 'unlimited'} ({args.duplex}), "
                   f"master {cluster.master_addr}:{cluster.port}", flush=True)
             codes = cluster.run(command, timeout=args.timeout, threads=args.threads)
     except ClusterError as err:

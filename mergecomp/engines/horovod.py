@@ -212,6 +212,17 @@ class HorovodCommunicator(Communicator):
 
         return self._handle(handle, finish, describe).wait(f"broadcast from rank {root}")
 
+    def _split_hosts(self, local_size: int):
+        """Not available: Horovod's collectives on a subset of ranks need process sets, which
+        must be registered at ``hvd.init()`` (or with ``HOROVOD_DYNAMIC_PROCESS_SETS``, which
+        changes how every collective is negotiated); mergecomp's Horovod engine uses the global
+        set only."""
+        raise NotImplementedError(
+            f"the horovod engine cannot run the hierarchical exchange on {self.size // local_size} hosts of "
+            f"{local_size} processes (it would need Horovod process sets); use scheme='allgather' or "
+            f"'two-phase', or the torch or mpi engine (torchrun, mpirun)")
+
     def close(self) -> None:
         """``hvd.shutdown()`` (call only when no collective is in flight)."""
+        super().close()
         self.hvd.shutdown()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -226,8 +226,26 @@ class MPICommunicator(Communicator):
 
         return self._handle(req, finish, describe).wait(f"broadcast from rank {root}")
 
+    #: hosts come from ``COMM_TYPE_SHARED``, not from rank numbers
+    host_major = False
+
+    def _split_hosts(self, local_size: int) -> Tuple["MPICommunicator", "MPICommunicator"]:
+        """``Split_type(COMM_TYPE_SHARED)`` (this host) and ``Split(color=local rank)`` (the same
+        local rank on every host), each duplicated into a communicator of its own.  The splits
+        block, without a timeout of their own: the layout allgather before them (which has one)
+        makes sure every rank got there."""
+        local = self.mpi_comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+        cross = self.mpi_comm.Split(color=local.Get_rank(), key=self.rank)
+        try:
+            return MPICommunicator(local, self.timeout), MPICommunicator(cross, self.timeout)
+        finally:
+            local.Free()
+            cross.Free()
+
     def close(self) -> None:
-        """Free the duplicated communicator (call only when no collective is in flight)."""
+        """Free the duplicated communicator and the per-host ones (call only when no collective is
+        in flight)."""
+        super().close()
         if self.mpi_comm is not None and not self.MPI.Is_finalized():
             self.mpi_comm.Free()
         self.mpi_comm = None

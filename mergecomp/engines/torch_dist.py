@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,17 @@ class TorchCommunicator(Communicator):
         out = tensor.new_empty((self.size, self._block(tensor)))
         work = dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
         return self._handle(work, out, self._describe("torch all_to_all_single", tensor))
+
+    def _split_hosts(self, local_size: int) -> Tuple["TorchCommunicator", "TorchCommunicator"]:
+        """``dist.new_group`` of this rank's host (consecutive ranks) and of its local rank on
+        every host; only their members create each (``use_local_synchronization``), so ranks
+        outside this communicator's group take no part."""
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.size))
+        host, local = divmod(self.rank, local_size)
+        timeout = datetime.timedelta(seconds=self.timeout)
+        groups = [dist.new_group(members, timeout=timeout, use_local_synchronization=True)
+                  for members in (ranks[host * local_size:(host + 1) * local_size], ranks[local::local_size])]
+        return tuple(TorchCommunicator(group, self.timeout) for group in groups)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
