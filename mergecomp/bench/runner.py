@@ -15,7 +15,8 @@ same code runs under any launcher: ``torchrun``, plain ``RANK``/``WORLD_SIZE``/`
 Modes: ``mergecomp`` (``mc.DistributedOptimizer``; ``--plan`` takes a comma list of
 ``auto``, ``layerwise``, an int number of groups, ``default``, ``fp32`` or ``fp16`` (one fused
 group sent uncompressed / cast to fp16, whatever the compressor); ``layerwise``, an int or
-``default`` with the suffix ``@two-phase`` send their compressed groups by the two-phase scheme),
+``default`` with a suffix ``@two-phase``, ``@hierarchical`` or ``@hierarchical-two-phase`` send
+their compressed groups by that scheme),
 ``ddp``, ``ddp-fp16``,
 ``ddp-powersgd`` (PyTorch's own hooks, ``start_powerSGD_iter=2``), ``local`` (the plain model and
 optimizer in one process: the single-worker reference of the scaling factor).
@@ -74,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default=None, help="error-feedback memory (default: the compressor's)")
     p.add_argument("--plan", default="auto",
                    help="comma list of: auto, layerwise, <int groups>, default, fp32 (1 fused group, no "
-                        "compression), fp16 (1 fused group cast to fp16); a fixed one with the suffix "
-                        "@two-phase sends its compressed groups by the two-phase scheme (e.g. default@two-phase)")
+                        "compression), fp16 (1 fused group cast to fp16); layerwise, an int or default with the "
+                        "suffix @two-phase, @hierarchical or @hierarchical-two-phase sends its compressed groups "
+                        "by that scheme (e.g. default@two-phase)")
     p.add_argument("--powersgd-rank", type=int, default=1, help="ddp-powersgd: matrix_approximation_rank")
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--steps", type=int, default=STEPS)
@@ -88,22 +90,29 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--hosts", type=int, default=None,
                          help="run on this many network-namespace hosts (mergecomp.bench.cluster)")
     cluster.add_argument("--rate", default="1gbit", help="link rate per host, e.g. 1gbit, 10gbit, none")
+    cluster.add_argument("--procs-per-host", type=int, default=1,
+                         help="workers per host, sharing its link (ranks numbered host by host)")
     cluster.add_argument("--repeats", type=int, default=1, help="cluster runs; the median is reported")
     cluster.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per cluster run")
     cluster.add_argument("--result", default=None, help=argparse.SUPPRESS)  # worker -> launcher
     return p
 
 
-#: a fixed plan label ending in this sends its compressed groups by the two-phase scheme
-TWO_PHASE_SUFFIX = "@two-phase"
+#: a fixed plan label ``<plan>@<scheme>`` sends its compressed groups by one of these schemes
+SCHEME_SUFFIXES = ("two-phase", "hierarchical", "hierarchical-two-phase")
+
+
+def _split_scheme(label: str):
+    """``(plan label, scheme or None)`` of a ``--plan`` item."""
+    base, _, scheme = label.partition("@")
+    if scheme and (scheme not in SCHEME_SUFFIXES or base in ("auto", "fp32", "fp16")):
+        raise SystemExit(f"mergecomp bench: '@scheme' is one of {SCHEME_SUFFIXES} after layerwise, an int or "
+                         f"default; got {label!r}")
+    return base, scheme or None
 
 
 def _plan_spec(label: str):
-    if label.endswith(TWO_PHASE_SUFFIX):
-        label = label[:-len(TWO_PHASE_SUFFIX)]
-        if label in ("auto", "fp32", "fp16"):
-            raise SystemExit(f"mergecomp bench: {TWO_PHASE_SUFFIX!r} goes with layerwise, an int or default, "
-                             f"not {label!r}")
+    label, _ = _split_scheme(label)
     if label in ("auto", "layerwise", "fp32", "fp16"):
         return label
     if label == "default":
@@ -112,7 +121,7 @@ def _plan_spec(label: str):
         return int(label)
     except ValueError:
         raise SystemExit(f"mergecomp bench: --plan items must be auto, layerwise, an int, default, fp32 or fp16, "
-                         f"the fixed ones optionally with {TWO_PHASE_SUFFIX!r}; got {label!r}")
+                         f"the fixed ones optionally with '@scheme'; got {label!r}")
 
 
 def machine() -> Dict[str, object]:
@@ -193,9 +202,9 @@ def search_auto(w: _Worker, max_steps: int = 200) -> Dict:
 def fixed_plan(opt, label: str):
     """The GroupPlan of a plan label over the optimizer's (final) backward order: ``layerwise``,
     an int, ``default`` (25 MB groups, at most 4), ``fp32``/``fp16`` (one fused group, codec
-    ``none``/``fp16``: plain fused allreduce); with the suffix ``@two-phase`` its compressed
-    groups use the two-phase scheme."""
-    from mergecomp.plan import TWO_PHASE, GroupPlan
+    ``none``/``fp16``: plain fused allreduce); with a suffix ``@<scheme>`` (e.g.
+    ``default@two-phase``) its compressed groups use that scheme."""
+    from mergecomp.plan import GroupPlan
 
     order = opt.plan.order
     if label in ("fp32", "fp16"):
@@ -204,9 +213,10 @@ def fixed_plan(opt, label: str):
     if spec is None:
         spec = _default_groups(opt.param_groups)
     opt.set_plan(spec)
-    if label.endswith(TWO_PHASE_SUFFIX):
+    scheme = _split_scheme(label)[1]
+    if scheme:
         plan = opt.plan
-        opt.set_plan(GroupPlan(plan.groups, tuple(TWO_PHASE if c == "compressed" else c for c in plan.codec_names())))
+        opt.set_plan(GroupPlan(plan.groups, tuple(scheme if c == "compressed" else c for c in plan.codec_names())))
     return opt.plan
 
 
@@ -376,7 +386,7 @@ def _launch_cluster(args, argv: List[str]) -> List[Dict]:
             env = {"MERGECOMP_TIMEOUT": str(int(args.timeout))}
             began = time.perf_counter()
             try:
-                with Cluster(args.hosts, rate) as cluster:
+                with Cluster(args.hosts, rate, procs_per_host=args.procs_per_host) as cluster:
                     codes = cluster.run(worker, timeout=args.timeout, threads=args.threads, env=env)
                     time.sleep(0.2)  # let the output threads drain
                     lines = [line for out in cluster.output for line in out]
@@ -392,7 +402,7 @@ def _launch_cluster(args, argv: List[str]) -> List[Dict]:
             else:
                 status = "timeout" if 124 in codes else "crashed"
                 errors = [line.strip() for line in lines if "rror" in line and "hostname" not in line]
-                failures.append({**_common(args, args.hosts), "status": status, "exit_codes": codes,
+                failures.append({**_common(args, args.hosts * args.procs_per_host), "status": status, "exit_codes": codes,
                                  "wall_s": wall, "plan": "ddp" if args.mode.startswith("ddp") else args.plan,
                                  "repeat": repeat, "error": errors[0][:300] if errors else None,
                                  "hook": (f"{args.mode}(rank={args.powersgd_rank})" if args.mode == "ddp-powersgd"
@@ -406,7 +416,7 @@ def _launch_cluster(args, argv: List[str]) -> List[Dict]:
             merged["step_s_runs"] = [r["step_s"] for r in same]
             merged["step_s"] = statistics.median(merged["step_s_runs"])
             merged["samples_per_s_worker"] = args.batch_size / merged["step_s"]
-            merged["samples_per_s_total"] = merged["samples_per_s_worker"] * args.hosts
+            merged["samples_per_s_total"] = merged["samples_per_s_worker"] * args.hosts * args.procs_per_host
             merged["repeats_ok"] = len(runs)
             merged["repeats_failed"] = len(failures)
             records.append(merged)
@@ -421,7 +431,7 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
             skip = False
             continue
         key = item.split("=", 1)[0]
-        if key in ("--hosts", "--repeats", "--json"):
+        if key in ("--hosts", "--repeats", "--json", "--procs-per-host"):
             skip = "=" not in item
             continue
         out.append(item)
