@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -176,18 +176,28 @@ def time_two_phase_network(comm: Communicator, payload_bytes: Sequence[float], s
         block = -(-max(8, int(first)) // size)
         scattered = torch.zeros(block * size, dtype=torch.uint8, device=device)
         gathered = torch.zeros(max(8, int(second) // size), dtype=torch.uint8, device=device)
-        times = []
-        for _ in range(2):
-            _settle(device)
-            began, began_cpu = time.perf_counter(), time.process_time()
+
+        def both() -> None:
             comm.alltoall_async(scattered).wait("scheduler network probe")
             comm.allgather_async(gathered).wait("scheduler network probe")
-            _settle(device)
-            times.append((time.perf_counter() - began, time.process_time() - began_cpu))
-        fastest = min(times)
-        wall.append(fastest[0])
-        cpu.append(fastest[1])
+
+        seconds, cpu_seconds = _fastest(both, device)
+        wall.append(seconds)
+        cpu.append(cpu_seconds)
     return wall, cpu
+
+
+def _fastest(run: Callable[[], None], device: torch.device) -> Tuple[float, float]:
+    """``(wall, CPU)`` seconds of the faster of two calls of ``run`` (collectives: the first
+    may pay for connections and buffers)."""
+    times = []
+    for _ in range(2):
+        _settle(device)
+        began, began_cpu = time.perf_counter(), time.process_time()
+        run()
+        _settle(device)
+        times.append((time.perf_counter() - began, time.process_time() - began_cpu))
+    return min(times)
 
 
 def _compensate(memory: Optional[Memory], tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -221,16 +231,9 @@ def time_network(comm: Communicator, compressor: Compressor, payload_bytes: Sequ
         else:
             tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             run = comm.allgather_async
-        times = []
-        for _ in range(2):
-            _settle(device)
-            began, began_cpu = time.perf_counter(), time.process_time()
-            run(tensor).wait("scheduler network probe")
-            _settle(device)
-            times.append((time.perf_counter() - began, time.process_time() - began_cpu))
-        fastest = min(times)
-        wall.append(fastest[0])
-        cpu.append(fastest[1])
+        seconds, cpu_seconds = _fastest(lambda: run(tensor).wait("scheduler network probe"), device)
+        wall.append(seconds)
+        cpu.append(cpu_seconds)
     return wall, cpu
 
 
