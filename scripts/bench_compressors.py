@@ -12,11 +12,13 @@ What is timed, per compressor with its default settings (world size 1): ``compre
 ``decompress`` of this rank's payload, for every group of a plan.  A compressor with
 ``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
 round's payload to the next as if allreduced over one rank.  With ``--memory`` the
-error-feedback memory takes part as in the exchange (``compensate`` before, the residual update
-after); the gradients are then restored, untimed, before each run, since ``compensate`` writes
-into them.  As in the pipeline on CPU, each run
-is one step of a :class:`mergecomp.workspace.Workspace` (outputs recycled; ``--no-workspace``:
-fresh allocations).  The gradient set is ResNet-50's 161 tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order, cut into:
+error-feedback memory takes part as in the exchange (``mergecomp.probes.encode_alone``:
+``compensate`` before, the residual update after, or the compressor's fused encode); the
+gradients are then restored, untimed, before each run, since ``compensate`` writes into them.
+As in the pipeline on CPU, each run is one step of a :class:`mergecomp.workspace.Workspace`
+(outputs recycled; ``--no-workspace``: fresh allocations).  The gradient set is ResNet-50's 161
+tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order,
+cut into:
 
 * ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
 * ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.plan.build_plan`` with an
@@ -50,6 +52,7 @@ import torch
 import mergecomp
 from mergecomp.bench import zoo
 from mergecomp.plan import build_plan, layout
+from mergecomp.probes import encode_alone
 from mergecomp.workspace import Workspace
 
 # -- defaults ------------------------------------------------------------------------------------
@@ -144,29 +147,15 @@ def nbytes(payload):
     return sum(t.numel() * t.element_size() for t in payload)
 
 
-def encode(compressor, memory, name, flat, group_shapes):
-    """One group's encode as the exchange runs it: ``(payload, ctx)`` of its last round and the
-    payload bytes over all rounds."""
-    compensated = memory.compensate(flat, name)
-    payload, ctx = compressor.compress(compensated, name, group_shapes)
-    wire = nbytes(payload)
-    for _ in range(compressor.rounds - 1):
-        payload, ctx = compressor.next_round(payload, ctx)  # world size 1: the sum is ours
-        wire += nbytes(payload)
-    if memory.feeds_back:
-        memory.feed(compressor, compensated, name, payload, ctx)
-    return payload, ctx, wire
-
-
 def run_case(compressor, memory, groups):
     """Encode + decode every group once (one step); returns the payload bytes over all rounds."""
     if compressor.workspace is not None:
         compressor.workspace.advance(compressor.workspace.step + 1)
     wire = 0
     for name, flat, group_shapes in groups:
-        payload, ctx, sent = encode(compressor, memory, name, flat, group_shapes)
-        wire += sent
-        compressor.decompress(payload, ctx)
+        rounds = encode_alone(compressor, memory, flat, name, group_shapes)
+        wire += sum(nbytes(payload) for payload, _ in rounds)
+        compressor.decompress(*rounds[-1])
     return wire
 
 

@@ -80,7 +80,7 @@ def test_nonfinite_policies():
     assert ignoring.finish().tensors(4)[3].isnan().any()
 
 
-@pytest.mark.parametrize("compression", ["topk", "powersgd", "dgc"])
+@pytest.mark.parametrize("compression", ["topk", "powersgd", "dgc", "onebit", "efsignsgd"])
 def test_propagate_makes_the_step_nan_and_puts_error_feedback_back(compression):
     def run(step, seed):
         for i, t in enumerate(grads(seed)):
