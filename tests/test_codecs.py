@@ -208,6 +208,16 @@ def test_copy_finite_only_copies_where_it_cannot_check(dtype, kernels):
     torch.testing.assert_close(dst, src.reshape(-1), rtol=0, atol=0, equal_nan=True)
 
 
+@needs_kernels
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003])
+def test_copy_finite_scales_as_the_torch_path_does(n):
+    src = torch.randn(n)
+    (fast, fast_dst), (eager, eager_dst) = both_paths(lambda s, d: (codecs.copy_finite(s, d, 0.1), d), src,
+                                                      torch.empty(n))
+    assert fast is True and eager is None
+    assert torch.equal(fast_dst, eager_dst) and torch.equal(fast_dst, src * 0.1)
+
+
 def test_copy_finite_needs_the_same_numel():
     with pytest.raises(ValueError, match="src has 10 elements, dst 11"):
         codecs.copy_finite(torch.zeros(10), torch.zeros(11))

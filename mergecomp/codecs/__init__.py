@@ -11,7 +11,8 @@ the torch path.
   packed codes through a table);
 * :mod:`.sums`: the reductions a kernel computes in its pass (the sums of each sign, min, max,
   squared deviations from the mean), each reduced only when read on the torch path;
-* :mod:`.scans`: the gradient copy with its finite check, and the indices above a threshold.
+* :mod:`.scans`: the gradient copy with its prescale and finite check, and the indices above a
+  threshold.
 """
 from .levels import decode_codes, qsgd_encode, scale_levels, stochastic_codes
 from .scans import copy_finite, indices_above
