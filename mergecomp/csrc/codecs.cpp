@@ -134,12 +134,16 @@ const std::vector<uint64_t> EXPAND = [] {
   return table;
 }();
 
-// The sign bits of v(i) packed into out, with stats = {sum of the v >= 0, sum of the v < 0,
-// count of v >= 0}: each side summed on its own (fp64), so a small side keeps its digits beside a
-// large one.  `value(i)` gives element i (and may update state of its own in place); every
-// caller runs this same loop, so the sums of equal values come out bit for bit equal.
-template <typename Value>
-void pack_signs_impl(int64_t n, Value value, uint8_t* out, double* stats, int threads) {
+// Where pack_signs_impl takes each element v from: x, the sum x + r, or the momentum
+// m = m + weight * (x - m), updated in place.
+enum class Input { kPlain, kSum, kMomentum };
+
+// The sign bits of v[i] (see Input) packed into out, with stats = {sum of the v >= 0, sum of the
+// v < 0, count of v >= 0}: each side summed on its own (fp64), so a small side keeps its digits
+// beside a large one.  One loop for every input, so the sums of equal v are equal bit for bit.
+template <Input In>
+void pack_signs_impl(const float* x, const float* r, float* m, float weight, int64_t n, uint8_t* out,
+                     double* stats, int threads) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<double> partial(3 * blocks);
   double* p = partial.data();
@@ -147,12 +151,17 @@ void pack_signs_impl(int64_t n, Value value, uint8_t* out, double* stats, int th
     std::vector<uint8_t> codes(BLOCK);
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* src = x + start;
+      const float* res = In == Input::kSum ? r + start : nullptr;
+      float* mom = In == Input::kMomentum ? m + start : nullptr;
       uint8_t* c = codes.data();
       double above = 0, below = 0;
       int32_t positive = 0;  // len <= BLOCK
 #pragma omp simd reduction(+ : above, below, positive)
       for (int64_t k = 0; k < len; ++k) {
-        const float v = value(start + k);
+        float v = src[k];
+        if (In == Input::kSum) v += res[k];
+        if (In == Input::kMomentum) mom[k] = v = mom[k] + weight * (v - mom[k]);
         const uint8_t bit = v >= 0.0f;
         c[k] = bit;
         positive += bit;
@@ -173,33 +182,37 @@ void pack_signs_impl(int64_t n, Value value, uint8_t* out, double* stats, int th
     for (int j = 0; j < 3; ++j) stats[j] += p[3 * b + j];
 }
 
-// out[i] = v - (v >= 0 ? positive : negative) with v = value(i): v less its two-valued sign decode.
-template <typename Value>
-void sign_residual_impl(int64_t n, Value value, float negative, float positive, float* out, int threads) {
+// out[i] = v - (v >= 0 ? positive : negative), v = x[i] + r[i] (Sum) or x[i]: v less its
+// two-valued sign decode.  out may be r.
+template <bool Sum>
+void sign_residual_impl(const float* x, const float* r, int64_t n, float negative, float positive, float* out,
+                        int threads) {
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     const int64_t stop = std::min(n, last * BLOCK);
 #pragma omp simd
     for (int64_t i = first * BLOCK; i < stop; ++i) {
-      const float v = value(i);
+      const float v = Sum ? x[i] + r[i] : x[i];
       out[i] = v - (v >= 0.0f ? positive : negative);
     }
   });
 }
 
-// dst[i] = value(i); returns 1 when every one is finite (no NaN or Inf), else 0.
-template <typename Value>
-int copy_finite_impl(int64_t n, Value value, float* dst, int threads) {
+// dst = src * scale (Scaled) or src; returns 1 when every element of dst is finite (no NaN or
+// Inf), else 0.
+template <bool Scaled>
+int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int threads) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<uint8_t> bad(blocks);
   uint8_t* flags = bad.data();
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* in = src + start;
       float* out = dst + start;
       uint32_t any = 0;
 #pragma omp simd reduction(| : any)
       for (int64_t k = 0; k < len; ++k) {
-        const float v = value(start + k);
+        const float v = Scaled ? in[k] * scale : in[k];
         uint32_t bits;
         std::memcpy(&bits, &v, sizeof bits);
         out[k] = v;
@@ -317,19 +330,19 @@ void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* va
 // out (ceil(n / 8) bytes) and writes stats = {sum of the x >= 0, sum of the x < 0, count of
 // x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
-  pack_signs_impl(n, [=](int64_t i) { return x[i]; }, out, stats, threads);
+  pack_signs_impl<Input::kPlain>(x, nullptr, nullptr, 0.0f, n, out, stats, threads);
 }
 
 // mc_pack_signs of x + r (rounded to fp32), x and r unchanged: a gradient and its residual
 // compressed without writing the compensated gradient.
 void mc_pack_signs_sum(const float* x, const float* r, int64_t n, uint8_t* out, double* stats, int threads) {
-  pack_signs_impl(n, [=](int64_t i) { return x[i] + r[i]; }, out, stats, threads);
+  pack_signs_impl<Input::kSum>(x, r, nullptr, 0.0f, n, out, stats, threads);
 }
 
 // Signum's step: m = m + weight * (x - m) in place, then mc_pack_signs of m.
 void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_t* out,
                        double* stats, int threads) {
-  pack_signs_impl(n, [=](int64_t i) { return m[i] = m[i] + weight * (x[i] - m[i]); }, out, stats, threads);
+  pack_signs_impl<Input::kMomentum>(x, nullptr, m, weight, n, out, stats, threads);
 }
 
 // The residual error feedback keeps after a two-valued sign code of v = x + r (r null: v = x)
@@ -338,9 +351,9 @@ void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_
 void mc_sign_residual(const float* x, const float* r, int64_t n, float negative, float positive, float* out,
                       int threads) {
   if (r == nullptr) {
-    sign_residual_impl(n, [=](int64_t i) { return x[i]; }, negative, positive, out, threads);
+    sign_residual_impl<false>(x, r, n, negative, positive, out, threads);
   } else {
-    sign_residual_impl(n, [=](int64_t i) { return x[i] + r[i]; }, negative, positive, out, threads);
+    sign_residual_impl<true>(x, r, n, negative, positive, out, threads);
   }
 }
 
@@ -494,8 +507,8 @@ void mc_moments(const float* x, int64_t n, double* stats, int threads) {
 // dst = src * scale (n floats; scale 1: a copy); returns 1 when every element of dst is finite
 // (no NaN or Inf), else 0.
 int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int threads) {
-  if (scale == 1.0f) return copy_finite_impl(n, [=](int64_t i) { return src[i]; }, dst, threads);
-  return copy_finite_impl(n, [=](int64_t i) { return src[i] * scale; }, dst, threads);
+  if (scale == 1.0f) return copy_finite_impl<false>(src, scale, dst, n, threads);
+  return copy_finite_impl<true>(src, scale, dst, n, threads);
 }
 
 }  // extern "C"
