@@ -4,11 +4,11 @@ Wire: the sign bits, 1 bit per element packed in uint8 (zeros sent as ``+``), an
 scale ``mean |x| = ||x||_1 / n``; an element decodes to ``±scale``.  Not summable (allgathered);
 the result is the mean (or sum) of the ranks' decodes.  Default memory: ``residual``.
 """
-from typing import Optional, Sequence, Tuple
+from typing import Tuple
 
 import torch
 
-from mergecomp.codecs import pack_signs
+from mergecomp.codecs.sums import SignStats
 from mergecomp.compressor import Payload
 from mergecomp.registry import register_compressor
 from mergecomp.signs import SignValueCompressor
@@ -20,12 +20,10 @@ Ctx = Tuple[int, torch.dtype]
 class EFSignSGDCompressor(SignValueCompressor):
     default_memory = "residual"
 
-    def compress(self, tensor: torch.Tensor, name: str,
-                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
+    def encode(self, bits: torch.Tensor, stats: SignStats, tensor: torch.Tensor) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
-        packed, stats = pack_signs(tensor, empty=self.scratch)
         scale = (stats.magnitude() / max(numel, 1)).to(torch.float32).reshape(1)
-        return (packed, scale), (numel, tensor.dtype)
+        return (bits, scale), (numel, tensor.dtype)
 
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
         scale = payload[1].reshape(())

@@ -5,11 +5,11 @@ non-negative elements and that of the negative ones (0 for an empty side).  An e
 to the mean of its side.  Not summable (allgathered).  Default memory: ``residual`` (the
 quantization error is carried to the next step, as in the paper).
 """
-from typing import Optional, Sequence, Tuple
+from typing import Tuple
 
 import torch
 
-from mergecomp.codecs import pack_signs
+from mergecomp.codecs.sums import SignStats
 from mergecomp.compressor import Payload
 from mergecomp.registry import register_compressor
 from mergecomp.signs import SignValueCompressor
@@ -21,15 +21,13 @@ Ctx = Tuple[int, torch.dtype]
 class OneBitCompressor(SignValueCompressor):
     default_memory = "residual"
 
-    def compress(self, tensor: torch.Tensor, name: str,
-                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
-        packed, stats = pack_signs(tensor, empty=self.scratch)
+    def encode(self, bits: torch.Tensor, stats: SignStats, tensor: torch.Tensor) -> Tuple[Payload, Ctx]:
         count_pos = stats.nonnegative()
         count_neg = tensor.numel() - count_pos
         mean_pos = stats.nonnegative_sum() / count_pos.clamp_min(1)
         mean_neg = stats.negative_sum() / count_neg.clamp_min(1)
         means = torch.stack([mean_pos, mean_neg]).to(torch.float32)
-        return (packed, means), (tensor.numel(), tensor.dtype)
+        return (bits, means), (tensor.numel(), tensor.dtype)
 
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
         means = payload[1]

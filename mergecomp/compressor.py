@@ -27,6 +27,9 @@ Contract (what the pipeline in :mod:`mergecomp.exchange` relies on):
   ``shard_alignment`` elements), and each rank's aggregate of one shard is sent again with the
   codec :meth:`second_phase` returns, whose ``ctx`` and payload sizes must depend only on the
   shard's numel and dtype.
+* ``compress_fused(tensor, name, shapes, memory)`` may do the error-feedback ``memory``'s
+  ``compensate``, ``compress`` and the memory's update in fewer passes; it returns None where it
+  does not (the default), and the pipeline then runs the three.
 * Full-size outputs and temporaries come from :meth:`Compressor.scratch`.  When the pipeline
   attached a :class:`~mergecomp.workspace.Workspace` (on CPU), they are recycled step by step:
   what ``decompress``/``aggregate`` return is then valid until the pipeline's next step, and a
@@ -35,12 +38,15 @@ Contract (what the pipeline in :mod:`mergecomp.exchange` relies on):
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
 from .stateful import GroupStateful
 from .workspace import Workspace, fresh
+
+if TYPE_CHECKING:
+    from .memory import Memory
 
 Payload = Tuple[torch.Tensor, ...]
 
@@ -93,6 +99,17 @@ class Compressor(GroupStateful, abc.ABC):
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Decode one payload (or the elementwise sum of several) into a flat tensor."""
         raise NotImplementedError
+
+    def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
+                       memory: "Memory") -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
+        """``memory.compensate``, :meth:`compress` and ``memory.feed`` of group ``name`` in fewer
+        passes over the group, where this compressor can for ``memory`` and ``tensor``:
+        ``(payload, ctx, update)``, the payload and ctx :meth:`compress` gives the compensated
+        ``tensor``, bit for bit, and ``update()``, which leaves ``memory`` as ``feed`` would; the
+        caller runs it once, after the payload is sent or copied and before ``tensor`` changes.
+        ``tensor`` itself stays as given.  None (this base class: always): the caller compensates,
+        compresses and feeds."""
+        return None
 
     def compress_shard(self, tensor: torch.Tensor, name: str, start: int, total: int) -> Tuple[Payload, Any]:
         """Encode ``tensor``, elements ``[start, start + numel)`` of group ``name``'s flat buffer

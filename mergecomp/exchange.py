@@ -5,6 +5,11 @@
     check finite -> memory.compensate -> compressor.compress -> collective (async)
                  -> memory.update          ...later: wait -> [next rounds] -> aggregate
 
+or, for a group sent whole whose compressor fuses the memory's work into its own passes
+(:meth:`~mergecomp.compressor.Compressor.compress_fused`: 1-bit SGD and EF-SignSGD with the
+residual memory on fp32 CPU tensors), check finite -> fused compress -> collective (async) ->
+the memory's update.
+
 A group sent with the codec :data:`~mergecomp.plan.TWO_PHASE` goes compensate -> compress
 each shard -> all-to-all -> aggregate its own shard -> second-stage memory -> compress ->
 allgather -> decode (:mod:`mergecomp.twophase`).  A group sent with
@@ -103,9 +108,14 @@ class InFlight:
                  finite: torch.Tensor, feedback: bool, comm: Communicator) -> None:
         self.group = group
         self.compressor = compressor
+        #: what is compressed: the group's gradient, compensated by the memory (as given after a
+        #: fused encode, :meth:`Exchange._compress_fused`)
         self.compensated = compensated
         self.finite = finite
         self.feedback = feedback  # the error-feedback memory takes part
+        #: the memory's update after a fused encode (:meth:`Compressor.compress_fused`), run in
+        #: place of :meth:`Memory.feed`
+        self.update: Optional[Callable[[], None]] = None
         self.round = 1
         self.ctx: Any = None
         self.payload: Payload = ()
@@ -231,22 +241,24 @@ class Exchange:
         name = group.name
         if self.keep_state and feedback:
             self._kept += [(holder, name, holder.keep(name)) for holder in (self.memory, compressor, self.shard_memory)]
-        compensated = flat
-        if feedback:
-            compensated = self.memory.compensate(flat, name)
-            carry = self.shard_memory.take_carry(name)
-            if carry is not None:
-                compensated.add_(carry)
-        job = InFlight(group, compressor, compensated, finite, feedback, self.comm)
-        if codec in _FLAT:
-            self._reduce_in_host(job, codec == HIERARCHICAL_TWO_PHASE)
-            job.stages = [self._across_hosts, *([self._second_phase] if job.hosts.two_phase else []),
-                          self._gather_in_host]
-        elif codec == TWO_PHASE and self.comm.size > 1:
-            self._scatter_shards(job)
-            job.stages = [self._second_phase]
-        else:
-            self._compress(job)
+        carry = self.shard_memory.take_carry(name) if feedback else None
+        job = InFlight(group, compressor, flat, finite, feedback, self.comm)
+        whole = codec not in _FLAT and not (codec == TWO_PHASE and self.comm.size > 1)  # not in shards
+        fused = whole and feedback and carry is None and self._compress_fused(job)
+        if not fused:
+            if feedback:
+                job.compensated = self.memory.compensate(flat, name)
+                if carry is not None:
+                    job.compensated.add_(carry)
+            if codec in _FLAT:
+                self._reduce_in_host(job, codec == HIERARCHICAL_TWO_PHASE)
+                job.stages = [self._across_hosts, *([self._second_phase] if job.hosts.two_phase else []),
+                              self._gather_in_host]
+            elif not whole:
+                self._scatter_shards(job)
+                job.stages = [self._second_phase]
+            else:
+                self._compress(job)
         job.encode_seconds = time.perf_counter() - began
         return job
 
@@ -336,6 +348,18 @@ class Exchange:
                                                                  compensated.numel())
         self._launch(job)
 
+    def _compress_fused(self, job: InFlight) -> bool:
+        """Compensate and compress the whole of ``job.compensated`` (the gradient) by the
+        compressor's fused encode (:meth:`Compressor.compress_fused`) and start the collective,
+        where the compressor offers one for this memory; :meth:`_remember` then runs its update.
+        Returns whether it did (``job.compensated`` stays the gradient as given)."""
+        fused = job.compressor.compress_fused(job.compensated, job.group.name, job.group.shapes, self.memory)
+        if fused is None:
+            return False
+        job.payload, job.ctx, job.update = fused
+        self._launch(job)
+        return True
+
     def _launch(self, job: InFlight) -> None:
         compressor = job.compressor
         last_round = job.round == compressor.rounds
@@ -355,7 +379,10 @@ class Exchange:
                 self._remember(job)
 
     def _remember(self, job: InFlight) -> None:
-        if job.feedback and self.memory.feeds_back:
+        if job.update is not None:
+            job.update()
+            job.update = None
+        elif job.feedback and self.memory.feeds_back:
             self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload, job.ctx, job.span[0])
 
     def _scatter_shards(self, job: InFlight) -> None:

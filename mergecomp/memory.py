@@ -12,18 +12,33 @@ sum, zero elsewhere: what it holds after the reduce-scatter inside the host).
 
 All state is per-element (same numel as the group), stored in ``self.state[name]`` as a dict of
 flat tensors, so it can be checkpointed and remapped onto a new merge plan.
+
+A compressor may instead compensate, compress and update in fewer passes of its own
+(:meth:`~mergecomp.compressor.Compressor.compress_fused`) from what :meth:`Memory.fused_residual`
+gives it.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Set, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Set, Tuple
 
 import torch
 
 from .registry import register_memory
 from .stateful import GroupStateful
 
-__all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory", "warn_double_momentum"]
+__all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory", "Residual", "warn_double_momentum"]
+
+
+class Residual(NamedTuple):
+    """One group's residual error feedback, for a compressor that compensates and updates in its
+    own passes (:meth:`Memory.fused_residual`): it compresses ``grad + old`` (``old`` None:
+    ``grad``) and writes the new residual, ``grad + old - sent``, into every element of
+    ``target()``, called once, when it writes.  That buffer may be ``old`` itself (each element
+    read before it is written); for a kept group it is a spare one (:meth:`Memory.keep`)."""
+
+    old: Optional[torch.Tensor]
+    target: Callable[[], torch.Tensor]
 
 
 class Memory(GroupStateful):
@@ -49,6 +64,12 @@ class Memory(GroupStateful):
         ``transmitted[indices] = values`` (see :meth:`Compressor.sent_entries`)."""
         transmitted = torch.zeros_like(compensated).index_put_((indices,), values)
         self.update(compensated, name, transmitted)
+
+    def fused_residual(self, tensor: torch.Tensor, name: str) -> Optional[Residual]:
+        """Group ``name``'s :class:`Residual` when this memory's :meth:`compensate` of ``tensor``
+        is ``tensor + residual`` and its update ``compensated - sent`` (a compressor may then do
+        both in its own passes); else None (this base class: always)."""
+        return None
 
     @property
     def feeds_back(self) -> bool:
@@ -152,15 +173,31 @@ class ResidualMemory(Memory):
         return tensor
 
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
-        torch.sub(compensated, transmitted, out=self._fresh(name, "residual", compensated))
-        self._written(name)
+        torch.sub(compensated, transmitted, out=self._target(name, compensated))
 
     def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
                       values: torch.Tensor) -> None:
         # one copy instead of a dense decode and a subtraction
-        residual = self._fresh(name, "residual", compensated).copy_(compensated)
+        residual = self._target(name, compensated).copy_(compensated)
         residual.index_put_((indices,), compensated[indices] - values)
+
+    def fused_residual(self, tensor: torch.Tensor, name: str) -> Optional[Residual]:
+        """With ``beta = gamma = 1``, unless a subclass overrides :meth:`compensate` or
+        :meth:`update`."""
+        cls = type(self)
+        if ((self.beta, self.gamma) != (1.0, 1.0) or cls.compensate is not ResidualMemory.compensate
+                or cls.update is not ResidualMemory.update):
+            return None
+        old = self.state.get(name, {}).get("residual")
+        if old is not None and old.numel() != tensor.numel():
+            old = None  # as compensate ignores it
+        return Residual(old, lambda: self._target(name, tensor))
+
+    def _target(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The buffer group ``name``'s new residual goes into (every element), its state from now on."""
+        residual = self._fresh(name, "residual", like)
         self._written(name)
+        return residual
 
 
 @register_memory("dgc")

@@ -34,13 +34,13 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "momentum_signs", "majority_vote", "sign_sum", "indices_above", "moments",
-           "copy_finite"]
+           "pack_signs", "pack_signs_sum", "sign_residual", "momentum_signs", "majority_vote", "sign_sum",
+           "indices_above", "moments", "copy_finite"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -91,12 +91,14 @@ _SIGNATURES = {
     "mc_scale_levels": ([_P, _I64, _P, _I64, _P, _I32], None),
     "mc_decode_codes": ([_P, _I64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
+    "mc_pack_signs_sum": ([_P, _P, _I64, _P, _P, _I32], None),
+    "mc_sign_residual": ([_P, _P, _I64, _F32, _F32, _P, _I32], None),
     "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
     "mc_moments": ([_P, _I64, _P, _I32], None),
     "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
     "mc_sign_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
-    "mc_copy_finite": ([_P, _P, _I64, _I32], _I32),
+    "mc_copy_finite": ([_P, _P, _I64, _F32, _I32], _I32),
 }
 
 
@@ -264,6 +266,27 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.
     return out, stats
 
 
+def pack_signs_sum(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_signs` of ``x + r`` (each sum rounded to fp32), bit for bit, reading ``x`` and
+    ``r`` (fp32, ``x``'s numel) once and writing neither."""
+    n = x.numel()
+    stats = torch.empty(3, dtype=torch.float64)
+    _library().mc_pack_signs_sum(_buf("x", x, torch.float32, n), _buf("r", r, torch.float32, n), n,
+                                 _buf("out", out, torch.uint8, -(-n // 8)), stats.data_ptr(), _threads())
+    return out, stats
+
+
+def sign_residual(x: torch.Tensor, r: Optional[torch.Tensor], negative: float, positive: float,
+                  out: torch.Tensor) -> torch.Tensor:
+    """``out = v - (positive where v >= 0, else negative)`` for ``v = x + r`` rounded to fp32
+    (``r`` None: ``v = x``), in one pass; ``out`` (fp32, ``x``'s numel) may be ``r``.  Returns
+    ``out``."""
+    n = x.numel()
+    _library().mc_sign_residual(_buf("x", x, torch.float32, n), None if r is None else _buf("r", r, torch.float32, n),
+                                n, negative, positive, _buf("out", out, torch.float32, n), _threads())
+    return out
+
+
 def momentum_signs(x: torch.Tensor, momentum: torch.Tensor, beta: float,
                    out: torch.Tensor) -> torch.Tensor:
     """Signum's step in one pass: ``momentum = beta * momentum + (1 - beta) * x`` (in place,
@@ -329,10 +352,10 @@ def moments(x: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """``dst[:n] = src`` for fp32 ``src`` of ``n`` elements and, from the same pass, whether
-    every one of them is finite (no NaN or Inf): a gradient's copy into its merged group and the
-    group's non-finite check in one read."""
+def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> bool:
+    """``dst[:n] = src * scale`` (``scale`` 1: a copy) for fp32 ``src`` of ``n`` elements and,
+    from the same pass, whether every element written is finite (no NaN or Inf): a gradient's
+    copy into its merged group, its prescale and the group's non-finite check in one read."""
     n = src.numel()
     return bool(_library().mc_copy_finite(_buf("src", src, torch.float32, n),
-                                          _buf("dst", dst, torch.float32, n), n, _threads()))
+                                          _buf("dst", dst, torch.float32, n), n, scale, _threads()))

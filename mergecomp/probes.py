@@ -15,20 +15,20 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .comm import Communicator
-from .compressor import Compressor
+from .compressor import Compressor, Payload
 from .costmodel import CodecCost, Profile, fit_affine
 from .memory import Memory
 from .plan import TWO_PHASE
 from .twophase import ShardMemory, VoteCodec, feed_shards, shard_bounds
 from .workspace import Workspace
 
-__all__ = ["CodecProbe", "Measurements", "measure", "probe_sizes", "time_codec", "time_network", "time_two_phase",
-           "time_two_phase_network"]
+__all__ = ["CodecProbe", "Measurements", "encode_alone", "measure", "probe_sizes", "time_codec", "time_network",
+           "time_two_phase", "time_two_phase_network"]
 
 
 def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
@@ -51,13 +51,32 @@ def _settle(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def encode_alone(compressor: Compressor, memory: Optional[Memory], tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> List[Tuple[Payload, Any]]:
+    """Every round's ``(payload, ctx)`` of group ``name``'s flat ``tensor`` encoded as the
+    exchange encodes it on one rank, ``memory``'s work included (None: no memory): by the
+    compressor's fused encode where it offers one, else compensate (in place), compress, each
+    later round from this rank's payload (the sum over one rank), and the memory's update."""
+    fused = None if memory is None else compressor.compress_fused(tensor, name, shapes, memory)
+    if fused is not None:
+        payload, ctx, update = fused
+        update()
+        return [(payload, ctx)]
+    compensated = _compensate(memory, tensor, name)
+    rounds = [compressor.compress(compensated, name, shapes)]
+    for _ in range(compressor.rounds - 1):
+        rounds.append(compressor.next_round(*rounds[-1]))
+    _remember(memory, compressor, compensated, name, *rounds[-1])
+    return rounds
+
+
 def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shapes: Sequence[torch.Size],
                dtype: torch.dtype, device: torch.device, world_size: int, memory: Optional[Memory] = None
                ) -> Tuple[List[float], List[float], float]:
     """Seconds to encode and to decode (aggregating ``world_size`` payloads) random gradients of
     each ``(bytes, leading tensor count)`` sample, and the payload/input byte ratio.  With an
-    error-feedback ``memory``, the encode includes its work as the exchange does it (compensate
-    before, the residual update after).
+    error-feedback ``memory``, the encode includes its work as the exchange does it
+    (:func:`encode_alone`).
 
     Timed in steady state, as training runs: each sample runs once untimed first, and on CPU
     the compressor gets a private workspace (as the exchange attaches one), advanced before
@@ -83,11 +102,7 @@ def time_codec(compressor: Compressor, samples: Sequence[Tuple[int, int]], shape
                 flat = data.clone()  # a compressor may work in place on its input
                 _settle(device)
                 began = time.perf_counter()
-                flat = _compensate(memory, flat, name)
-                payload, ctx = compressor.compress(flat, name, shapes[:count])
-                for _ in range(compressor.rounds - 1):
-                    payload, ctx = compressor.next_round(payload, ctx)
-                _remember(memory, compressor, flat, name, payload, ctx)
+                payload, ctx = encode_alone(compressor, memory, flat, name, shapes[:count])[-1]
                 _settle(device)
                 middle = time.perf_counter()
                 arrived = [payload] if compressor.summable else [payload] * world_size

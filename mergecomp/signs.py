@@ -2,12 +2,14 @@
 (1-bit SGD, EF-SignSGD).  The sign-bit operations themselves are in :mod:`mergecomp.codecs`."""
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from .codecs import decode_signs, sign_sum
+from .codecs import compensated_signs, decode_signs, pack_signs, sign_sum
+from .codecs.sums import SignStats
 from .compressor import Compressor, Payload
+from .memory import Memory
 
 __all__ = ["SignValueCompressor"]
 
@@ -19,6 +21,27 @@ class SignValueCompressor(Compressor):
     decode and add per rank."""
 
     shard_alignment = 8  # whole bytes of sign bits
+
+    def encode(self, bits: torch.Tensor, stats: SignStats, tensor: torch.Tensor) -> Tuple[Payload, Any]:
+        """The payload and ctx of ``tensor`` from its packed sign ``bits`` and their ``stats``."""
+        raise NotImplementedError
+
+    def compress(self, tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Any]:
+        return self.encode(*pack_signs(tensor, empty=self.scratch), tensor)
+
+    def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
+                       memory: Memory) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
+        """With the residual memory (:meth:`Memory.fused_residual`), where a kernel serves the
+        tensors (:func:`mergecomp.codecs.compensated_signs`): one pass reads the gradient and its
+        residual for the bits and their sums, ``update`` a second writes the new residual;
+        compensate, compress and feed make four (the third decodes the payload into a temporary)."""
+        residual = memory.fused_residual(tensor, name)
+        signs = None if residual is None else compensated_signs(tensor, residual.old, empty=self.scratch)
+        if signs is None:
+            return None
+        payload, ctx = self.encode(signs.bits, signs.stats, tensor)
+        return payload, ctx, lambda: signs.remainder(*self.sides(payload), out=residual.target())
 
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(negative, positive)``: what a 0 bit and a 1 bit of this payload decode to."""

@@ -388,20 +388,19 @@ class MergedStep:
             slot.zero_()
         elif _holds(grad, flat, offset):
             self._unchecked(g)
-        elif grad.is_sparse:
-            if self.warn_sparse:
-                warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
-                              f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
-            slot.copy_(grad.to_dense().reshape(-1))
-            self._unchecked(g)
+            if self.prescale != 1.0:
+                slot.mul_(self.prescale)
         else:
-            finite = codecs.copy_finite(grad, slot)
+            if grad.is_sparse:
+                if self.warn_sparse:
+                    warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
+                                  f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
+                grad = grad.to_dense()
+            finite = codecs.copy_finite(grad, slot, self.prescale)  # the copy, prescale and check: one pass
             if finite is None:
                 self._unchecked(g)
             elif not finite:
                 self._finite[g] = False
-        if self.prescale != 1.0 and grad is not None:
-            slot.mul_(self.prescale)
         self._count[g] += 1
 
     def _unchecked(self, g: int) -> None:

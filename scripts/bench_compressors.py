@@ -6,13 +6,19 @@ Run (the full run takes a few minutes on 2 CPU cores)::
     python scripts/bench_compressors.py                        # all registered compressors
     python scripts/bench_compressors.py --json bench.json      # also write the results as JSON
     python scripts/bench_compressors.py --compressors fp16,topk --repeats 3 --threads 2
+    python scripts/bench_compressors.py --memory default        # with each one's default memory
 
-What is timed, per compressor with its default settings (no error-feedback memory, world size 1):
-``compress`` then ``decompress`` of this rank's payload, for every group of a plan.  A compressor
-with ``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
-round's payload to the next as if allreduced over one rank.  As in the pipeline on CPU, each run
-is one step of a :class:`mergecomp.workspace.Workspace` (outputs recycled; ``--no-workspace``:
-fresh allocations).  The gradient set is ResNet-50's 161 tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order, cut into:
+What is timed, per compressor with its default settings (world size 1): ``compress`` then
+``decompress`` of this rank's payload, for every group of a plan.  A compressor with
+``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
+round's payload to the next as if allreduced over one rank.  With ``--memory`` the
+error-feedback memory takes part as in the exchange (``mergecomp.probes.encode_alone``:
+``compensate`` before, the residual update after, or the compressor's fused encode); the
+gradients are then restored, untimed, before each run, since ``compensate`` writes into them.
+As in the pipeline on CPU, each run is one step of a :class:`mergecomp.workspace.Workspace`
+(outputs recycled; ``--no-workspace``: fresh allocations).  The gradient set is ResNet-50's 161
+tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order,
+cut into:
 
 * ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
 * ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.plan.build_plan`` with an
@@ -46,6 +52,7 @@ import torch
 import mergecomp
 from mergecomp.bench import zoo
 from mergecomp.plan import build_plan, layout
+from mergecomp.probes import encode_alone
 from mergecomp.workspace import Workspace
 
 # -- defaults ------------------------------------------------------------------------------------
@@ -79,6 +86,9 @@ parser.add_argument("--budget", type=float, default=BUDGET_S,
                     help="seconds per case; a case whose warm-up says it would exceed this gets "
                          "fewer repeats (at least 1)")
 parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+parser.add_argument("--memory", default="none",
+                    help="error-feedback memory around each compressor: a memory name, or 'default' "
+                         "for each compressor's default_memory (default: none)")
 parser.add_argument("--no-workspace", action="store_true",
                     help="allocate every output afresh instead of recycling it step by step as "
                          "the pipeline does on CPU (mergecomp.workspace)")
@@ -95,10 +105,10 @@ cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
 thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0")
 machine = {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "python": platform.python_version(),
-           "THP_MEM_ALLOC_ENABLE": thp, "workspace": not args.no_workspace}
+           "THP_MEM_ALLOC_ENABLE": thp, "workspace": not args.no_workspace, "memory": args.memory}
 print(f"machine: {cpu}, {os.cpu_count()} CPUs; torch {torch.__version__}; "
       f"{torch.get_num_threads()} threads; python {platform.python_version()}; "
-      f"THP_MEM_ALLOC_ENABLE={thp}; workspace {'off' if args.no_workspace else 'on'}")
+      f"THP_MEM_ALLOC_ENABLE={thp}; workspace {'off' if args.no_workspace else 'on'}; memory {args.memory}")
 print("load average (1, 5, 15 min) at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 # glibc serves allocations above its mmap threshold with fresh pages (a page fault per 4 KiB on
@@ -114,6 +124,7 @@ order = list(range(len(shapes)))
 param_names = [f"p{i}" for i in order]
 nbytes = [4 * n for n in numels]
 grads = torch.randn(RESNET50_NUMEL)  # the backward-ordered gradients, one flat fp32 buffer
+work = grads.clone()  # what the groups hold: compensate writes into it
 
 plans = {"layerwise": build_plan("layerwise", order, param_names, nbytes)}
 for k in MERGED_GROUPS:
@@ -125,34 +136,37 @@ for case, plan in plans.items():
     start = 0
     cases[case] = []
     for g in groups:
-        cases[case].append((g.name, grads[start:start + g.numel], list(g.shapes)))
+        cases[case].append((g.name, work[start:start + g.numel], list(g.shapes)))
         start += g.numel
     assert start == RESNET50_NUMEL
 print(f"gradients: resnet50, {len(shapes)} tensors, {RESNET50_NUMEL:,} fp32 elements; "
       + ", ".join(f"{case}: {len(groups)} groups" for case, groups in cases.items()))
 
 
-def run_case(compressor, groups):
+def nbytes(payload):
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+def run_case(compressor, memory, groups):
     """Encode + decode every group once (one step); returns the payload bytes over all rounds."""
     if compressor.workspace is not None:
         compressor.workspace.advance(compressor.workspace.step + 1)
     wire = 0
     for name, flat, group_shapes in groups:
-        payload, ctx = compressor.compress(flat, name, group_shapes)
-        wire += sum(t.numel() * t.element_size() for t in payload)
-        for _ in range(compressor.rounds - 1):
-            payload, ctx = compressor.next_round(payload, ctx)  # world size 1: the sum is ours
-            wire += sum(t.numel() * t.element_size() for t in payload)
-        compressor.decompress(payload, ctx)
+        rounds = encode_alone(compressor, memory, flat, name, group_shapes)
+        wire += sum(nbytes(payload) for payload, _ in rounds)
+        compressor.decompress(*rounds[-1])
     return wire
 
 
-def time_ms(fn, repeats, warmup, budget):
+def time_ms(fn, repeats, warmup, budget, setup=None):
     """Wall time of ``fn()`` in ms (``--stat`` of the timed runs), all timed runs (ms), the page
-    faults per timed run and the warm-up's result.  The (last) warm-up run decides whether
-    ``repeats`` runs fit in ``budget`` seconds."""
+    faults per timed run and the warm-up's result; ``setup()``, when given, runs untimed before
+    each run.  The (last) warm-up run decides whether ``repeats`` runs fit in ``budget`` seconds."""
+    setup = setup or (lambda: None)
     spent, result = 0.0, None
     for _ in range(max(1, warmup)):
+        setup()
         t0 = time.perf_counter()
         result = fn()
         spent = time.perf_counter() - t0
@@ -160,6 +174,7 @@ def time_ms(fn, repeats, warmup, budget):
         repeats = max(1, int(budget // max(spent, 1e-9)))
     times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
+        setup()
         t0 = time.perf_counter()
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
@@ -182,17 +197,20 @@ print(f"memcpy baseline: {memcpy_start:.2f} ms for {RESNET50_NUMEL:,} floats "
 results = []
 for name in names:
     compressor = mergecomp.get_compressor(name)
+    memory = mergecomp.get_memory(compressor.default_memory if args.memory == "default" else args.memory)
+    restore = (lambda: work.copy_(grads)) if memory.feeds_back else None
     if not args.no_workspace:
         compressor.workspace = Workspace()  # as the pipeline attaches on CPU
     # The baseline is measured again right before each compressor, so that the ratios compare
     # numbers taken under the same conditions on a machine shared with other jobs.
-    row = {"compressor": name, "settings": {k: repr(v) for k, v in compressor.settings().items()},
+    row = {"compressor": name, "memory": memory.name, "settings": {k: repr(v) for k, v in compressor.settings().items()},
            "rounds": compressor.rounds, "memcpy_ms": memcpy_ms(), "ms": {}, "repeats": {},
            "runs_ms": {}, "page_faults": {}}
     for case, groups in cases.items():
         compressor.state.clear()
+        memory.state.clear()
         row["ms"][case], row["runs_ms"][case], row["page_faults"][case], wire = time_ms(
-            lambda: run_case(compressor, groups), args.repeats, args.warmup, args.budget)
+            lambda: run_case(compressor, memory, groups), args.repeats, args.warmup, args.budget, restore)
         row["repeats"][case] = len(row["runs_ms"][case])
         row["bits_per_element" if case == "merged1" else f"bits_{case}"] = 8 * wire / RESNET50_NUMEL
         print(f"  {name:10s} {case:10s} {row['ms'][case]:9.2f} ms  (n={row['repeats'][case]}, "
@@ -216,7 +234,8 @@ def verdict(ok):
     return "-" if ok is None else ("PASS" if ok else "FAIL")
 
 
-header = ["compressor", "bits/elem", "memcpy ms", "layerwise ms"] + [f"merged{k} ms" for k in MERGED_GROUPS] + [
+with_memory = args.memory != "none"
+header = ["compressor", *(["memory"] if with_memory else []), "bits/elem", "memcpy ms", "layerwise ms"] + [f"merged{k} ms" for k in MERGED_GROUPS] + [
     "merged1/memcpy", "best/memcpy", "layerwise/best", "target", "merged<=target",
     "merged<=layerwise", "n"]
 print()
@@ -224,11 +243,11 @@ print(f"times: the {args.stat} of the timed runs; memcpy: dst.copy_(src) of the 
       f"fp32, measured before each compressor ({memcpy_start:.2f} ms at the start)")
 print()
 print("| " + " | ".join(header) + " |")
-print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+print("|" + "|".join("---" if i <= with_memory else "---:" for i in range(len(header))) + "|")
 for row in results:
     ms = row["ms"]
     repeats = sorted(set(row["repeats"].values()))
-    cells = [row["compressor"], f"{row['bits_per_element']:.3g}", f"{row['memcpy_ms']:.1f}",
+    cells = [row["compressor"], *([row["memory"]] if with_memory else []), f"{row['bits_per_element']:.3g}", f"{row['memcpy_ms']:.1f}",
              f"{ms['layerwise']:.1f}"]
     cells += [f"{ms[f'merged{k}']:.1f}" + ("*" if k == row["best_merged"] else "")
               for k in MERGED_GROUPS]

@@ -28,6 +28,10 @@ def both_paths(fn, *args, **kwargs):
     return fast, eager
 
 
+def _sign_stats(stats):
+    return torch.stack([stats.nonnegative_sum(), stats.negative_sum(), stats.magnitude(), stats.nonnegative()])
+
+
 @needs_kernels
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("shape", ["flat", "matrix"])
@@ -39,8 +43,7 @@ def test_pack_signs_gives_the_same_bits_and_stats_on_both_paths(n, shape):
 
     def pack(x):
         bits, stats = codecs.pack_signs(x)
-        return bits, torch.stack([stats.nonnegative_sum(), stats.negative_sum(), stats.magnitude(),
-                                  stats.nonnegative()])
+        return bits, _sign_stats(stats)
 
     (fast_bits, fast_stats), (eager_bits, eager_stats) = both_paths(pack, x)
     assert torch.equal(fast_bits, bitpack.pack(x.reshape(-1) >= 0, 1))
@@ -50,6 +53,31 @@ def test_pack_signs_gives_the_same_bits_and_stats_on_both_paths(n, shape):
                             (x >= 0).sum().double()])
     torch.testing.assert_close(fast_stats.double(), expected, rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(eager_stats, fast_stats, rtol=1e-5, atol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [0] + SIZES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_compensated_signs_are_pack_signs_of_the_sum_and_leave_its_residual(n, with_residual):
+    x = torch.randn(n)
+    r = torch.randn(n) if with_residual else None
+    compensated = x + r if with_residual else x.clone()
+    signs = codecs.compensated_signs(x, r)
+    bits, stats = codecs.pack_signs(compensated)
+    assert torch.equal(signs.bits, bits) and torch.equal(_sign_stats(signs.stats), _sign_stats(stats))
+    negative, positive = torch.tensor(-0.5), torch.tensor(0.75)
+    out = signs.remainder(negative, positive, out=r if with_residual else torch.empty(n))
+    assert torch.equal(out, compensated - codecs.decode_signs(bits, n, torch.float32, negative, positive))
+
+
+@pytest.mark.parametrize("dtype, kernels", [(torch.float32, False), (torch.float64, True), (torch.float16, True)])
+def test_compensated_signs_decline_where_no_kernel_serves(dtype, kernels):
+    x = torch.randn(10, dtype=dtype)
+    with contextlib.nullcontext() if kernels else native.disabled():
+        assert codecs.compensated_signs(x, torch.randn(10, dtype=dtype)) is None
+        assert codecs.compensated_signs(x, None) is None
+    if dtype == torch.float32 and native.usable(x):
+        assert codecs.compensated_signs(x, torch.randn(10, dtype=torch.float64)) is None
 
 
 @pytest.mark.parametrize("dtype, work", [(torch.float16, torch.float32), (torch.float64, torch.float64)])
@@ -178,6 +206,16 @@ def test_copy_finite_only_copies_where_it_cannot_check(dtype, kernels):
     with contextlib.nullcontext() if kernels else native.disabled():
         assert codecs.copy_finite(src, dst) is None
     torch.testing.assert_close(dst, src.reshape(-1), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003])
+def test_copy_finite_scales_as_the_torch_path_does(n):
+    src = torch.randn(n)
+    (fast, fast_dst), (eager, eager_dst) = both_paths(lambda s, d: (codecs.copy_finite(s, d, 0.1), d), src,
+                                                      torch.empty(n))
+    assert fast is True and eager is None
+    assert torch.equal(fast_dst, eager_dst) and torch.equal(fast_dst, src * 0.1)
 
 
 def test_copy_finite_needs_the_same_numel():

@@ -668,3 +668,120 @@ def test_sparse_memory_update_matches_the_dense_one(name, kwargs, memory_name):
         dense_m.update(xd, "g", dense_c.decompress(dense_payload, dense_ctx))
         for field, value in dense_m.state["g"].items():
             assert torch.equal(sparse_m.state["g"][field], value), (step, field)
+
+
+# -- the fused encode with the residual memory (Compressor.compress_fused) --------------------
+SIGN_VALUE = ["onebit", "efsignsgd"]
+
+
+def plain_encode(c, memory, grad, name="g"):
+    """The exchange's route without the fused encode: compensate, compress, feed."""
+    compensated = memory.compensate(grad, name)
+    payload, ctx = c.compress(compensated, name)
+    memory.feed(c, compensated, name, payload, ctx)
+    return payload
+
+
+def encode(c, memory, grad, codec_path, name="g"):
+    """As the exchange encodes: by the fused encode where it is offered (on the native path
+    only, which is checked), its update run; else by compensate, compress, feed."""
+    fused = c.compress_fused(grad, name, None, memory)
+    assert (fused is None) == (codec_path == "eager")
+    if fused is None:
+        return plain_encode(c, memory, grad, name)
+    payload, _, update = fused
+    update()
+    return payload
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003])
+@pytest.mark.parametrize("name", SIGN_VALUE)
+def test_fused_encode_matches_compensate_compress_feed_bit_for_bit(name, n, codec_path):
+    fused_c, plain_c = make(name), make(name)
+    fused_m, plain_m = mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
+    for step in range(3):  # the first without a residual
+        grad = torch.randn(n) * (step + 1)
+        given = grad.clone()
+        payload = encode(fused_c, fused_m, given, codec_path)
+        if codec_path == "eager":
+            return  # plain_encode on both sides
+        expected = plain_encode(plain_c, plain_m, grad.clone())
+        assert torch.equal(given, grad)  # the gradient is not written
+        assert all(torch.equal(a, b) for a, b in zip(payload, expected)), step
+        assert torch.equal(fused_m.state["g"]["residual"], plain_m.state["g"]["residual"]), step
+
+
+@pytest.mark.parametrize("name", SIGN_VALUE)
+def test_fused_encode_of_a_kept_group_keeps_the_old_residual_for_rollback(name, codec_path):
+    c, memory = make(name), mergecomp.get_memory("residual")
+    plain_c, plain_m = make(name), mergecomp.get_memory("residual")
+    for seed in range(2):
+        grad = torch.randn(1000, generator=torch.Generator().manual_seed(seed))
+        encode(c, memory, grad.clone(), codec_path)
+        plain_encode(plain_c, plain_m, grad.clone())
+    before = memory.state["g"]["residual"]
+    saved = before.clone()
+    kept = memory.keep("g")
+    encode(c, memory, torch.randn(1000), codec_path)
+    if codec_path == "native":
+        assert memory.state["g"]["residual"] is not before and torch.equal(before, saved)
+    memory.restore("g", kept)
+    assert memory.state["g"]["residual"] is before and torch.equal(before, saved)
+    grad = torch.randn(1000)  # afterwards, as if the rolled-back step had never happened
+    payload = encode(c, memory, grad.clone(), codec_path)
+    assert all(torch.equal(a, b) for a, b in zip(payload, plain_encode(plain_c, plain_m, grad.clone())))
+    assert torch.equal(memory.state["g"]["residual"], plain_m.state["g"]["residual"])
+
+
+def test_fused_encode_only_with_the_plain_residual_memory():
+    from mergecomp.memory import ResidualMemory
+
+    class Recording(ResidualMemory):
+        def compensate(self, tensor, name):
+            return super().compensate(tensor, name)
+
+    grad = torch.randn(100)
+    for memory in [mergecomp.get_memory("none"), mergecomp.get_memory("dgc"), ResidualMemory(beta=0.5),
+                   ResidualMemory(gamma=2.0), Recording()]:
+        assert make("onebit").compress_fused(grad, "g", None, memory) is None, memory
+    for name in ALL:
+        if name not in SIGN_VALUE:
+            assert make(name).compress_fused(grad, "g", None, mergecomp.get_memory("residual")) is None, name
+
+
+@pytest.mark.parametrize("name", SIGN_VALUE)
+def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_route(name, codec_path, monkeypatch):
+    """A small model trained 4 steps through MergedStep (one rank, 2 groups, a kept state for
+    the propagate policy): parameters and residuals bit for bit the same with the fused encode
+    as with compensate, compress and feed."""
+    from mergecomp.comm import LocalCommunicator
+    from mergecomp.compressor import Compressor
+    from mergecomp.memory import ResidualMemory
+    from mergecomp.signs import SignValueCompressor
+    from mergecomp.step import MergedStep
+
+    def train():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        names, params = zip(*model.named_parameters())
+        step = MergedStep(name, None, LocalCommunicator(), names, [p.shape for p in params],
+                          [p.dtype for p in params], torch.device("cpu"), groups=2, nonfinite="propagate")
+        x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
+        for _ in range(4):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            for i, p in enumerate(params):
+                step.add(i, p.grad)
+                p.grad = None
+            with torch.no_grad():
+                for p, g in zip(params, step.finish().tensors(len(params))):
+                    p.sub_(0.1 * g)
+        memory = step.exchange.memory.state
+        return [p.detach().clone() for p in params] + [memory[g]["residual"].clone() for g in sorted(memory)]
+
+    with monkeypatch.context() as patch:
+        if codec_path == "native":  # the fused encode's update stands in for the memory's feed
+            patch.setattr(ResidualMemory, "feed", None)
+        fused = train()
+    monkeypatch.setattr(SignValueCompressor, "compress_fused", Compressor.compress_fused)
+    plain = train()
+    assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))

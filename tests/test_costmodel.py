@@ -287,6 +287,23 @@ def test_time_codec_times_warm_runs_and_leaves_the_compressor_as_it_was():
     assert "__scheduler_probe__" not in compressor.state
 
 
+def test_time_codec_takes_the_fused_encode_as_the_exchange_does(monkeypatch):
+    import torch
+
+    import mergecomp
+    from mergecomp import native
+    from mergecomp.memory import ResidualMemory
+    from mergecomp.probes import time_codec
+
+    if not native.usable(torch.zeros(1)):
+        pytest.skip("native kernels unavailable")
+    monkeypatch.setattr(ResidualMemory, "feed", None)  # the fused encode's update stands in for it
+    memory = mergecomp.get_memory("residual")
+    encode, decode, _ = time_codec(mergecomp.get_compressor("onebit"), [(4000, 1)], [torch.Size([1000])],
+                                   torch.float32, torch.device("cpu"), 2, memory)
+    assert min(encode + decode) > 0 and "__scheduler_probe__" not in memory.state
+
+
 def test_measurements_travel_as_one_tensor_and_agree_on_the_slowest_rank():
     import torch
 

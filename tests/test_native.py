@@ -49,6 +49,35 @@ def test_pack_signs_and_sums(n):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", [0] + SIZES)
+def test_pack_signs_sum_is_pack_signs_of_the_sum_bit_for_bit(n):
+    x, r = torch.randn(n), torch.randn(n) * 0.1
+    x[::5], r[::5] = 0.0, -0.0  # zeros of both signs: +0 + -0 = +0 travels as +
+    r[1::7] = -x[1::7]  # sums of exactly zero
+    x_before, r_before = x.clone(), r.clone()
+    empty = torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8)
+    bits, stats = native.pack_signs_sum(x, r, empty.clone())
+    expected_bits, expected_stats = native.pack_signs(x + r, empty.clone())
+    assert torch.equal(bits, expected_bits) and torch.equal(stats, expected_stats)
+    assert torch.equal(x, x_before) and torch.equal(r, r_before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003, (1 << 19) + 5])
+@pytest.mark.parametrize("residual", ["absent", "apart", "in place"])
+def test_sign_residual_is_the_sum_less_its_decode_bit_for_bit(n, residual):
+    x, r = torch.randn(n), torch.randn(n) * 0.1
+    x[::5] = -0.0  # with no residual, -0 - side keeps its sign as torch's subtraction does
+    negative, positive = -0.3125, 0.7
+    v = x if residual == "absent" else x + r
+    expected = v - decode_signs(bitpack.pack(v >= 0, 1), n, torch.float32, negative, positive)
+    out = r if residual == "in place" else torch.empty(n)
+    got = native.sign_residual(x, None if residual == "absent" else r, negative, positive, out)
+    assert got is out and torch.equal(out, expected)
+    assert torch.equal(torch.signbit(out), torch.signbit(expected))
+
+
+@needs_kernels
 @pytest.mark.parametrize("n", SIZES)
 def test_moments(n):
     x = torch.randn(n) * 3 + 1e4  # blocks combined without cancelling the spread
@@ -69,6 +98,20 @@ def test_copy_finite_copies_and_finds_nan_and_inf_anywhere(n, bad):
     assert native.copy_finite(x, out) is (bad is None)
     torch.testing.assert_close(out[:n], x, rtol=0, atol=0, equal_nan=True)
     assert out[n] == -7.0  # nothing written past n
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003])
+@pytest.mark.parametrize("scale", [0.25, 1 / 3])
+def test_copy_finite_scales_as_torch_does_and_checks_what_it_wrote(n, scale):
+    x = torch.randn(n)
+    out = torch.empty(n)
+    assert native.copy_finite(x, out, scale) is True
+    assert torch.equal(out, x * scale)
+    if n:
+        x[n // 2] = 3e38  # finite, but not once scaled
+        assert native.copy_finite(x, out, 4.0) is False
+        assert out[n // 2] == float("inf")
 
 
 @needs_kernels

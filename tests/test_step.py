@@ -1,5 +1,7 @@
 """MergedStep, the core every front end adapts: one process (local engine) for the lifecycle,
 two gloo ranks for averaging, non-finite agreement and caller-given groups."""
+import contextlib
+
 import pytest
 import torch
 
@@ -80,7 +82,25 @@ def test_nonfinite_policies():
     assert ignoring.finish().tensors(4)[3].isnan().any()
 
 
-@pytest.mark.parametrize("compression", ["topk", "powersgd", "dgc"])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_prescale_scales_each_gradient_once_and_flags_what_overflows(kernels):
+    from mergecomp import native
+
+    with contextlib.nullcontext() if kernels else native.disabled():
+        step = local_step(prescale=0.5, postscale=4.0)
+        g = grads(3)
+        for i, t in enumerate(g):
+            step.add(i, t)
+        assert all(torch.equal(got, want * 0.5 * 4.0) for got, want in zip(step.finish().tensors(4), g))
+        big = local_step(prescale=4.0)
+        g[1][2] = 3e38  # finite; not once scaled
+        for i, t in enumerate(g):
+            big.add(i, t)
+        with pytest.raises(FloatingPointError, match="'b'"):
+            big.finish()
+
+
+@pytest.mark.parametrize("compression", ["topk", "powersgd", "dgc", "onebit", "efsignsgd"])
 def test_propagate_makes_the_step_nan_and_puts_error_feedback_back(compression):
     def run(step, seed):
         for i, t in enumerate(grads(seed)):

@@ -4,19 +4,22 @@ its plain-torch version otherwise, so the compressors call one function and neve
 kernels themselves.  Both paths write the same layouts; :func:`mergecomp.native.disabled` forces
 the torch path.
 
-* :mod:`.signs`: sign bits (packing with their sums, Signum's momentum step, decoding, the
-  majority vote, the sum of the ranks' two-valued decodes);
+* :mod:`.signs`: sign bits (packing with their sums, also of a gradient plus its residual without
+  writing that sum, and the residual left once it is sent; Signum's momentum step; decoding; the
+  majority vote; the sum of the ranks' two-valued decodes);
 * :mod:`.levels`: quantization codes (stochastic rounding, QSGD's encode and decode, decoding
   packed codes through a table);
 * :mod:`.sums`: the reductions a kernel computes in its pass (the sums of each sign, min, max,
   squared deviations from the mean), each reduced only when read on the torch path;
-* :mod:`.scans`: the gradient copy with its finite check, and the indices above a threshold.
+* :mod:`.scans`: the gradient copy with its prescale and finite check, and the indices above a
+  threshold.
 """
 from .levels import decode_codes, qsgd_encode, scale_levels, stochastic_codes
 from .scans import copy_finite, indices_above
-from .signs import decode_signs, majority_vote, momentum_signs, pack_signs, sign_sum
+from .signs import (CompensatedSigns, compensated_signs, decode_signs, majority_vote, momentum_signs, pack_signs,
+                    sign_sum)
 from .sums import moments
 
-__all__ = ["pack_signs", "momentum_signs", "decode_signs", "majority_vote", "sign_sum",
-           "decode_codes", "stochastic_codes", "qsgd_encode", "scale_levels", "moments",
+__all__ = ["pack_signs", "compensated_signs", "CompensatedSigns", "momentum_signs", "decode_signs", "majority_vote",
+           "sign_sum", "decode_codes", "stochastic_codes", "qsgd_encode", "scale_levels", "moments",
            "copy_finite", "indices_above"]

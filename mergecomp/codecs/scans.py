@@ -1,5 +1,5 @@
-"""Scans of a flat buffer: the gradient copy with its finite check, and the indices of the
-elements above a threshold."""
+"""Scans of a flat buffer: the gradient copy with its prescale and finite check, and the indices
+of the elements above a threshold."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,15 +14,18 @@ __all__ = ["copy_finite", "indices_above"]
 _CHUNK = 1 << 20
 
 
-def copy_finite(src: torch.Tensor, dst: torch.Tensor) -> Optional[bool]:
-    """Copy ``src`` (any shape, read flat) into the flat ``dst`` of the same numel.  Returns
-    whether every element is finite (no NaN or Inf) where the same pass could tell (the native
-    kernel: contiguous fp32 CPU tensors), else None: copied only, the caller checks."""
+def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> Optional[bool]:
+    """Copy ``src`` (any shape, read flat) times ``scale`` into the flat ``dst`` of the same
+    numel (``scale`` 1: copied as it is).  Returns whether every element written is finite (no
+    NaN or Inf) where the same pass could tell (the native kernel: contiguous fp32 CPU tensors),
+    else None: the caller checks."""
     if src.numel() != dst.numel():
         raise ValueError(f"copy_finite: src has {src.numel()} elements, dst {dst.numel()}")
     if native.usable(src, dst):
-        return native.copy_finite(src, dst)
+        return native.copy_finite(src, dst, scale)
     dst.copy_(src.reshape(-1))
+    if scale != 1.0:
+        dst.mul_(scale)
     return None
 
 

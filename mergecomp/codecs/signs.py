@@ -2,6 +2,7 @@
 :func:`mergecomp.bitpack.pack` lays them out (``ceil(numel / 8)`` uint8)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -11,7 +12,8 @@ from ..workspace import fresh
 from .levels import decode_codes
 from .sums import SignStats
 
-__all__ = ["pack_signs", "momentum_signs", "decode_signs", "majority_vote", "sign_sum"]
+__all__ = ["pack_signs", "compensated_signs", "CompensatedSigns", "momentum_signs", "decode_signs", "majority_vote",
+           "sign_sum"]
 
 #: one of the two values a sign bit decodes to: a float or a 0-d/1-element tensor
 Value = Union[float, torch.Tensor]
@@ -28,6 +30,39 @@ def pack_signs(x: torch.Tensor, empty: Optional[Callable] = None) -> Tuple[torch
         return bits, SignStats(x, fused=fused)
     positive = x >= 0
     return bitpack.pack(positive, 1), SignStats(x, positive=positive)
+
+
+@dataclass
+class CompensatedSigns:
+    """What :func:`compensated_signs` found: the sign ``bits`` and ``stats`` of the compensated
+    gradient ``x + residual`` (``residual`` None: ``x``), which was never written."""
+
+    x: torch.Tensor
+    residual: Optional[torch.Tensor]
+    bits: torch.Tensor
+    stats: SignStats
+
+    def remainder(self, negative: Value, positive: Value, out: torch.Tensor) -> torch.Tensor:
+        """``out = x + residual - decode_signs(bits, n, dtype, negative, positive)``, bit for bit:
+        what of the compensated gradient that decode did not give back (the residual error
+        feedback keeps), in one pass over ``x`` and ``residual`` (each element's sign is
+        recomputed, the bits are not read).  ``out`` (fp32, ``x``'s numel) may be ``residual``.
+        Returns ``out``."""
+        return native.sign_residual(self.x, self.residual, float(negative), float(positive), out)
+
+
+def compensated_signs(x: torch.Tensor, residual: Optional[torch.Tensor],
+                      empty: Optional[Callable] = None) -> Optional[CompensatedSigns]:
+    """:func:`pack_signs` of ``x + residual`` (``residual`` None: of ``x``; the flat ``x`` and
+    ``residual`` of its numel are not written), bit for bit, from one pass where a kernel serves
+    the tensors; else None, and the caller compensates ``x`` in place and calls
+    :func:`pack_signs` (the torch path would make as many passes).  ``empty`` as there."""
+    operands = (x,) if residual is None else (x, residual)
+    if not native.usable(*operands):
+        return None
+    out = (empty or fresh)(bitpack.packed_size(x.numel(), 1), torch.uint8, x.device)
+    bits, fused = native.pack_signs(x, out) if residual is None else native.pack_signs_sum(x, residual, out)
+    return CompensatedSigns(x, residual, bits, SignStats(x, fused=fused))
 
 
 def momentum_signs(x: torch.Tensor, momentum: torch.Tensor, beta: float,

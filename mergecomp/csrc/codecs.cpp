@@ -134,12 +134,16 @@ const std::vector<uint64_t> EXPAND = [] {
   return table;
 }();
 
-// The sign bits of v[i] (v = x, or the momentum m = m + weight * (x - m), updated in place)
-// packed into out, with stats = {sum of the v >= 0, sum of the v < 0, count of v >= 0}: each
-// side summed on its own (fp64), so a small side keeps its digits beside a large one.
-template <bool Momentum>
-void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t* out, double* stats,
-                     int threads) {
+// Where pack_signs_impl takes each element v from: x, the sum x + r, or the momentum
+// m = m + weight * (x - m), updated in place.
+enum class Input { kPlain, kSum, kMomentum };
+
+// The sign bits of v[i] (see Input) packed into out, with stats = {sum of the v >= 0, sum of the
+// v < 0, count of v >= 0}: each side summed on its own (fp64), so a small side keeps its digits
+// beside a large one.  One loop for every input, so the sums of equal v are equal bit for bit.
+template <Input In>
+void pack_signs_impl(const float* x, const float* r, float* m, float weight, int64_t n, uint8_t* out,
+                     double* stats, int threads) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<double> partial(3 * blocks);
   double* p = partial.data();
@@ -148,14 +152,16 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
       const float* src = x + start;
-      float* mom = Momentum ? m + start : nullptr;
+      const float* res = In == Input::kSum ? r + start : nullptr;
+      float* mom = In == Input::kMomentum ? m + start : nullptr;
       uint8_t* c = codes.data();
       double above = 0, below = 0;
       int32_t positive = 0;  // len <= BLOCK
 #pragma omp simd reduction(+ : above, below, positive)
       for (int64_t k = 0; k < len; ++k) {
         float v = src[k];
-        if (Momentum) mom[k] = v = mom[k] + weight * (v - mom[k]);
+        if (In == Input::kSum) v += res[k];
+        if (In == Input::kMomentum) mom[k] = v = mom[k] + weight * (v - mom[k]);
         const uint8_t bit = v >= 0.0f;
         c[k] = bit;
         positive += bit;
@@ -176,11 +182,53 @@ void pack_signs_impl(const float* x, float* m, float weight, int64_t n, uint8_t*
     for (int j = 0; j < 3; ++j) stats[j] += p[3 * b + j];
 }
 
+// out[i] = v - (v >= 0 ? positive : negative), v = x[i] + r[i] (Sum) or x[i]: v less its
+// two-valued sign decode.  out may be r.
+template <bool Sum>
+void sign_residual_impl(const float* x, const float* r, int64_t n, float negative, float positive, float* out,
+                        int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t stop = std::min(n, last * BLOCK);
+#pragma omp simd
+    for (int64_t i = first * BLOCK; i < stop; ++i) {
+      const float v = Sum ? x[i] + r[i] : x[i];
+      out[i] = v - (v >= 0.0f ? positive : negative);
+    }
+  });
+}
+
+// dst = src * scale (Scaled) or src; returns 1 when every element of dst is finite (no NaN or
+// Inf), else 0.
+template <bool Scaled>
+int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int threads) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<uint8_t> bad(blocks);
+  uint8_t* flags = bad.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* in = src + start;
+      float* out = dst + start;
+      uint32_t any = 0;
+#pragma omp simd reduction(| : any)
+      for (int64_t k = 0; k < len; ++k) {
+        const float v = Scaled ? in[k] * scale : in[k];
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        out[k] = v;
+        any |= static_cast<uint32_t>((bits & 0x7f800000U) == 0x7f800000U);  // exponent all ones
+      }
+      flags[b] = static_cast<uint8_t>(any);
+    }
+  });
+  return std::none_of(bad.begin(), bad.end(), [](uint8_t f) { return f != 0; }) ? 1 : 0;
+}
+
 }  // namespace
 
 extern "C" {
 
-int mc_abi_version() { return 8; }
+int mc_abi_version() { return 9; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -282,13 +330,31 @@ void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* va
 // out (ceil(n / 8) bytes) and writes stats = {sum of the x >= 0, sum of the x < 0, count of
 // x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
-  pack_signs_impl<false>(x, nullptr, 0.0f, n, out, stats, threads);
+  pack_signs_impl<Input::kPlain>(x, nullptr, nullptr, 0.0f, n, out, stats, threads);
+}
+
+// mc_pack_signs of x + r (rounded to fp32), x and r unchanged: a gradient and its residual
+// compressed without writing the compensated gradient.
+void mc_pack_signs_sum(const float* x, const float* r, int64_t n, uint8_t* out, double* stats, int threads) {
+  pack_signs_impl<Input::kSum>(x, r, nullptr, 0.0f, n, out, stats, threads);
 }
 
 // Signum's step: m = m + weight * (x - m) in place, then mc_pack_signs of m.
 void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_t* out,
                        double* stats, int threads) {
-  pack_signs_impl<true>(x, m, weight, n, out, stats, threads);
+  pack_signs_impl<Input::kMomentum>(x, nullptr, m, weight, n, out, stats, threads);
+}
+
+// The residual error feedback keeps after a two-valued sign code of v = x + r (r null: v = x)
+// was sent (1-bit SGD, EF-SignSGD): out[i] = v - (v >= 0 ? positive : negative), v rounded to
+// fp32 first, as mc_pack_signs_sum rounds it.  out may be r (updated in place).
+void mc_sign_residual(const float* x, const float* r, int64_t n, float negative, float positive, float* out,
+                      int threads) {
+  if (r == nullptr) {
+    sign_residual_impl<false>(x, r, n, negative, positive, out, threads);
+  } else {
+    sign_residual_impl<true>(x, r, n, negative, positive, out, threads);
+  }
 }
 
 // The majority vote of `voters` (1..255) packed sign-bit streams of n elements each:
@@ -438,28 +504,11 @@ void mc_moments(const float* x, int64_t n, double* stats, int threads) {
   stats[2] = squares;
 }
 
-// dst = src (n floats); returns 1 when every element is finite (no NaN or Inf), else 0.
-int mc_copy_finite(const float* src, float* dst, int64_t n, int threads) {
-  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-  std::vector<uint8_t> bad(blocks);
-  uint8_t* flags = bad.data();
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
-      const float* in = src + start;
-      float* out = dst + start;
-      uint32_t any = 0;
-#pragma omp simd reduction(| : any)
-      for (int64_t k = 0; k < len; ++k) {
-        uint32_t bits;
-        std::memcpy(&bits, in + k, sizeof bits);
-        out[k] = in[k];
-        any |= static_cast<uint32_t>((bits & 0x7f800000U) == 0x7f800000U);  // exponent all ones
-      }
-      flags[b] = static_cast<uint8_t>(any);
-    }
-  });
-  return std::none_of(bad.begin(), bad.end(), [](uint8_t f) { return f != 0; }) ? 1 : 0;
+// dst = src * scale (n floats; scale 1: a copy); returns 1 when every element of dst is finite
+// (no NaN or Inf), else 0.
+int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int threads) {
+  if (scale == 1.0f) return copy_finite_impl<false>(src, scale, dst, n, threads);
+  return copy_finite_impl<true>(src, scale, dst, n, threads);
 }
 
 }  // extern "C"
