@@ -43,7 +43,7 @@ from .compressor import Compressor, Payload
 from .memory import Memory
 from .plan import CODECS, EXEMPT, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, Group
 from .registry import get_compressor, get_memory
-from .twophase import (Bounds, Sharded, ShardLayouts, ShardMemory, VoteCodec, feed_shards, pad_to, shard_bounds,
+from .twophase import (Bounds, Sharded, ShardLayouts, ShardMemory, VoteCodec, pad_to, shard_bounds,
                        shard_size, zero_outside)
 from .wire import Spec, pack_payload, pack_rows, unpack_payload
 from .workspace import Workspace
@@ -396,7 +396,8 @@ class Exchange:
         job.sharded = Sharded.create(bounds, shards[comm.rank][1], specs[comm.rank], self._layouts, compensated)
         job.handle = comm.alltoall_async(rows.reshape(-1))
         if job.feedback and self.memory.feeds_back:
-            feed_shards(self.memory, compressor, shards, bounds, compensated, name)
+            self.memory.feed_parts(compressor, compensated, name,
+                                   [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)])
 
     def _second_phase(self, job: InFlight) -> None:
         """Phase 2 of the two-phase scheme: wait for the all-to-all, aggregate this rank's

@@ -79,21 +79,34 @@ class Memory(GroupStateful):
     def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx, start: int = 0) -> None:
         """Tell the memory what of ``compensated`` the ``codec`` (a
         :class:`~mergecomp.compressor.Compressor`) sent as ``payload``, which encodes the
-        elements from ``start`` on (as many as it decodes to) and nothing else: its entries when
-        the codec gives them (:meth:`update_sparse`), else its decode (:meth:`update`)."""
-        entries = codec.sent_entries(payload, ctx)
-        if entries is not None:
-            indices, values = entries
-            self.update_sparse(compensated, name, indices + start if start else indices, values)
+        elements from ``start`` on (as many as it decodes to) and nothing else
+        (:meth:`feed_parts` of one part)."""
+        self.feed_parts(codec, compensated, name, [(payload, ctx, start)])
+
+    def feed_parts(self, codec, compensated: torch.Tensor, name: str, parts) -> None:
+        """Tell the memory what of ``compensated`` the ``codec`` sent in ``parts``, each
+        ``(payload, ctx, start)``: payloads of consecutive ranges of ``compensated``, each from
+        its ``start`` on (as many elements as it decodes to), and nothing else was sent.  Their
+        entries when the codec gives them for every part (:meth:`update_sparse`), else their
+        decodes side by side, zero elsewhere (:meth:`update`)."""
+        entries = [codec.sent_entries(payload, ctx) for payload, ctx, _ in parts]
+        if all(e is not None for e in entries):
+            indices = [i + start if start else i for (i, _), (_, _, start) in zip(entries, parts)]
+            values = [v for _, v in entries]
+            self.update_sparse(compensated, name, *(torch.cat(t) if len(t) > 1 else t[0] for t in (indices, values)))
             return
-        sent = codec.decompress(payload, ctx)
-        if sent.numel() != compensated.numel():
-            stop = start + sent.numel()
-            full = codec.scratch(compensated.numel(), sent.dtype, sent.device)
-            full[:start].zero_()
-            full[stop:].zero_()
-            full[start:stop] = sent
-            sent = full
+        first = codec.decompress(*parts[0][:2])
+        if len(parts) == 1 and first.numel() == compensated.numel():
+            self.update(compensated, name, first)
+            return
+        sent = codec.scratch(compensated.numel(), first.dtype, first.device)
+        sent[:parts[0][2]].zero_()
+        stop = 0
+        for g, (payload, ctx, start) in enumerate(parts):
+            part = first if g == 0 else codec.decompress(payload, ctx)
+            stop = start + part.numel()
+            sent[start:stop] = part
+        sent[stop:].zero_()
         self.update(compensated, name, sent)
 
     #: every write of a kept group's state goes through :meth:`_fresh` (see :meth:`keep`)

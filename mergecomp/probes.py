@@ -24,7 +24,7 @@ from .compressor import Compressor, Payload
 from .costmodel import CodecCost, Profile, fit_affine
 from .memory import Memory
 from .plan import TWO_PHASE
-from .twophase import ShardMemory, VoteCodec, feed_shards, shard_bounds
+from .twophase import ShardMemory, VoteCodec, shard_bounds
 from .workspace import Workspace
 
 __all__ = ["CodecProbe", "Measurements", "encode_alone", "measure", "probe_sizes", "time_codec", "time_network",
@@ -152,7 +152,8 @@ def time_two_phase(compressor: Compressor, samples: Sequence[Tuple[int, int]], d
                 flat = _compensate(memory, flat, name)
                 shards = [compressor.compress_shard(flat[a:b], name, a, flat.numel()) for a, b in bounds]
                 if memory is not None and memory.feeds_back:
-                    feed_shards(memory, compressor, shards, bounds, flat, name)
+                    memory.feed_parts(compressor, flat, name,
+                                      [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)])
                 _settle(device)
                 encoded = time.perf_counter()
                 payload, ctx = shards[0]

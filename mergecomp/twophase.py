@@ -29,18 +29,18 @@ gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from . import bitpack
 from .codecs import decode_codes
 from .compressor import Compressor, Payload
-from .memory import Memory, ResidualMemory
+from .memory import ResidualMemory
 from .wire import Spec, pack_payload
 
 __all__ = ["shard_size", "shard_bounds", "pad_to", "zero_outside", "Sharded", "ShardLayouts", "VoteCodec",
-           "ShardMemory", "feed_shards"]
+           "ShardMemory"]
 
 Bounds = List[Tuple[int, int]]
 #: how to read one shard's phase-2 payload: the codec's ctx and the payload's specs
@@ -121,24 +121,6 @@ class Sharded:
     def pad(self, raw: torch.Tensor) -> torch.Tensor:
         """This rank's packed phase-2 payload, zero-padded to :attr:`width` bytes."""
         return pad_to(raw, self.width)
-
-
-def feed_shards(memory: Memory, compressor: Compressor, shards: Sequence[Tuple[Payload, Any]], bounds: Bounds,
-                compensated: torch.Tensor, name: str) -> None:
-    """Tell the first-stage ``memory`` what this rank's phase-1 payloads of group ``name`` sent
-    (of the elements ``bounds`` cover, consecutive ranges of ``compensated``; nothing else was
-    sent): their entries when every shard's codec gives them (:meth:`Compressor.sent_entries`),
-    else their decodes laid side by side, zero outside ``bounds``."""
-    entries = [compressor.sent_entries(payload, ctx) for payload, ctx in shards]
-    if all(e is not None for e in entries):
-        indices = torch.cat([i + start for (i, _), (start, _) in zip(entries, bounds)])
-        memory.update_sparse(compensated, name, indices, torch.cat([v for _, v in entries]))
-        return
-    sent = zero_outside(compressor.scratch(compensated.numel(), compensated.dtype, compensated.device),
-                        bounds[0][0], bounds[-1][1])
-    for (payload, ctx), (start, stop) in zip(shards, bounds):
-        sent[start:stop] = compressor.decompress(payload, ctx)
-    memory.update(compensated, name, sent)
 
 
 class VoteCodec(Compressor):
