@@ -30,6 +30,15 @@ class Memory(GroupStateful):
     """Base class: no error feedback (``compensate`` and ``update`` are identities)."""
 
     name = ""
+    #: passes over the group :meth:`compensate`, :meth:`update` and :meth:`update_sparse` make
+    #: (:mod:`mergecomp.breakdown` counts them)
+    compensate_passes: float = 0
+    update_passes: float = 0
+
+    @property
+    def update_sparse_passes(self) -> float:
+        """Here: a dense zero tensor, then :meth:`update`."""
+        return 1 + self.update_passes
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,17 +64,19 @@ class Memory(GroupStateful):
         """Whether this memory does error feedback (overrides :meth:`update`)."""
         return type(self).update is not Memory.update
 
-    def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx, start: int = 0) -> None:
+    def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx, start: int = 0) -> float:
         """Tell the memory what of ``compensated`` the ``codec`` (a
         :class:`~mergecomp.compressor.Compressor`) sent as ``payload``, which encodes the
         elements from ``start`` on (as many as it decodes to) and nothing else: its entries when
-        the codec gives them (:meth:`update_sparse`), else its decode (:meth:`update`)."""
+        the codec gives them (:meth:`update_sparse`), else its decode (:meth:`update`).
+        Returns the passes made over ``compensated`` (:mod:`mergecomp.breakdown`)."""
         entries = codec.sent_entries(payload, ctx)
         if entries is not None:
             indices, values = entries
             self.update_sparse(compensated, name, indices + start if start else indices, values)
-            return
+            return self.update_sparse_passes
         sent = codec.decompress(payload, ctx)
+        passes = codec.decompress_passes * sent.numel() / max(compensated.numel(), 1) + self.update_passes
         if sent.numel() != compensated.numel():
             stop = start + sent.numel()
             full = codec.scratch(compensated.numel(), sent.dtype, sent.device)
@@ -73,7 +84,9 @@ class Memory(GroupStateful):
             full[stop:].zero_()
             full[start:stop] = sent
             sent = full
+            passes += 1
         self.update(compensated, name, sent)
+        return passes
 
     #: every write of a kept group's state goes through :meth:`_fresh` (see :meth:`keep`)
     writes_fresh = False
@@ -137,11 +150,18 @@ class ResidualMemory(Memory):
     """Residual error feedback: ``x = gamma * grad + beta * residual``; ``residual = x - sent``."""
 
     writes_fresh = True
+    #: one subtraction; sparse: one copy (the k entries aside)
+    update_passes = update_sparse_passes = 1
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
         super().__init__()
         self.beta = float(beta)
         self.gamma = float(gamma)
+
+    @property
+    def compensate_passes(self) -> float:
+        """Adding the residual, and scaling by ``gamma`` unless it is 1."""
+        return 1 if self.gamma == 1.0 else 2
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         residual = self.state.get(name, {}).get("residual")
@@ -173,6 +193,9 @@ class DGCMemory(Memory):
     """
 
     writes_fresh = True
+    #: compensate: scale u, add the gradient, add u to v, copy v; update: the kept mask, the
+    #: subtraction, the masking; sparse: one copy (the k entries aside)
+    compensate_passes, update_passes, update_sparse_passes = 4, 3, 1
 
     def __init__(self, momentum: float = 0.9) -> None:
         super().__init__()

@@ -124,21 +124,25 @@ class Sharded:
 
 
 def feed_shards(memory: Memory, compressor: Compressor, shards: Sequence[Tuple[Payload, Any]], bounds: Bounds,
-                compensated: torch.Tensor, name: str) -> None:
+                compensated: torch.Tensor, name: str) -> float:
     """Tell the first-stage ``memory`` what this rank's phase-1 payloads of group ``name`` sent
     (of the elements ``bounds`` cover, consecutive ranges of ``compensated``; nothing else was
     sent): their entries when every shard's codec gives them (:meth:`Compressor.sent_entries`),
-    else their decodes laid side by side, zero outside ``bounds``."""
+    else their decodes laid side by side, zero outside ``bounds``.  Returns the passes made
+    over ``compensated`` (:mod:`mergecomp.breakdown`)."""
     entries = [compressor.sent_entries(payload, ctx) for payload, ctx in shards]
     if all(e is not None for e in entries):
         indices = torch.cat([i + start for (i, _), (start, _) in zip(entries, bounds)])
         memory.update_sparse(compensated, name, indices, torch.cat([v for _, v in entries]))
-        return
+        return memory.update_sparse_passes
     sent = zero_outside(compressor.scratch(compensated.numel(), compensated.dtype, compensated.device),
                         bounds[0][0], bounds[-1][1])
     for (payload, ctx), (start, stop) in zip(shards, bounds):
         sent[start:stop] = compressor.decompress(payload, ctx)
     memory.update(compensated, name, sent)
+    covered = (bounds[-1][1] - bounds[0][0]) / max(compensated.numel(), 1)
+    # the decodes, the copies into `sent` and the zeros around them, the update
+    return compressor.decompress_passes * covered + 1 + memory.update_passes
 
 
 class VoteCodec(Compressor):
@@ -147,6 +151,7 @@ class VoteCodec(Compressor):
     sends the vote of its own shard."""
 
     name = "vote"
+    compress_passes = 3  # the int8 cast, the shift by 1, the packing
 
     def compress(self, tensor: torch.Tensor, name: str, shapes=None) -> Tuple[Payload, Any]:
         codes = tensor.to(torch.int8).add_(1).view(torch.uint8)
