@@ -92,6 +92,8 @@ class PowerSGDCompressor(Compressor):
     summable = True
     rounds = 2
     default_memory = "residual"
+    #: ``M @ Q`` and ``M^T @ P`` read the group once each; decoding writes it once
+    compress_passes = next_round_passes = decompress_passes = 1
 
     def __init__(self, rank: int = 1, warm_start: bool = True,
                  min_compression_rate: float = 2.0) -> None:
@@ -211,4 +213,7 @@ class PowerSGDCompressor(Compressor):
                 qi.div_(norms.clamp_min(torch.finfo(work).tiny))
             self.group_state(ctx.name)["q"] = q
         return out.div_(world_size) if average else out
+
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        return self.decompress_passes + (1 if average else 0)
 

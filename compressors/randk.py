@@ -47,6 +47,9 @@ class RandKCompressor(Compressor):
         step.add_(1)
         return current
 
+    #: the k values are gathered at shared indices: no full pass
+    compress_passes = 0
+
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, RandKCtx]:
         numel = tensor.numel()
@@ -62,6 +65,11 @@ class RandKCompressor(Compressor):
         if self.unbiased:  # scaled and summed over repeats: not a plain put
             return None
         return ctx.indices, payload[0].to(ctx.dtype)
+
+    @property
+    def decompress_passes(self) -> float:
+        """Zeroing the dense output; unbiased: scaling it."""
+        return 2 if self.unbiased else 1
 
     def decompress(self, payload: Payload, ctx: RandKCtx) -> torch.Tensor:
         values = payload[0].to(ctx.dtype)

@@ -39,6 +39,9 @@ class SignSGDCompressor(Compressor):
         numel, dtype = ctx
         return decode_signs(payload[0], numel, dtype, out=self.scratch(numel, dtype, payload[0].device))
 
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        return 1  # the votes counted and signed in one pass
+
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int,
                   average: bool) -> torch.Tensor:
         numel, dtype = ctx

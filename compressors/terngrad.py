@@ -25,6 +25,7 @@ Ctx = Tuple[int, torch.dtype]
 @register_compressor("terngrad")
 class TernGradCompressor(Compressor):
     shard_alignment = 4  # whole bytes of 2-bit codes
+    compress_passes = 2  # the moments, then the codes
 
     def __init__(self, clip: Optional[float] = 2.5) -> None:
         super().__init__()

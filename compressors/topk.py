@@ -21,5 +21,10 @@ class TopKCompressor(SparseCompressor):
             raise ValueError(f"topk selection must be one of {_SELECTIONS}, got {selection!r}")
         self.selection = selection
 
+    @property
+    def compress_passes(self) -> float:
+        """The threshold scan (the sample and the k values are small); exact: ``abs`` and ``topk``."""
+        return 1 if self.selection == "threshold" else 2
+
     def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
         return topk_abs_indices(tensor, k, self.selection)

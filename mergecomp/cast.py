@@ -28,6 +28,17 @@ class CastCompressor(Compressor):
             raise ValueError(f"prescale must be positive, got {prescale}")
         self.prescale = float(prescale)
 
+    @property
+    def compress_passes(self) -> float:
+        """One cast or division; none when the tensor itself is sent (for a gradient in
+        another dtype than ``wire_dtype``)."""
+        return 0 if self.wire_dtype is None and self.prescale == 1.0 else 1
+
+    @property
+    def decompress_passes(self) -> float:
+        """A cast back from ``wire_dtype``, and a multiplication with ``prescale``."""
+        return (0 if self.wire_dtype is None else 1) + (self.prescale != 1.0)
+
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype]:
         wire_dtype = self.wire_dtype or tensor.dtype

@@ -82,6 +82,15 @@ class Compressor(GroupStateful, abc.ABC):
     shard_alignment: int = 1
     #: step-scoped buffer pool attached by the pipeline; None: plain allocations
     workspace: Optional[Workspace] = None
+    #: passes over its input :meth:`compress` makes, over its output :meth:`decompress` makes,
+    #: and over the group :meth:`next_round` makes (:mod:`mergecomp.breakdown` counts them)
+    compress_passes: float = 1
+    decompress_passes: float = 1
+    next_round_passes: float = 0
+    #: passes over the group :meth:`compress_fused`'s encode makes (counted as ``encode``, the
+    #: compensation folded into it) and its ``update`` makes (counted as ``memory``)
+    fused_compress_passes: float = 1
+    fused_update_passes: float = 1
 
     # -- the pipeline ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -146,6 +155,11 @@ class Compressor(GroupStateful, abc.ABC):
         if average:
             total.div_(world_size)
         return total
+
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        """Passes :meth:`aggregate` makes over the group for ``payloads`` payloads: here one
+        decode each, one add for each after the first and one division when averaging."""
+        return payloads * self.decompress_passes + payloads - 1 + (1 if average else 0)
 
     def scratch(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized flat tensor: from the attached workspace (valid until the next

@@ -32,12 +32,12 @@ tensor; :mod:`mergecomp.wire`).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .breakdown import DECODE, ENCODE, MEMORY, STAGES, WAIT, Stopwatch
 from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
@@ -104,15 +104,17 @@ class Hosts:
 class InFlight:
     """A group whose collective has been started; :meth:`Exchange.finish` completes it."""
 
-    def __init__(self, group: Group, compressor: Compressor, compensated: torch.Tensor,
-                 finite: torch.Tensor, feedback: bool, comm: Communicator) -> None:
+    def __init__(self, group: Group, codec: str, compressor: Compressor, flat: torch.Tensor,
+                 comm: Communicator) -> None:
         self.group = group
+        #: the codec it travels with (as :meth:`Exchange.sent_as` gives it)
+        self.codec = codec
         self.compressor = compressor
-        #: what is compressed: the group's gradient, compensated by the memory (as given after a
-        #: fused encode, :meth:`Exchange._compress_fused`)
-        self.compensated = compensated
-        self.finite = finite
-        self.feedback = feedback  # the error-feedback memory takes part
+        #: what is compressed: the group's gradient, error-compensated once the memory has taken
+        #: part (as given after a fused encode, :meth:`Exchange._compress_fused`)
+        self.compensated = flat
+        self.finite: Optional[torch.Tensor] = None
+        self.feedback = codec != EXEMPT  # the error-feedback memory takes part
         #: the memory's update after a fused encode (:meth:`Compressor.compress_fused`), run in
         #: place of :meth:`Memory.feed`
         self.update: Optional[Callable[[], None]] = None
@@ -133,9 +135,21 @@ class InFlight:
         self.sharded: Optional[Sharded] = None
         #: the hierarchical scheme's host level, while the group is in it
         self.hosts: Optional[Hosts] = None
-        #: seconds spent encoding (compensate, compress, start) and decoding on this process
-        self.encode_seconds = 0.0
-        self.decode_seconds = 0.0
+        #: passes over the group's elements so far, by stage (:mod:`mergecomp.breakdown`)
+        self.passes: Dict[str, float] = {}
+
+    def count(self, stage: str, passes: float, numel: Optional[int] = None) -> None:
+        """Tally ``passes`` over ``numel`` of the group's elements (default: all of them) in
+        ``stage`` (one of :data:`~mergecomp.breakdown.STAGES`), as passes over the whole group."""
+        total = self.group.numel
+        if total and passes:
+            self.passes[stage] = self.passes.get(stage, 0.0) + passes * (total if numel is None else numel) / total
+
+    def describe(self) -> Dict[str, Any]:
+        """The group as a step breakdown lists it (:meth:`~mergecomp.breakdown.Breakdown.end_step`)."""
+        return {"name": self.group.name, "codec": self.codec,
+                "bytes": self.group.numel * self.compensated.element_size(),
+                "passes_by_stage": {stage: self.passes[stage] for stage in STAGES if stage in self.passes}}
 
 
 class Exchange:
@@ -182,6 +196,8 @@ class Exchange:
         self.second = compressor.second_phase()
         self.second.workspace = self.workspace
         self._layouts = ShardLayouts(self.second)
+        #: the seconds each group spends in each part of the step (:mod:`mergecomp.breakdown`)
+        self.clock = Stopwatch()
 
     @classmethod
     def create(cls, compression, memory, comm: Communicator, average: bool = True,
@@ -223,33 +239,22 @@ class Exchange:
         ``finite``: whether ``flat`` holds no NaN/Inf, when the caller already knows (e.g. from
         :func:`mergecomp.codecs.copy_finite` while filling it); None: checked here.
         """
-        began = time.perf_counter()
-        if self.workspace is not None:
-            self.workspace.advance(self.step)
-        codec = self.sent_as(codec)
-        compressor = self.codec(codec)
-        if not self.check_finite:
-            finite = flat.new_ones((), dtype=torch.bool)
-        else:
-            finite = _all_finite(flat) if finite is None else flat.new_tensor(bool(finite))
-            if flat.device.type == "cpu":  # no device to sync with: branch instead of a full pass
-                if not finite:
-                    flat.zero_()
-            else:
-                flat.masked_fill_(finite.logical_not(), 0)
-        feedback = codec != EXEMPT
-        name = group.name
-        if self.keep_state and feedback:
-            self._kept += [(holder, name, holder.keep(name)) for holder in (self.memory, compressor, self.shard_memory)]
-        carry = self.shard_memory.take_carry(name) if feedback else None
-        job = InFlight(group, compressor, flat, finite, feedback, self.comm)
-        whole = codec not in _FLAT and not (codec == TWO_PHASE and self.comm.size > 1)  # not in shards
-        fused = whole and feedback and carry is None and self._compress_fused(job)
-        if not fused:
-            if feedback:
-                job.compensated = self.memory.compensate(flat, name)
-                if carry is not None:
-                    job.compensated.add_(carry)
+        with self.clock(ENCODE, group.name):
+            if self.workspace is not None:
+                self.workspace.advance(self.step)
+            codec = self.sent_as(codec)
+            job = InFlight(group, codec, self.codec(codec), flat, self.comm)
+            job.finite = self._check(job, finite)
+            whole = codec not in _FLAT and not (codec == TWO_PHASE and self.comm.size > 1)  # not in shards
+            if job.feedback:
+                name = group.name
+                if self.keep_state:
+                    self._kept += [(holder, name, holder.keep(name))
+                                   for holder in (self.memory, job.compressor, self.shard_memory)]
+                carry = self.shard_memory.take_carry(name)
+                if whole and carry is None and self._compress_fused(job):
+                    return job
+                self._compensate(job, carry)
             if codec in _FLAT:
                 self._reduce_in_host(job, codec == HIERARCHICAL_TWO_PHASE)
                 job.stages = [self._across_hosts, *([self._second_phase] if job.hosts.two_phase else []),
@@ -259,8 +264,37 @@ class Exchange:
                 job.stages = [self._second_phase]
             else:
                 self._compress(job)
-        job.encode_seconds = time.perf_counter() - began
-        return job
+            return job
+
+    def _check(self, job: InFlight, finite: Optional[bool]) -> torch.Tensor:
+        """0-d bool: whether ``job``'s gradient is finite (``finite``: known from its copy-in;
+        None: one pass checks it); a non-finite gradient is zeroed."""
+        flat = job.compensated
+        if not self.check_finite:
+            return flat.new_ones((), dtype=torch.bool)
+        if finite is None:
+            finite = _all_finite(flat)
+            job.count("check", 1)
+        else:
+            finite = flat.new_tensor(bool(finite))
+        if flat.device.type == "cpu":  # no device to sync with: branch instead of a full pass
+            if not finite:
+                flat.zero_()
+        else:
+            flat.masked_fill_(finite.logical_not(), 0)
+            job.count("check", 1)
+        return finite
+
+    def _compensate(self, job: InFlight, carry: Optional[torch.Tensor]) -> None:
+        """Fold the memory and ``carry`` (what a plan change left; None: nothing) into ``job``'s
+        gradient."""
+        name, memory = job.group.name, self.memory
+        with self.clock(MEMORY, name):
+            job.compensated = memory.compensate(job.compensated, name)
+            job.count("compensate", memory.compensate_passes)
+            if carry is not None:
+                job.compensated.add_(carry)
+                job.count("compensate", 1)
 
     def advance(self, job: InFlight) -> bool:
         """Run ``job``'s next stage between its first collective and its last: wait for the one
@@ -270,7 +304,8 @@ class Exchange:
         stages left, before finishing the first: every rank then starts each communicator's
         collectives in the same order."""
         if job.stages:
-            job.stages.pop(0)(job)
+            with self.clock(DECODE, job.group.name):
+                job.stages.pop(0)(job)
         return bool(job.stages)
 
     def finish(self, job: InFlight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -282,11 +317,12 @@ class Exchange:
         ``out`` is returned: the codec decodes straight into it when it takes its output from
         the workspace, else the result is copied in.
         """
-        while self.advance(job):
-            pass
-        if job.hosts is not None:
-            return self._gather_hosts(job, out)
-        return self._reduce(job, out)
+        with self.clock(DECODE, job.group.name):
+            while self.advance(job):
+                pass
+            if job.hosts is not None:
+                return self._gather_hosts(job, out)
+            return self._reduce(job, out)
 
     def commit(self) -> None:
         """The step's state changes stand (``keep_state``)."""
@@ -341,6 +377,7 @@ class Exchange:
     def _compress(self, job: InFlight) -> None:
         """Compress the elements of ``job.span`` and start the collective on ``job.comm``."""
         (start, stop), compensated = job.span, job.compensated
+        job.count("encode", job.compressor.compress_passes, stop - start)
         if stop - start == compensated.numel():
             job.payload, job.ctx = job.compressor.compress(compensated, job.group.name, job.group.shapes)
         else:
@@ -357,6 +394,7 @@ class Exchange:
         if fused is None:
             return False
         job.payload, job.ctx, job.update = fused
+        job.count("encode", job.compressor.fused_compress_passes)
         self._launch(job)
         return True
 
@@ -380,10 +418,14 @@ class Exchange:
 
     def _remember(self, job: InFlight) -> None:
         if job.update is not None:
-            job.update()
+            with self.clock(MEMORY, job.group.name):
+                job.update()
+                job.count("memory", job.compressor.fused_update_passes)
             job.update = None
         elif job.feedback and self.memory.feeds_back:
-            self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload, job.ctx, job.span[0])
+            with self.clock(MEMORY, job.group.name):
+                job.count("memory", self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload,
+                                                     job.ctx, job.span[0]))
 
     def _scatter_shards(self, job: InFlight) -> None:
         """Phase 1 of the two-phase scheme on ``job.comm``: compress each shard of
@@ -391,31 +433,40 @@ class Exchange:
         compressor, compensated, name, comm = job.compressor, job.compensated, job.group.name, job.comm
         numel = compensated.numel()
         bounds = self._shards(comm, job.span)
+        job.count("encode", compressor.compress_passes, job.span[1] - job.span[0])
         shards = [compressor.compress_shard(compensated[a:b], name, a, numel) for a, b in bounds]
         rows, specs = pack_rows([payload for payload, _ in shards])
         job.sharded = Sharded.create(bounds, shards[comm.rank][1], specs[comm.rank], self._layouts, compensated)
         job.handle = comm.alltoall_async(rows.reshape(-1))
         if job.feedback and self.memory.feeds_back:
-            self.memory.feed_parts(compressor, compensated, name,
-                                   [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)])
+            with self.clock(MEMORY, name):
+                job.count("memory", self.memory.feed_parts(
+                    compressor, compensated, name,
+                    [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)]))
 
     def _second_phase(self, job: InFlight) -> None:
         """Phase 2 of the two-phase scheme: wait for the all-to-all, aggregate this rank's
         shard, feed the second-stage memory and start the allgather of its compressed aggregate."""
-        began = time.perf_counter()
-        sharded = job.sharded
-        rows = job.handle.wait(self._what(job, "all-to-all"))
+        sharded, compressor, name, second = job.sharded, job.compressor, job.group.name, self.second
+        rows = self._collected(job, "all-to-all")
         arrived = [unpack_payload(row, sharded.specs) for row in rows]
-        total = job.compressor.aggregate(arrived, sharded.ctx, self.comm.size, self.average)
-        name, second = job.group.name, self.second
+        total = compressor.aggregate(arrived, sharded.ctx, self.comm.size, self.average)
+        shard = total.numel()
+        job.count("decode", compressor.aggregate_passes(len(arrived), self.average), shard)
         feedback = job.feedback and self.memory.feeds_back and not isinstance(second, VoteCodec)
-        compensated = self.shard_memory.compensate(total, name) if feedback else total
-        payload, ctx = second.compress(compensated, name)
-        raw, _ = pack_payload(payload)
-        job.handle = job.comm.allgather_async(sharded.pad(raw))
+        compensated = total
         if feedback:
-            self.shard_memory.feed(second, compensated, name, payload, ctx)
-        job.decode_seconds += time.perf_counter() - began
+            with self.clock(MEMORY, name):
+                compensated = self.shard_memory.compensate(total, name)
+                job.count("compensate", self.shard_memory.compensate_passes, shard)
+        with self.clock(ENCODE, name):
+            payload, ctx = second.compress(compensated, name)
+            job.count("encode", second.compress_passes, shard)
+            raw, _ = pack_payload(payload)
+            job.handle = job.comm.allgather_async(sharded.pad(raw))
+        if feedback:
+            with self.clock(MEMORY, name):
+                job.count("memory", self.shard_memory.feed(second, compensated, name, payload, ctx), shard)
 
     def _reduce(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Wait for the collective on ``job.comm`` (and run any later rounds) and return the
@@ -426,81 +477,96 @@ class Exchange:
         while True:
             arrived = self._wait(job)
             if job.round == compressor.rounds:
-                began = time.perf_counter()
-                lend = (self.workspace.serving(out) if out is not None and self.workspace is not None
-                        else contextlib.nullcontext())
-                with lend:
-                    result = compressor.aggregate(arrived, job.ctx, size, self.average)
-                if out is not None and result.data_ptr() != out.data_ptr():
-                    result = out.copy_(result)
-                job.decode_seconds += time.perf_counter() - began
-                return result
-            job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
-            job.round += 1
-            self._launch(job)
+                start, stop = job.span
+                job.count("decode", compressor.aggregate_passes(len(arrived), self.average), stop - start)
+                return self._into(job, out, compressor.aggregate, arrived, job.ctx, size, self.average)
+            with self.clock(ENCODE, job.group.name):
+                job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
+                job.count("encode", compressor.next_round_passes)
+                job.round += 1
+                self._launch(job)
+
+    def _into(self, job: InFlight, out: Optional[torch.Tensor], decode: Callable[..., torch.Tensor],
+              *args) -> torch.Tensor:
+        """``decode(*args)``, in ``out`` when given: the codec decodes straight into it when it
+        takes its output from the workspace, else the result is copied there (``copy-out``)."""
+        lend = (self.workspace.serving(out) if out is not None and self.workspace is not None
+                else contextlib.nullcontext())
+        with lend:
+            result = decode(*args)
+        if out is not None and result.data_ptr() != out.data_ptr():
+            result = out.copy_(result)
+            job.count("copy-out", 1, out.numel())
+        return result
 
     def _gather_shards(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Phase 2's end: decode every rank's aggregated shard into the aggregate of ``job.span``."""
-        rows = job.handle.wait(self._what(job, "allgather"))
-        began = time.perf_counter()
+        rows = self._collected(job, "allgather")
         sharded, second, like = job.sharded, self.second, job.compensated
         offset, end = job.span
         result = out if out is not None else job.compressor.scratch(end - offset, like.dtype, like.device)
         for row, (start, stop), (ctx, specs) in zip(rows, sharded.bounds, sharded.layouts):
-            target = result[start - offset:stop - offset]
-            lend = self.workspace.serving(target) if self.workspace is not None else contextlib.nullcontext()
-            with lend:
-                decoded = second.decompress(unpack_payload(row, specs), ctx)
-            if decoded.data_ptr() != target.data_ptr():
-                target.copy_(decoded)
+            job.count("decode", second.decompress_passes, stop - start)
+            self._into(job, result[start - offset:stop - offset], second.decompress, unpack_payload(row, specs), ctx)
         job.sharded = None
-        job.decode_seconds += time.perf_counter() - began
         return result
+
+    def _padded(self, job: InFlight, tensor: torch.Tensor, numel: int) -> torch.Tensor:
+        """:func:`~mergecomp.twophase.pad_to`, its copy counted as an ``encode`` pass."""
+        padded = pad_to(tensor, numel)
+        if padded is not tensor:
+            job.count("encode", 1, tensor.numel())
+        return padded
 
     def _reduce_in_host(self, job: InFlight, two_phase: bool) -> None:
         """The hierarchical scheme's first collective: the compensated group, cut in one shard
         per local rank (padded to equal blocks), by all-to-all inside the host."""
         hosts = job.hosts = self._hosts(job.compensated.numel(), two_phase)
         job.comm, job.span = hosts.local, hosts.span
-        job.handle = hosts.local.alltoall_async(pad_to(job.compensated, hosts.local.size * hosts.chunk))
+        job.handle = hosts.local.alltoall_async(self._padded(job, job.compensated, hosts.local.size * hosts.chunk))
 
     def _across_hosts(self, job: InFlight) -> None:
         """Sum this rank's shard over the host into ``job.compensated`` (zero elsewhere: what
         this rank now holds of the host's gradients, for the memory) and start its compressed
         exchange across hosts: allgather, or the two-phase scheme."""
-        rows = job.handle.wait(self._what(job, "reduce-scatter in the host"))
-        began = time.perf_counter()
+        rows = self._collected(job, "reduce-scatter in the host")
         (start, stop), compensated = job.span, job.compensated
         torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
         zero_outside(compensated, start, stop)
+        job.count("decode", 1)  # reads every local rank's shard, writes this one, zeroes the rest
         job.comm = job.hosts.cross
-        if job.hosts.two_phase:
-            self._scatter_shards(job)
-        else:
-            self._compress(job)
-        job.decode_seconds += time.perf_counter() - began
+        with self.clock(ENCODE, job.group.name):
+            if job.hosts.two_phase:
+                self._scatter_shards(job)
+            else:
+                self._compress(job)
 
     def _gather_in_host(self, job: InFlight) -> None:
         """Aggregate this rank's shard across hosts and start its allgather inside the host."""
         shard = self._reduce(job, None)
         job.comm = job.hosts.local
-        job.handle = job.comm.allgather_async(pad_to(shard, job.hosts.chunk))
+        with self.clock(ENCODE, job.group.name):
+            job.handle = job.comm.allgather_async(self._padded(job, shard, job.hosts.chunk))
 
     def _gather_hosts(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
         """The hierarchical scheme's end: every local rank's aggregated shard into the group's
         result (``out`` when given)."""
-        rows = job.handle.wait(self._what(job, "allgather in the host"))
-        began = time.perf_counter()
+        rows = self._collected(job, "allgather in the host")
         like = job.compensated
         result = out if out is not None else job.compressor.scratch(like.numel(), like.dtype, like.device)
         for row, (start, stop) in zip(rows, job.hosts.bounds):
             result[start:stop] = row[:stop - start]
+        job.count("decode", 1)
         job.hosts = None
-        job.decode_seconds += time.perf_counter() - began
         return result
 
+    def _collected(self, job: InFlight, phase: str = ""):
+        """Wait for ``job``'s collective in flight (the ``wait`` part) and return its result."""
+        with self.clock(WAIT, job.group.name):
+            return job.handle.wait(self._what(job, phase))
+
     def _wait(self, job: InFlight) -> List[Payload]:
-        result = job.handle.wait(self._what(job))
+        result = self._collected(job)
         if job.compressor.summable:
             if len(job.payload) == 1:
                 return [(result,)]

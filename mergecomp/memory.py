@@ -45,6 +45,15 @@ class Memory(GroupStateful):
     """Base class: no error feedback (``compensate`` and ``update`` are identities)."""
 
     name = ""
+    #: passes over the group :meth:`compensate`, :meth:`update` and :meth:`update_sparse` make
+    #: (:mod:`mergecomp.breakdown` counts them)
+    compensate_passes: float = 0
+    update_passes: float = 0
+
+    @property
+    def update_sparse_passes(self) -> float:
+        """Here: a dense zero tensor, then :meth:`update`."""
+        return 1 + self.update_passes
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,38 +85,42 @@ class Memory(GroupStateful):
         """Whether this memory does error feedback (overrides :meth:`update`)."""
         return type(self).update is not Memory.update
 
-    def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx, start: int = 0) -> None:
+    def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx, start: int = 0) -> float:
         """Tell the memory what of ``compensated`` the ``codec`` (a
         :class:`~mergecomp.compressor.Compressor`) sent as ``payload``, which encodes the
         elements from ``start`` on (as many as it decodes to) and nothing else
-        (:meth:`feed_parts` of one part)."""
-        self.feed_parts(codec, compensated, name, [(payload, ctx, start)])
+        (:meth:`feed_parts` of one part).  Returns the passes made over ``compensated``."""
+        return self.feed_parts(codec, compensated, name, [(payload, ctx, start)])
 
-    def feed_parts(self, codec, compensated: torch.Tensor, name: str, parts) -> None:
+    def feed_parts(self, codec, compensated: torch.Tensor, name: str, parts) -> float:
         """Tell the memory what of ``compensated`` the ``codec`` sent in ``parts``, each
         ``(payload, ctx, start)``: payloads of consecutive ranges of ``compensated``, each from
         its ``start`` on (as many elements as it decodes to), and nothing else was sent.  Their
         entries when the codec gives them for every part (:meth:`update_sparse`), else their
-        decodes side by side, zero elsewhere (:meth:`update`)."""
+        decodes side by side, zero elsewhere (:meth:`update`).  Returns the passes made over
+        ``compensated`` (:mod:`mergecomp.breakdown`)."""
         entries = [codec.sent_entries(payload, ctx) for payload, ctx, _ in parts]
         if all(e is not None for e in entries):
             indices = [i + start if start else i for (i, _), (_, _, start) in zip(entries, parts)]
             values = [v for _, v in entries]
             self.update_sparse(compensated, name, *(torch.cat(t) if len(t) > 1 else t[0] for t in (indices, values)))
-            return
+            return self.update_sparse_passes
         first = codec.decompress(*parts[0][:2])
         if len(parts) == 1 and first.numel() == compensated.numel():
             self.update(compensated, name, first)
-            return
+            return codec.decompress_passes + self.update_passes
         sent = codec.scratch(compensated.numel(), first.dtype, first.device)
         sent[:parts[0][2]].zero_()
-        stop = 0
+        stop = decoded = 0
         for g, (payload, ctx, start) in enumerate(parts):
             part = first if g == 0 else codec.decompress(payload, ctx)
             stop = start + part.numel()
             sent[start:stop] = part
+            decoded += part.numel()
         sent[stop:].zero_()
         self.update(compensated, name, sent)
+        # the decodes, the copies into `sent` and the zeros around them, the update
+        return codec.decompress_passes * decoded / max(compensated.numel(), 1) + 1 + self.update_passes
 
     #: every write of a kept group's state goes through :meth:`_fresh` (see :meth:`keep`)
     writes_fresh = False
@@ -171,11 +184,18 @@ class ResidualMemory(Memory):
     """Residual error feedback: ``x = gamma * grad + beta * residual``; ``residual = x - sent``."""
 
     writes_fresh = True
+    #: one subtraction; sparse: one copy (the k entries aside)
+    update_passes = update_sparse_passes = 1
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
         super().__init__()
         self.beta = float(beta)
         self.gamma = float(gamma)
+
+    @property
+    def compensate_passes(self) -> float:
+        """Adding the residual, and scaling by ``gamma`` unless it is 1."""
+        return 1 if self.gamma == 1.0 else 2
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         residual = self.state.get(name, {}).get("residual")
@@ -223,6 +243,9 @@ class DGCMemory(Memory):
     """
 
     writes_fresh = True
+    #: compensate: scale u, add the gradient, add u to v, copy v; update: the kept mask, the
+    #: subtraction, the masking; sparse: one copy (the k entries aside)
+    compensate_passes, update_passes, update_sparse_passes = 4, 3, 1
 
     def __init__(self, momentum: float = 0.9) -> None:
         super().__init__()

@@ -130,6 +130,9 @@ class SparseCompressor(Compressor):
         values = tensor.index_select(0, indices)
         return (values, indices.to(torch.int32)), (tensor.numel(), tensor.dtype)
 
+    #: zeroing the dense output (the scatter touches k entries)
+    decompress_passes = 1
+
     def decompress(self, payload: Payload, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
         values, indices = payload
         numel, dtype = ctx
@@ -148,3 +151,6 @@ class SparseCompressor(Compressor):
         if average:  # k values per rank, not the dense buffer
             values = values.div_(world_size)
         return self.decompress((values, indices), ctx)
+
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        return self.decompress_passes

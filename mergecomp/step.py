@@ -15,7 +15,8 @@ A :class:`MergedStep` owns, for tensors ``0..n-1`` (names, shapes, dtypes):
   (``groups="auto"``), and checkpoints (:meth:`~MergedStep.state_dict`);
 * convergence safety: the compression warm-up (the first steps go uncompressed) and the
   tensors exempt from compression (:class:`~mergecomp.plan.Exemptions`), both sent with the
-  codec :data:`~mergecomp.plan.EXEMPT`.
+  codec :data:`~mergecomp.plan.EXEMPT`;
+* where each step's time went (:meth:`~MergedStep.step_breakdown`, :mod:`mergecomp.breakdown`).
 
 Front ends only adapt their framework's objects to it: ``p.grad`` views and hooks for the
 PyTorch optimizer, DDP's buckets for the DDP hook (groups given by the caller through
@@ -23,18 +24,20 @@ PyTorch optimizer, DDP's buckets for the DDP hook (groups given by the caller th
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import codecs
 from .agreement import check_ranks_agree
+from .breakdown import DECODE, ENCODE, SCHEDULER, WAIT, Breakdown
 from .comm import Communicator
 from .compressor import Compressor
 from .exchange import NONFINITE_POLICIES, SHARDED, Exchange, InFlight, NonfiniteCheck
@@ -103,6 +106,14 @@ class HoldsMergedStep:
     groups = property(lambda self: self.merged.groups, doc="the current groups, with their tensors' offsets")
     scheduler = property(lambda self: self.merged.scheduler, doc="the online scheduler (``groups='auto'``)")
     skipped_steps = property(lambda self: self.merged.skipped_steps, doc="steps skipped for NaN/Inf")
+    breakdown_window = property(lambda self: self.merged.timings.window,
+                                lambda self, steps: setattr(self.merged.timings, "window", steps),
+                                doc="how many steps :meth:`step_breakdown` keeps (settable; default 20)")
+
+    def step_breakdown(self, steps: Optional[int] = None) -> Dict[str, Any]:
+        """Where the last ``steps`` steps' time went, averaged (default: the steps kept, see
+        :attr:`breakdown_window`): :meth:`MergedStep.step_breakdown`."""
+        return self.merged.step_breakdown(steps)
 
 
 def _holds(tensor: Optional[torch.Tensor], flat: torch.Tensor, offset: int) -> bool:
@@ -220,6 +231,8 @@ class MergedStep:
         self.warmup_steps = compression_warmup_steps
         self._exempt = self._exemptions.flags(self.names, [s.numel() for s in self.shapes])
         self._search_order: List[int] = []  # the tensors the scheduler cuts: the exempt ones left out
+        #: the last steps' timings (:meth:`step_breakdown`)
+        self.timings = Breakdown()
         check_ranks_agree(self.exchange, {
             f"{tensor_kind} (names, shapes, dtypes)": [(n, tuple(s), str(d)) for n, s, d in
                                                 zip(self.names, self.shapes, self.dtypes)],
@@ -358,6 +371,8 @@ class MergedStep:
         self._ready_at = [0.0] * len(self.names)
         self._order_seen: List[int] = []
         self._encode_spent = 0.0
+        #: per group: elements written into its buffer by this step's copy-in, pass by pass
+        self._copied = [0] * len(self._groups)
         #: caller-given groups split by exemption: (the group's slices, index of the job whose
         #: result goes back into them)
         self._copy_back: List[Tuple[List[torch.Tensor], int]] = []
@@ -374,34 +389,46 @@ class MergedStep:
         arrived is then started, in plan order."""
         if self._arrived[i]:
             raise RuntimeError(f"{self._who}: the gradient of {self.names[i]!r} arrived twice in one step")
-        self._ready_at[i] = time.perf_counter() - self._encode_spent  # our own hook work excluded
-        self._order_seen.append(i)
-        self._fill(i, grad)
-        self._arrived[i] = True
-        self._start_ready()
+        with self.exchange.clock(ENCODE):
+            self._ready_at[i] = time.perf_counter() - self._encode_spent  # our own hook work excluded
+            self._order_seen.append(i)
+            self._fill(i, grad)
+            self._arrived[i] = True
+            self._start_ready()
 
     def _fill(self, i: int, grad: Optional[torch.Tensor]) -> None:
         g, offset = self._where[i]
+        with self.exchange.clock(ENCODE, self._groups[g].name):
+            self._copied[g] += self._copy_in(i, grad, g, offset) * self.shapes[i].numel()
+        self._count[g] += 1
+
+    def _copy_in(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int) -> int:
+        """Write tensor ``i``'s gradient (None: zeros), prescaled, into its slot at ``offset`` of
+        group ``g``'s buffer, checking NaN/Inf where the copy can; returns the passes over the slot."""
         flat = self._buffer(g)
         slot = flat[offset:offset + self.shapes[i].numel()]
+        passes = 1
         if grad is None:
             slot.zero_()
         elif _holds(grad, flat, offset):
             self._unchecked(g)
+            passes = 0
             if self.prescale != 1.0:
                 slot.mul_(self.prescale)
+                passes = 1
         else:
             if grad.is_sparse:
                 if self.warn_sparse:
                     warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
-                                  f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=5)
+                                  f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=6)
                 grad = grad.to_dense()
+                passes = 2  # the dense gradient written, then copied
             finite = codecs.copy_finite(grad, slot, self.prescale)  # the copy, prescale and check: one pass
             if finite is None:
                 self._unchecked(g)
             elif not finite:
                 self._finite[g] = False
-        self._count[g] += 1
+        return passes
 
     def _unchecked(self, g: int) -> None:
         if self._finite[g]:
@@ -411,11 +438,15 @@ class MergedStep:
         while (not self._caller_groups and len(self._started) < len(self._groups)
                and self._count[len(self._started)] == len(self._groups[len(self._started)].indices)):
             g = len(self._started)
-            self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g])
+            self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g], self._copied[g])
 
-    def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool]) -> None:
+    def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool], copied: int) -> None:
+        """Start ``group`` from ``flat``, into which ``copied`` elements were written (pass by
+        pass) this step."""
+        began = time.perf_counter()
         job = self.exchange.start(group, flat, self._sent_as(codec) if self.compressing else EXEMPT, finite)
-        self._encode_spent += job.encode_seconds
+        self._encode_spent += time.perf_counter() - began
+        job.count("copy-in", 1, copied)
         self._started.append(job)
         self._outs.append(flat)
 
@@ -432,13 +463,17 @@ class MergedStep:
         each new group takes over its tensors' state."""
         if not self._caller_groups:
             raise RuntimeError(f"{self._who}: start_group() needs caller_groups=True")
+        with self.exchange.clock(ENCODE):
+            self._start_bucket(indices, flat)
+
+    def _start_bucket(self, indices: Sequence[int], flat: torch.Tensor) -> None:
         group = layout(GroupPlan((tuple(indices),)), self.shapes)[0]
         if group.numel != flat.numel():
             raise RuntimeError(f"{self._who}: a group of {flat.numel()} elements holds tensors "
                                f"{self.tensor_names(group)[:4]} of {group.numel} elements in all")
         exempt = [self._exempt[i] for i in group.indices]
         if not any(exempt):
-            self._start_given(group, flat, "compressed")
+            self._start_given(group, flat, "compressed", 0)
             return
         bounds = [*group.offsets, group.numel]
         slices: Dict[bool, List[torch.Tensor]] = {False: [], True: []}
@@ -454,9 +489,9 @@ class MergedStep:
                     buffer = self._parts[sub.name] = flat.new_empty(sub.numel)
                 torch.cat(slices[part], out=buffer)
                 self._copy_back.append((slices[part], len(self._started)))
-                self._start_given(sub, buffer, codec)
+                self._start_given(sub, buffer, codec, sub.numel)
 
-    def _start_given(self, group: Group, flat: torch.Tensor, codec: str) -> None:
+    def _start_given(self, group: Group, flat: torch.Tensor, codec: str, copied: int) -> None:
         if codec != EXEMPT and group not in self._groups and self._groups:
             holders = self._holders()
             if self._before is None:  # later groups of this step remap from the same snapshot
@@ -467,18 +502,35 @@ class MergedStep:
                 holder.state.update(remap_state(before, self._groups, [group]))
         self._given.append(group)
         self._given_codecs.append(codec)
-        self._launch(group, flat, codec, None)
+        self._launch(group, flat, codec, None, copied)
 
     def finish(self) -> Optional[Reduced]:
         """Finish the step: start what is left (missing tensors count as zeros), wait, decode,
         average; then advance the step, adopt the observed order and feed the scheduler (which
         may switch plans).  Returns the reduced gradients, or None for a step skipped under
-        ``nonfinite="skip"``; raises FloatingPointError under ``"raise"``."""
+        ``nonfinite="skip"``; raises FloatingPointError under ``"raise"``.  A step that does not
+        raise joins :meth:`step_breakdown`."""
+        clock = self.exchange.clock
+        jobs = self._started  # this step's groups: _finish starts the rest into this list
+        try:
+            with clock(DECODE):
+                reduced = self._finish()
+        except BaseException:
+            clock.take()
+            self.timings.forget()
+            raise
+        self.timings.end_step(clock.take(), [job.describe() for job in jobs])
+        return reduced
+
+    def _finish(self) -> Optional[Reduced]:
+        """:meth:`finish`, its parts on the exchange's clock."""
+        clock = self.exchange.clock
         timed = self._timed and all(self._arrived)
-        for i, arrived in enumerate(self._arrived):
-            if not arrived and not self._caller_groups:
-                self._fill(i, None)
-        self._start_ready()
+        with clock(ENCODE):
+            for i, arrived in enumerate(self._arrived):
+                if not arrived and not self._caller_groups:
+                    self._fill(i, None)
+            self._start_ready()
         jobs, outs = self._started, self._outs
         groups = [job.group for job in jobs]
         check = NonfiniteCheck(self.comm, [job.finite for job in jobs], self.step) \
@@ -491,7 +543,11 @@ class MergedStep:
         for slices, j in self._copy_back:
             for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
                 dst.copy_(src)
-        bad = check.culprits([group.name for group in groups]) if check else []
+            jobs[j].count("copy-out", 1)
+        bad = []
+        if check:
+            with clock(WAIT):
+                bad = check.culprits([group.name for group in groups])
         step = self.exchange.step
         self.exchange.step += 1
         if self.step == self.warmup_steps > 0:
@@ -512,14 +568,17 @@ class MergedStep:
         if self.postscale != 1.0:
             for flat in flats:
                 flat.mul_(self.postscale)
-        self._adopt_order(order_seen)
-        self._feed_scheduler(ready if timed else None)
+        with clock(SCHEDULER):
+            self._adopt_order(order_seen)
+            self._feed_scheduler(ready if timed else None)
         return Reduced(groups, flats)
 
     def abort(self) -> None:
         """Forget a step that cannot finish (an interrupted backward pass): its collectives are
         out of step with the other ranks', so the caller must fail the step on every rank."""
         self.exchange.rollback()
+        self.exchange.clock.take()
+        self.timings.forget()
         self._before = None
         self._reset()
 
@@ -616,10 +675,26 @@ class MergedStep:
 
     def schedule_report(self) -> Dict[str, Any]:
         """What the scheduler tried and chose (see :meth:`MergeScheduler.report`); a fixed plan
-        reports ``{"phase": "fixed", "groups": n}``."""
+        reports ``{"phase": "fixed", "groups": n}``.  Under ``"breakdown"``: :meth:`step_breakdown`."""
         if self.scheduler is None:
-            return {"phase": "starting" if self._auto else "fixed", "groups": len(self._groups)}
-        return self.scheduler.report()
+            report = {"phase": "starting" if self._auto else "fixed", "groups": len(self._groups)}
+        else:
+            report = self.scheduler.report()
+        return {**report, "breakdown": self.step_breakdown()}
+
+    def step_breakdown(self, steps: Optional[int] = None) -> Dict[str, Any]:
+        """Where this process's time went in the last ``steps`` steps, averaged (default: every
+        step kept, ``timings.window``): the parts of a step and each group's seconds, bytes and
+        passes over its elements (:mod:`mergecomp.breakdown`)."""
+        return self.timings.summary(steps)
+
+    @contextlib.contextmanager
+    def time_update(self) -> Iterator[None]:
+        """Time the optimizer update a front end runs after :meth:`finish`: it joins that
+        step's breakdown as its ``optimizer`` part."""
+        began = time.perf_counter()
+        yield
+        self.timings.end_update(began, time.perf_counter())
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -655,6 +730,7 @@ class MergedStep:
             state = {**state, "memory": {}, "compressor": {}, "shard_memory": {}, "scheduler": None}
         self.exchange.load_state_dict(state)
         self._last_end = None
+        self.timings.forget()
         if self._auto and self._order_final:
             if self.scheduler is None:
                 self._start_scheduler()

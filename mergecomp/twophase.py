@@ -129,6 +129,7 @@ class VoteCodec(Compressor):
     sends the vote of its own shard."""
 
     name = "vote"
+    compress_passes = 3  # the int8 cast, the shift by 1, the packing
 
     def compress(self, tensor: torch.Tensor, name: str, shapes=None) -> Tuple[Payload, Any]:
         codes = tensor.to(torch.int8).add_(1).view(torch.uint8)

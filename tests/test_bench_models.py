@@ -58,7 +58,8 @@ def test_without_transformers_the_error_says_what_to_install(monkeypatch):
 
 
 def test_bench_cli_runs_in_one_process(tmp_path):
-    """`mergecomp bench` with a tiny model, one process (local engine): every plan gets a record."""
+    """`mergecomp bench` with a tiny model, one process (local engine): every plan gets a record
+    with its step breakdown."""
     import json
     import subprocess
     import sys
@@ -74,6 +75,8 @@ def test_bench_cli_runs_in_one_process(tmp_path):
     assert all(r["status"] == "ok" and r["step_s"] > 0 for r in records)
     assert records[0]["search_steps_total"] <= 30
     assert records[3]["codecs"] == ["none"]
+    assert all(r["breakdown"]["steps"] == 1 and r["breakdown"]["groups"] for r in records)  # 1 round x 1 step
+    assert "Where a step's time goes" in out.stdout
 
 
 def test_cluster_runs_one_worker_per_namespace_and_tears_down():

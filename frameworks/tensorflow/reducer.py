@@ -199,6 +199,11 @@ class GradientReducer:
     def schedule_report(self) -> Dict[str, Any]:
         return self._bound().schedule_report()
 
+    def step_breakdown(self, steps: Optional[int] = None) -> Dict[str, Any]:
+        """Where the last ``steps`` exchanges' time went (:meth:`MergedStep.step_breakdown`;
+        the update is not timed: it counts as compute)."""
+        return self._bound().step_breakdown(steps)
+
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """This rank's plan, step, compressor state, error-feedback memory, scheduler choice."""

@@ -11,7 +11,7 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
       └─ synchronize(): MergedStep.finish (parameters without a gradient count as zeros; the
          ranks agree on non-finite gradients; each group is decoded and averaged into its
          buffer); each p.grad becomes a view of its slot there
-      └─ the wrapped optimizer class's own step()
+      └─ the wrapped optimizer class's own step() (timed: ``step_breakdown()``)
 
 The result is an instance of a subclass of the wrapped optimizer's class (as Horovod builds it),
 sharing that optimizer's ``param_groups``, ``state`` and hooks, so ``isinstance`` checks, LR
@@ -184,7 +184,8 @@ class DistributedOptimizer(HoldsMergedStep):
 
     def schedule_report(self) -> Dict[str, Any]:
         """What the scheduler did: candidates with predicted and measured seconds per step, the
-        chosen plan, search cost in steps.  Fixed plans report ``{"phase": "fixed"}``."""
+        chosen plan, search cost in steps.  Fixed plans report ``{"phase": "fixed"}``.  Under
+        ``"breakdown"``: :meth:`step_breakdown`."""
         return self.merged.schedule_report()
 
     # -- backward -----------------------------------------------------------------------------
@@ -242,7 +243,8 @@ class DistributedOptimizer(HoldsMergedStep):
         if self._step_skipped:
             self._step_skipped = False
             return loss
-        super().step()
+        with self.merged.time_update():
+            super().step()
         return loss
 
     @contextlib.contextmanager

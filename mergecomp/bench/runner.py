@@ -24,7 +24,8 @@ optimizer in one process: the single-worker reference of the scaling factor).
 Measurement: ``--warmup`` untimed steps; ``auto`` first runs the scheduler's search (its cost in
 steps is reported) and freezes its choice; then ``--rounds`` rounds each time ``--steps`` steps of
 every plan in turn (1 settle step after each switch), so slow drifts of a shared machine hit
-every plan alike.  A plan's step time is the median of its timed steps, max over ranks.
+every plan alike.  A plan's step time is the median of its timed steps, max over ranks; its
+breakdown (where rank 0's step time goes, ``mergecomp.breakdown``) averages its timed steps.
 Weights are updated with ``--lr`` (default 0: every step does the same work and long runs cannot
 diverge; the optimizer step itself still runs).  With ``--hosts`` the run is repeated
 ``--repeats`` times (each in a fresh cluster) and the median reported; a run that crashes or
@@ -46,6 +47,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..breakdown import GROUP_PARTS, PARTS, combine
 from ..cmdline import keyword_args
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "local")
@@ -220,15 +222,21 @@ def fixed_plan(opt, label: str):
     return opt.plan
 
 
-def measure_plans(w: _Worker, plans: Dict[str, object], rounds: int, steps: int) -> Dict[str, List[float]]:
+def measure_plans(w: _Worker, plans: Dict[str, object], rounds: int, steps: int,
+                  breakdowns: Optional[Dict[str, List[Dict]]] = None) -> Dict[str, List[float]]:
     """Step times of each plan: ``rounds`` rounds over all plans, each plan ``1 + steps`` steps
-    per round (the first, after the switch, untimed)."""
+    per round (the first, after the switch, untimed).  ``breakdowns``: each plan's label gets
+    the step breakdown of its timed steps in every round appended."""
     times: Dict[str, List[float]] = {label: [] for label in plans}
+    opt = w.optimizer
+    opt.breakdown_window = max(opt.breakdown_window, steps)
     for _ in range(rounds):
         for label, plan in plans.items():
-            w.optimizer.set_plan(plan)
+            opt.set_plan(plan)
             w.step()
             times[label] += [w.step() for _ in range(steps)]
+            if breakdowns is not None:
+                breakdowns.setdefault(label, []).append(opt.step_breakdown(steps))
     return times
 
 
@@ -255,14 +263,16 @@ def _run_mergecomp(w: _Worker, args) -> List[Dict]:
     for label in labels:
         if label != "auto":
             plans[label] = fixed_plan(opt, label)
-    times = measure_plans(w, plans, args.rounds, args.steps)
+    breakdowns: Dict[str, List[Dict]] = {}
+    times = measure_plans(w, plans, args.rounds, args.steps, breakdowns)
     sizes = [p.numel() * p.element_size() for p in w.model.parameters()]
     comm = opt.merged.comm
     records = []
     for label in labels:
         records.append({"plan": label, "step_s": _slowest(comm, statistics.median(times[label])),
                         "steps_s": times[label], **describe_plan(plans[label], sizes),
-                        "compressor_repr": repr(opt.compressor), "memory": repr(opt.memory), **extra.get(label, {})})
+                        "compressor_repr": repr(opt.compressor), "memory": repr(opt.memory),
+                        "breakdown": combine(breakdowns[label]), **extra.get(label, {})})
     import mergecomp.torch as mc
 
     mc.shutdown()
@@ -361,6 +371,7 @@ def _print_table(records: List[Dict]) -> None:
         name = r.get("compressor") or r.get("hook") or "-"
         print(f"| {r['mode']} | {name} | {r.get('plan', '-')} | {r.get('world_size', '-')} | {r.get('rate', '-')} "
               f"| {step} | {per} | {tot} | {r['status']} |", flush=True)
+    _print_breakdowns([r for r in records if r.get("breakdown")])
     for r in records:
         report = r.get("schedule_report")
         if report and report.get("chosen"):
@@ -368,6 +379,28 @@ def _print_table(records: List[Dict]) -> None:
             print(f"auto: chose {c['groups']} group(s) {c['codecs']} "
                   f"({', '.join(f'{s / 2**20:.1f}MB' for s in c['sizes'])}), measured {c['measured_s']:.3f}s; "
                   f"search {report['search_steps']} scheduler steps ({r['search_steps_total']} incl. the first)")
+
+
+def _ms(entry: Dict, parts: Sequence[str]) -> str:
+    """``entry``'s ``<part>_s`` for each of ``parts``, in milliseconds, as table cells."""
+    return " | ".join(f"{1e3 * entry[part + '_s']:.1f}" for part in parts)
+
+
+def _print_breakdowns(records: List[Dict]) -> None:
+    """Where rank 0's step time goes, per record, then per group."""
+    if not records:
+        return
+    print(f"\nWhere a step's time goes (rank 0, mean ms per step)\n\n| compressor | plan | step | "
+          f"{' | '.join(PARTS)} |\n|---|---|{'---:|' * (len(PARTS) + 1)}")
+    for r in records:
+        print(f"| {r['compressor']} | {r['plan']} | {_ms(r['breakdown'], ['step'])} | {_ms(r['breakdown'], PARTS)} |")
+    print(f"\n| compressor | plan | group MB | codec | {' | '.join(GROUP_PARTS)} | passes (by stage) |\n"
+          f"|---|---|---:|---|{'---:|' * len(GROUP_PARTS)}---|")
+    for r in records:
+        for g in r["breakdown"]["groups"]:
+            stages = ", ".join(f"{stage} {passes:.3g}" for stage, passes in g["passes_by_stage"].items())
+            print(f"| {r['compressor']} | {r['plan']} | {g['bytes'] / 2**20:.1f} | {g['codec']} | "
+                  f"{_ms(g, GROUP_PARTS)} | {g['passes']:.3g} ({stages}) |", flush=True)
 
 
 # -- launcher ------------------------------------------------------------------------------------
@@ -414,6 +447,8 @@ def _launch_cluster(args, argv: List[str]) -> List[Dict]:
             same = [run[i] for run in runs]
             merged = dict(first)
             merged["step_s_runs"] = [r["step_s"] for r in same]
+            if "breakdown" in first:
+                merged["breakdown"] = combine([r["breakdown"] for r in same])
             merged["step_s"] = statistics.median(merged["step_s_runs"])
             merged["samples_per_s_worker"] = args.batch_size / merged["step_s"]
             merged["samples_per_s_total"] = merged["samples_per_s_worker"] * args.hosts * args.procs_per_host
