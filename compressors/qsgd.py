@@ -5,8 +5,10 @@ The flat buffer is cut into buckets of ``bucket_size`` elements (the last one ma
 with norm ``||v||`` is sent as the signed level ``sign(x) * l``, ``l`` the stochastic rounding of
 ``levels * |x| / ||v||`` (so ``E[decode] = x``), and decodes to ``sign(x) * l * ||v|| / levels``.
 
-Wire: int8 levels in ``[-levels, levels]`` (8 bits per element) and one fp32 norm per bucket:
-``8 + 32 / bucket_size`` bits per element.  Not summable (allgathered).
+Wire: the levels in ``[-levels, levels]`` as int8 (8 bits per element) or, for ``levels <= 7``,
+as 4-bit codes ``l + levels`` packed two to a byte (low nibble first), and one fp32 norm per
+bucket: ``8 + 32 / bucket_size`` or ``4 + 32 / bucket_size`` bits per element.  Not summable
+(allgathered, or two-phase).
 Defaults: ``levels=64`` (at most 127), ``bucket_size=512``; no error-feedback memory.
 """
 from typing import Optional, Sequence, Tuple
@@ -31,6 +33,7 @@ class QSGDCompressor(Compressor):
                                         or int(bucket_size) != bucket_size or bucket_size < 1):
             raise ValueError(f"qsgd bucket_size must be a positive integer or None, got {bucket_size!r}")
         self.levels = int(levels)
+        self.bits = 4 if self.levels <= 7 else 8  # bits per level on the wire
         self.bucket_size = None if bucket_size is None else int(bucket_size)
 
     @property
@@ -44,7 +47,8 @@ class QSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
-        payload = qsgd_encode(tensor, self._bucket_size(numel), self.levels, empty=self.scratch)
+        payload = qsgd_encode(tensor, self._bucket_size(numel), self.levels, self.bits,
+                              empty=self.scratch)
         return payload, (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
@@ -52,4 +56,5 @@ class QSGDCompressor(Compressor):
         numel, dtype = ctx
         step = norms.to(work_dtype(dtype)) / self.levels
         out = self.scratch(numel, dtype, level.device)
-        return scale_levels(level, step, self._bucket_size(numel), out)
+        shift = 0 if self.bits == 8 else self.levels
+        return scale_levels(level, step, self._bucket_size(numel), out, self.bits, shift)

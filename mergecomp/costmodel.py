@@ -51,6 +51,8 @@ __all__ = [
     "fit_span",
     "predict",
     "search",
+    "search_by_scheme",
+    "PLAIN",
     "ring_allreduce",
     "ring_allgather",
     "all_to_all",
@@ -58,6 +60,9 @@ __all__ = [
     "two_phase_cost",
     "hierarchical_cost",
 ]
+
+#: the codecs that do not send a group with the configured compressor
+PLAIN = ("fp16", "none")
 
 
 @dataclass(frozen=True)
@@ -448,3 +453,18 @@ def search(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS
             leaders.append(entry)
     chosen = leaders + [entry for _, entry in ranked if entry not in leaders]
     return [predict(profile, cuts, assignment) for _, cuts, assignment, _ in sorted(chosen[:top])]
+
+
+def search_by_scheme(profile: Profile, max_groups: int = 4, codecs: Sequence[str] = CODECS,
+                     top: int = 3) -> List[Prediction]:
+    """:func:`search` where every plan sends its compressed groups by one scheme: for each codec
+    of ``codecs`` that sends the compressor (not in :data:`PLAIN`), the ``top`` best plans of
+    it with the plain codecs; the ``top`` fastest of them all, fastest first.  With S schemes
+    this searches ``S * (1 + len(plain)) ** K`` codec assignments of K groups instead of
+    ``(S + len(plain)) ** K``."""
+    plain = tuple(c for c in codecs if c in PLAIN)
+    schemes = [c for c in codecs if c not in PLAIN]
+    if len(schemes) <= 1:
+        return search(profile, max_groups, codecs, top)
+    unique = {(p.cuts, p.codecs): p for scheme in schemes for p in search(profile, max_groups, (scheme, *plain), top)}
+    return sorted(unique.values(), key=lambda p: p.total)[:top]

@@ -40,7 +40,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -87,8 +87,8 @@ _P, _I64, _F32, _U64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ct
 _SIGNATURES = {
     "mc_abi_version": ([], _I32),
     "mc_stochastic_codes": ([_P, _I64, _P, _I64, _F32, _F32, _F32, _U64, _I32, _P, _I32], None),
-    "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _P, _P, _I32], None),
-    "mc_scale_levels": ([_P, _I64, _P, _I64, _P, _I32], None),
+    "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _I32, _P, _P, _I32], None),
+    "mc_scale_levels": ([_P, _I64, _I32, _F32, _P, _I64, _P, _I32], None),
     "mc_decode_codes": ([_P, _I64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
     "mc_pack_signs_sum": ([_P, _P, _I64, _P, _P, _I32], None),
@@ -217,30 +217,41 @@ def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: flo
     return out
 
 
-def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, out: torch.Tensor,
+def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, bits: int, out: torch.Tensor,
                 norms: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """QSGD's encode in one pass: ``norms`` (fp32, one per bucket of ``bucket`` elements) gets
-    each bucket's L2 norm and ``out`` (``numel`` int8) the levels
-    ``floor(levels * x / norm + u)`` (0 in a bucket whose norm is 0), ``u`` as in
-    :func:`stochastic_codes`.  Returns ``(out, norms)``."""
+    each bucket's L2 norm and ``out`` the levels ``l = floor(levels * x / norm + u)`` (0 in a
+    bucket whose norm is 0), ``u`` as in :func:`stochastic_codes`: ``numel`` int8 for
+    ``bits == 8``; for ``bits == 4`` (``levels <= 7``) the codes ``l + levels`` packed two to a
+    byte as :func:`mergecomp.bitpack.pack` does (``ceil(numel / 2)`` uint8).  Returns
+    ``(out, norms)``."""
     n, bucket = x.numel(), max(int(bucket), 1)
-    if not 1 <= int(levels) <= 127:
-        raise ValueError(f"qsgd_encode: levels must be in [1, 127], got {levels}")
-    _library().mc_qsgd_encode(_buf("x", x, torch.float32, n), n, bucket, int(levels), _seed(),
-                              _buf("out", out, torch.int8, n),
+    if not 1 <= int(levels) <= (127 if bits == 8 else 7) or bits not in (4, 8):
+        raise ValueError(f"qsgd_encode: levels must be in [1, 127] at 8 bits or [1, 7] at 4 bits, "
+                         f"got {levels} at {bits}")
+    _library().mc_qsgd_encode(_buf("x", x, torch.float32, n), n, bucket, int(levels), _seed(), bits,
+                              _buf("out", out, *_level_layout(n, bits)),
                               _buf("norms", norms, torch.float32, _per_bucket(n, bucket)), _threads())
     return out, norms
 
 
-def scale_levels(levels: torch.Tensor, steps: torch.Tensor, bucket: int,
+def scale_levels(codes: torch.Tensor, steps: torch.Tensor, bucket: int, bits: int, shift: int,
                  out: torch.Tensor) -> torch.Tensor:
-    """``out[i] = levels[i] * steps[i // bucket]`` (int8 levels, fp32 steps and ``out``)."""
-    n, bucket = levels.numel(), max(int(bucket), 1)
+    """``out[i] = (code[i] - shift) * steps[i // bucket]`` for the ``out.numel()`` codes: int8
+    for ``bits == 8``, packed 4-bit codes (uint8) for ``bits == 4``; fp32 steps and ``out``."""
+    n, bucket = out.numel(), max(int(bucket), 1)
+    if bits not in (4, 8):
+        raise ValueError(f"scale_levels: bits must be 4 or 8, got {bits}")
     steps = steps.to(torch.float32).contiguous()
-    _library().mc_scale_levels(_buf("levels", levels, torch.int8, n), n,
+    _library().mc_scale_levels(_buf("codes", codes, *_level_layout(n, bits)), n, bits, float(shift),
                                _buf("steps", steps, torch.float32, _per_bucket(n, bucket)), bucket,
                                _buf("out", out, torch.float32, n), _threads())
     return out
+
+
+def _level_layout(n: int, bits: int) -> Tuple[torch.dtype, int]:
+    """dtype and numel of ``n`` QSGD levels at ``bits`` (8: int8; 4: packed uint8)."""
+    return (torch.int8, n) if bits == 8 else (torch.uint8, -(-n // 2))
 
 
 def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,

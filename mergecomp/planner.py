@@ -32,8 +32,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from .compressor import Compressor
-from .costmodel import (Affine, Cluster, CodecFit, Prediction, Profile, fit_span, flat_cost,
-                        hierarchical_cost, predict, search, two_phase_cost)
+from .costmodel import (PLAIN, Affine, Cluster, CodecFit, Prediction, Profile, fit_span, flat_cost,
+                        hierarchical_cost, predict, search, search_by_scheme, two_phase_cost)
 from .plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, has_codec_choice
 from .probes import probe_sizes, time_codec
 from .registry import get_compressor, get_memory
@@ -57,7 +57,6 @@ SCHEMES = {
     HIERARCHICAL_TWO_PHASE: functools.partial(hierarchical_cost, across=two_phase_cost),
 }
 #: the codecs of the fp16/bf16 baseline (a cast, or nothing, by ring allreduce)
-PLAIN = ("fp16", "none")
 
 
 def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[str, CodecFit]:
@@ -105,7 +104,7 @@ def _fastest(predictions: Sequence[Prediction]) -> Prediction:
 def _predictions(profile: Profile, schemes: Sequence[str], plain: Sequence[str], max_groups: int) -> Dict:
     """The best plan, the baselines' plans, layer-wise and one group (see :func:`plan_table`)."""
     n = len(profile.sizes)
-    return {"best": _fastest([search(profile, max_groups, (name, *plain), top=1)[0] for name in schemes]),
+    return {"best": search_by_scheme(profile, max_groups, (*schemes, *plain), top=1)[0],
             "fp16": search(profile, max_groups, PLAIN, top=1)[0],
             "fp32_fused": search(profile, max_groups, ("none",), top=1)[0],
             "layerwise": predict(profile, list(range(1, n)), ["compressed"] * n),

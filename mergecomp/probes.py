@@ -3,7 +3,9 @@
 :func:`probe_sizes` picks the gradient sizes to time; :func:`time_codec` times a codec's encode
 and decode on them, :func:`time_network` the engine's collective on their payloads;
 :func:`time_two_phase` and :func:`time_two_phase_network` do both for the two-phase scheme, whose
-work between its two collectives (aggregate, encode again) counts as part of its network time.
+work between its two collectives (aggregate, encode again) counts as part of its network time;
+:func:`time_in_host` times the hierarchical schemes' collectives inside the host, around the
+flat scheme's work on each rank's shard across hosts.
 :func:`measure` runs them all for a profile step into a :class:`Measurements` record;
 :meth:`Measurements.agree` gives every rank the same record, the slowest rank's number
 everywhere, with one allgather; :meth:`Measurements.cost_profile` turns it into the
@@ -23,12 +25,12 @@ from .comm import Communicator
 from .compressor import Compressor, Payload
 from .costmodel import CodecCost, Profile, fit_affine
 from .memory import Memory
-from .plan import TWO_PHASE
+from .plan import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
 from .twophase import ShardMemory, VoteCodec, shard_bounds
 from .workspace import Workspace
 
-__all__ = ["CodecProbe", "Measurements", "encode_alone", "measure", "probe_sizes", "time_codec", "time_network",
-           "time_two_phase", "time_two_phase_network"]
+__all__ = ["CodecProbe", "Measurements", "encode_alone", "measure", "probe_sizes", "time_codec", "time_in_host",
+           "time_network", "time_two_phase", "time_two_phase_network"]
 
 
 def probe_sizes(sizes: Sequence[int]) -> List[Tuple[int, int]]:
@@ -203,6 +205,30 @@ def time_two_phase_network(comm: Communicator, payload_bytes: Sequence[float], s
     return wall, cpu
 
 
+def time_in_host(local: Communicator, group_bytes: Sequence[int], dtype: torch.dtype,
+                 device: torch.device) -> Tuple[List[float], List[float]]:
+    """Wall and CPU seconds of the hierarchical schemes' work inside the host for groups of each
+    of ``group_bytes`` (uncompressed, ``dtype``): the all-to-all of the group cut in one block per
+    local rank, the sum of the blocks received, and the allgather of one block; as
+    :func:`time_network` times them.  A collective on ``local``."""
+    wall, cpu = [], []
+    size, element = local.size, torch.empty((), dtype=dtype).element_size()
+    for nbytes in group_bytes:
+        block = -(-max(1, int(nbytes) // element) // size)
+        group = torch.zeros(block * size, dtype=dtype, device=device)
+        shard = torch.zeros(block, dtype=dtype, device=device)
+
+        def both() -> None:
+            rows = local.alltoall_async(group).wait("scheduler probe inside the host")
+            torch.sum(rows.view(size, block), dim=0, out=shard)
+            local.allgather_async(shard).wait("scheduler probe inside the host")
+
+        seconds, cpu_seconds = _fastest(both, device)
+        wall.append(seconds)
+        cpu.append(cpu_seconds)
+    return wall, cpu
+
+
 def _fastest(run: Callable[[], None], device: torch.device) -> Tuple[float, float]:
     """``(wall, CPU)`` seconds of the faster of two calls of ``run`` (collectives: the first
     may pay for connections and buffers)."""
@@ -331,27 +357,58 @@ def _refill(record, numbers: Iterator[float]):
     return type(record)(**{f.name: _refill(getattr(record, f.name), numbers) for f in dataclasses.fields(record)})
 
 
+#: the flat scheme a hierarchical codec runs across hosts
+_ACROSS = {HIERARCHICAL: "compressed", HIERARCHICAL_TWO_PHASE: TWO_PHASE}
+
+
+def _levels(comm: Communicator, name: str) -> Tuple[str, Communicator, Optional[Communicator]]:
+    """Where codec ``name`` compresses: ``(flat scheme, its communicator, the host's
+    communicator)``, the last None unless a hierarchical codec runs on several hosts of several
+    processes (elsewhere it is its flat scheme, as the exchange sends it)."""
+    if name not in _ACROSS:
+        return name, comm, None
+    local, cross = comm.split_hosts()
+    if local.size == 1 or cross.size == 1:
+        return _ACROSS[name], comm, None
+    return _ACROSS[name], cross, local
+
+
 def measure(comm: Communicator, codecs: Mapping[str, Compressor], samples: Sequence[Tuple[int, int]],
             shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device, ready: Sequence[float],
             step_seconds: float, memory: Optional[Memory] = None) -> Measurements:
     """This rank's record of a profile step: its ``ready`` times and ``step_seconds``, and each
     codec timed on ``samples`` (see :func:`probe_sizes`), with the exchange's error-feedback
-    ``memory`` where it takes part (every codec of :data:`~mergecomp.plan.CODECS`).  Every codec is encoded and decoded
-    before the first collective runs; the collectives run in the order of ``codecs``, which
-    must be the same on every rank."""
-    timed = {name: (time_two_phase(compressor, samples, dtype, device, comm.size, memory) if name == TWO_PHASE
-                    else time_codec(compressor, samples, shapes, dtype, device, comm.size, memory))
-             for name, compressor in codecs.items()}
+    ``memory`` where it takes part (every codec of :data:`~mergecomp.plan.CODECS`).  A
+    hierarchical codec is timed as its flat scheme on this rank's 1/L shard of each sample
+    across hosts (its ratio: payload bytes per byte of the whole group), plus
+    :func:`time_in_host` on the whole sample.  Every codec is encoded and decoded before the
+    first collective runs; the collectives run in the order of ``codecs``, which must be the
+    same on every rank."""
+    levels = {name: _levels(comm, name) for name in codecs}
+    timed = {}
+    for name, compressor in codecs.items():
+        flat, across, local = levels[name]
+        shard = 1 if local is None else local.size
+        parts = [(max(1, nbytes // shard), count) for nbytes, count in samples]
+        timed[name] = (time_two_phase(compressor, parts, dtype, device, across.size, memory) if flat == TWO_PHASE
+                       else time_codec(compressor, parts, shapes, dtype, device, across.size, memory))
     probes = {}
     for name, times in timed.items():
-        if name == TWO_PHASE:
+        flat, across, local = levels[name]
+        shard = 1 if local is None else local.size
+        parts = [max(1, nbytes // shard) for nbytes, _ in samples]
+        if flat == TWO_PHASE:
             encode, middle, decode, ratio, second = times
-            wall, cpu = time_two_phase_network(comm, [n * ratio for n, _ in samples],
-                                               [n * second for n, _ in samples], device)
+            wall, cpu = time_two_phase_network(across, [n * ratio for n in parts], [n * second for n in parts],
+                                               device)
             wall = [w + m for w, m in zip(wall, middle)]
             cpu = [c + m for c, m in zip(cpu, middle)]
         else:
             encode, decode, ratio = times
-            wall, cpu = time_network(comm, codecs[name], [n * ratio for n, _ in samples], device)
-        probes[name] = CodecProbe(ratio, encode, decode, wall, cpu)
+            wall, cpu = time_network(across, codecs[name], [n * ratio for n in parts], device)
+        if local is not None:
+            inside, inside_cpu = time_in_host(local, [nbytes for nbytes, _ in samples], dtype, device)
+            wall = [w + i for w, i in zip(wall, inside)]
+            cpu = [c + i for c, i in zip(cpu, inside_cpu)]
+        probes[name] = CodecProbe(ratio / shard, encode, decode, wall, cpu)
     return Measurements(list(ready), probes, step_seconds)

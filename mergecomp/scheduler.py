@@ -39,7 +39,7 @@ import torch
 
 from .comm import Communicator
 from .compressor import Compressor
-from .costmodel import Prediction, Profile, predict, search
+from .costmodel import Prediction, Profile, predict, search, search_by_scheme
 from .memory import Memory
 from .plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, GroupPlan, has_codec_choice
 from .probes import measure, probe_sizes
@@ -54,8 +54,10 @@ logger = logging.getLogger("mergecomp")
 MakePlan = Callable[[Sequence[int], Sequence[str]], GroupPlan]
 
 #: the codecs a group may get from the search: the configured compressor by allgather (or
-#: allreduce), by the two-phase scheme, fp16, or plain
-SEARCHED = (*CODECS, TWO_PHASE)
+#: allreduce), by the two-phase scheme or by a hierarchical scheme, fp16, or plain
+SEARCHED = (*CODECS, TWO_PHASE, HIERARCHICAL, HIERARCHICAL_TWO_PHASE)
+#: the codecs that send the compressor's payloads in shards
+_SHARDED = (TWO_PHASE, HIERARCHICAL, HIERARCHICAL_TWO_PHASE)
 
 
 @dataclass
@@ -91,21 +93,39 @@ class SchedulerConfig:
 
 
 def searched_codecs(codecs: Sequence[str], compressor: Compressor, world_size: int,
-                    scheme: Optional[str] = None) -> Tuple[str, ...]:
-    """The codecs of ``codecs`` the search offers each group: fp16 and none only where the
-    compressor leaves a choice (:func:`~mergecomp.plan.has_codec_choice`); two-phase for a
-    single-round compressor whose payloads are allgathered, on 3 or more ranks (on 2 it moves
-    the same bytes as the allgather, with a second encode), unless ``scheme="allgather"`` or a
-    hierarchical scheme (every group sent with the compressor then travels by it); with
-    ``scheme="two-phase"`` the compressor travels only that way."""
+                    scheme: Optional[str] = None, per_host: int = 1) -> Tuple[str, ...]:
+    """The codecs of ``codecs`` the search offers each group on ``world_size`` ranks in hosts of
+    ``per_host`` processes: fp16 and none only where the compressor leaves a choice
+    (:func:`~mergecomp.plan.has_codec_choice`); for a single-round compressor whose payloads
+    are allgathered also two-phase on 3 or more ranks (on 2 it moves the same bytes as the
+    allgather, with a second encode), hierarchical with several processes on each of several
+    hosts, and hierarchical-two-phase with 3 hosts or more.  ``scheme="allgather"`` keeps the
+    allgather only; a sharded ``scheme`` (two-phase or hierarchical) sends every compressed
+    group by it."""
     if not has_codec_choice(compressor):
-        codecs = [c for c in codecs if c in ("compressed", TWO_PHASE)]
-    if scheme == TWO_PHASE:
-        codecs = [TWO_PHASE if c == "compressed" else c for c in codecs]
-    elif (scheme in ("allgather", HIERARCHICAL, HIERARCHICAL_TWO_PHASE) or compressor.summable
-          or compressor.rounds > 1 or world_size < 3):
-        codecs = [c for c in codecs if c != TWO_PHASE]
-    return tuple(dict.fromkeys(codecs))
+        codecs = [c for c in codecs if c in ("compressed", *_SHARDED)]
+    if scheme in _SHARDED:
+        return tuple(dict.fromkeys(scheme if c == "compressed" else c for c in codecs if c not in _SHARDED))
+    hosts = world_size // per_host
+    offered = {TWO_PHASE: world_size >= 3, HIERARCHICAL: per_host > 1 and hosts > 1,
+               HIERARCHICAL_TWO_PHASE: per_host > 1 and hosts >= 3}
+    if scheme == "allgather" or compressor.summable or compressor.rounds > 1:
+        offered = {}
+    return tuple(dict.fromkeys(c for c in codecs if c not in _SHARDED or offered.get(c)))
+
+
+def _processes_per_host(comm: Communicator, compressor: Compressor, scheme: Optional[str]) -> int:
+    """Processes per host as the engine splits them (a collective, so that the search may offer
+    the hierarchical schemes), or 1 where they are not searched: a summable or multi-round
+    compressor, ``scheme`` set, or an engine that cannot split hosts or an irregular layout
+    (which the scheme option, when asked for, reports)."""
+    if scheme is not None or compressor.summable or compressor.rounds > 1 or comm.size < 4:
+        return 1
+    try:
+        local, _ = comm.split_hosts()
+    except (NotImplementedError, ValueError):
+        return 1
+    return local.size
 
 
 def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: Sequence[int],
@@ -119,11 +139,12 @@ def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: S
     dtype checks).  ``model`` describes the parameters (e.g. ``"name:shape:dtype"`` each); with
     the compressor, memory, world size and engine it is hashed into the plan-cache signature.
     The codecs searched are :func:`searched_codecs` of the config's, for the front end's
-    ``scheme``.
+    ``scheme`` and the hosts' layout.
     """
     compressor = exchange.compressor
+    per_host = _processes_per_host(exchange.comm, compressor, scheme)
     config = dataclasses.replace(config, codecs=searched_codecs(config.codecs, compressor, exchange.comm.size,
-                                                                  scheme))
+                                                                  scheme, per_host))
     parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine,
              *config.codecs]
     signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
@@ -248,19 +269,19 @@ class MergeScheduler:
         profile, offset = self._build_profile(ready, step_seconds)
         self.profile, self.profile_offset = profile, offset
         budget = self.config.candidates
-        predictions = search(profile, self.config.max_groups, self.config.codecs, budget)
+        predictions = search_by_scheme(profile, self.config.max_groups, self.config.codecs, budget)
         pure = []
-        schemes = [c for c in ("compressed", TWO_PHASE) if c in self.config.codecs]
+        schemes = [c for c in ("compressed", *_SHARDED) if c in self.config.codecs]
         if schemes and len(self.config.codecs) > 1:
             # Always verify the two best plans that use only the configured compressor (two
-            # group counts; with two schemes, the best of each), in the places of the last
-            # predicted candidates (same search cost).  While codecs were timed cold, mixed
-            # plans measured 10-40 % above their prediction on the 1 Gbit/s cluster and lost to
-            # these; timed warm, the median error of every kind of plan is within 3 %
-            # (docs/scheduler.md), and these stay as insurance.
+            # group counts; with several schemes, the best of each, fastest predicted first), in
+            # the places of the last predicted candidates (same search cost).  While codecs were
+            # timed cold, mixed plans measured 10-40 % above their prediction on the 1 Gbit/s
+            # cluster and lost to these; timed warm, the median error of every kind of plan is
+            # within 3 % (docs/scheduler.md), and these stay as insurance.
             each = 2 if len(schemes) == 1 else 1
             pure = [p for scheme in schemes for p in search(profile, self.config.max_groups, (scheme,), each)]
-            pure = pure[:max(1, budget - 1)]
+            pure = sorted(pure, key=lambda p: p.total)[:max(1, budget - 1)]
             chosen = {(p.cuts, p.codecs) for p in pure}
             predictions = [p for p in predictions if (p.cuts, p.codecs) not in chosen]
             predictions = predictions[:max(1, budget - len(pure))]  # at least one other plan

@@ -130,19 +130,21 @@ def test_stochastic_codes_same_on_integers_on_both_paths(bits, lo, hi, shift, n)
 
 
 @needs_kernels
-@pytest.mark.parametrize("n, bucket", [(100_003, 512), (70_000, (1 << 15) + 1), (1000, 300)])
-def test_qsgd_encode_and_scale_levels_agree_on_both_paths(n, bucket):
+@pytest.mark.parametrize("levels, bits", [(64, 8), (7, 4)])
+@pytest.mark.parametrize("n, bucket", [(100_003, 512), (70_000, (1 << 15) + 1), (1001, 301)])
+def test_qsgd_encode_and_scale_levels_agree_on_both_paths(n, bucket, levels, bits):
     x = torch.randn(n)
     x[:bucket] = 0.0  # a bucket with norm 0
-    (fast, fast_norms), (eager, eager_norms) = both_paths(codecs.qsgd_encode, x, bucket, 64)
-    assert fast.dtype == eager.dtype == torch.int8 and fast.shape == eager.shape == (n,)
+    (fast, fast_norms), (eager, eager_norms) = both_paths(codecs.qsgd_encode, x, bucket, levels, bits)
+    assert fast.dtype == eager.dtype and fast.shape == eager.shape == (n if bits == 8 else -(-n // 2),)
     torch.testing.assert_close(eager_norms, fast_norms, rtol=1e-5, atol=0)
-    scaled = x * 64 / fast_norms.clamp_min(1e-30).repeat_interleave(bucket)[:n]
+    shift = 0 if bits == 8 else levels
+    scaled = x * levels / fast_norms.clamp_min(1e-30).repeat_interleave(bucket)[:n]
     for codes in (fast, eager):  # a neighbouring level, 0 in the zero bucket
-        assert torch.all((codes.float() - scaled).abs() < 1) and torch.all(codes[:bucket] == 0)
-    steps = fast_norms / 64
-    decoded, eager_decoded = both_paths(codecs.scale_levels, fast, steps, bucket, torch.empty(n))
-    assert torch.equal(decoded, fast.float() * steps.repeat_interleave(bucket)[:n])
+        found = codes.float() if bits == 8 else bitpack.unpack(codes, 4, n).float() - shift
+        assert torch.all((found - scaled).abs() < 1) and torch.all(found[:bucket] == 0)
+    steps = fast_norms / levels
+    decoded, eager_decoded = both_paths(codecs.scale_levels, fast, steps, bucket, torch.empty(n), bits, shift)
     assert torch.equal(eager_decoded, decoded)
 
 

@@ -339,13 +339,17 @@ def test_randk_unbiased_on_average():
 
 
 # -- quantizers ------------------------------------------------------------------------------
-@pytest.mark.parametrize("levels, bucket", [(64, 512), (4, 64), (1, 7)])
+@pytest.mark.parametrize("levels, bucket", [(64, 512), (8, 64), (7, 64), (1, 7)])
 def test_qsgd_wire_format(levels, bucket):
-    n = 1000
+    n = 1001
     x = torch.randn(n)
     (q, norms), _ = make("qsgd", levels=levels, bucket_size=bucket).compress(x, "g")
-    assert q.dtype == torch.int8 and q.shape == (n,)
     assert norms.dtype == torch.float32 and norms.shape == (math.ceil(n / bucket),)
+    if levels > 7:  # one int8 level per element
+        assert q.dtype == torch.int8 and q.shape == (n,)
+    else:  # level + levels in 4 bits, two to a byte, low nibble first
+        assert q.dtype == torch.uint8 and q.shape == (math.ceil(n / 2),)
+        q = bitpack.unpack(q, 4, n).to(torch.int8) - levels
     assert q.abs().max() <= levels
     torch.testing.assert_close(norms[0], x[:bucket].norm())
 
@@ -565,6 +569,7 @@ K = num_selected(N_BITS, 0.01)
     ("terngrad", {}, 2, 2 + 32 / N_BITS),
     ("qsgd", {}, 8 + 32 / 512, 8 + 32 / 512),
     ("qsgd", {"bucket_size": None}, 8, 8 + 32 / N_BITS),
+    ("qsgd", {"levels": 7}, 4 + 32 / 512, 4 + 32 / 512),
     ("topk", {"ratio": 0.01}, 64 * 0.01, 64 * K / N_BITS),
     ("dgc", {"ratio": 0.01}, 64 * 0.01, 64 * K / N_BITS),
     ("randk", {"ratio": 0.01}, 32 * 0.01, 32 * K / N_BITS),

@@ -119,8 +119,8 @@ def test_wrong_buffers_raise_instead_of_corrupting_memory():
     x = torch.randn(100)
     with pytest.raises(ValueError, match="'out'.*at least 13 elements"):
         native.pack_signs(x, torch.empty(12, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="'levels'.*torch.int8"):
-        native.scale_levels(torch.zeros(100, dtype=torch.int32), torch.ones(1), 100, torch.empty(100))
+    with pytest.raises(ValueError, match="'codes'.*torch.int8"):
+        native.scale_levels(torch.zeros(100, dtype=torch.int32), torch.ones(1), 100, 8, 0, torch.empty(100))
     with pytest.raises(ValueError, match="'packed'.*not contiguous"):
         native.decode_codes(torch.zeros(50, dtype=torch.uint8)[::2], 2, 100, torch.ones(4), torch.empty(100))
     with pytest.raises(ValueError, match="'scales'"):
@@ -210,20 +210,31 @@ def test_draws_follow_torch_seed_and_not_thread_count():
 
 
 @needs_kernels
-@pytest.mark.parametrize("n, bucket", [(1000, 512), (100_003, 512), (70_000, 1 << 15), (513, 7)])
-def test_qsgd_encode_and_scale_levels(n, bucket):
+@pytest.mark.parametrize("levels, bits", [(64, 8), (7, 4), (1, 4)])
+@pytest.mark.parametrize("n, bucket", [(1000, 512), (100_003, 512), (70_000, 1 << 15), (513, 7),
+                                       (1, 3), (0, 512)])
+def test_qsgd_encode_and_scale_levels(n, bucket, levels, bits):
     x = torch.randn(n)
     x[:bucket] = 0.0  # a bucket with norm 0
     buckets = -(-n // bucket)
-    levels, norms = native.qsgd_encode(x, bucket, 64, torch.empty(n, dtype=torch.int8),
-                                       torch.empty(buckets))
+    out = torch.empty(n, dtype=torch.int8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
+    codes, norms = native.qsgd_encode(x, bucket, levels, bits, out, torch.empty(buckets))
     torch.testing.assert_close(norms, bucket_norms(x, bucket, torch.float32), rtol=1e-6, atol=0)
-    assert torch.all(levels[:bucket] == 0)
-    scaled = x * 64 / norms.clamp_min(1e-30).repeat_interleave(bucket)[:n]
-    assert torch.all((levels.float() - scaled).abs() < 1)
-    steps = norms / 64
-    out = native.scale_levels(levels, steps, bucket, torch.empty(n))
-    assert torch.equal(out, levels.float() * steps.repeat_interleave(bucket)[:n])
+    shift = 0 if bits == 8 else levels
+    found = codes if bits == 8 else bitpack.unpack(codes, 4, n).to(torch.int8) - shift
+    assert torch.all(found[:bucket] == 0) and torch.all(found.abs() <= levels)
+    scaled = x * levels / norms.clamp_min(1e-30).repeat_interleave(bucket)[:n]
+    assert torch.all((found.float() - scaled).abs() < 1)
+    if bits == 4 and n % 2:
+        assert codes[-1] >> 4 == 0  # the padding nibble
+    steps = norms / levels
+    decoded = native.scale_levels(codes, steps, bucket, bits, shift, torch.empty(n))
+    assert torch.equal(decoded, found.float() * steps.repeat_interleave(bucket)[:n])
+
+
+def test_qsgd_encode_rejects_levels_beyond_its_bits():
+    with pytest.raises(ValueError, match="levels"):
+        native.qsgd_encode(torch.zeros(4), 4, 8, 4, torch.empty(2, dtype=torch.uint8), torch.empty(1))
 
 
 @needs_kernels
@@ -303,7 +314,7 @@ def test_sign_codecs_same_wire_on_both_paths(name):
 
 @needs_kernels
 @pytest.mark.parametrize("name, kwargs", [("qsgd", {}), ("qsgd", {"bucket_size": None}),
-                                          ("terngrad", {})])
+                                          ("qsgd", {"levels": 7, "bucket_size": 301}), ("terngrad", {})])
 def test_stochastic_codecs_agree_on_both_paths(name, kwargs):
     """Different draws, same layout and scalars; each path decodes the other's payload alike."""
     x = torch.randn(100_003)

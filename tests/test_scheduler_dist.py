@@ -49,6 +49,7 @@ def _auto_worker(rank, world, compression, steps, cache_path=None, slow_after=No
     profile = opt.scheduler.profile if opt.scheduler else None
     return {"report": opt.schedule_report(), "plans": plans, "params": flat_params(model),
             "profiled": None if profile is None else (len(profile.sizes), sorted(profile.codecs)),
+            "ratios": None if profile is None else {name: cost.ratio for name, cost in profile.codecs.items()},
             "diff": (flat_params(model) - flat_params(reference)).abs().max().item(), "log": messages}
 
 
@@ -81,6 +82,17 @@ def test_auto_on_three_ranks_searches_the_two_phase_scheme_and_agrees():
     assert {"compressed"} in verified and {"two-phase"} in verified
 
 
+def test_auto_on_two_hosts_of_two_searches_the_hierarchical_scheme_and_agrees():
+    results = run_workers(_auto_worker, 4, 4, "qsgd", 40, env={"LOCAL_WORLD_SIZE": "2"}, timeout=600)
+    r0 = results[0]
+    assert all(r["plans"] == r0["plans"] and torch.equal(r["params"], r0["params"]) for r in results[1:])
+    assert r0["report"]["phase"] == "monitor"
+    assert r0["profiled"][1] == ["compressed", "fp16", "hierarchical", "none", "two-phase"]
+    # the hierarchical probe sends 1/2 of each group across hosts: half the compressed bytes
+    assert r0["ratios"]["hierarchical"] == pytest.approx(r0["ratios"]["compressed"] / 2, rel=0.05)
+    assert r0["diff"] < 0.5  # it trains: close to the single-process reference
+
+
 def _scheme_codecs(rank):
     import mergecomp
     from mergecomp.scheduler import SEARCHED, searched_codecs
@@ -92,7 +104,12 @@ def _scheme_codecs(rank):
             "qsgd@4 allgather": searched_codecs(SEARCHED, get("qsgd"), 4, "allgather"),
             "topk@4 two-phase": searched_codecs(SEARCHED, get("topk"), 4, "two-phase"),
             **{f"topk@4 {scheme}": searched_codecs(SEARCHED, get("topk"), 4, scheme)
-               for scheme in ("hierarchical", "hierarchical-two-phase")}}
+               for scheme in ("hierarchical", "hierarchical-two-phase")},
+            **{f"qsgd@{n}/{per_host}": searched_codecs(SEARCHED, get("qsgd"), n, None, per_host)
+               for n, per_host in ((4, 2), (6, 2), (8, 8))},
+            "signsgd@6/2": searched_codecs(SEARCHED, get("signsgd"), 6, None, 2),
+            "fp16@4/2": searched_codecs(SEARCHED, get("fp16"), 4, None, 2),
+            "qsgd@4/2 allgather": searched_codecs(SEARCHED, get("qsgd"), 4, "allgather", 2)}
 
 
 def test_which_codecs_the_search_offers():
@@ -103,8 +120,16 @@ def test_which_codecs_the_search_offers():
     assert got["fp16@4"] == ("compressed", "fp16", "none")   # summable: allreduce already
     assert got["qsgd@4 allgather"] == ("compressed", "fp16", "none")
     assert got["topk@4 two-phase"] == ("two-phase", "fp16", "none")
-    # the hierarchical schemes take every compressed group ("compressed" travels by them)
-    assert got["topk@4 hierarchical"] == got["topk@4 hierarchical-two-phase"] == ("compressed", "fp16", "none")
+    # a sharded scheme asked for takes every compressed group
+    assert got["topk@4 hierarchical"] == ("hierarchical", "fp16", "none")
+    assert got["topk@4 hierarchical-two-phase"] == ("hierarchical-two-phase", "fp16", "none")
+    # several processes on several hosts: the hierarchical schemes too (two-phase across 3+ hosts)
+    assert got["qsgd@4/2"] == ("compressed", "fp16", "none", "two-phase", "hierarchical")
+    assert got["qsgd@6/2"] == ("compressed", "fp16", "none", "two-phase", "hierarchical", "hierarchical-two-phase")
+    assert got["qsgd@8/8"] == ("compressed", "fp16", "none", "two-phase")  # one host
+    assert got["signsgd@6/2"] == ("compressed", "two-phase", "hierarchical", "hierarchical-two-phase")
+    assert got["fp16@4/2"] == ("compressed", "fp16", "none")
+    assert got["qsgd@4/2 allgather"] == ("compressed", "fp16", "none")
 
 
 def test_auto_with_a_compressor_keeps_ranks_identical():

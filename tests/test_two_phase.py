@@ -106,6 +106,15 @@ def _worker(rank):
             applied = sum(run(step, rank, range(STEPS)))
             out[name]["gap"] = (applied + residual_total(comm, step)
                                 - mean_grads(size, range(STEPS))).abs().max().item()
+    # 4-bit QSGD with odd buckets: shards of whole buckets, each packed on its own
+    torch.manual_seed(rank)
+    step = make_step(comm, mergecomp.get_compressor("qsgd", levels=7, bucket_size=7), "two-phase",
+                     memory="residual")
+    applied = run(step, rank, range(STEPS))
+    rows = comm.allgather(torch.cat(applied))
+    out["qsgd4"] = {"identical": bool((rows == rows[0]).all()),
+                    "gap": (sum(applied) + residual_total(comm, step)
+                            - mean_grads(size, range(STEPS))).abs().max().item()}
     # majority votes: the vote travels exactly, so both schemes give the same result
     for name in ("signsgd", "signum"):
         out[f"{name}_votes"] = [torch.equal(a, b) for a, b in zip(
@@ -152,6 +161,11 @@ def test_every_allgathered_compressor_gives_identical_results_and_conserves_the_
     memory = mergecomp.get_compressor(name).default_memory
     # a second-stage residual exactly where the first stage feeds back and the codec is lossy
     assert results[0][name]["second_stage"] == (["residual"] if memory != "none" else [])
+
+
+def test_four_bit_qsgd_with_odd_buckets_is_identical_and_conserves(results):
+    for out in results:
+        assert out["qsgd4"]["identical"] and out["qsgd4"]["gap"] < 1e-4, out["qsgd4"]
 
 
 def test_majority_vote_is_the_same_in_both_schemes(results):

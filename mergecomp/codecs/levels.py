@@ -49,30 +49,37 @@ def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: int
     return bitpack.pack(stochastic_round_(scaled.clamp_(lo, hi), shift, empty=empty), bits)
 
 
-def qsgd_encode(x: torch.Tensor, bucket: int, levels: int,
+def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, bits: int = 8,
                 empty: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """QSGD's payload for the flat ``x``: ``(codes, norms)``, ``norms`` the fp32 L2 norm of each
-    bucket of ``bucket`` elements (the last one may be shorter) and ``codes`` the ``numel`` int8
-    levels ``floor(levels * x / norm + u)`` in ``[-levels, levels]`` (0 in a bucket whose norm
-    is 0), ``u`` as in :func:`stochastic_codes`.  ``empty`` as there."""
+    bucket of ``bucket`` elements (the last one may be shorter) and ``codes`` the levels
+    ``l = floor(levels * x / norm + u)`` in ``[-levels, levels]`` (0 in a bucket whose norm is
+    0), ``u`` as in :func:`stochastic_codes`: ``numel`` int8 for ``bits == 8``; for ``bits ==
+    4`` (``levels <= 7``) the codes ``l + levels`` packed two to a byte as
+    :func:`mergecomp.bitpack.pack` does.  ``empty`` as there."""
     n = x.numel()
     if native.usable(x) and 0 < bucket <= native.CACHED_BUCKET:  # norms and levels in one pass
-        return native.qsgd_encode(x, bucket, levels, (empty or fresh)(n, torch.int8, x.device),
-                                  torch.empty(-(-n // bucket)))
+        out = (empty or fresh)(n, torch.int8, x.device) if bits == 8 else \
+            (empty or fresh)(bitpack.packed_size(n, 4), torch.uint8, x.device)
+        return native.qsgd_encode(x, bucket, levels, bits, out, torch.empty(-(-n // bucket)))
     work = work_dtype(x.dtype)
     norms = bucket_norms(x, bucket, work).to(torch.float32)
     # Quantize against the norms as they are sent (fp32), so the decode is unbiased.
     sent = norms.to(work)
     scale = torch.where(sent > 0, levels / sent, 0)
-    return stochastic_codes(x, scale, bucket, -levels, levels, 0, 8, empty), norms
+    shift = 0 if bits == 8 else levels
+    return stochastic_codes(x, scale, bucket, -levels, levels, shift, bits, empty), norms
 
 
-def scale_levels(codes: torch.Tensor, steps: torch.Tensor, bucket: int,
-                 out: torch.Tensor) -> torch.Tensor:
-    """``out[i] = codes[i] * steps[i // bucket]``: the int8 ``codes`` scaled by one step per
-    bucket of ``bucket`` elements (the last one may be shorter), into ``out`` (the codes' numel,
-    floating point).  Returns ``out``."""
+def scale_levels(codes: torch.Tensor, steps: torch.Tensor, bucket: int, out: torch.Tensor,
+                 bits: int = 8, shift: int = 0) -> torch.Tensor:
+    """``out[i] = (code[i] - shift) * steps[i // bucket]``: the codes (int8 for ``bits == 8``,
+    packed 4-bit uint8 for ``bits == 4``) scaled by one step per bucket of ``bucket`` elements
+    (the last one may be shorter), into ``out`` (``numel`` elements, floating point, the codes'
+    count).  Returns ``out``."""
     if native.usable(out, codes):
-        return native.scale_levels(codes, steps, bucket, out)
-    out.copy_(codes)  # no mixed int8 x float math
+        return native.scale_levels(codes, steps, bucket, bits, shift, out)
+    out.copy_(codes if bits == 8 else bitpack.unpack(codes, bits, out.numel()))  # no int x float math
+    if shift:
+        out.sub_(shift)
     return per_bucket_scale(out, steps, bucket, out=out)

@@ -228,7 +228,7 @@ int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int t
 
 extern "C" {
 
-int mc_abi_version() { return 9; }
+int mc_abi_version() { return 10; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -261,42 +261,62 @@ void mc_stochastic_codes(const float* x, int64_t n, const float* scales, int64_t
 }
 
 // QSGD's encode in one pass over memory: for each bucket of `bucket` elements (the last may be
-// shorter), norms[b] = its L2 norm (summed in fp64, stored as fp32) and
-//   levels[i] = floor(levels * x[i] / norms[b] + u_i)   (0 where the norm is 0)
-// with the draws of mc_stochastic_codes.  A bucket is read twice, the second time from cache
-// when it is small (QSGD's default 512 elements).
-void mc_qsgd_encode(const float* x, int64_t n, int64_t bucket, int levels, uint64_t seed,
-                    int8_t* out, float* norms, int threads) {
+// shorter), norms[b] = its L2 norm (summed in fp64, stored as fp32) and the level
+//   l[i] = floor(levels * x[i] / norms[b] + u_i)   (0 where the norm is 0)
+// with the draws of mc_stochastic_codes.  bits == 8 writes l as int8 (n bytes of `out`); bits
+// == 4 (levels <= 7) packs l + levels two to a byte, low nibble first (ceil(n / 2) bytes).  A
+// bucket is read twice, the second time from cache when it is small (QSGD's default 512).
+void mc_qsgd_encode(const float* x, int64_t n, int64_t bucket, int levels, uint64_t seed, int bits,
+                    uint8_t* out, float* norms, int threads) {
   const int64_t buckets = (n + bucket - 1) / bucket;
-  const int64_t per_unit = std::max<int64_t>(1, BLOCK / bucket);  // buckets per unit of work
-  const float top = static_cast<float>(levels);
+  int64_t per_unit = std::max<int64_t>(1, BLOCK / bucket);  // buckets per unit of work
+  if (bits == 4 && per_unit * bucket % 2) per_unit *= 2;     // units start on whole bytes
+  const float top = static_cast<float>(levels), shift = bits == 8 ? 0.0f : top;
   parallel_for((buckets + per_unit - 1) / per_unit, per_unit * bucket, threads,
                [=](int64_t first, int64_t last) {
     std::vector<uint32_t> draws;
-    for (int64_t b = first * per_unit; b < std::min(buckets, last * per_unit); ++b) {
-      const int64_t start = b * bucket, len = std::min(bucket, n - start);
-      const float* src = x + start;
-      double squares = 0;
+    std::vector<uint8_t> codes(bits == 8 ? 0 : per_unit * bucket + 1);
+    for (int64_t unit = first; unit < last; ++unit) {
+      const int64_t b0 = unit * per_unit, b1 = std::min(buckets, b0 + per_unit);
+      const int64_t unit_start = b0 * bucket, unit_len = std::min(n, b1 * bucket) - unit_start;
+      int8_t* dst = reinterpret_cast<int8_t*>(bits == 8 ? out + unit_start : codes.data());
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t start = b * bucket, len = std::min(bucket, n - start);
+        const float* src = x + start;
+        double squares = 0;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t k = 0; k < len; ++k) squares += static_cast<double>(src[k]) * src[k];
-      const float norm = static_cast<float>(std::sqrt(squares));
-      norms[b] = norm;
-      round_run(src, draw16(start, len, seed, draws), len, norm > 0 ? top / norm : 0.0f, -top, top,
-                0.0f, out + start);
+        for (int64_t k = 0; k < len; ++k) squares += static_cast<double>(src[k]) * src[k];
+        const float norm = static_cast<float>(std::sqrt(squares));
+        norms[b] = norm;
+        round_run(src, draw16(start, len, seed, draws), len, norm > 0 ? top / norm : 0.0f, -top,
+                  top, shift, dst + (start - unit_start));
+      }
+      if (bits == 4) {
+        codes[unit_len] = 0;  // the padding nibble of an odd tail
+        pack_codes(codes.data(), unit_len + unit_len % 2, 4, out + unit_start / 2);
+      }
     }
   });
 }
 
-// out[i] = levels[i] * steps[i / bucket] (the int8 decode of QSGD).
-void mc_scale_levels(const int8_t* levels, int64_t n, const float* steps, int64_t bucket,
-                     float* out, int threads) {
+// out[i] = (code[i] - shift) * steps[i / bucket]: QSGD's decode of int8 levels (bits == 8,
+// codes as int8) or of 4-bit codes packed two to a byte, low nibble first (bits == 4).
+void mc_scale_levels(const uint8_t* codes, int64_t n, int bits, float shift, const float* steps,
+                     int64_t bucket, float* out, int threads) {
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     const int64_t stop_all = std::min(n, last * BLOCK);
     for (int64_t i = first * BLOCK; i < stop_all;) {
       const int64_t stop = std::min(stop_all, i + (bucket - i % bucket));
       const float s = steps[i / bucket];
+      if (bits == 8) {
+        const int8_t* levels = reinterpret_cast<const int8_t*>(codes);
 #pragma omp simd
-      for (int64_t k = i; k < stop; ++k) out[k] = static_cast<float>(levels[k]) * s;
+        for (int64_t k = i; k < stop; ++k) out[k] = (static_cast<float>(levels[k]) - shift) * s;
+      } else {
+#pragma omp simd
+        for (int64_t k = i; k < stop; ++k)
+          out[k] = (static_cast<float>((codes[k >> 1] >> ((k & 1) << 2)) & 0xf) - shift) * s;
+      }
       i = stop;
     }
   });
