@@ -29,6 +29,11 @@ class CastCompressor(Compressor):
         self.prescale = float(prescale)
 
     @property
+    def lossless(self) -> bool:
+        """The tensor itself is sent (no cast, no prescale)."""
+        return self.wire_dtype is None and self.prescale == 1.0
+
+    @property
     def compress_passes(self) -> float:
         """One cast or division; none when the tensor itself is sent (for a gradient in
         another dtype than ``wire_dtype``)."""

@@ -72,6 +72,9 @@ class Compressor(GroupStateful, abc.ABC):
     rounds: int = 1
     #: name of the error-feedback memory used when the user does not choose one
     default_memory: str = "none"
+    #: every payload decodes to exactly what was compressed, so an error-feedback memory has no
+    #: residual to keep (:meth:`mergecomp.memory.Memory.sent_whole`)
+    lossless: bool = False
     #: payloads are combined by a majority vote: the result is the sign of the sum of the ranks'
     #: signs (with or without op=Average), on another scale than a mean, so every group must use
     #: this compressor and none is offered the fp16 or uncompressed codec instead

@@ -269,7 +269,7 @@ class Exchange:
         name, memory = job.group.name, self.memory
         with self.clock(MEMORY, name):
             job.compensated = memory.compensate(job.compensated, name)
-            job.count("compensate", memory.compensate_passes)
+            job.count("compensate", memory.compensate_passes_of(name))
             if carry is not None:
                 job.compensated.add_(carry)
                 job.count("compensate", 1)
@@ -394,6 +394,9 @@ class Exchange:
                 job.count("memory", job.compressor.fused_update_passes)
             job.update = None
         elif job.feedback and self.memory.feeds_back:
+            if job.compressor.lossless and job.span == (0, job.compensated.numel()) \
+                    and self.memory.sent_whole(job.group.name):
+                return  # nothing left behind: no residual to write
             with self.clock(MEMORY, job.group.name):
                 job.count("memory", self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload,
                                                      job.ctx, job.span[0]))

@@ -74,6 +74,16 @@ class Memory(GroupStateful):
         transmitted = torch.zeros_like(compensated).index_put_((indices,), values)
         self.update(compensated, name, transmitted)
 
+    def compensate_passes_of(self, name: str) -> float:
+        """The passes :meth:`compensate` makes over group ``name`` now (here: always
+        :attr:`compensate_passes`)."""
+        return self.compensate_passes
+
+    def sent_whole(self, name: str) -> bool:
+        """Group ``name``'s compensated tensor went out whole and exactly (a lossless codec):
+        whether this memory took note without a :meth:`feed` (this base class: no)."""
+        return False
+
     def fused_residual(self, tensor: torch.Tensor, name: str) -> Optional[Residual]:
         """Group ``name``'s :class:`Residual` when this memory's :meth:`compensate` of ``tensor``
         is ``tensor + residual`` and its update ``compensated - sent`` (a compressor may then do
@@ -197,6 +207,10 @@ class ResidualMemory(Memory):
         """Adding the residual, and scaling by ``gamma`` unless it is 1."""
         return 1 if self.gamma == 1.0 else 2
 
+    def compensate_passes_of(self, name: str) -> float:
+        """Adding the residual where the group has one, and scaling unless ``gamma`` is 1."""
+        return ("residual" in self.state.get(name, {})) + (self.gamma != 1.0)
+
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         residual = self.state.get(name, {}).get("residual")
         if self.gamma != 1.0:
@@ -207,6 +221,15 @@ class ResidualMemory(Memory):
 
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
         torch.sub(compensated, transmitted, out=self._target(name, compensated))
+
+    def sent_whole(self, name: str) -> bool:
+        """The residual is zero: dropped, so the next :meth:`compensate` adds nothing (a kept
+        group gets it back on :meth:`restore`).  Not where a subclass overrides :meth:`update`."""
+        if type(self).update is not ResidualMemory.update:
+            return False
+        self.state.pop(name, None)
+        self._written(name)
+        return True
 
     def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
                       values: torch.Tensor) -> None:

@@ -96,6 +96,8 @@ def config_name(r):
         return "DDP + fp16 hook"
     if r["mode"] == "ddp-powersgd":
         return "DDP + PowerSGD hook"
+    if r["mode"] == "ddp-powersgd-serial":
+        return "DDP + PowerSGD hook (serialized)"
     if r.get("plan") == "fp32":
         return "mergecomp fused fp32"
     return f"mergecomp {r.get('compressor')} {r.get('plan')}"

@@ -102,3 +102,41 @@ def test_cluster_runs_one_worker_per_namespace_and_tears_down():
         pytest.skip(str(err))
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)
+
+
+def _serialized_powersgd_worker(rank):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mergecomp.bench.runner import _one_bucket_at_a_time
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]), bucket_cap_mb=0.02)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    calls = []
+
+    def watched(state, bucket):
+        future = powerSGD_hook.powerSGD_hook(state, bucket)
+        calls.append((bucket.index(), future))
+        return future
+
+    model.register_comm_hook(state, _one_bucket_at_a_time(watched))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean().backward()
+        opt.step()
+    # every bucket's hook ran after the previous bucket's result was ready
+    done_before_next = all(calls[i][1].done() for i in range(len(calls) - 1) if calls[i + 1][0] != 0)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rows = [torch.empty_like(params) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, params)
+    return len({c[0] for c in calls}), done_before_next, all(torch.equal(r, rows[0]) for r in rows)
+
+
+def test_serialized_powersgd_anchor_runs_on_gloo_and_keeps_ranks_identical():
+    from distributed import run_workers
+
+    for buckets, ordered, identical in run_workers(_serialized_powersgd_worker, 2):
+        assert buckets > 2 and ordered and identical

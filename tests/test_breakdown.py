@@ -106,6 +106,31 @@ def test_a_failed_step_is_no_sample():
     assert step.step_breakdown()["steps"] == 2
 
 
+def test_an_uncompressed_group_sends_its_residual_once_and_then_skips_the_memory():
+    from mergecomp.plan import GroupPlan
+
+    step = local_step(compression="topk", groups=GroupPlan(((3, 2, 1, 0),), ("compressed",)))
+    total = applied = 0
+    for seed in range(3):  # top-k leaves a residual
+        for i, t in enumerate(grads(seed)):
+            step.add(i, t)
+            total = total + t.reshape(-1).sum()
+        applied = applied + sum(t.sum() for t in step.finish().tensors(4))
+    assert step.exchange.memory.state
+    step.set_plan(GroupPlan(((3, 2, 1, 0),), ("none",)))
+    for seed in range(3, 6):
+        for i, t in enumerate(grads(seed)):
+            step.add(i, t)
+            total = total + t.reshape(-1).sum()
+        applied = applied + sum(t.sum() for t in step.finish().tensors(4))
+        if seed == 3:  # the first uncompressed step adds the residual and sends it: no residual left
+            assert step.step_breakdown(1)["groups"][0]["passes_by_stage"].get("compensate") == 1
+            assert not step.exchange.memory.state
+    assert float(applied) == pytest.approx(float(total), abs=1e-4)  # nothing lost
+    [group] = step.step_breakdown(2)["groups"]
+    assert "compensate" not in group["passes_by_stage"] and "memory" not in group["passes_by_stage"]
+
+
 def test_the_tensorflow_reducer_shows_the_same_breakdown():
     from mergecomp.tensorflow.reducer import GradientReducer
 

@@ -18,8 +18,10 @@ group sent uncompressed / cast to fp16, whatever the compressor); ``layerwise``,
 ``default`` with a suffix ``@two-phase``, ``@hierarchical`` or ``@hierarchical-two-phase`` send
 their compressed groups by that scheme),
 ``ddp``, ``ddp-fp16``,
-``ddp-powersgd`` (PyTorch's own hooks, ``start_powerSGD_iter=2``), ``local`` (the plain model and
-optimizer in one process: the single-worker reference of the scaling factor).
+``ddp-powersgd`` (PyTorch's own hooks, ``start_powerSGD_iter=2``), ``ddp-powersgd-serial`` (the
+same hook, each bucket's call waiting for the previous bucket's result: on gloo the stock hook can
+issue its collectives in different orders on different ranks and abort), ``local`` (the plain
+model and optimizer in one process: the single-worker reference of the scaling factor).
 
 Measurement: ``--warmup`` untimed steps; ``auto`` first runs the scheduler's search (its cost in
 steps is reported) and freezes its choice; then ``--rounds`` rounds each time ``--steps`` steps of
@@ -50,7 +52,7 @@ import torch
 from ..breakdown import GROUP_PARTS, PARTS, combine
 from ..cmdline import keyword_args
 
-MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "local")
+MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd-serial", "local")
 
 # -- defaults ------------------------------------------------------------------------------------
 MODEL = "resnet50"
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "compression), fp16 (1 fused group cast to fp16); layerwise, an int or default with the "
                         "suffix @two-phase, @hierarchical or @hierarchical-two-phase sends its compressed groups "
                         "by that scheme (e.g. default@two-phase)")
-    p.add_argument("--powersgd-rank", type=int, default=1, help="ddp-powersgd: matrix_approximation_rank")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="ddp-powersgd(-serial): matrix_approximation_rank")
     p.add_argument("--warmup", type=int, default=WARMUP)
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--rounds", type=int, default=ROUNDS)
@@ -289,6 +291,20 @@ def _slowest(comm, value: float) -> float:
     return float(comm.allgather(torch.tensor([value], dtype=torch.float64), "bench agreement").max())
 
 
+def _one_bucket_at_a_time(hook):
+    """DDP comm hook ``hook`` whose call for a bucket first waits for the future it returned for
+    the previous bucket of the step, so every rank issues the hook's collectives in one order."""
+    previous = []
+
+    def serialized(state, bucket):
+        if previous and bucket.index() != 0:  # bucket 0 opens a step: the last one has finished
+            previous.pop().wait()
+        previous[:] = [hook(state, bucket)]
+        return previous[0]
+
+    return serialized
+
+
 def _run_ddp(w: _Worker, args) -> List[Dict]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -301,13 +317,15 @@ def _run_ddp(w: _Worker, args) -> List[Dict]:
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         hook = "fp16_compress_hook"
-    elif args.mode == "ddp-powersgd":
+    elif args.mode.startswith("ddp-powersgd"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
                                             start_powerSGD_iter=2)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        hook = f"powerSGD_hook(rank={args.powersgd_rank}, start_powerSGD_iter=2)"
+        serial = args.mode.endswith("-serial")
+        model.register_comm_hook(state, _one_bucket_at_a_time(powerSGD_hook.powerSGD_hook) if serial
+                                 else powerSGD_hook.powerSGD_hook)
+        hook = f"powerSGD_hook(rank={args.powersgd_rank}, start_powerSGD_iter=2{', serialized' if serial else ''})"
     w.optimizer = _sgd(model.parameters(), args.lr)
     w.model = model
     for _ in range(args.warmup + 1):
@@ -331,7 +349,7 @@ def run_worker(args) -> List[Dict]:
     """Run the benchmark on this rank; every rank returns the same records."""
     w = _Worker(args)
     runner = {"mergecomp": _run_mergecomp, "ddp": _run_ddp, "ddp-fp16": _run_ddp, "ddp-powersgd": _run_ddp,
-              "local": _run_local}[args.mode]
+              "ddp-powersgd-serial": _run_ddp, "local": _run_local}[args.mode]
     records = runner(w, args)
     world = int(os.environ.get("WORLD_SIZE", "1")) if args.mode != "local" else 1
     for r in records:
@@ -438,7 +456,7 @@ def _launch_cluster(args, argv: List[str]) -> List[Dict]:
                 failures.append({**_common(args, args.hosts * args.procs_per_host), "status": status, "exit_codes": codes,
                                  "wall_s": wall, "plan": "ddp" if args.mode.startswith("ddp") else args.plan,
                                  "repeat": repeat, "error": errors[0][:300] if errors else None,
-                                 "hook": (f"{args.mode}(rank={args.powersgd_rank})" if args.mode == "ddp-powersgd"
+                                 "hook": (f"{args.mode}(rank={args.powersgd_rank})" if args.mode.startswith("ddp-powersgd")
                                           else args.mode if args.mode.startswith("ddp") else None)})
                 print(f"# run {repeat + 1}/{args.repeats}: {status} (exit codes {codes}, {wall:.0f}s)", flush=True)
     records = []
