@@ -206,10 +206,8 @@ class Exchange:
         counterpart (``"compressed"``, ``"two-phase"``) on one host or on hosts of one process,
         where the two agree.  The first hierarchical codec asks every rank for the hosts' layout
         (:meth:`~mergecomp.comm.Communicator.split_hosts`; every rank gets there at once)."""
-        if codec in hierarchy.FLAT:
-            local, cross = self.comm.split_hosts()
-            if local.size == 1 or cross.size == 1:
-                return hierarchy.FLAT[codec]
+        if codec in hierarchy.FLAT and hierarchy.across_hosts_of(self.comm) is None:
+            return hierarchy.FLAT[codec]
         return codec
 
     def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed",

@@ -43,10 +43,18 @@ from .twophase import Bounds, pad_to, shard_bounds, shard_size, zero_outside
 if TYPE_CHECKING:
     from .exchange import Exchange, InFlight
 
-__all__ = ["FLAT", "Hosts", "host_level", "reduce_in_host", "across_hosts", "gather_in_host", "gather_hosts"]
+__all__ = ["FLAT", "Hosts", "across_hosts_of", "host_level", "reduce_in_host", "across_hosts", "gather_in_host", "gather_hosts"]
 
 #: the flat scheme each hierarchical codec becomes on one host or on hosts of one process
 FLAT = {HIERARCHICAL: "compressed", HIERARCHICAL_TWO_PHASE: TWO_PHASE}
+
+
+def across_hosts_of(comm: Communicator) -> Optional[Tuple[Communicator, Communicator]]:
+    """``(local, cross)`` (:meth:`~mergecomp.comm.Communicator.split_hosts`, a collective the
+    first time) where ``comm`` has several processes on each of several hosts; None where a
+    hierarchical codec is its flat counterpart (:data:`FLAT`): one host, or one process per host."""
+    local, cross = comm.split_hosts()
+    return None if local.size == 1 or cross.size == 1 else (local, cross)
 
 
 @dataclass
