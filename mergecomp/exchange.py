@@ -15,7 +15,8 @@ each shard -> all-to-all -> aggregate its own shard -> second-stage memory -> co
 allgather -> decode (:mod:`mergecomp.twophase`).  A group sent with
 :data:`~mergecomp.plan.HIERARCHICAL` (or :data:`~mergecomp.plan.HIERARCHICAL_TWO_PHASE`) goes
 compensate -> reduce-scatter inside the host -> compress this rank's shard of the host's sum ->
-allgather (or the two-phase scheme) across hosts -> aggregate -> allgather inside the host.
+allgather (or the two-phase scheme) across hosts -> aggregate -> allgather inside the host
+(:mod:`mergecomp.hierarchy`).
 :meth:`Exchange.advance` runs the stages between the first collective and the last.
 
 A group sent with the codec :data:`~mergecomp.plan.EXEMPT` skips the memory: its gradient is
@@ -32,29 +33,26 @@ tensor; :mod:`mergecomp.wire`).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import hierarchy
 from .breakdown import DECODE, ENCODE, MEMORY, STAGES, WAIT, Stopwatch
 from .comm import Communicator, Handle
 from .compressor import Compressor, Payload
 from .memory import Memory
 from .plan import CODECS, EXEMPT, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, Group
 from .registry import get_compressor, get_memory
-from .twophase import (Bounds, Sharded, ShardLayouts, ShardMemory, VoteCodec, pad_to, shard_bounds,
-                       shard_size, zero_outside)
+from .twophase import Bounds, Sharded, ShardLayouts, ShardMemory, VoteCodec, shard_bounds
 from .wire import Spec, pack_payload, pack_rows, unpack_payload
 from .workspace import Workspace
 
-__all__ = ["Exchange", "InFlight", "Hosts", "NONFINITE_POLICIES", "NonfiniteCheck", "SHARDED", "resolve"]
+__all__ = ["Exchange", "InFlight", "NONFINITE_POLICIES", "NonfiniteCheck", "SHARDED", "resolve"]
 
 NONFINITE_POLICIES = ("propagate", "raise", "skip", "ignore")
 #: codecs that send the configured compressor's payloads in shards (single-round compressors)
 SHARDED = (TWO_PHASE, HIERARCHICAL, HIERARCHICAL_TWO_PHASE)
-#: the flat scheme each hierarchical codec becomes on one host or on hosts of one process
-_FLAT = {HIERARCHICAL: "compressed", HIERARCHICAL_TWO_PHASE: TWO_PHASE}
 
 
 def _all_finite(flat: torch.Tensor) -> torch.Tensor:
@@ -81,24 +79,6 @@ def resolve(compression, memory) -> Tuple[Compressor, Memory]:
     if not isinstance(memory, Memory):
         raise TypeError(f"memory must be a memory name or a mergecomp.Memory, got {memory!r}")
     return compression, memory
-
-
-@dataclass
-class Hosts:
-    """A group in the hierarchical scheme: the communicators inside this host and across
-    hosts, the group's ``bounds`` cut in one shard per local rank (each at most ``chunk``
-    elements), and whether the shards cross hosts by the two-phase scheme."""
-
-    local: Communicator
-    cross: Communicator
-    bounds: Bounds
-    chunk: int
-    two_phase: bool = False
-
-    @property
-    def span(self) -> Tuple[int, int]:
-        """This rank's shard."""
-        return self.bounds[self.local.rank]
 
 
 class InFlight:
@@ -134,7 +114,7 @@ class InFlight:
         #: the two-phase scheme's shards, while the group is in it
         self.sharded: Optional[Sharded] = None
         #: the hierarchical scheme's host level, while the group is in it
-        self.hosts: Optional[Hosts] = None
+        self.hosts: Optional[hierarchy.Hosts] = None
         #: passes over the group's elements so far, by stage (:mod:`mergecomp.breakdown`)
         self.passes: Dict[str, float] = {}
 
@@ -226,10 +206,8 @@ class Exchange:
         counterpart (``"compressed"``, ``"two-phase"``) on one host or on hosts of one process,
         where the two agree.  The first hierarchical codec asks every rank for the hosts' layout
         (:meth:`~mergecomp.comm.Communicator.split_hosts`; every rank gets there at once)."""
-        if codec in _FLAT:
-            local, cross = self.comm.split_hosts()
-            if local.size == 1 or cross.size == 1:
-                return _FLAT[codec]
+        if codec in hierarchy.FLAT and hierarchy.across_hosts_of(self.comm) is None:
+            return hierarchy.FLAT[codec]
         return codec
 
     def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed",
@@ -245,7 +223,7 @@ class Exchange:
             codec = self.sent_as(codec)
             job = InFlight(group, codec, self.codec(codec), flat, self.comm)
             job.finite = self._check(job, finite)
-            whole = codec not in _FLAT and not (codec == TWO_PHASE and self.comm.size > 1)  # not in shards
+            whole = codec not in hierarchy.FLAT and not (codec == TWO_PHASE and self.comm.size > 1)  # not in shards
             if job.feedback:
                 name = group.name
                 if self.keep_state:
@@ -255,10 +233,8 @@ class Exchange:
                 if whole and carry is None and self._compress_fused(job):
                     return job
                 self._compensate(job, carry)
-            if codec in _FLAT:
-                self._reduce_in_host(job, codec == HIERARCHICAL_TWO_PHASE)
-                job.stages = [self._across_hosts, *([self._second_phase] if job.hosts.two_phase else []),
-                              self._gather_in_host]
+            if codec in hierarchy.FLAT:
+                hierarchy.reduce_in_host(self, job, codec == HIERARCHICAL_TWO_PHASE)
             elif not whole:
                 self._scatter_shards(job)
                 job.stages = [self._second_phase]
@@ -321,7 +297,7 @@ class Exchange:
             while self.advance(job):
                 pass
             if job.hosts is not None:
-                return self._gather_hosts(job, out)
+                return hierarchy.gather_hosts(self, job, out)
             return self._reduce(job, out)
 
     def commit(self) -> None:
@@ -353,19 +329,12 @@ class Exchange:
         return (f"{step} group {job.group.name!r} ({len(job.group.indices)} tensors, "
                 f"{job.group.numel} elements) at step {self.step} on rank {self.comm.rank}")
 
-    def _hosts(self, numel: int, two_phase: bool = False) -> Hosts:
-        """The host level of a group of ``numel`` elements in the hierarchical scheme."""
-        local, cross = self.comm.split_hosts()
-        align = self.compressor.shard_alignment
-        return Hosts(local, cross, shard_bounds(numel, local.size, align), shard_size(numel, local.size, align),
-                     two_phase)
-
     def _level(self, numel: int, codec: str) -> Tuple[Communicator, Tuple[int, int]]:
         """Where a group of ``numel`` elements sent with ``codec`` (as :meth:`sent_as` gives it)
         is compressed: the communicator of its compressed collectives, and the elements this
         rank compresses (the hierarchical scheme: this local rank's shard, across hosts)."""
-        if codec in _FLAT:
-            hosts = self._hosts(numel)
+        if codec in hierarchy.FLAT:
+            hosts = hierarchy.host_level(self, numel)
             return hosts.cross, hosts.span
         return self.comm, (0, numel)
 
@@ -512,55 +481,6 @@ class Exchange:
             job.count("decode", second.decompress_passes, stop - start)
             self._into(job, result[start - offset:stop - offset], second.decompress, unpack_payload(row, specs), ctx)
         job.sharded = None
-        return result
-
-    def _padded(self, job: InFlight, tensor: torch.Tensor, numel: int) -> torch.Tensor:
-        """:func:`~mergecomp.twophase.pad_to`, its copy counted as an ``encode`` pass."""
-        padded = pad_to(tensor, numel)
-        if padded is not tensor:
-            job.count("encode", 1, tensor.numel())
-        return padded
-
-    def _reduce_in_host(self, job: InFlight, two_phase: bool) -> None:
-        """The hierarchical scheme's first collective: the compensated group, cut in one shard
-        per local rank (padded to equal blocks), by all-to-all inside the host."""
-        hosts = job.hosts = self._hosts(job.compensated.numel(), two_phase)
-        job.comm, job.span = hosts.local, hosts.span
-        job.handle = hosts.local.alltoall_async(self._padded(job, job.compensated, hosts.local.size * hosts.chunk))
-
-    def _across_hosts(self, job: InFlight) -> None:
-        """Sum this rank's shard over the host into ``job.compensated`` (zero elsewhere: what
-        this rank now holds of the host's gradients, for the memory) and start its compressed
-        exchange across hosts: allgather, or the two-phase scheme."""
-        rows = self._collected(job, "reduce-scatter in the host")
-        (start, stop), compensated = job.span, job.compensated
-        torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
-        zero_outside(compensated, start, stop)
-        job.count("decode", 1)  # reads every local rank's shard, writes this one, zeroes the rest
-        job.comm = job.hosts.cross
-        with self.clock(ENCODE, job.group.name):
-            if job.hosts.two_phase:
-                self._scatter_shards(job)
-            else:
-                self._compress(job)
-
-    def _gather_in_host(self, job: InFlight) -> None:
-        """Aggregate this rank's shard across hosts and start its allgather inside the host."""
-        shard = self._reduce(job, None)
-        job.comm = job.hosts.local
-        with self.clock(ENCODE, job.group.name):
-            job.handle = job.comm.allgather_async(self._padded(job, shard, job.hosts.chunk))
-
-    def _gather_hosts(self, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
-        """The hierarchical scheme's end: every local rank's aggregated shard into the group's
-        result (``out`` when given)."""
-        rows = self._collected(job, "allgather in the host")
-        like = job.compensated
-        result = out if out is not None else job.compressor.scratch(like.numel(), like.dtype, like.device)
-        for row, (start, stop) in zip(rows, job.hosts.bounds):
-            result[start:stop] = row[:stop - start]
-        job.count("decode", 1)
-        job.hosts = None
         return result
 
     def _collected(self, job: InFlight, phase: str = ""):

@@ -25,7 +25,8 @@ from .comm import Communicator
 from .compressor import Compressor, Payload
 from .costmodel import CodecCost, Profile, fit_affine
 from .memory import Memory
-from .plan import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
+from .hierarchy import FLAT, across_hosts_of
+from .plan import TWO_PHASE
 from .twophase import ShardMemory, VoteCodec, shard_bounds
 from .workspace import Workspace
 
@@ -358,20 +359,17 @@ def _refill(record, numbers: Iterator[float]):
     return type(record)(**{f.name: _refill(getattr(record, f.name), numbers) for f in dataclasses.fields(record)})
 
 
-#: the flat scheme a hierarchical codec runs across hosts
-_ACROSS = {HIERARCHICAL: "compressed", HIERARCHICAL_TWO_PHASE: TWO_PHASE}
-
-
 def _levels(comm: Communicator, name: str) -> Tuple[str, Communicator, Optional[Communicator]]:
     """Where codec ``name`` compresses: ``(flat scheme, its communicator, the host's
     communicator)``, the last None unless a hierarchical codec runs on several hosts of several
     processes (elsewhere it is its flat scheme, as the exchange sends it)."""
-    if name not in _ACROSS:
+    if name not in FLAT:
         return name, comm, None
-    local, cross = comm.split_hosts()
-    if local.size == 1 or cross.size == 1:
-        return _ACROSS[name], comm, None
-    return _ACROSS[name], cross, local
+    hosts = across_hosts_of(comm)
+    if hosts is None:
+        return FLAT[name], comm, None
+    local, cross = hosts
+    return FLAT[name], cross, local
 
 
 def measure(comm: Communicator, codecs: Mapping[str, Compressor], samples: Sequence[Tuple[int, int]],
