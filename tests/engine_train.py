@@ -9,8 +9,8 @@ and, with ``--out DIR``, appends the full records (with ``params``) to ``DIR/ran
 
 * ``--mode train`` (default): ``{"kind": "collectives", ...}`` (a self-check of the engine's
   collectives: dtypes incl. bf16/fp16, strided tensors, allgather, broadcast, all-to-all), then
-  for each compressor ``{"kind": "train", "compressor", "params": [...flat parameters...]}`` after
-  ``--steps`` steps with fixed groups (deterministic given the seed: qsgd draws from torch's
+  for each ``--schemes`` entry and compressor ``{"kind": "train", "compressor", "scheme",
+  "params": [...flat parameters...]}`` after ``--steps`` steps with fixed groups (deterministic given the seed: qsgd draws from torch's
   generator, seeded per rank).
   With ``--out``, then a timeout check: rank 0 waits 1.5 s for an allreduce the other ranks
   have not joined yet and reports ``{"kind": "timeout", "error": "...", "recovered": bool}``:
@@ -62,11 +62,11 @@ def make_data(rank: int, world: int, batch: int = 32):
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
 
 
-def train(compressor: str, steps: int, seed: int):
+def train(compressor: str, steps: int, seed: int, scheme=None):
     rank, world = mc.rank(), mc.size()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=compressor, groups=2)
+    opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=compressor, groups=2, scheme=scheme)
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     x, y = make_data(rank, world)
     torch.manual_seed(seed + rank)  # qsgd's stochastic rounding: deterministic given the seed
@@ -126,20 +126,22 @@ def check_collectives(comm) -> list:
 
 
 def check_split_hosts(comm) -> list:
-    """Failures of a self-check of the per-host communicators on this one host: ``split_hosts()``
-    (this communicator and a single process), and the engine's own groups for hosts of all the
-    ranks (every rank in the host's group, alone in its group across hosts), each allgathering
-    the ranks; Horovod's NotImplementedError."""
-    rank, size = comm.rank, comm.size
+    """Failures of a self-check of the per-host communicators: ``split_hosts()`` (on one host,
+    this communicator and a single process), and on one host the engine's own groups for hosts
+    of all the ranks (every rank in the host's group, alone in its group across hosts), each
+    allgathering the ranks; Horovod's NotImplementedError without dynamic process sets."""
+    rank, size, local_size = comm.rank, comm.size, comm.local_size
     failures = []
     expect = functools.partial(_expect, failures)
     sizes = [c.size for c in comm.split_hosts()]
-    if sizes != [size, 1]:
-        failures.append(f"split_hosts() on one host of {size} ranks: sizes {sizes}")
+    if sizes != [local_size, size // local_size]:
+        failures.append(f"split_hosts() on hosts of {local_size} of {size} ranks: sizes {sizes}")
+    if local_size != size:
+        return failures
     try:
         local, cross = comm._split_hosts(size)
     except NotImplementedError as err:
-        if comm.engine != "horovod" or "process sets" not in str(err):
+        if comm.engine != "horovod" or "HOROVOD_DYNAMIC_PROCESS_SETS=1" not in str(err):
             failures.append(f"split_hosts: {err}")
         return failures
     mine = torch.tensor([rank])
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
     p.add_argument("--engine", default="auto")
     p.add_argument("--mode", default="train", choices=["train", "collectives", "init"])
     p.add_argument("--compressors", default=COMPRESSORS)
+    p.add_argument("--schemes", default="default",
+                   help="comma list of the optimizer's scheme option per training run (default: None)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", help="folder for rank<r>.jsonl with the full records (stdout lines of two "
@@ -241,10 +245,11 @@ def main(argv=None) -> int:
         emit(kind="collectives", engine=comm.engine, rank=rank, size=comm.size,
              local_rank=mc.local_rank(), failures=check_collectives(comm))
     if args.mode == "train":
-        for name in args.compressors.split(","):
-            flat = train(name, args.steps, args.seed)
-            emit(kind="train", engine=comm.engine, rank=rank, compressor=name, params=flat.tolist(),
-                 checksum=float(flat.double().sum()))
+        for scheme in args.schemes.split(","):
+            for name in args.compressors.split(","):
+                flat = train(name, args.steps, args.seed, None if scheme == "default" else scheme)
+                emit(kind="train", engine=comm.engine, rank=rank, compressor=name, scheme=scheme,
+                     params=flat.tolist(), checksum=float(flat.double().sum()))
         if args.out:
             check_timeout(comm, os.path.join(args.out, "rank0-timed-out"))
     mc.shutdown()

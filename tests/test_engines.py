@@ -229,6 +229,29 @@ def test_collectives_on_three_ranks_under_every_launcher(launcher):
         assert r["failures"] == [], f"{launcher} rank {r['rank']}: {r['failures']}"
 
 
+# -- Horovod on two hosts of two: the hierarchical exchange on process sets -----------------------
+@needs_horovod
+def test_horovod_hierarchical_scheme_on_two_hosts_of_two(tmp_path):
+    """horovodrun with two "hosts" (localhost and 127.0.0.1, 2 slots each; no ssh) and dynamic
+    process sets: ``split_hosts()`` gives 2 x 2, and the hierarchical scheme trains with identical
+    parameters on every rank, the exact codec to the plain average (another summation order)."""
+    cmd = [HOROVODRUN, "-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo", sys.executable, SCRIPT,
+           "--compressors", "none,topk,qsgd", "--schemes", "default,hierarchical", "--steps", "4",
+           "--out", str(tmp_path)]
+    rc, _, text = launch(cmd, env=_env(HOROVOD_DYNAMIC_PROCESS_SETS="1"))
+    assert rc == 0, text[-4000:]
+    records = [json.loads(line) for f in sorted(tmp_path.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
+    checks = [r for r in records if r["kind"] == "collectives"]
+    assert sorted((r["rank"], r["local_rank"]) for r in checks) == [(0, 0), (1, 1), (2, 0), (3, 1)], text[-3000:]
+    assert all(r["failures"] == [] for r in checks), [r["failures"] for r in checks]
+    params = {(r["compressor"], r["scheme"], r["rank"]): r["params"] for r in records if r["kind"] == "train"}
+    for name in ("none", "topk", "qsgd"):
+        for scheme in ("default", "hierarchical"):
+            assert all(params[(name, scheme, r)] == params[(name, scheme, 0)] for r in range(4)), (name, scheme)
+    exact = zip(params[("none", "hierarchical", 0)], params[("none", "default", 0)])
+    assert max(abs(a - b) for a, b in exact) <= 1e-6
+
+
 # -- engine selection --------------------------------------------------------------------------
 @pytest.mark.parametrize("env,engine", [
     ({}, "local"),

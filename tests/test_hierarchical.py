@@ -261,15 +261,6 @@ def test_a_bad_layout_is_a_clear_error_on_every_rank(layout, message):
         assert re.search(message, err), err
 
 
-def test_the_horovod_engine_cannot_split_hosts():
-    from mergecomp.engines.horovod import HorovodCommunicator
-
-    comm = HorovodCommunicator.__new__(HorovodCommunicator)
-    comm.size, comm.engine = 4, "horovod"
-    with pytest.raises(NotImplementedError, match="horovod engine cannot run the hierarchical exchange on 2 hosts"):
-        comm._split_hosts(2)
-
-
 # -- the namespace cluster -------------------------------------------------------------------------
 def cluster_worker() -> int:
     """One process of a cluster run: hierarchical results identical on every rank, and equal to

@@ -27,6 +27,10 @@ Contracts, beyond :mod:`mergecomp.comm`:
 * CUDA tensors are staged through host memory unless Horovod was built with CUDA.
 * Every wait polls ``hvd.poll`` until a deadline (sleeping ``POLL_SLEEP`` between polls after a
   first busy millisecond), then ``hvd.synchronize``; expiry raises naming rank and operation.
+* :meth:`~mergecomp.comm.Communicator.split_hosts` (the hierarchical exchange) registers one
+  Horovod process set per host and one per local rank, which Horovod allows after ``hvd.init()``
+  only with ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment (``horovodrun`` passes it on);
+  without it the split raises, naming the variable.
 """
 from __future__ import annotations
 
@@ -103,24 +107,30 @@ def _poll(hvd, handle, timeout: float, describe: Callable[[], str]):
 
 
 class HorovodCommunicator(Communicator):
-    """Collectives on Horovod's global process set.
+    """Collectives on a Horovod process set: the global one, or ``process_set`` (a
+    ``hvd.ProcessSet`` this rank belongs to, as :meth:`split_hosts` makes them).
 
     Attributes: ``local_rank``/``local_size``, ``controller`` (``"gloo"`` or ``"mpi"``).
     """
 
     engine = "horovod"
 
-    def __init__(self, timeout: Optional[float] = None) -> None:
-        hvd = init_horovod()
+    def __init__(self, timeout: Optional[float] = None, process_set=None) -> None:
+        if process_set is None:
+            hvd = init_horovod()
+        else:  # a set of the running Horovod
+            import horovod.torch as hvd
         self.hvd = hvd
-        super().__init__(hvd.rank(), hvd.size(), timeout)
+        self._set = hvd.global_process_set if process_set is None else process_set
+        super().__init__(self._set.rank(), self._set.size(), timeout)
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.controller = "gloo" if hvd.gloo_enabled() else "mpi"
         self._cuda = hvd.cuda_built()
         self._counter = itertools.count()
+        self._prefix = "mergecomp" if process_set is None else f"mergecomp.set{process_set.process_set_id}"
 
     def _name(self, kind: str) -> str:
-        return f"mergecomp.{kind}.{next(self._counter)}"
+        return f"{self._prefix}.{kind}.{next(self._counter)}"
 
     def _host(self, tensor: torch.Tensor) -> bool:
         """Does ``tensor`` have to be staged through host memory?"""
@@ -152,7 +162,7 @@ class HorovodCommunicator(Communicator):
         else:  # bf16, small ints, CUDA without CUDA Horovod, or strided: reduce a contiguous copy
             device = "cpu" if self._host(tensor) else tensor.device
             work = tensor.detach().to(device, dtype, memory_format=torch.contiguous_format, copy=True)
-        handle = self.hvd.allreduce_async_(work, name=name, op=self.hvd.Sum)
+        handle = self.hvd.allreduce_async_(work, name=name, op=self.hvd.Sum, process_set=self._set)
 
         def finish(_) -> torch.Tensor:
             if not direct:
@@ -171,7 +181,7 @@ class HorovodCommunicator(Communicator):
         flat = flat.contiguous()
         if flat.numel() == 0 or self.size == 1:
             return self._done(flat.view(1, -1).expand(self.size, -1).clone().to(tensor.device))
-        handle = self.hvd.allgather_async(flat.view(torch.uint8), name=name)
+        handle = self.hvd.allgather_async(flat.view(torch.uint8), name=name, process_set=self._set)
 
         def finish(out: torch.Tensor) -> torch.Tensor:
             return out.view(flat.dtype).view(self.size, -1).to(tensor.device)
@@ -187,7 +197,8 @@ class HorovodCommunicator(Communicator):
         send = tensor.detach().cpu() if self._host(tensor) else tensor.detach()
         if block == 0 or self.size == 1:
             return self._done(send.view(self.size, block).clone().to(tensor.device))
-        handle = self.hvd.alltoall_async(send.view(self.size, block).view(torch.uint8), name=name)
+        handle = self.hvd.alltoall_async(send.view(self.size, block).view(torch.uint8), name=name,
+                                         process_set=self._set)
 
         def finish(result) -> torch.Tensor:
             return result[0].view(send.dtype).to(tensor.device)
@@ -202,7 +213,8 @@ class HorovodCommunicator(Communicator):
         direct = not self._host(tensor) and tensor.is_contiguous()
         work = tensor.detach() if direct else tensor.detach().to(
             "cpu" if self._host(tensor) else tensor.device, memory_format=torch.contiguous_format, copy=True)
-        handle = self.hvd.broadcast_async_(work.reshape(-1).view(torch.uint8), root, name=name)
+        handle = self.hvd.broadcast_async_(work.reshape(-1).view(torch.uint8), root, name=name,
+                                           process_set=self._set)
 
         def finish(_) -> torch.Tensor:
             if not direct:
@@ -213,16 +225,29 @@ class HorovodCommunicator(Communicator):
         return self._handle(handle, finish, describe).wait(f"broadcast from rank {root}")
 
     def _split_hosts(self, local_size: int):
-        """Not available: Horovod's collectives on a subset of ranks need process sets, which
-        must be registered at ``hvd.init()`` (or with ``HOROVOD_DYNAMIC_PROCESS_SETS``, which
-        changes how every collective is negotiated); mergecomp's Horovod engine uses the global
-        set only."""
-        raise NotImplementedError(
-            f"the horovod engine cannot run the hierarchical exchange on {self.size // local_size} hosts of "
-            f"{local_size} processes (it would need Horovod process sets); use scheme='allgather' or "
-            f"'two-phase', or the torch or mpi engine (torchrun, mpirun)")
+        """Process sets of this rank's host (consecutive ranks) and of its local rank on every
+        host, registered by every rank in the same order (``hvd.add_process_set``, which needs
+        ``HOROVOD_DYNAMIC_PROCESS_SETS=1``)."""
+        if self._set is not self.hvd.global_process_set:
+            raise NotImplementedError("the horovod engine splits hosts from the global process set only")
+        hosts = self.size // local_size
+        layouts = [[h * local_size + l for l in range(local_size)] for h in range(hosts)]
+        layouts += [[h * local_size + l for h in range(hosts)] for l in range(local_size)]
+        try:
+            sets = [self.hvd.add_process_set(ranks) for ranks in layouts]
+        except ValueError as err:
+            raise NotImplementedError(
+                f"rank {self.rank}: the horovod engine runs the hierarchical exchange on {hosts} hosts of "
+                f"{local_size} processes with Horovod process sets, which need HOROVOD_DYNAMIC_PROCESS_SETS=1 "
+                f"in the environment of every rank (e.g. HOROVOD_DYNAMIC_PROCESS_SETS=1 horovodrun ...), "
+                f"or use scheme='allgather' or 'two-phase' ({err})") from None
+        host, local = divmod(self.rank, local_size)
+        return (HorovodCommunicator(self.timeout, sets[host]), HorovodCommunicator(self.timeout, sets[hosts + local]))
 
     def close(self) -> None:
-        """``hvd.shutdown()`` (call only when no collective is in flight)."""
+        """``hvd.shutdown()`` (call only when no collective is in flight), which also ends the
+        process sets of :meth:`split_hosts`; a process set's own communicator leaves its set to
+        that shutdown (removing a set is a collective of every rank)."""
         super().close()
-        self.hvd.shutdown()
+        if self._set is self.hvd.global_process_set:
+            self.hvd.shutdown()
