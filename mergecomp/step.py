@@ -698,10 +698,10 @@ class MergedStep:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's plan, tensor shapes, world size, step, skipped steps, compressor state,
-        error-feedback memory and the scheduler's choice."""
+        """This rank's plan, tensor shapes, rank and world size, step, skipped steps, compressor
+        state, error-feedback memory and the scheduler's choice."""
         return {"plan": self._plan.to_json(), "shapes": [list(s) for s in self.shapes],
-                "world_size": self.comm.size,
+                "rank": self.comm.rank, "world_size": self.comm.size,
                 "order_final": self._order_final, "skipped_steps": self.skipped_steps,
                 **self.exchange.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None}
@@ -728,6 +728,11 @@ class MergedStep:
                            "residuals and compressor state start afresh, and the scheduler searches again",
                            self._who, saved_size, self.comm.size)
             state = {**state, "memory": {}, "compressor": {}, "shard_memory": {}, "scheduler": None}
+        elif state.get("rank", self.comm.rank) != self.comm.rank:  # another rank's residuals
+            logger.warning("%s: the checkpoint holds rank %d's error-feedback residuals and compressor state, "
+                           "which start afresh here (save and load one checkpoint per rank to keep them)",
+                           self._who, state["rank"])
+            state = {**state, "memory": {}, "compressor": {}, "shard_memory": {}}
         self.exchange.load_state_dict(state)
         self._last_end = None
         self.timings.forget()
@@ -755,7 +760,7 @@ class MergedStep:
             logger.warning("%s: ranks resumed from different steps or not all of them loaded a checkpoint "
                            "(steps %s): error-feedback residuals and compressor state start afresh on every "
                            "rank", self._who, seen[:, 0].tolist())
-        self.load_state_dict({**shared, "memory": exchange.memory.state_dict() if keep else {},
+        self.load_state_dict({**shared, "rank": self.comm.rank, "memory": exchange.memory.state_dict() if keep else {},
                               "compressor": exchange.compressor.state_dict() if keep else {},
                               "shard_memory": exchange.shard_memory.state_dict() if keep else {}})
 

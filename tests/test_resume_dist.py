@@ -33,15 +33,17 @@ def _resume_worker(rank, compression, who_loads, groups):
 
     model, opt = fresh()
     train(model, opt, xs, ys, steps=1)  # a run that started, then was restarted from the checkpoint
+    if who_loads == "rank 0's file on every rank":
+        saved = mc.broadcast_object(saved, root_rank=0)
     model, opt = fresh()
-    if who_loads == "every rank" or rank == 0:
-        model.load_state_dict(saved[0])
-        opt.load_state_dict(saved[1])
-    mc.broadcast_parameters(model.state_dict(), root_rank=0)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("mergecomp").addHandler(handler)
+    if who_loads != "rank 0" or rank == 0:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+    mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
     train(model, opt, xs, ys, steps=2)
     residuals = sum(len(fields) for fields in opt.memory.state.values())
@@ -53,6 +55,7 @@ def _resume_worker(rank, compression, who_loads, groups):
     ("none", "rank 0", True),            # nothing per rank: the continuation is the uninterrupted run
     ("topk", "every rank", True),        # every rank's own residuals: exact too
     ("topk", "rank 0", False),           # rank 0's residuals alone: reset on every rank, said so
+    ("topk", "rank 0's file on every rank", False),  # rank 0's residuals are not rank 1's: reset, said so
 ])
 def test_resume_from_a_checkpoint_loaded_on_rank_0_or_on_every_rank(compression, who_loads, exact):
     results = run_workers(_resume_worker, 2, compression, who_loads, 2)
@@ -65,7 +68,10 @@ def test_resume_from_a_checkpoint_loaded_on_rank_0_or_on_every_rank(compression,
         else:
             assert residuals > 0  # error feedback runs again from the resumed step
     warned = [m for m in results[0][4] if "start afresh" in m]
-    assert bool(warned) == (compression == "topk" and who_loads == "rank 0")
+    assert bool(warned) == (compression == "topk" and who_loads != "every rank")
+    if who_loads == "rank 0's file on every rank":
+        assert any("holds rank 0's error-feedback residuals" in m for m in results[1][4])
+        assert not any("holds rank" in m for m in results[0][4])  # rank 0 loaded its own
 
 
 def test_resume_with_the_scheduler_loaded_on_rank_0_only():
