@@ -132,7 +132,7 @@ class InFlight:
                 "passes_by_stage": {stage: self.passes[stage] for stage in STAGES if stage in self.passes}}
 
 
-class Exchange:
+class Exchange(hierarchy.HostLevel):
     """Compress and communicate merged groups with one compressor and one memory.
 
     Besides the configured compressor (codec ``"compressed"``), a group may be sent with the
@@ -234,7 +234,7 @@ class Exchange:
                     return job
                 self._compensate(job, carry)
             if codec in hierarchy.FLAT:
-                hierarchy.reduce_in_host(self, job, codec == HIERARCHICAL_TWO_PHASE)
+                self._reduce_in_host(job, codec == HIERARCHICAL_TWO_PHASE)
             elif not whole:
                 self._scatter_shards(job)
                 job.stages = [self._second_phase]
@@ -297,7 +297,7 @@ class Exchange:
             while self.advance(job):
                 pass
             if job.hosts is not None:
-                return hierarchy.gather_hosts(self, job, out)
+                return self._gather_hosts(job, out)
             return self._reduce(job, out)
 
     def commit(self) -> None:
@@ -334,7 +334,7 @@ class Exchange:
         is compressed: the communicator of its compressed collectives, and the elements this
         rank compresses (the hierarchical scheme: this local rank's shard, across hosts)."""
         if codec in hierarchy.FLAT:
-            hosts = hierarchy.host_level(self, numel)
+            hosts = self._host_level(numel)
             return hosts.cross, hosts.span
         return self.comm, (0, numel)
 

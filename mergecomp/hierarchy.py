@@ -22,16 +22,16 @@ The error-feedback memory compensates the whole group before the all-to-all and 
 this rank compresses: its shard of the host's sum (the group, zero elsewhere).  On one host, or
 on hosts of one process, a hierarchical codec is sent as its flat counterpart (:data:`FLAT`).
 
-The functions take the :class:`~mergecomp.exchange.Exchange` whose waits, compression and
-flat or two-phase scheme they use across hosts: :func:`reduce_in_host` starts a group and queues
-:func:`across_hosts`, the two-phase allgather where it applies and :func:`gather_in_host` as its
-stages (:meth:`~mergecomp.exchange.Exchange.advance`); :func:`gather_hosts` ends it.
+:class:`HostLevel` holds these stages as methods of :class:`~mergecomp.exchange.Exchange`, which
+it is mixed into and whose waits, compression and flat or two-phase scheme it uses across hosts:
+``_reduce_in_host`` starts a group and queues ``_across_hosts``, the two-phase allgather where it
+applies and ``_gather_in_host`` as its stages (:meth:`~mergecomp.exchange.Exchange.advance`);
+``_gather_hosts`` ends it.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -40,10 +40,7 @@ from .comm import Communicator
 from .plan import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
 from .twophase import Bounds, pad_to, shard_bounds, shard_size, zero_outside
 
-if TYPE_CHECKING:
-    from .exchange import Exchange, InFlight
-
-__all__ = ["FLAT", "Hosts", "across_hosts_of", "host_level", "reduce_in_host", "across_hosts", "gather_in_host", "gather_hosts"]
+__all__ = ["FLAT", "Hosts", "HostLevel", "across_hosts_of"]
 
 #: the flat scheme each hierarchical codec becomes on one host or on hosts of one process
 FLAT = {HIERARCHICAL: "compressed", HIERARCHICAL_TWO_PHASE: TWO_PHASE}
@@ -75,63 +72,64 @@ class Hosts:
         return self.bounds[self.local.rank]
 
 
-def host_level(exchange: Exchange, numel: int, two_phase: bool = False) -> Hosts:
-    """The host level of a group of ``numel`` elements in the hierarchical scheme."""
-    local, cross = exchange.comm.split_hosts()
-    align = exchange.compressor.shard_alignment
-    return Hosts(local, cross, shard_bounds(numel, local.size, align), shard_size(numel, local.size, align),
-                 two_phase)
+class HostLevel:
+    """The hierarchical scheme's stages, mixed into :class:`~mergecomp.exchange.Exchange` (they
+    use its ``comm``, ``compressor``, ``clock``, ``_collected``, ``_compress``, ``_scatter_shards``,
+    ``_second_phase`` and ``_reduce``); ``job`` is the group's
+    :class:`~mergecomp.exchange.InFlight`."""
+
+    def _host_level(self, numel: int, two_phase: bool = False) -> Hosts:
+        """The host level of a group of ``numel`` elements in the hierarchical scheme."""
+        local, cross = self.comm.split_hosts()
+        align = self.compressor.shard_alignment
+        return Hosts(local, cross, shard_bounds(numel, local.size, align), shard_size(numel, local.size, align),
+                     two_phase)
+
+    def _reduce_in_host(self, job, two_phase: bool) -> None:
+        """The scheme's first collective: the compensated group, cut in one shard per local rank
+        (padded to equal blocks), by all-to-all inside the host; queue the stages that follow."""
+        hosts = job.hosts = self._host_level(job.compensated.numel(), two_phase)
+        job.comm, job.span = hosts.local, hosts.span
+        job.handle = hosts.local.alltoall_async(_padded(job, job.compensated, hosts.local.size * hosts.chunk))
+        job.stages = [self._across_hosts, *([self._second_phase] if two_phase else []), self._gather_in_host]
+
+    def _across_hosts(self, job) -> None:
+        """Sum this rank's shard over the host into ``job.compensated`` (zero elsewhere: what
+        this rank now holds of the host's gradients, for the memory) and start its compressed
+        exchange across hosts: the flat scheme, or the two-phase scheme."""
+        rows = self._collected(job, "reduce-scatter in the host")
+        (start, stop), compensated = job.span, job.compensated
+        torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
+        zero_outside(compensated, start, stop)
+        job.count("decode", 1)  # reads every local rank's shard, writes this one, zeroes the rest
+        job.comm = job.hosts.cross
+        with self.clock(ENCODE, job.group.name):
+            if job.hosts.two_phase:
+                self._scatter_shards(job)
+            else:
+                self._compress(job)
+
+    def _gather_in_host(self, job) -> None:
+        """Aggregate this rank's shard across hosts and start its allgather inside the host."""
+        shard = self._reduce(job, None)
+        job.comm = job.hosts.local
+        with self.clock(ENCODE, job.group.name):
+            job.handle = job.comm.allgather_async(_padded(job, shard, job.hosts.chunk))
+
+    def _gather_hosts(self, job, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """The scheme's end: every local rank's aggregated shard into the group's result
+        (``out`` when given)."""
+        rows = self._collected(job, "allgather in the host")
+        like = job.compensated
+        result = out if out is not None else job.compressor.scratch(like.numel(), like.dtype, like.device)
+        for row, (start, stop) in zip(rows, job.hosts.bounds):
+            result[start:stop] = row[:stop - start]
+        job.count("decode", 1)
+        job.hosts = None
+        return result
 
 
-def reduce_in_host(exchange: Exchange, job: InFlight, two_phase: bool) -> None:
-    """The scheme's first collective: the compensated group, cut in one shard per local rank
-    (padded to equal blocks), by all-to-all inside the host; queue the stages that follow."""
-    hosts = job.hosts = host_level(exchange, job.compensated.numel(), two_phase)
-    job.comm, job.span = hosts.local, hosts.span
-    job.handle = hosts.local.alltoall_async(_padded(job, job.compensated, hosts.local.size * hosts.chunk))
-    job.stages = [functools.partial(across_hosts, exchange), *([exchange._second_phase] if two_phase else []),
-                  functools.partial(gather_in_host, exchange)]
-
-
-def across_hosts(exchange: Exchange, job: InFlight) -> None:
-    """Sum this rank's shard over the host into ``job.compensated`` (zero elsewhere: what
-    this rank now holds of the host's gradients, for the memory) and start its compressed
-    exchange across hosts: the flat scheme, or the two-phase scheme."""
-    rows = exchange._collected(job, "reduce-scatter in the host")
-    (start, stop), compensated = job.span, job.compensated
-    torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
-    zero_outside(compensated, start, stop)
-    job.count("decode", 1)  # reads every local rank's shard, writes this one, zeroes the rest
-    job.comm = job.hosts.cross
-    with exchange.clock(ENCODE, job.group.name):
-        if job.hosts.two_phase:
-            exchange._scatter_shards(job)
-        else:
-            exchange._compress(job)
-
-
-def gather_in_host(exchange: Exchange, job: InFlight) -> None:
-    """Aggregate this rank's shard across hosts and start its allgather inside the host."""
-    shard = exchange._reduce(job, None)
-    job.comm = job.hosts.local
-    with exchange.clock(ENCODE, job.group.name):
-        job.handle = job.comm.allgather_async(_padded(job, shard, job.hosts.chunk))
-
-
-def gather_hosts(exchange: Exchange, job: InFlight, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """The scheme's end: every local rank's aggregated shard into the group's result (``out``
-    when given)."""
-    rows = exchange._collected(job, "allgather in the host")
-    like = job.compensated
-    result = out if out is not None else job.compressor.scratch(like.numel(), like.dtype, like.device)
-    for row, (start, stop) in zip(rows, job.hosts.bounds):
-        result[start:stop] = row[:stop - start]
-    job.count("decode", 1)
-    job.hosts = None
-    return result
-
-
-def _padded(job: InFlight, tensor: torch.Tensor, numel: int) -> torch.Tensor:
+def _padded(job, tensor: torch.Tensor, numel: int) -> torch.Tensor:
     """:func:`~mergecomp.twophase.pad_to`, its copy counted as an ``encode`` pass."""
     padded = pad_to(tensor, numel)
     if padded is not tensor:
