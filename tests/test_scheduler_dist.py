@@ -83,7 +83,7 @@ def test_auto_on_three_ranks_searches_the_two_phase_scheme_and_agrees():
 
 
 def test_auto_on_two_hosts_of_two_searches_the_hierarchical_scheme_and_agrees():
-    results = run_workers(_auto_worker, 4, 4, "qsgd", 40, env={"LOCAL_WORLD_SIZE": "2"}, timeout=600)
+    results = run_workers(_auto_worker, 4, 4, "qsgd", 30, env={"LOCAL_WORLD_SIZE": "2"}, timeout=600)
     r0 = results[0]
     assert all(r["plans"] == r0["plans"] and torch.equal(r["params"], r0["params"]) for r in results[1:])
     assert r0["report"]["phase"] == "monitor"
