@@ -179,8 +179,8 @@ class MergedStep:
             host's sum compressed and allgathered among the ranks of its local rank on every
             host, an allgather inside the host: compressed bytes cross hosts only) or
             ``"hierarchical-two-phase"`` (the same, with the two-phase scheme across hosts), or
-            None: allgather, unless the scheduler (``groups="auto"``) chooses two-phase for a
-            group.  Compressors whose payloads are summed travel by allreduce unless another
+            None: allgather, unless the scheduler (``groups="auto"``) chooses two-phase or, with
+            several processes on each of several hosts, a hierarchical scheme for a group.  Compressors whose payloads are summed travel by allreduce unless another
             scheme is asked for.  The hierarchical schemes need the same number of processes on
             every host; on one host, or with one process per host, they are allgather and
             two-phase.

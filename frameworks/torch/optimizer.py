@@ -102,7 +102,7 @@ class DistributedOptimizer(HoldsMergedStep):
             number of ranks), ``"hierarchical"`` or ``"hierarchical-two-phase"`` (summed
             uncompressed inside each host, compressed across hosts only, by allgather or by
             two-phase), ``"allgather"``, or None (default: allgather unless the scheduler
-            picks two-phase for a group); see docs/compressors.md.
+            picks two-phase or a hierarchical scheme for a group); see docs/compressors.md.
 
     With a ``GradScaler`` (as with Horovod): ``scaler.scale(loss).backward(); opt.synchronize();
     scaler.unscale_(opt)`` (averaged gradients: NaN on every rank or on none), then
