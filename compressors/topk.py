@@ -5,10 +5,16 @@ magnitude from a sample and runs the exact top-k only among the candidates above
 a merged 25 M-element buffer fast (see :func:`mergecomp.sparse.topk_indices`).  Error feedback:
 residual memory by default, so what is not sent now is sent later.
 """
+from typing import Any, Callable, Optional, Sequence, Tuple
+
 import torch
 
+from mergecomp import native
+from mergecomp.compressor import Payload
+from mergecomp.memory import Memory
 from mergecomp.registry import register_compressor
-from mergecomp.sparse import SparseCompressor, topk_abs_indices
+from mergecomp.sparse import (SparseCompressor, candidate_capacity, num_selected, sample_stride, sample_threshold,
+                              topk_abs_indices)
 
 _SELECTIONS = ("exact", "threshold")
 
@@ -26,5 +32,41 @@ class TopKCompressor(SparseCompressor):
         """The threshold scan (the sample and the k values are small); exact: ``abs`` and ``topk``."""
         return 1 if self.selection == "threshold" else 2
 
+    #: the fused encode's one pass (it writes the residual too)
+    fused_compress_passes, fused_update_passes = 1, 0
+
     def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
         return topk_abs_indices(tensor, k, self.selection)
+
+    def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
+                       memory: Memory) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
+        """With the residual memory (:meth:`Memory.fused_residual`) and the threshold selection,
+        where the kernel serves the tensors (:func:`mergecomp.native.compensated_above`): one
+        pass reads the gradient and its residual and writes the new residual, setting the
+        candidates above the sampled threshold aside; compensate, compress and feed make three
+        (the add, the threshold scan, the residual's copy).  The same payload, bit for bit."""
+        residual = memory.fused_residual(tensor, name)
+        n = tensor.numel()
+        k = num_selected(n, self.ratio)
+        old = None if residual is None else residual.old
+        if (residual is None or self.selection != "threshold" or k >= n
+                or type(self).select is not TopKCompressor.select  # a subclass's own selection
+                or not native.usable(tensor, *(() if old is None else (old,)))):
+            return None
+        stride = sample_stride(n, k)
+        sample = tensor[::stride] if old is None else tensor[::stride] + old[::stride]
+        threshold = float(sample_threshold(sample.abs(), k, n))
+        out = residual.target()  # every element written below
+        indices, values, count = native.compensated_above(tensor, old, threshold, out, candidate_capacity(k))
+        if k <= count <= indices.numel():  # the k largest among the candidates; the others stay
+            best = values.abs().topk(k, sorted=False).indices
+            rest = torch.ones(count, dtype=torch.bool)
+            rest[best] = False
+            out[indices[rest]] = values[rest]
+            indices, values = indices.index_select(0, best), values.index_select(0, best)
+        else:  # too few or too many candidates: ``out`` becomes the compensated gradient again
+            out[indices] = values
+            indices = self.select(out, k, name)
+            values = out.index_select(0, indices)
+            out[indices] = 0
+        return (values, indices.to(torch.int32)), (n, tensor.dtype), lambda: None

@@ -28,6 +28,9 @@ __all__ = [
     "num_selected",
     "topk_indices",
     "topk_abs_indices",
+    "sample_stride",
+    "sample_threshold",
+    "candidate_capacity",
     "shared_random_indices",
     "stable_seed",
 ]
@@ -81,13 +84,9 @@ def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Te
     if method not in ("exact", "threshold"):
         raise ValueError(f"top-k selection must be 'exact' or 'threshold', got {method!r}")
     if method == "threshold":
-        sample_size = min(n, max(_MIN_SAMPLE, math.ceil(200 * n / k)))
-        sample = values[:: max(1, n // sample_size)]
-        if absolute:
-            sample = sample.abs()
-        rank_in_sample = min(sample.numel(), math.ceil(_OVERSAMPLE * k * sample.numel() / n))
-        threshold = sample.topk(rank_in_sample, sorted=False).values.min()
-        candidates = indices_above(values, threshold, absolute, 2 * _OVERSAMPLE * k + 1024)
+        sample = values[::sample_stride(n, k)]
+        threshold = sample_threshold(sample.abs() if absolute else sample, k, n)
+        candidates = indices_above(values, threshold, absolute, candidate_capacity(k))
         if candidates.numel() >= k:
             magnitude = values.index_select(0, candidates)
             if absolute:
@@ -96,6 +95,23 @@ def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Te
             return candidates.index_select(0, best)
     magnitude = values.abs() if absolute else values
     return magnitude.topk(k, sorted=False).indices
+
+
+def sample_stride(n: int, k: int) -> int:
+    """The stride of the sample that estimates the top-``k`` threshold of ``n`` elements."""
+    return max(1, n // min(n, max(_MIN_SAMPLE, math.ceil(200 * n / k))))
+
+
+def sample_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """0-d: the value that about ``_OVERSAMPLE * k`` of the ``n`` elements reach, estimated
+    from the (magnitude) ``sample`` of them taken every :func:`sample_stride` elements."""
+    rank_in_sample = min(sample.numel(), math.ceil(_OVERSAMPLE * k * sample.numel() / n))
+    return sample.topk(rank_in_sample, sorted=False).values.min()
+
+
+def candidate_capacity(k: int) -> int:
+    """How many elements above the sampled threshold a scan makes room for at first."""
+    return int(2 * _OVERSAMPLE * k + 1024)
 
 
 def stable_seed(name: str, step: int) -> int:

@@ -149,8 +149,9 @@ def test_the_tensorflow_reducer_shows_the_same_breakdown():
 PASSES = {
     ("none", None): {"copy-in": 1, "decode": 1},  # allreduce in place, then the division
     ("fp16", None): {"copy-in": 1, "encode": 1, "decode": 2},  # cast; cast back, divide
-    # residual: add; threshold scan; residual copy (k entries); zero the dense sum (k entries)
-    ("topk", None): {"copy-in": 1, "compensate": 1, "encode": 1, "memory": 1, "decode": 1},
+    # residual, fused encode: one scan of gradient + residual writes the new residual and sets
+    # the candidates aside; zero the dense sum (k entries scattered)
+    ("topk", None): {"copy-in": 1, "encode": 1, "decode": 1},
     # residual, fused encode: signs and sums of gradient + residual; the new residual; all ranks'
     # bits in one pass
     ("onebit", None): {"copy-in": 1, "encode": 1, "memory": 1, "decode": 1},
@@ -160,10 +161,12 @@ PASSES = {
     # memory decodes the shards side by side (decodes, copies and zeros: 2 passes)
     ("onebit", "two-phase"): {"copy-in": 1, "compensate": 1.5, "encode": 1.5, "memory": 4, "decode": 1.5},
 }
-#: where no native kernel serves the tensors, the sign codecs take no fused encode: the residual
-#: memory adds, the codec packs the signs, the memory decodes its own bits and subtracts
-UNFUSED = {(codec, None): {"copy-in": 1, "compensate": 1, "encode": 1, "memory": 2, "decode": 1}
-           for codec in ("onebit", "efsignsgd")}
+#: where no native kernel serves the tensors, there is no fused encode: the residual memory adds,
+#: the codec encodes, the memory decodes its own payload and subtracts (top-k: copies)
+UNFUSED = {**{(codec, None): {"copy-in": 1, "compensate": 1, "encode": 1, "memory": 2, "decode": 1}
+              for codec in ("onebit", "efsignsgd")},
+           # residual: add; threshold scan; residual copy (k entries aside); the dense sum
+           ("topk", None): {"copy-in": 1, "compensate": 1, "encode": 1, "memory": 1, "decode": 1}}
 
 
 def _optimizer_worker(rank, compression, scheme):

@@ -677,6 +677,8 @@ def test_sparse_memory_update_matches_the_dense_one(name, kwargs, memory_name):
 
 # -- the fused encode with the residual memory (Compressor.compress_fused) --------------------
 SIGN_VALUE = ["onebit", "efsignsgd"]
+#: the compressors with a fused encode with the residual memory (top-k and DGC by their threshold)
+FUSED = [*SIGN_VALUE, "topk", "dgc"]
 
 
 def plain_encode(c, memory, grad, name="g"):
@@ -716,7 +718,38 @@ def test_fused_encode_matches_compensate_compress_feed_bit_for_bit(name, n, code
         assert torch.equal(fused_m.state["g"]["residual"], plain_m.state["g"]["residual"]), step
 
 
-@pytest.mark.parametrize("name", SIGN_VALUE)
+@pytest.mark.parametrize("n, ratio, capacity", [
+    (1, 0.01, None), (2, 0.01, None), (1000, 0.01, None), (100_003, 0.01, None),
+    (1_000_000, 0.1, None),  # the sampled threshold leaves fewer than k candidates
+    (100_003, 0.01, 1),      # more candidates than the scan kept aside
+])
+def test_topk_fused_encode_matches_compensate_compress_feed_bit_for_bit(n, ratio, capacity, codec_path, monkeypatch):
+    """The one-pass scan of gradient + residual gives top-k's payload and residual bit for bit,
+    in its usual case and in both fallbacks (the candidates too few, or more than it kept)."""
+    import mergecomp.compressors.topk as topk_module
+
+    if capacity is not None:
+        monkeypatch.setattr(topk_module, "candidate_capacity", lambda k: capacity)
+    fused_c, plain_c = make("topk", ratio=ratio), make("topk", ratio=ratio)
+    fused_m, plain_m = mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
+    for step in range(3):  # the first without a residual
+        grad = torch.randn(n) * (step + 1)
+        if ratio == 0.1:  # the sampled elements are the largest: a threshold too high
+            grad[::61] = 100.0 * (step + 1)
+        given = grad.clone()
+        fused = fused_c.compress_fused(given, "g", None, fused_m)
+        assert (fused is None) == (codec_path == "eager" or n == 1), (n, codec_path)  # k = n: all sent
+        if fused is None:
+            return
+        payload, _, update = fused
+        update()
+        expected = plain_encode(plain_c, plain_m, grad.clone())
+        assert torch.equal(given, grad)  # the gradient is not written
+        assert all(torch.equal(a, b) for a, b in zip(payload, expected)), step
+        assert torch.equal(fused_m.state["g"]["residual"], plain_m.state["g"]["residual"]), step
+
+
+@pytest.mark.parametrize("name", FUSED)
 def test_fused_encode_of_a_kept_group_keeps_the_old_residual_for_rollback(name, codec_path):
     c, memory = make(name), mergecomp.get_memory("residual")
     plain_c, plain_m = make(name), mergecomp.get_memory("residual")
@@ -749,19 +782,22 @@ def test_fused_encode_only_with_the_plain_residual_memory():
     for memory in [mergecomp.get_memory("none"), mergecomp.get_memory("dgc"), ResidualMemory(beta=0.5),
                    ResidualMemory(gamma=2.0), Recording()]:
         assert make("onebit").compress_fused(grad, "g", None, memory) is None, memory
+        assert make("topk").compress_fused(grad, "g", None, memory) is None, memory
+    assert make("topk", selection="exact").compress_fused(grad, "g", None, mergecomp.get_memory("residual")) is None
     for name in ALL:
-        if name not in SIGN_VALUE:
+        if name not in FUSED:
             assert make(name).compress_fused(grad, "g", None, mergecomp.get_memory("residual")) is None, name
 
 
-@pytest.mark.parametrize("name", SIGN_VALUE)
+@pytest.mark.parametrize("name", FUSED)
 def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_route(name, codec_path, monkeypatch):
-    """A small model trained 4 steps through MergedStep (one rank, 2 groups, a kept state for
-    the propagate policy): parameters and residuals bit for bit the same with the fused encode
-    as with compensate, compress and feed."""
+    """A small model trained 4 steps through MergedStep (one rank, 2 groups, the residual memory,
+    a kept state for the propagate policy): parameters and residuals bit for bit the same with
+    the fused encode as with compensate, compress and feed."""
     from mergecomp.comm import LocalCommunicator
     from mergecomp.compressor import Compressor
     from mergecomp.memory import ResidualMemory
+    from mergecomp.compressors.topk import TopKCompressor
     from mergecomp.signs import SignValueCompressor
     from mergecomp.step import MergedStep
 
@@ -769,7 +805,7 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
         names, params = zip(*model.named_parameters())
-        step = MergedStep(name, None, LocalCommunicator(), names, [p.shape for p in params],
+        step = MergedStep(name, "residual", LocalCommunicator(), names, [p.shape for p in params],
                           [p.dtype for p in params], torch.device("cpu"), groups=2, nonfinite="propagate")
         x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
         for _ in range(4):
@@ -788,5 +824,6 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
             patch.setattr(ResidualMemory, "feed", None)
         fused = train()
     monkeypatch.setattr(SignValueCompressor, "compress_fused", Compressor.compress_fused)
+    monkeypatch.setattr(TopKCompressor, "compress_fused", Compressor.compress_fused)
     plain = train()
     assert len(fused) == len(plain) and all(torch.equal(a, b) for a, b in zip(fused, plain))

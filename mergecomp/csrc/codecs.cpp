@@ -226,9 +226,56 @@ int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int t
 
 }  // namespace
 
+// Top-k's scan of the compensated gradient c = x + r (r null: x) with its residual memory, in
+// one pass: out[i] = c for every element, then for the first `capacity` elements with
+// |c| >= threshold (ascending) idx[j] = i, val[j] = c and out[i] = 0.  Returns how many elements
+// passed (more than `capacity`: the rest keep out[i] = c).  out may be r.
+template <bool Sum>
+int64_t compensated_above_impl(const float* x, const float* r, int64_t n, float threshold, float* out,
+                               int64_t* idx, float* val, int64_t capacity, int threads) {
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<std::vector<int64_t>> found(blocks);
+  std::vector<int64_t>* lists = found.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    std::vector<uint8_t> mask(BLOCK + 8);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      uint8_t* m = mask.data();
+#pragma omp simd
+      for (int64_t k = 0; k < len; ++k) {
+        const float c = Sum ? x[start + k] + r[start + k] : x[start + k];
+        out[start + k] = c;
+        m[k] = std::fabs(c) >= threshold;
+      }
+      std::fill(m + len, m + len + 8, 0);
+      std::vector<int64_t>& hits = lists[b];
+      for (int64_t w = 0; w < len; w += 8) {
+        uint64_t word;
+        std::memcpy(&word, m + w, 8);
+        while (word) {
+          hits.push_back(start + w + __builtin_ctzll(word) / 8);
+          word &= word - 1;
+        }
+      }
+    }
+  });
+  int64_t count = 0;
+  for (const auto& hits : found) {
+    for (const int64_t i : hits) {
+      if (count < capacity) {
+        idx[count] = i;
+        val[count] = out[i];
+        out[i] = 0.0f;
+      }
+      ++count;
+    }
+  }
+  return count;
+}
+
 extern "C" {
 
-int mc_abi_version() { return 10; }
+int mc_abi_version() { return 11; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -531,4 +578,11 @@ int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int thr
   return copy_finite_impl<true>(src, scale, dst, n, threads);
 }
 
+int64_t mc_compensated_above(const float* x, const float* r, int64_t n, float threshold, float* out,
+                             int64_t* idx, float* val, int64_t capacity, int threads) {
+  return r ? compensated_above_impl<true>(x, r, n, threshold, out, idx, val, capacity, threads)
+           : compensated_above_impl<false>(x, r, n, threshold, out, idx, val, capacity, threads);
+}
+
 }  // extern "C"
+
