@@ -226,28 +226,23 @@ int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int t
 
 }  // namespace
 
-// Top-k's scan of the compensated gradient c = x + r (r null: x) with its residual memory, in
-// one pass: out[i] = c for every element, then for the first `capacity` elements with
-// |c| >= threshold (ascending) idx[j] = i, val[j] = c and out[i] = 0.  Returns how many elements
-// passed (more than `capacity`: the rest keep out[i] = c).  out may be r.
-template <bool Sum>
-int64_t compensated_above_impl(const float* x, const float* r, int64_t n, float threshold, float* out,
-                               int64_t* idx, float* val, int64_t capacity, int threads) {
+// The elements i < n whose byte mark(start, len, m) sets in m[i - start] for their block of
+// BLOCK elements (mark may write other outputs of the block), one list per block, ascending;
+// the blocks run in parallel.
+template <typename Mark>
+std::vector<std::vector<int64_t>> marked_by_block(int64_t n, int threads, Mark mark) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<std::vector<int64_t>> found(blocks);
   std::vector<int64_t>* lists = found.data();
+  // Captures by value: a worker reading the caller's stack would share its cache lines.
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     std::vector<uint8_t> mask(BLOCK + 8);
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
       uint8_t* m = mask.data();
-#pragma omp simd
-      for (int64_t k = 0; k < len; ++k) {
-        const float c = Sum ? x[start + k] + r[start + k] : x[start + k];
-        out[start + k] = c;
-        m[k] = std::fabs(c) >= threshold;
-      }
+      mark(start, len, m);
       std::fill(m + len, m + len + 8, 0);
+      // Scan the 0/1 bytes a word at a time: most words are zero when few elements pass.
       std::vector<int64_t>& hits = lists[b];
       for (int64_t w = 0; w < len; w += 8) {
         uint64_t word;
@@ -257,6 +252,24 @@ int64_t compensated_above_impl(const float* x, const float* r, int64_t n, float 
           word &= word - 1;
         }
       }
+    }
+  });
+  return found;
+}
+
+// Top-k's scan of the compensated gradient c = x + r (r null: x) with its residual memory, in
+// one pass: out[i] = c for every element, then for the first `capacity` elements with
+// |c| >= threshold (ascending) idx[j] = i, val[j] = c and out[i] = 0.  Returns how many elements
+// passed (more than `capacity`: the rest keep out[i] = c).  out may be r.
+template <bool Sum>
+int64_t compensated_above_impl(const float* x, const float* r, int64_t n, float threshold, float* out,
+                               int64_t* idx, float* val, int64_t capacity, int threads) {
+  const auto found = marked_by_block(n, threads, [=](int64_t start, int64_t len, uint8_t* m) {
+#pragma omp simd
+    for (int64_t k = 0; k < len; ++k) {
+      const float c = Sum ? x[start + k] + r[start + k] : x[start + k];
+      out[start + k] = c;
+      m[k] = std::fabs(c) >= threshold;
     }
   });
   int64_t count = 0;
@@ -492,30 +505,10 @@ void mc_sign_sum(const uint8_t* const* packed, const float* values, int voters, 
 // out and returns how many there are (call again with a larger out if that is > capacity).
 int64_t mc_indices_above(const float* x, int64_t n, float threshold, int64_t* out,
                          int64_t capacity, int threads) {
-  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-  std::vector<std::vector<int64_t>> found(blocks);
-  std::vector<int64_t>* lists = found.data();
-  // Captures by value: a worker reading the caller's stack would share its cache lines.
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    std::vector<uint8_t> mask(BLOCK + 8);
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
-      const float* src = x + start;
-      uint8_t* m = mask.data();
+  const auto found = marked_by_block(n, threads, [=](int64_t start, int64_t len, uint8_t* m) {
+    const float* src = x + start;
 #pragma omp simd
-      for (int64_t k = 0; k < len; ++k) m[k] = std::fabs(src[k]) >= threshold;
-      std::fill(m + len, m + len + 8, 0);
-      // Scan the 0/1 bytes a word at a time: most words are zero when few elements pass.
-      std::vector<int64_t>& hits = lists[b];
-      for (int64_t w = 0; w < len; w += 8) {
-        uint64_t word;
-        std::memcpy(&word, m + w, 8);
-        while (word) {
-          hits.push_back(start + w + __builtin_ctzll(word) / 8);
-          word &= word - 1;
-        }
-      }
-    }
+    for (int64_t k = 0; k < len; ++k) m[k] = std::fabs(src[k]) >= threshold;
   });
   int64_t count = 0;
   for (const auto& hits : found) {
