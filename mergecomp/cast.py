@@ -37,7 +37,7 @@ class CastCompressor(Compressor):
     def compress_passes(self) -> float:
         """One cast or division; none when the tensor itself is sent (for a gradient in
         another dtype than ``wire_dtype``)."""
-        return 0 if self.wire_dtype is None and self.prescale == 1.0 else 1
+        return 0 if self.lossless else 1
 
     @property
     def decompress_passes(self) -> float:

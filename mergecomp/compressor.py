@@ -73,7 +73,7 @@ class Compressor(GroupStateful, abc.ABC):
     #: name of the error-feedback memory used when the user does not choose one
     default_memory: str = "none"
     #: every payload decodes to exactly what was compressed, so an error-feedback memory has no
-    #: residual to keep (:meth:`mergecomp.memory.Memory.sent_whole`)
+    #: residual to keep (:meth:`mergecomp.memory.Memory.feed_parts`)
     lossless: bool = False
     #: payloads are combined by a majority vote: the result is the sign of the sum of the ranks'
     #: signs (with or without op=Average), on another scale than a mean, so every group must use

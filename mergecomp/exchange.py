@@ -392,9 +392,6 @@ class Exchange(hierarchy.HostLevel):
                 job.count("memory", job.compressor.fused_update_passes)
             job.update = None
         elif job.feedback and self.memory.feeds_back:
-            if job.compressor.lossless and job.span == (0, job.compensated.numel()) \
-                    and self.memory.sent_whole(job.group.name):
-                return  # nothing left behind: no residual to write
             with self.clock(MEMORY, job.group.name):
                 job.count("memory", self.memory.feed(job.compressor, job.compensated, job.group.name, job.payload,
                                                      job.ctx, job.span[0]))

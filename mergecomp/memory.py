@@ -107,8 +107,9 @@ class Memory(GroupStateful):
         ``(payload, ctx, start)``: payloads of consecutive ranges of ``compensated``, each from
         its ``start`` on (as many elements as it decodes to), and nothing else was sent.  Their
         entries when the codec gives them for every part (:meth:`update_sparse`), else their
-        decodes side by side, zero elsewhere (:meth:`update`).  Returns the passes made over
-        ``compensated`` (:mod:`mergecomp.breakdown`)."""
+        decodes side by side, zero elsewhere (:meth:`update`); a lossless codec's one payload of
+        the whole group, where :meth:`sent_whole` takes note, needs no update.  Returns the
+        passes made over ``compensated`` (:mod:`mergecomp.breakdown`)."""
         entries = [codec.sent_entries(payload, ctx) for payload, ctx, _ in parts]
         if all(e is not None for e in entries):
             indices = [i + start if start else i for (i, _), (_, _, start) in zip(entries, parts)]
@@ -117,6 +118,8 @@ class Memory(GroupStateful):
             return self.update_sparse_passes
         first = codec.decompress(*parts[0][:2])
         if len(parts) == 1 and first.numel() == compensated.numel():
+            if codec.lossless and self.sent_whole(name):
+                return 0  # nothing left behind: no residual to write
             self.update(compensated, name, first)
             return codec.decompress_passes + self.update_passes
         sent = codec.scratch(compensated.numel(), first.dtype, first.device)

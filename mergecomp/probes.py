@@ -249,8 +249,7 @@ def _compensate(memory: Optional[Memory], tensor: torch.Tensor, name: str) -> to
 
 def _remember(memory: Optional[Memory], codec: Compressor, compensated: torch.Tensor, name: str,
               payload, ctx) -> None:
-    """The memory's update after ``codec`` sent all of ``compensated``, as the exchange makes it."""
-    if memory is not None and memory.feeds_back and not (codec.lossless and memory.sent_whole(name)):
+    if memory is not None and memory.feeds_back:
         memory.feed(codec, compensated, name, payload, ctx)
 
 
