@@ -255,11 +255,21 @@ def _meet(comm: Communicator) -> None:
     """Wait until every rank has reached shutdown (at most 60 s) before tearing the process
     group down: a rank that closes its gloo connections while a peer still has a collective or
     its connection threads in flight can abort that peer on exit (SIGABRT, "terminate called
-    without an active exception")."""
-    handle = comm.allreduce_async(torch.zeros(1, device=comm.device))
+    without an active exception").  On gloo the meeting is ``monitored_barrier``, whose buffers
+    torch allocates itself: a collective on a tensor made in Python can leave gloo's worker
+    thread releasing that tensor while the interpreter exits, which aborts the same way."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = min(comm.timeout, 60.0)
+    group = getattr(comm, "group", None)
     try:
-        handle.wait("shutdown", timeout=min(comm.timeout, 60.0))
-    except CommunicationError as err:  # a peer is gone: nothing left to protect
+        if dist.get_backend(group) == "gloo":
+            dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+        else:
+            comm.allreduce_async(torch.zeros(1, device=comm.device)).wait("shutdown", timeout=timeout)
+    except (CommunicationError, RuntimeError) as err:  # a peer is gone: nothing left to protect
         logger.warning("mergecomp.shutdown: not every rank arrived (%s); tearing down anyway", err)
 
 
