@@ -24,6 +24,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Set, Tuple
 
 import torch
 
+from .codecs import sign_remainder
 from .registry import register_memory
 from .stateful import GroupStateful
 
@@ -32,13 +33,21 @@ __all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory", "Residual", "war
 
 class Residual(NamedTuple):
     """One group's residual error feedback, for a compressor that compensates and updates in its
-    own passes (:meth:`Memory.fused_residual`): it compresses ``grad + old`` (``old`` None:
-    ``grad``) and writes the new residual, ``grad + old - sent``, into every element of
-    ``target()``, called once, when it writes.  That buffer may be ``old`` itself (each element
-    read before it is written); for a kept group it is a spare one (:meth:`Memory.keep`)."""
+    own passes (:meth:`Memory.fused_residual`).  The residual is ``old`` less its two-valued sign
+    decode by ``sides``: ``old - (positive where old >= 0, else negative)`` for ``sides =
+    (negative, positive)``; ``(0.0, 0.0)`` (always, unless the compressor asked for ``carried``):
+    ``old`` itself; ``old`` None: none.  The compressor compresses ``grad + residual`` and writes
+    every element of ``target()``, called once, when it writes: the new residual, ``grad +
+    residual - sent``; or the compensated gradient ``grad + residual`` itself, when it then calls
+    ``carry(negative, positive)`` with the two values its sign bits decode to (the new residual
+    is that less its sign decode, worked out where it is read).  ``target()`` may be ``old``
+    itself (each element read before it is written); for a kept group it is a spare one
+    (:meth:`Memory.keep`)."""
 
     old: Optional[torch.Tensor]
+    sides: Tuple[float, float]
     target: Callable[[], torch.Tensor]
+    carry: Callable[[float, float], None]
 
 
 class Memory(GroupStateful):
@@ -84,10 +93,11 @@ class Memory(GroupStateful):
         whether this memory took note without a :meth:`feed` (this base class: no)."""
         return False
 
-    def fused_residual(self, tensor: torch.Tensor, name: str) -> Optional[Residual]:
+    def fused_residual(self, tensor: torch.Tensor, name: str, carried: bool = False) -> Optional[Residual]:
         """Group ``name``'s :class:`Residual` when this memory's :meth:`compensate` of ``tensor``
         is ``tensor + residual`` and its update ``compensated - sent`` (a compressor may then do
-        both in its own passes); else None (this base class: always)."""
+        both in its own passes); else None (this base class: always).  ``carried``: the caller
+        takes the residual as a sign code's carried remainder (:class:`Residual`'s ``sides``)."""
         return None
 
     @property
@@ -137,6 +147,8 @@ class Memory(GroupStateful):
 
     #: every write of a kept group's state goes through :meth:`_fresh` (see :meth:`keep`)
     writes_fresh = False
+    #: the per-element fields written through :meth:`_fresh`
+    buffers: Tuple[str, ...] = ()
 
     # -- keep()/restore() without copies ------------------------------------------------------
     # With ``writes_fresh``, a kept group's next write of a field goes into a second buffer
@@ -153,7 +165,7 @@ class Memory(GroupStateful):
         self._kept.discard(name)
         spares = self._spares
         for field, tensor in self.state.get(name, {}).items():
-            if kept.get(field) is not tensor:
+            if field in self.buffers and kept.get(field) is not tensor:
                 spares[(name, field)] = tensor
         if kept:
             self.state[name] = dict(kept)
@@ -194,9 +206,16 @@ class NoMemory(Memory):
 
 @register_memory("residual")
 class ResidualMemory(Memory):
-    """Residual error feedback: ``x = gamma * grad + beta * residual``; ``residual = x - sent``."""
+    """Residual error feedback: ``x = gamma * grad + beta * residual``; ``residual = x - sent``.
+
+    After a sign code's fused encode (:meth:`fused_residual` with ``carried``) a group holds
+    its compensated gradient and the two values its sign bits decoded to (field ``"sides"``),
+    and the residual is worked out where it is read: the next fused encode folds it into its
+    one pass; :meth:`compensate`, :meth:`fused_residual` for other codecs and
+    :meth:`state_dict` first write it out (one pass)."""
 
     writes_fresh = True
+    buffers = ("residual",)
     #: one subtraction; sparse: one copy (the k entries aside)
     update_passes = update_sparse_passes = 1
 
@@ -211,11 +230,13 @@ class ResidualMemory(Memory):
         return 1 if self.gamma == 1.0 else 2
 
     def compensate_passes_of(self, name: str) -> float:
-        """Adding the residual where the group has one, and scaling unless ``gamma`` is 1."""
-        return ("residual" in self.state.get(name, {})) + (self.gamma != 1.0)
+        """Adding the residual where the group has one (and writing a carried one out first),
+        and scaling unless ``gamma`` is 1."""
+        fields = self.state.get(name, {})
+        return ("residual" in fields) + ("sides" in fields) + (self.gamma != 1.0)
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        residual = self.state.get(name, {}).get("residual")
+        residual = self._residual(name)
         if self.gamma != 1.0:
             tensor.mul_(self.gamma)
         if residual is not None and residual.numel() == tensor.numel():
@@ -240,21 +261,51 @@ class ResidualMemory(Memory):
         residual = self._target(name, compensated).copy_(compensated)
         residual.index_put_((indices,), compensated[indices] - values)
 
-    def fused_residual(self, tensor: torch.Tensor, name: str) -> Optional[Residual]:
+    def fused_residual(self, tensor: torch.Tensor, name: str, carried: bool = False) -> Optional[Residual]:
         """With ``beta = gamma = 1``, unless a subclass overrides :meth:`compensate` or
         :meth:`update`."""
         cls = type(self)
         if ((self.beta, self.gamma) != (1.0, 1.0) or cls.compensate is not ResidualMemory.compensate
                 or cls.update is not ResidualMemory.update):
             return None
-        old = self.state.get(name, {}).get("residual")
+        fields = self.state.get(name, {})
+        old, sides = (fields.get("residual"), fields.get("sides")) if carried else (self._residual(name), None)
         if old is not None and old.numel() != tensor.numel():
-            old = None  # as compensate ignores it
-        return Residual(old, lambda: self._target(name, tensor))
+            old, sides = None, None  # as compensate ignores it
+        return Residual(old, (0.0, 0.0) if sides is None else tuple(sides.tolist()),
+                        lambda: self._target(name, tensor), lambda negative, positive: self._carry(name, negative, positive))
+
+    def state_dict(self):
+        """Copies of the residuals (carried ones written out)."""
+        return {name: {"residual": self._written_out(fields, torch.empty_like(fields["residual"]))}
+                if "sides" in fields else {k: v.clone() for k, v in fields.items()}
+                for name, fields in self.state.items()}
+
+    def _residual(self, name: str) -> Optional[torch.Tensor]:
+        """Group ``name``'s residual (None: none), a carried one written out first: in place, or
+        for a kept group into a new buffer (the kept one stays as it was)."""
+        fields = self.state.get(name)
+        if not fields or "sides" not in fields:
+            return None if fields is None else fields.get("residual")
+        carried = fields["residual"]
+        residual = self._written_out(fields, torch.empty_like(carried) if name in self._kept else carried)
+        self.state[name] = {"residual": residual}  # a new dict: a kept one holds the old fields
+        return residual
+
+    @staticmethod
+    def _written_out(fields, out: torch.Tensor) -> torch.Tensor:
+        """The residual of a carried group's ``fields`` written into ``out``."""
+        return sign_remainder(fields["residual"], *fields["sides"].tolist(), out=out)
+
+    def _carry(self, name: str, negative: float, positive: float) -> None:
+        """Group ``name``'s buffer holds its compensated gradient, whose sign bits decoded to
+        ``negative`` and ``positive``: the residual is that less its sign decode."""
+        self.state[name]["sides"] = torch.tensor([negative, positive], dtype=torch.float32)
 
     def _target(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The buffer group ``name``'s new residual goes into (every element), its state from now on."""
         residual = self._fresh(name, "residual", like)
+        self.state[name].pop("sides", None)
         self._written(name)
         return residual
 
@@ -269,6 +320,7 @@ class DGCMemory(Memory):
     """
 
     writes_fresh = True
+    buffers = ("momentum", "velocity")
     #: compensate: scale u, add the gradient, add u to v, copy v; update: the kept mask, the
     #: subtraction, the masking; sparse: one copy (the k entries aside)
     compensate_passes, update_passes, update_sparse_passes = 4, 3, 1

@@ -34,13 +34,13 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "pack_signs_sum", "sign_residual", "momentum_signs", "majority_vote", "sign_sum",
+           "pack_signs", "compensated_signs", "sign_residual", "momentum_signs", "majority_vote", "sign_sum",
            "indices_above", "compensated_above", "moments", "copy_finite"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 11
+_ABI_VERSION = 12
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -91,7 +91,7 @@ _SIGNATURES = {
     "mc_scale_levels": ([_P, _I64, _I32, _F32, _P, _I64, _P, _I32], None),
     "mc_decode_codes": ([_P, _I64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
-    "mc_pack_signs_sum": ([_P, _P, _I64, _P, _P, _I32], None),
+    "mc_compensated_signs": ([_P, _P, _F32, _F32, _P, _I64, _P, _P, _I32], None),
     "mc_sign_residual": ([_P, _P, _I64, _F32, _F32, _P, _I32], None),
     "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
     "mc_moments": ([_P, _I64, _P, _I32], None),
@@ -278,13 +278,17 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.
     return out, stats
 
 
-def pack_signs_sum(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pack_signs` of ``x + r`` (each sum rounded to fp32), bit for bit, reading ``x`` and
-    ``r`` (fp32, ``x``'s numel) once and writing neither."""
+def compensated_signs(x: torch.Tensor, r: Optional[torch.Tensor], negative: float, positive: float,
+                      keep: Optional[torch.Tensor], out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_signs` of ``v = x + (r - (positive where r >= 0, else negative))``, each step
+    rounded to fp32 (``r`` None: ``v = x``; with ``negative = positive = 0``: ``x + r``), reading
+    ``x`` and ``r`` once; ``keep`` (may be None, may be ``r``) receives ``v``.  All fp32 of ``x``'s
+    numel."""
     n = x.numel()
     stats = torch.empty(3, dtype=torch.float64)
-    _library().mc_pack_signs_sum(_buf("x", x, torch.float32, n), _buf("r", r, torch.float32, n), n,
-                                 _buf("out", out, torch.uint8, -(-n // 8)), stats.data_ptr(), _threads())
+    _library().mc_compensated_signs(_buf("x", x, torch.float32, n), None if r is None else _buf("r", r, torch.float32, n),
+                                    negative, positive, None if keep is None else _buf("keep", keep, torch.float32, n),
+                                    n, _buf("out", out, torch.uint8, -(-n // 8)), stats.data_ptr(), _threads())
     return out, stats
 
 

@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
+from . import native
 from .codecs import compensated_signs, decode_signs, pack_signs, sign_sum
 from .codecs.sums import SignStats
 from .compressor import Compressor, Payload
@@ -30,18 +31,27 @@ class SignValueCompressor(Compressor):
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Any]:
         return self.encode(*pack_signs(tensor, empty=self.scratch), tensor)
 
+    #: the fused encode's one pass (it writes the compensated gradient); the memory only notes
+    #: the two decoded values
+    fused_compress_passes, fused_update_passes = 1, 0
+
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
                        memory: Memory) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
-        """With the residual memory (:meth:`Memory.fused_residual`), where a kernel serves the
-        tensors (:func:`mergecomp.codecs.compensated_signs`): one pass reads the gradient and its
-        residual for the bits and their sums, ``update`` a second writes the new residual;
-        compensate, compress and feed make four (the third decodes the payload into a temporary)."""
-        residual = memory.fused_residual(tensor, name)
-        signs = None if residual is None else compensated_signs(tensor, residual.old, empty=self.scratch)
-        if signs is None:
+        """With the residual memory (:meth:`Memory.fused_residual`, its residual carried),
+        where a kernel serves the tensors (:func:`mergecomp.codecs.compensated_signs`): one
+        pass reads the gradient and the buffer the step before left, and writes the compensated
+        gradient into that buffer with the bits and their sums; the memory notes the two values
+        the bits decode to, and the residual (the compensated gradient less its decode) is
+        folded into the next step's pass.  Compensate, compress and feed make four passes (the
+        third decodes the payload into a temporary)."""
+        residual = memory.fused_residual(tensor, name, carried=True)
+        if residual is None or not native.usable(tensor, *(() if residual.old is None else (residual.old,))):
             return None
-        payload, ctx = self.encode(signs.bits, signs.stats, tensor)
-        return payload, ctx, lambda: signs.remainder(*self.sides(payload), out=residual.target())
+        bits, stats = compensated_signs(tensor, residual.old, residual.sides, keep=residual.target(),
+                                        empty=self.scratch)
+        payload, ctx = self.encode(bits, stats, tensor)
+        residual.carry(*(float(v) for v in self.sides(payload)))
+        return payload, ctx, lambda: None
 
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(negative, positive)``: what a 0 bit and a 1 bit of this payload decode to."""

@@ -57,17 +57,32 @@ def test_pack_signs_gives_the_same_bits_and_stats_on_both_paths(n, shape):
 
 @needs_kernels
 @pytest.mark.parametrize("n", [0] + SIZES)
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_compensated_signs_are_pack_signs_of_the_sum_and_leave_its_residual(n, with_residual):
+@pytest.mark.parametrize("residual", ["none", "plain", "carried"])
+def test_compensated_signs_are_pack_signs_of_the_gradient_plus_its_residual(n, residual):
     x = torch.randn(n)
-    r = torch.randn(n) if with_residual else None
-    compensated = x + r if with_residual else x.clone()
-    signs = codecs.compensated_signs(x, r)
-    bits, stats = codecs.pack_signs(compensated)
-    assert torch.equal(signs.bits, bits) and torch.equal(_sign_stats(signs.stats), _sign_stats(stats))
-    negative, positive = torch.tensor(-0.5), torch.tensor(0.75)
-    out = signs.remainder(negative, positive, out=r if with_residual else torch.empty(n))
-    assert torch.equal(out, compensated - codecs.decode_signs(bits, n, torch.float32, negative, positive))
+    carried = None if residual == "none" else torch.randn(n)
+    sides = (-0.5, 0.75) if residual == "carried" else (0.0, 0.0)
+    compensated = x.clone()
+    if carried is not None:
+        compensated += carried if residual == "plain" else codecs.sign_remainder(carried, *sides, out=torch.empty(n))
+    keep = torch.empty(n)
+    bits, stats = codecs.compensated_signs(x, carried, sides, keep=keep)
+    expected_bits, expected_stats = codecs.pack_signs(compensated)
+    assert torch.equal(bits, expected_bits) and torch.equal(_sign_stats(stats), _sign_stats(expected_stats))
+    assert torch.equal(keep, compensated)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_sign_remainder_is_the_value_less_its_sign_decode(kernels):
+    v = torch.randn(1000)
+    v[::7] = 0.0
+    negative, positive = -0.5, 0.75
+    expected = v - codecs.decode_signs(codecs.pack_signs(v)[0], 1000, torch.float32, negative, positive)
+    with contextlib.nullcontext() if kernels else native.disabled():
+        out = codecs.sign_remainder(v.clone(), negative, positive, out=torch.empty(1000))
+        in_place = v.clone()
+        assert codecs.sign_remainder(in_place, negative, positive, out=in_place) is in_place
+    assert torch.equal(out, expected) and torch.equal(in_place, expected)
 
 
 @pytest.mark.parametrize("dtype, kernels", [(torch.float32, False), (torch.float64, True), (torch.float16, True)])

@@ -715,7 +715,7 @@ def test_fused_encode_matches_compensate_compress_feed_bit_for_bit(name, n, code
         expected = plain_encode(plain_c, plain_m, grad.clone())
         assert torch.equal(given, grad)  # the gradient is not written
         assert all(torch.equal(a, b) for a, b in zip(payload, expected)), step
-        assert torch.equal(fused_m.state["g"]["residual"], plain_m.state["g"]["residual"]), step
+        assert torch.equal(fused_m.state_dict()["g"]["residual"], plain_m.state["g"]["residual"]), step
 
 
 @pytest.mark.parametrize("n, ratio, capacity", [
@@ -768,7 +768,43 @@ def test_fused_encode_of_a_kept_group_keeps_the_old_residual_for_rollback(name, 
     grad = torch.randn(1000)  # afterwards, as if the rolled-back step had never happened
     payload = encode(c, memory, grad.clone(), codec_path)
     assert all(torch.equal(a, b) for a, b in zip(payload, plain_encode(plain_c, plain_m, grad.clone())))
-    assert torch.equal(memory.state["g"]["residual"], plain_m.state["g"]["residual"])
+    assert torch.equal(memory.state_dict()["g"]["residual"], plain_m.state["g"]["residual"])
+
+
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("name", SIGN_VALUE)
+def test_a_carried_residual_reads_the_same_by_every_other_route(name, kept, codec_path):
+    """After the sign codes' fused encode the memory holds the compensated gradient and the two
+    decoded values; compensate (another codec's route), top-k's fused encode, state_dict and a
+    save / load read the residual that compensate, compress and feed leave, bit for bit, and a
+    kept group's old buffer stays as it was."""
+    fused_c, plain_c = make(name), make(name)
+    fused_m, plain_m = mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
+    for step in range(2):
+        grad = torch.randn(1000) * (step + 1)
+        encode(fused_c, fused_m, grad.clone(), codec_path)
+        plain_encode(plain_c, plain_m, grad.clone())
+    expected = plain_m.state["g"]["residual"].clone()
+    assert ("sides" in fused_m.state["g"]) == (codec_path == "native")
+    assert torch.equal(fused_m.state_dict()["g"]["residual"], expected)
+    resumed = mergecomp.get_memory("residual")
+    resumed.load_state_dict(fused_m.state_dict())
+    grad = torch.randn(1000)
+    assert torch.equal(resumed.compensate(grad.clone(), "g"), grad + expected)
+    buffer, saved = fused_m.state["g"]["residual"], fused_m.state["g"]["residual"].clone()
+    kept_state = fused_m.keep("g") if kept else None
+    assert torch.equal(fused_m.compensate(grad.clone(), "g"), grad + expected)
+    assert "sides" not in fused_m.state["g"]
+    if kept:
+        assert torch.equal(buffer, saved)
+        fused_m.restore("g", kept_state)
+        assert fused_m.state["g"]["residual"] is buffer
+        assert torch.equal(fused_m.state_dict()["g"]["residual"], expected)
+    # top-k's fused encode on the same memory sees the plain residual
+    topk_m = mergecomp.get_memory("residual")
+    topk_m.load_state_dict({"g": {"residual": expected.clone()}})
+    payload = encode(make("topk"), fused_m, grad.clone(), codec_path)
+    assert all(torch.equal(a, b) for a, b in zip(payload, encode(make("topk"), topk_m, grad.clone(), codec_path)))
 
 
 def test_fused_encode_only_with_the_plain_residual_memory():
@@ -816,8 +852,8 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
             with torch.no_grad():
                 for p, g in zip(params, step.finish().tensors(len(params))):
                     p.sub_(0.1 * g)
-        memory = step.exchange.memory.state
-        return [p.detach().clone() for p in params] + [memory[g]["residual"].clone() for g in sorted(memory)]
+        memory = step.exchange.memory.state_dict()
+        return [p.detach().clone() for p in params] + [memory[g]["residual"] for g in sorted(memory)]
 
     with monkeypatch.context() as patch:
         if codec_path == "native":  # the fused encode's update stands in for the memory's feed

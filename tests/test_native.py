@@ -50,16 +50,31 @@ def test_pack_signs_and_sums(n):
 
 @needs_kernels
 @pytest.mark.parametrize("n", [0] + SIZES)
-def test_pack_signs_sum_is_pack_signs_of_the_sum_bit_for_bit(n):
+@pytest.mark.parametrize("carried", ["none", "plain", "carried", "carried, kept in place"])
+def test_compensated_signs_are_pack_signs_of_the_compensated_gradient_bit_for_bit(n, carried):
+    """v = x + (r - side(r)) (sides 0: x + r; r None: x), rounded as torch rounds each step:
+    its bits and sums are pack_signs' of v, and keep receives v."""
     x, r = torch.randn(n), torch.randn(n) * 0.1
     x[::5], r[::5] = 0.0, -0.0  # zeros of both signs: +0 + -0 = +0 travels as +
     r[1::7] = -x[1::7]  # sums of exactly zero
+    negative, positive = (-0.3125, 0.7) if carried.startswith("carried") else (0.0, 0.0)
+    if carried == "none":
+        v = x.clone()
+    else:
+        v = x + (r - torch.where(r >= 0, torch.tensor(positive), torch.tensor(negative)))
     x_before, r_before = x.clone(), r.clone()
+    keep = r if carried.endswith("in place") else torch.empty(n)
     empty = torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8)
-    bits, stats = native.pack_signs_sum(x, r, empty.clone())
-    expected_bits, expected_stats = native.pack_signs(x + r, empty.clone())
+    bits, stats = native.compensated_signs(x, None if carried == "none" else r, negative, positive, keep, empty.clone())
+    expected_bits, expected_stats = native.pack_signs(v, empty.clone())
     assert torch.equal(bits, expected_bits) and torch.equal(stats, expected_stats)
-    assert torch.equal(x, x_before) and torch.equal(r, r_before)
+    assert torch.equal(keep, v) and torch.equal(torch.signbit(keep), torch.signbit(v))
+    assert torch.equal(x, x_before)
+    if keep is not r:
+        assert torch.equal(r, r_before)
+        without = native.compensated_signs(x, None if carried == "none" else r, negative, positive, None,
+                                           empty.clone())
+        assert torch.equal(without[0], expected_bits) and torch.equal(without[1], expected_stats)
 
 
 @needs_kernels

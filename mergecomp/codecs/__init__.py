@@ -16,10 +16,10 @@ the torch path.
 """
 from .levels import decode_codes, qsgd_encode, scale_levels, stochastic_codes
 from .scans import copy_finite, indices_above
-from .signs import (CompensatedSigns, compensated_signs, decode_signs, majority_vote, momentum_signs, pack_signs,
+from .signs import (compensated_signs, decode_signs, majority_vote, momentum_signs, pack_signs, sign_remainder,
                     sign_sum)
 from .sums import moments
 
-__all__ = ["pack_signs", "compensated_signs", "CompensatedSigns", "momentum_signs", "decode_signs", "majority_vote",
+__all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
            "sign_sum", "decode_codes", "stochastic_codes", "qsgd_encode", "scale_levels", "moments",
            "copy_finite", "indices_above"]

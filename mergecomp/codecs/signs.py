@@ -2,7 +2,6 @@
 :func:`mergecomp.bitpack.pack` lays them out (``ceil(numel / 8)`` uint8)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -12,7 +11,7 @@ from ..workspace import fresh
 from .levels import decode_codes
 from .sums import SignStats
 
-__all__ = ["pack_signs", "compensated_signs", "CompensatedSigns", "momentum_signs", "decode_signs", "majority_vote",
+__all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
            "sign_sum"]
 
 #: one of the two values a sign bit decodes to: a float or a 0-d/1-element tensor
@@ -32,37 +31,31 @@ def pack_signs(x: torch.Tensor, empty: Optional[Callable] = None) -> Tuple[torch
     return bitpack.pack(positive, 1), SignStats(x, positive=positive)
 
 
-@dataclass
-class CompensatedSigns:
-    """What :func:`compensated_signs` found: the sign ``bits`` and ``stats`` of the compensated
-    gradient ``x + residual`` (``residual`` None: ``x``), which was never written."""
-
-    x: torch.Tensor
-    residual: Optional[torch.Tensor]
-    bits: torch.Tensor
-    stats: SignStats
-
-    def remainder(self, negative: Value, positive: Value, out: torch.Tensor) -> torch.Tensor:
-        """``out = x + residual - decode_signs(bits, n, dtype, negative, positive)``, bit for bit:
-        what of the compensated gradient that decode did not give back (the residual error
-        feedback keeps), in one pass over ``x`` and ``residual`` (each element's sign is
-        recomputed, the bits are not read).  ``out`` (fp32, ``x``'s numel) may be ``residual``.
-        Returns ``out``."""
-        return native.sign_residual(self.x, self.residual, float(negative), float(positive), out)
-
-
-def compensated_signs(x: torch.Tensor, residual: Optional[torch.Tensor],
-                      empty: Optional[Callable] = None) -> Optional[CompensatedSigns]:
-    """:func:`pack_signs` of ``x + residual`` (``residual`` None: of ``x``; the flat ``x`` and
-    ``residual`` of its numel are not written), bit for bit, from one pass where a kernel serves
-    the tensors; else None, and the caller compensates ``x`` in place and calls
-    :func:`pack_signs` (the torch path would make as many passes).  ``empty`` as there."""
-    operands = (x,) if residual is None else (x, residual)
+def compensated_signs(x: torch.Tensor, carried: Optional[torch.Tensor], sides: Tuple[float, float] = (0.0, 0.0),
+                      keep: Optional[torch.Tensor] = None,
+                      empty: Optional[Callable] = None) -> Optional[Tuple[torch.Tensor, SignStats]]:
+    """:func:`pack_signs` of the compensated gradient ``v = x + residual``, bit for bit, from one
+    pass where a kernel serves the tensors; else None, and the caller compensates and calls
+    :func:`pack_signs` (the torch path would make as many passes).  The residual is
+    :func:`sign_remainder` of ``carried`` with ``sides`` (``(0, 0)``: ``carried`` itself; None:
+    no residual), never written out.  ``keep`` (fp32, ``x``'s numel; may be ``carried``)
+    receives ``v``; ``x`` is not written.  ``empty`` as in :func:`pack_signs`."""
+    operands = [t for t in (x, carried, keep) if t is not None]
     if not native.usable(*operands):
         return None
     out = (empty or fresh)(bitpack.packed_size(x.numel(), 1), torch.uint8, x.device)
-    bits, fused = native.pack_signs(x, out) if residual is None else native.pack_signs_sum(x, residual, out)
-    return CompensatedSigns(x, residual, bits, SignStats(x, fused=fused))
+    bits, fused = native.compensated_signs(x, carried, float(sides[0]), float(sides[1]), keep, out)
+    return bits, SignStats(x, fused=fused)
+
+
+def sign_remainder(v: torch.Tensor, negative: Value, positive: Value, out: torch.Tensor) -> torch.Tensor:
+    """``out = v - (positive where v >= 0, else negative)``: what of ``v`` its two-valued sign
+    decode did not give back (the residual error feedback keeps), one pass; ``out`` (``v``'s
+    numel and dtype) may be ``v``.  Returns ``out``."""
+    if native.usable(v, out):
+        return native.sign_residual(v, None, float(negative), float(positive), out)
+    side = torch.where(v >= 0, torch.as_tensor(positive, dtype=v.dtype), torch.as_tensor(negative, dtype=v.dtype))
+    return torch.sub(v, side, out=out)
 
 
 def momentum_signs(x: torch.Tensor, momentum: torch.Tensor, beta: float,

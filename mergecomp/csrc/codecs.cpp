@@ -134,16 +134,19 @@ const std::vector<uint64_t> EXPAND = [] {
   return table;
 }();
 
-// Where pack_signs_impl takes each element v from: x, the sum x + r, or the momentum
-// m = m + weight * (x - m), updated in place.
-enum class Input { kPlain, kSum, kMomentum };
+// Where pack_signs_impl takes each element v from: x; x + (r - side(r)), side(r) = positive
+// where r >= 0, else negative (with both 0: x + r, the plain residual; else r holds the
+// compensated gradient of the step before, whose residual is r less its sign decode); or the
+// momentum m = m + weight * (x - m), updated in place.
+enum class Input { kPlain, kCarried, kMomentum };
 
 // The sign bits of v[i] (see Input) packed into out, with stats = {sum of the v >= 0, sum of the
 // v < 0, count of v >= 0}: each side summed on its own (fp64), so a small side keeps its digits
 // beside a large one.  One loop for every input, so the sums of equal v are equal bit for bit.
-template <Input In>
-void pack_signs_impl(const float* x, const float* r, float* m, float weight, int64_t n, uint8_t* out,
-                     double* stats, int threads) {
+// With Keep, keep (may be r) receives every v.
+template <Input In, bool Keep = false>
+void pack_signs_impl(const float* x, const float* r, float negative, float positive, float* m, float weight,
+                     float* keep, int64_t n, uint8_t* out, double* stats, int threads) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<double> partial(3 * blocks);
   double* p = partial.data();
@@ -152,19 +155,24 @@ void pack_signs_impl(const float* x, const float* r, float* m, float weight, int
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
       const float* src = x + start;
-      const float* res = In == Input::kSum ? r + start : nullptr;
+      const float* res = In == Input::kCarried ? r + start : nullptr;
       float* mom = In == Input::kMomentum ? m + start : nullptr;
+      float* kept = Keep ? keep + start : nullptr;
       uint8_t* c = codes.data();
       double above = 0, below = 0;
-      int32_t positive = 0;  // len <= BLOCK
-#pragma omp simd reduction(+ : above, below, positive)
+      int32_t positive_count = 0;  // len <= BLOCK
+#pragma omp simd reduction(+ : above, below, positive_count)
       for (int64_t k = 0; k < len; ++k) {
         float v = src[k];
-        if (In == Input::kSum) v += res[k];
+        if (In == Input::kCarried) {
+          const float carried = res[k];
+          v += carried - (carried >= 0.0f ? positive : negative);
+        }
         if (In == Input::kMomentum) mom[k] = v = mom[k] + weight * (v - mom[k]);
+        if (Keep) kept[k] = v;
         const uint8_t bit = v >= 0.0f;
         c[k] = bit;
-        positive += bit;
+        positive_count += bit;
         const double d = v;  // zeros add nothing to either side
         above += std::max(d, 0.0);
         below += std::min(d, 0.0);
@@ -174,7 +182,7 @@ void pack_signs_impl(const float* x, const float* r, float* m, float weight, int
       pack_codes(c, padded, 1, out + start / 8);
       p[3 * b] = above;
       p[3 * b + 1] = below;
-      p[3 * b + 2] = static_cast<double>(positive);
+      p[3 * b + 2] = static_cast<double>(positive_count);
     }
   });
   stats[0] = stats[1] = stats[2] = 0;
@@ -288,7 +296,7 @@ int64_t compensated_above_impl(const float* x, const float* r, int64_t n, float 
 
 extern "C" {
 
-int mc_abi_version() { return 11; }
+int mc_abi_version() { return 12; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -410,24 +418,35 @@ void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* va
 // out (ceil(n / 8) bytes) and writes stats = {sum of the x >= 0, sum of the x < 0, count of
 // x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
-  pack_signs_impl<Input::kPlain>(x, nullptr, nullptr, 0.0f, n, out, stats, threads);
+  pack_signs_impl<Input::kPlain>(x, nullptr, 0.0f, 0.0f, nullptr, 0.0f, nullptr, n, out, stats, threads);
 }
 
-// mc_pack_signs of x + r (rounded to fp32), x and r unchanged: a gradient and its residual
-// compressed without writing the compensated gradient.
-void mc_pack_signs_sum(const float* x, const float* r, int64_t n, uint8_t* out, double* stats, int threads) {
-  pack_signs_impl<Input::kSum>(x, r, nullptr, 0.0f, n, out, stats, threads);
+// mc_pack_signs of the compensated gradient v = x + (r - (r >= 0 ? positive : negative)), each
+// difference and sum rounded to fp32 (r null: v = x): with negative = positive = 0, x plus the
+// residual r; else r holds the step before's compensated gradient and its residual is r less
+// its two-valued sign decode.  keep (may be null, may be r) receives v.
+void mc_compensated_signs(const float* x, const float* r, float negative, float positive, float* keep,
+                          int64_t n, uint8_t* out, double* stats, int threads) {
+  if (r == nullptr && keep == nullptr) {
+    pack_signs_impl<Input::kPlain>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
+  } else if (r == nullptr) {
+    pack_signs_impl<Input::kPlain, true>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
+  } else if (keep == nullptr) {
+    pack_signs_impl<Input::kCarried>(x, r, negative, positive, nullptr, 0.0f, keep, n, out, stats, threads);
+  } else {
+    pack_signs_impl<Input::kCarried, true>(x, r, negative, positive, nullptr, 0.0f, keep, n, out, stats, threads);
+  }
 }
 
 // Signum's step: m = m + weight * (x - m) in place, then mc_pack_signs of m.
 void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_t* out,
                        double* stats, int threads) {
-  pack_signs_impl<Input::kMomentum>(x, nullptr, m, weight, n, out, stats, threads);
+  pack_signs_impl<Input::kMomentum>(x, nullptr, 0.0f, 0.0f, m, weight, nullptr, n, out, stats, threads);
 }
 
 // The residual error feedback keeps after a two-valued sign code of v = x + r (r null: v = x)
 // was sent (1-bit SGD, EF-SignSGD): out[i] = v - (v >= 0 ? positive : negative), v rounded to
-// fp32 first, as mc_pack_signs_sum rounds it.  out may be r (updated in place).
+// fp32 first, as mc_compensated_signs rounds it.  out may be r (updated in place).
 void mc_sign_residual(const float* x, const float* r, int64_t n, float negative, float positive, float* out,
                       int threads) {
   if (r == nullptr) {
