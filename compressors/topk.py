@@ -40,24 +40,34 @@ class TopKCompressor(SparseCompressor):
 
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
                        memory: Memory) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
-        """With the residual memory (:meth:`Memory.fused_residual`) and the threshold selection,
-        where the kernel serves the tensors (:func:`mergecomp.native.compensated_above`): one
-        pass reads the gradient and its residual and writes the new residual, setting the
-        candidates above the sampled threshold aside; compensate, compress and feed make three
-        (the add, the threshold scan, the residual's copy).  The same payload, bit for bit."""
+        """With the residual memory or DGC's (:meth:`Memory.fused_residual`) and the threshold
+        selection, where the kernel serves the tensors (:func:`mergecomp.native.compensated_above`):
+        one pass reads the gradient and the memory and writes the memory's new state, setting the
+        candidates above the sampled threshold aside.  Compensate, compress and feed make three
+        passes with the residual (the add, the threshold scan, the residual's copy), six with
+        DGC's memory (momentum, velocity, the copy out, the scan, the velocity's copy, the
+        masking).  The same payload and state, bit for bit."""
         residual = memory.fused_residual(tensor, name)
         n = tensor.numel()
         k = num_selected(n, self.ratio)
-        old = None if residual is None else residual.old
-        if (residual is None or self.selection != "threshold" or k >= n
-                or type(self).select is not TopKCompressor.select  # a subclass's own selection
-                or not native.usable(tensor, *(() if old is None else (old,)))):
+        if residual is None or self.selection != "threshold" or k >= n:
+            return None
+        old, momentum = residual.old, residual.momentum
+        operands = [t for t in (tensor, old, None if momentum is None else momentum.old) if t is not None]
+        if type(self).select is not TopKCompressor.select or not native.usable(*operands):  # a subclass's own selection
             return None
         stride = sample_stride(n, k)
-        sample = tensor[::stride] if old is None else tensor[::stride] + old[::stride]
+        sample = tensor[::stride]
+        if momentum is not None:
+            sample = momentum.old[::stride].mul(momentum.factor).add_(sample)
+        if old is not None:
+            sample = old[::stride] + sample
         threshold = float(sample_threshold(sample.abs(), k, n))
+        corrected = None if momentum is None else momentum.target()
         out = residual.target()  # every element written below
-        indices, values, count = native.compensated_above(tensor, old, threshold, out, candidate_capacity(k))
+        indices, values, count = native.compensated_above(
+            tensor, old, threshold, out, candidate_capacity(k),
+            None if momentum is None else (momentum.factor, momentum.old, corrected))
         if k <= count <= indices.numel():  # the k largest among the candidates; the others stay
             best = values.abs().topk(k, sorted=False).indices
             rest = torch.ones(count, dtype=torch.bool)
@@ -69,4 +79,6 @@ class TopKCompressor(SparseCompressor):
             indices = self.select(out, k, name)
             values = out.index_select(0, indices)
             out[indices] = 0
+        if corrected is not None:  # momentum factor masking where a value went out
+            corrected.index_fill_(0, indices[values != 0], 0)
         return (values, indices.to(torch.int32)), (n, tensor.dtype), lambda: None

@@ -28,7 +28,7 @@ from .codecs import sign_remainder
 from .registry import register_memory
 from .stateful import GroupStateful
 
-__all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory", "Residual", "warn_double_momentum"]
+__all__ = ["Memory", "NoMemory", "ResidualMemory", "DGCMemory", "Residual", "Momentum", "warn_double_momentum"]
 
 
 class Residual(NamedTuple):
@@ -47,7 +47,21 @@ class Residual(NamedTuple):
     old: Optional[torch.Tensor]
     sides: Tuple[float, float]
     target: Callable[[], torch.Tensor]
-    carry: Callable[[float, float], None]
+    carry: Optional[Callable[[float, float], None]]
+    #: DGC's momentum correction (:class:`Momentum`): the compensated gradient is ``old + u'``
+    #: with ``u' = factor * u + grad``; None: ``grad + residual`` as above
+    momentum: Optional["Momentum"] = None
+
+
+class Momentum(NamedTuple):
+    """The momentum of :class:`Residual` (DGC, :meth:`DGCMemory.fused_residual`): the compressor
+    writes ``u' = factor * old + grad`` (each step rounded) into every element of ``target()``
+    (called once, before :class:`Residual`'s ``target()``; may be ``old``) and clears it where it
+    sent a nonzero value (momentum factor masking)."""
+
+    factor: float
+    old: torch.Tensor
+    target: Callable[[], torch.Tensor]
 
 
 class Memory(GroupStateful):
@@ -345,6 +359,22 @@ class DGCMemory(Memory):
             v.add_(u)
         tensor.copy_(v)
         return tensor
+
+    def fused_residual(self, tensor: torch.Tensor, name: str, carried: bool = False) -> Optional[Residual]:
+        """The velocity as the residual and the momentum correction (:class:`Momentum`), unless
+        a subclass overrides :meth:`compensate` or :meth:`update_sparse`; never ``carried``."""
+        cls = type(self)
+        if carried or cls.compensate is not DGCMemory.compensate or cls.update_sparse is not DGCMemory.update_sparse:
+            return None
+        u, v = self._buffer(name, "momentum", tensor), self._buffer(name, "velocity", tensor)
+
+        def velocity() -> torch.Tensor:
+            target = self._fresh(name, "velocity", tensor)
+            self._written(name)
+            return target
+
+        return Residual(v, (0.0, 0.0), velocity, None,
+                        Momentum(self.momentum, u, lambda: self._fresh(name, "momentum", tensor)))
 
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
         kept = transmitted == 0

@@ -39,8 +39,8 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-          "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 12
+          "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+_ABI_VERSION = 13
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -98,7 +98,7 @@ _SIGNATURES = {
     "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
     "mc_sign_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
-    "mc_compensated_above": ([_P, _P, _I64, _F32, _P, _P, _P, _I64, _I32], _I64),
+    "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _I64, _I32], _I64),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32], _I32),
 }
 
@@ -359,16 +359,22 @@ def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Ten
 
 
 def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], threshold: float, out: torch.Tensor,
-                      capacity: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+                      capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """Top-k's scan of ``c = x + residual`` (``residual`` None: ``x``) in one pass: ``out`` (fp32,
     ``x``'s numel; may be ``residual``) gets ``c``, except that the first ``capacity`` elements
     with ``|c| >= threshold`` get 0 and are returned as ``(indices, values)`` (int64 ascending,
-    their ``c``), with how many passed (above ``capacity``: the rest keep ``out = c``)."""
+    their ``c``), with how many passed (above ``capacity``: the rest keep ``out = c``).  With
+    ``momentum = (m, u, u_out)`` (DGC; ``residual`` is the velocity): ``u_out`` (may be ``u``)
+    gets ``m * u + x`` and ``c = residual + u_out``, each step rounded to fp32."""
     n = x.numel()
     indices = torch.empty(max(int(capacity), 1), dtype=torch.int64)
     values = torch.empty(indices.numel(), dtype=torch.float32)
+    factor, u, u_out = (0.0, None, None) if momentum is None else momentum
     count = _library().mc_compensated_above(
         _buf("x", x, torch.float32, n), None if residual is None else _buf("residual", residual, torch.float32, n),
+        None if u is None else _buf("u", u, torch.float32, n), factor,
+        None if u_out is None else _buf("u_out", u_out, torch.float32, n),
         n, threshold, _buf("out", out, torch.float32, n), indices.data_ptr(), values.data_ptr(), indices.numel(),
         _threads())
     stored = min(count, indices.numel())

@@ -749,6 +749,34 @@ def test_topk_fused_encode_matches_compensate_compress_feed_bit_for_bit(n, ratio
         assert torch.equal(fused_m.state["g"]["residual"], plain_m.state["g"]["residual"]), step
 
 
+@pytest.mark.parametrize("n", [2, 1000, 100_003])
+@pytest.mark.parametrize("name", ["dgc", "topk"])
+def test_fused_encode_with_dgc_memory_matches_compensate_compress_feed_bit_for_bit(name, n, codec_path):
+    """With DGC's memory the one pass also applies the momentum correction: payload, velocity
+    and momentum (masked where values went out) bit for bit those of the plain route, also
+    for a kept group rolled back and encoded again."""
+    fused_c, plain_c = make(name), make(name)
+    fused_m, plain_m = mergecomp.get_memory("dgc"), mergecomp.get_memory("dgc")
+    for step in range(4):  # the first with zero momentum and velocity
+        grad = torch.randn(n) * (step + 1)
+        given = grad.clone()
+        if step == 2:
+            kept = fused_m.keep("g"), plain_m.keep("g")
+            encode(fused_c, fused_m, grad.clone(), codec_path)
+            plain_encode(plain_c, plain_m, grad.clone())
+            fused_m.restore("g", kept[0])
+            plain_m.restore("g", kept[1])
+        payload = encode(fused_c, fused_m, given, codec_path)
+        if codec_path == "eager":
+            return  # plain_encode on both sides
+        expected = plain_encode(plain_c, plain_m, grad.clone())
+        assert torch.equal(given, grad)  # the gradient is not written
+        assert all(torch.equal(a, b) for a, b in zip(payload, expected)), step
+        for field in ("momentum", "velocity"):
+            assert torch.equal(fused_m.state["g"][field], plain_m.state["g"][field]), (step, field)
+        assert (fused_m.state["g"]["momentum"] == 0).sum() >= (payload[0] != 0).sum()
+
+
 @pytest.mark.parametrize("name", FUSED)
 def test_fused_encode_of_a_kept_group_keeps_the_old_residual_for_rollback(name, codec_path):
     c, memory = make(name), mergecomp.get_memory("residual")
@@ -807,17 +835,23 @@ def test_a_carried_residual_reads_the_same_by_every_other_route(name, kept, code
     assert all(torch.equal(a, b) for a, b in zip(payload, encode(make("topk"), topk_m, grad.clone(), codec_path)))
 
 
-def test_fused_encode_only_with_the_plain_residual_memory():
-    from mergecomp.memory import ResidualMemory
+def test_fused_encode_only_with_the_plain_residual_and_dgc_memories():
+    from mergecomp.memory import DGCMemory, ResidualMemory
 
     class Recording(ResidualMemory):
         def compensate(self, tensor, name):
             return super().compensate(tensor, name)
 
+    class RecordingDGC(DGCMemory):
+        def update_sparse(self, compensated, name, indices, values):
+            return super().update_sparse(compensated, name, indices, values)
+
     grad = torch.randn(100)
     for memory in [mergecomp.get_memory("none"), mergecomp.get_memory("dgc"), ResidualMemory(beta=0.5),
                    ResidualMemory(gamma=2.0), Recording()]:
         assert make("onebit").compress_fused(grad, "g", None, memory) is None, memory
+    for memory in [mergecomp.get_memory("none"), ResidualMemory(beta=0.5), ResidualMemory(gamma=2.0), Recording(),
+                   RecordingDGC()]:
         assert make("topk").compress_fused(grad, "g", None, memory) is None, memory
     assert make("topk", selection="exact").compress_fused(grad, "g", None, mergecomp.get_memory("residual")) is None
     for name in ALL:
@@ -825,14 +859,15 @@ def test_fused_encode_only_with_the_plain_residual_memory():
             assert make(name).compress_fused(grad, "g", None, mergecomp.get_memory("residual")) is None, name
 
 
-@pytest.mark.parametrize("name", FUSED)
-def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_route(name, codec_path, monkeypatch):
+@pytest.mark.parametrize("name, memory_name", [*((name, "residual") for name in FUSED), ("dgc", "dgc")])
+def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_route(name, memory_name, codec_path,
+                                                                                 monkeypatch):
     """A small model trained 4 steps through MergedStep (one rank, 2 groups, the residual memory,
     a kept state for the propagate policy): parameters and residuals bit for bit the same with
     the fused encode as with compensate, compress and feed."""
     from mergecomp.comm import LocalCommunicator
     from mergecomp.compressor import Compressor
-    from mergecomp.memory import ResidualMemory
+    from mergecomp.memory import DGCMemory, ResidualMemory
     from mergecomp.compressors.topk import TopKCompressor
     from mergecomp.signs import SignValueCompressor
     from mergecomp.step import MergedStep
@@ -841,7 +876,7 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
         names, params = zip(*model.named_parameters())
-        step = MergedStep(name, "residual", LocalCommunicator(), names, [p.shape for p in params],
+        step = MergedStep(name, memory_name, LocalCommunicator(), names, [p.shape for p in params],
                           [p.dtype for p in params], torch.device("cpu"), groups=2, nonfinite="propagate")
         x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
         for _ in range(4):
@@ -853,11 +888,11 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
                 for p, g in zip(params, step.finish().tensors(len(params))):
                     p.sub_(0.1 * g)
         memory = step.exchange.memory.state_dict()
-        return [p.detach().clone() for p in params] + [memory[g]["residual"] for g in sorted(memory)]
+        return [p.detach().clone() for p in params] + [t for g in sorted(memory) for _, t in sorted(memory[g].items())]
 
     with monkeypatch.context() as patch:
         if codec_path == "native":  # the fused encode's update stands in for the memory's feed
-            patch.setattr(ResidualMemory, "feed", None)
+            patch.setattr(ResidualMemory if memory_name == "residual" else DGCMemory, "feed", None)
         fused = train()
     monkeypatch.setattr(SignValueCompressor, "compress_fused", Compressor.compress_fused)
     monkeypatch.setattr(TopKCompressor, "compress_fused", Compressor.compress_fused)

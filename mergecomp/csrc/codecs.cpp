@@ -11,7 +11,8 @@
 // the thread count.  The random draw of element i depends only on (seed, i).
 //
 // Built by mergecomp.native with: -O3 -march=native -fopenmp-simd -fno-math-errno
-// -fno-trapping-math (no OpenMP runtime: threads are std::thread).
+// -fno-trapping-math -ffp-contract=off (no OpenMP runtime: threads are std::thread; every
+// product and sum rounded on its own, as torch's elementwise steps round them).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -265,18 +266,30 @@ std::vector<std::vector<int64_t>> marked_by_block(int64_t n, int threads, Mark m
   return found;
 }
 
-// Top-k's scan of the compensated gradient c = x + r (r null: x) with its residual memory, in
-// one pass: out[i] = c for every element, then for the first `capacity` elements with
-// |c| >= threshold (ascending) idx[j] = i, val[j] = c and out[i] = 0.  Returns how many elements
-// passed (more than `capacity`: the rest keep out[i] = c).  out may be r.
-template <bool Sum>
-int64_t compensated_above_impl(const float* x, const float* r, int64_t n, float threshold, float* out,
-                               int64_t* idx, float* val, int64_t capacity, int threads) {
+// What compensated_above_impl scans: c = x, c = x + r (the residual memory), or DGC's momentum
+// correction u' = m * u + x (written to u_out, which may be u), c = r + u' (r: the velocity).
+enum class Source { kPlain, kSum, kMomentum };
+
+// Top-k's scan of the compensated gradient c (see Source) with its memory, in one pass:
+// out[i] = c for every element, then for the first `capacity` elements with |c| >= threshold
+// (ascending) idx[j] = i, val[j] = c and out[i] = 0.  Returns how many elements passed (more
+// than `capacity`: the rest keep out[i] = c).  out may be r.
+template <Source S>
+int64_t compensated_above_impl(const float* x, const float* r, const float* u, float momentum, float* u_out,
+                               int64_t n, float threshold, float* out, int64_t* idx, float* val,
+                               int64_t capacity, int threads) {
   const auto found = marked_by_block(n, threads, [=](int64_t start, int64_t len, uint8_t* m) {
 #pragma omp simd
     for (int64_t k = 0; k < len; ++k) {
-      const float c = Sum ? x[start + k] + r[start + k] : x[start + k];
-      out[start + k] = c;
+      const int64_t i = start + k;
+      float c = x[i];
+      if (S == Source::kSum) c += r[i];
+      if (S == Source::kMomentum) {
+        const float corrected = momentum * u[i] + c;  // rounded twice: no contraction (-ffp-contract=off)
+        u_out[i] = corrected;
+        c = r[i] + corrected;
+      }
+      out[i] = c;
       m[k] = std::fabs(c) >= threshold;
     }
   });
@@ -296,7 +309,7 @@ int64_t compensated_above_impl(const float* x, const float* r, int64_t n, float 
 
 extern "C" {
 
-int mc_abi_version() { return 12; }
+int mc_abi_version() { return 13; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -590,10 +603,19 @@ int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int thr
   return copy_finite_impl<true>(src, scale, dst, n, threads);
 }
 
-int64_t mc_compensated_above(const float* x, const float* r, int64_t n, float threshold, float* out,
-                             int64_t* idx, float* val, int64_t capacity, int threads) {
-  return r ? compensated_above_impl<true>(x, r, n, threshold, out, idx, val, capacity, threads)
-           : compensated_above_impl<false>(x, r, n, threshold, out, idx, val, capacity, threads);
+// The scan above of c = x (r and u null), x + r (u null) or, with u, DGC's r + (m * u + x)
+// with u_out receiving m * u + x.
+int64_t mc_compensated_above(const float* x, const float* r, const float* u, float momentum, float* u_out,
+                             int64_t n, float threshold, float* out, int64_t* idx, float* val, int64_t capacity,
+                             int threads) {
+  if (u) {
+    return compensated_above_impl<Source::kMomentum>(x, r, u, momentum, u_out, n, threshold, out, idx, val,
+                                                     capacity, threads);
+  }
+  return r ? compensated_above_impl<Source::kSum>(x, r, u, momentum, u_out, n, threshold, out, idx, val, capacity,
+                                                  threads)
+           : compensated_above_impl<Source::kPlain>(x, r, u, momentum, u_out, n, threshold, out, idx, val, capacity,
+                                                    threads);
 }
 
 }  // extern "C"
