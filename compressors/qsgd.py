@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.codecs import qsgd_encode, scale_levels
+from mergecomp.codecs import levels_sum, qsgd_encode
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
@@ -52,9 +52,20 @@ class QSGDCompressor(Compressor):
         return payload, (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        level, norms = payload
+        return self._decode([payload], ctx, 1)
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int, average: bool) -> torch.Tensor:
+        return self._decode(payloads, ctx, world_size if average else 1)
+
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        return 1  # every rank's levels scaled, summed and divided in one pass
+
+    def _decode(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
+        """The payloads' decodes summed (:func:`mergecomp.codecs.levels_sum`), divided by ``divisor``."""
         numel, dtype = ctx
-        step = norms.to(work_dtype(dtype)) / self.levels
-        out = self.scratch(numel, dtype, level.device)
+        work = work_dtype(dtype)
+        steps = [norms.to(work) / self.levels for _, norms in payloads]
+        out = self.scratch(numel, dtype, payloads[0][0].device)
         shift = 0 if self.bits == 8 else self.levels
-        return scale_levels(level, step, self._bucket_size(numel), out, self.bits, shift)
+        return levels_sum([level for level, _ in payloads], steps, self._bucket_size(numel), out, self.bits, shift,
+                          divisor)

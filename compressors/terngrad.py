@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from mergecomp import bitpack
-from mergecomp.codecs import decode_codes, moments, stochastic_codes
+from mergecomp.codecs import codes_sum, moments, stochastic_codes
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
@@ -59,9 +59,22 @@ class TernGradCompressor(Compressor):
         return (codes, scalar), (numel, tensor.dtype)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        packed, scalar = payload
+        return self._decode([payload], ctx, 1)
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int, average: bool) -> torch.Tensor:
+        return self._decode(payloads, ctx, world_size if average else 1)
+
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        return 1  # every rank's codes decoded, summed and divided in one pass
+
+    def _decode(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
+        """The payloads' decodes to ``{-s, 0, s}`` summed (:func:`mergecomp.codecs.codes_sum`),
+        divided by ``divisor``."""
         numel, dtype = ctx
-        s = scalar.to(dtype).reshape(())
-        zero = torch.zeros((), dtype=dtype, device=s.device)
-        values = torch.stack([-s, zero, s, zero])
-        return decode_codes(packed, 2, numel, values, self.scratch(numel, dtype, packed.device))
+        values = []
+        for _, scalar in payloads:
+            s = scalar.to(dtype).reshape(())
+            zero = torch.zeros((), dtype=dtype, device=s.device)
+            values.append(torch.stack([-s, zero, s, zero]))
+        return codes_sum([packed for packed, _ in payloads], 2, values, numel, divisor,
+                         self.scratch(numel, dtype, payloads[0][0].device))

@@ -34,13 +34,13 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "compensated_signs", "sign_residual", "momentum_signs", "majority_vote", "sign_sum",
+           "pack_signs", "compensated_signs", "sign_residual", "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
            "indices_above", "compensated_above", "moments", "copy_finite"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 13
+_ABI_VERSION = 14
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -96,7 +96,8 @@ _SIGNATURES = {
     "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
     "mc_moments": ([_P, _I64, _P, _I32], None),
     "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
-    "mc_sign_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
+    "mc_codes_sum": ([_P, _I32, _P, _I32, _I64, _F32, _P, _I32], None),
+    "mc_levels_sum": ([_P, _I32, _I64, _I32, _F32, _P, _I64, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _I64, _I32], _I64),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32], _I32),
@@ -184,10 +185,9 @@ def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> int:
     return t.data_ptr()
 
 
-def _bit_streams(packed: Sequence[torch.Tensor], n: int) -> ctypes.Array:
-    """A C array of the addresses of several ranks' ``n`` packed sign bits (checked)."""
-    return (ctypes.c_void_p * len(packed))(
-        *[_buf(f"packed[{i}]", p, torch.uint8, -(-n // 8)) for i, p in enumerate(packed)])
+def _streams(packed: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> ctypes.Array:
+    """A C array of the addresses of several ranks' code streams of ``numel`` ``dtype`` (checked)."""
+    return (ctypes.c_void_p * len(packed))(*[_buf(f"packed[{i}]", p, dtype, numel) for i, p in enumerate(packed)])
 
 
 def _per_bucket(n: int, bucket: int) -> int:
@@ -326,23 +326,48 @@ def majority_vote(packed: Sequence[torch.Tensor], n: int, out: torch.Tensor) -> 
     fp32): +1, -1, or 0 on a tie.  Returns ``out``."""
     if not 1 <= len(packed) <= MAX_VOTERS:
         raise ValueError(f"majority_vote counts 1 to {MAX_VOTERS} voters, got {len(packed)}")
-    _library().mc_majority_vote(_bit_streams(packed, n), len(packed), n,
+    _library().mc_majority_vote(_streams(packed, torch.uint8, -(-n // 8)), len(packed), n,
                                 _buf("out", out, torch.float32, n), _threads())
     return out
 
 
-def sign_sum(packed: Sequence[torch.Tensor], values: torch.Tensor, n: int, scale: float,
-             out: torch.Tensor) -> torch.Tensor:
-    """``out = scale * sum_r decode_r``: voter ``r``'s ``n`` sign bits (``packed[r]``, as
-    :func:`pack_signs` writes them) decoded to ``values[r, 0]`` (bit 0, negative side) or
-    ``values[r, 1]`` (bit 1), summed over the voters in one pass.  Returns ``out``."""
+def codes_sum(packed: Sequence[torch.Tensor], bits: int, values: torch.Tensor, n: int, divisor: float,
+              out: torch.Tensor) -> torch.Tensor:
+    """``out = (sum_r values[r, code_r]) / divisor``: rank ``r``'s ``n`` packed ``bits``-bit codes
+    (1, 2 or 4; ``packed[r]``, laid out as :func:`mergecomp.bitpack.pack` does) decoded through
+    its own ``values[r]`` (``2 ** bits`` of them), summed in rank order in one pass.  Returns
+    ``out``."""
     values = values.to(torch.float32).contiguous()
-    if not packed or values.shape != (len(packed), 2):
-        raise ValueError(f"sign_sum needs one (negative, positive) pair per voter, got values of shape "
-                         f"{tuple(values.shape)} for {len(packed)} voter(s)")
-    _library().mc_sign_sum(_bit_streams(packed, n), values.data_ptr(), len(packed), n, float(scale),
-                           _buf("out", out, torch.float32, n), _threads())
+    if not packed or bits not in (1, 2, 4) or values.shape != (len(packed), 1 << bits):
+        raise ValueError(f"codes_sum needs {1 << bits} values per rank for {bits}-bit codes, got values of "
+                         f"shape {tuple(values.shape)} for {len(packed)} rank(s)")
+    _library().mc_codes_sum(_streams(packed, torch.uint8, -(-n * bits // 8)), bits, values.data_ptr(), len(packed),
+                            n, float(divisor), _buf("out", out, torch.float32, n), _threads())
     return out
+
+
+def levels_sum(codes: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], bucket: int, bits: int, shift: int,
+               divisor: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = (sum_r (codes_r - shift) * steps_r[i // bucket]) / divisor``: every rank's
+    :func:`scale_levels` summed in rank order, in one pass over ``out``.  Returns ``out``."""
+    n, bucket = out.numel(), max(int(bucket), 1)
+    if not codes or bits not in (4, 8) or len(steps) != len(codes):
+        raise ValueError(f"levels_sum needs 4- or 8-bit codes and one step tensor per rank, got bits={bits}, "
+                         f"{len(codes)} code and {len(steps)} step tensor(s)")
+    per_rank = _per_bucket(n, bucket)
+    table = torch.stack([_checked_steps(s, per_rank) for s in steps])
+    _library().mc_levels_sum(_streams(codes, *_level_layout(n, bits)), len(codes), n, bits, float(shift),
+                             table.data_ptr(), per_rank, bucket, float(divisor), _buf("out", out, torch.float32, n),
+                             _threads())
+    return out
+
+
+def _checked_steps(steps: torch.Tensor, per_rank: int) -> torch.Tensor:
+    """One rank's fp32 steps, one per bucket."""
+    steps = steps.reshape(-1).to(torch.float32)
+    if steps.numel() != per_rank:
+        raise ValueError(f"levels_sum: {steps.numel()} steps for {per_rank} bucket(s)")
+    return steps
 
 
 def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ Each figure is named after what it shows and reads the data file of the same que
 * ``convergence_digits_mlp_2workers.png``: test accuracy vs step per compressor;
 * ``convergence_stdlib_bytes_gpt2_2workers.png``: validation loss vs step per compressor (byte-level GPT-2);
 * ``codec_encode_decode_resnet50.png``: encode + decode time per compressor, layer-wise and the best
-  merged plan, against one memcpy (``codec_encode_decode_resnet50_native.json``);
+  merged plan, each with its default error-feedback memory, against one memcpy
+  (``codec_encode_decode_resnet50_memory.json``);
 * ``schemes_bytes_vs_ranks_resnet50_loopback.png``: bytes per rank and exchange time vs ranks,
   allgather and two-phase, per compressor (``schemes_bytes_vs_ranks_resnet50_loopback.jsonl``).
 """
@@ -48,7 +49,7 @@ LARGER_MODELS = "throughput_vgg16_gpt2small_1gbit_2workers.jsonl"
 SCALING = "scaling_4workers_resnet50.jsonl"
 CONVERGENCE = "convergence_digits_mlp_2workers.jsonl"
 CONVERGENCE_LM = "convergence_stdlib_bytes_gpt2_2workers.jsonl"
-CODECS = "codec_encode_decode_resnet50_native.json"
+CODECS = "codec_encode_decode_resnet50_memory.json"
 SCHEMES = "schemes_bytes_vs_ranks_resnet50_loopback.jsonl"
 MACHINE = "2-core machine"
 
@@ -314,7 +315,7 @@ def codec_times():
             ax.plot([i - 0.4, i + 0.4], [r["target_x_memcpy"]] * 2, color="firebrick", lw=1)
     ax.plot([], [], color="firebrick", lw=1, label="target for merged (x memcpy)")
     ax.set_xticks(range(len(names)), names, rotation=30)
-    ax.set_ylabel("encode + decode time / memcpy of the same bytes")
+    ax.set_ylabel("encode + memory + decode / memcpy")
     machine = data.get("machine", {})
     ax.set_title(f"Codecs on ResNet-50's 25.6 M fp32 gradients, {machine.get('threads', '?')} threads, "
                  f"median of {data.get('repeats', '?')} ({MACHINE})", fontsize=9)

@@ -189,7 +189,30 @@ def test_sign_sum_same_on_both_paths(voters, divisor):
     fast, eager = both_paths(codecs.sign_sum, packed, sides, n, torch.float32, divisor)
     expected = sum(codecs.decode_signs(p, n, torch.float32, *s) for p, s in zip(packed, sides)) / divisor
     torch.testing.assert_close(fast, expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(eager, fast, rtol=1e-6, atol=1e-6)
+    assert torch.equal(eager, fast)  # both add in rank order and divide
+
+
+@needs_kernels
+@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_codes_sum_same_on_both_paths(ranks, bits):
+    n = 100_003
+    packed = [bitpack.pack(torch.randint(0, 1 << bits, (n,), dtype=torch.uint8), bits) for _ in range(ranks)]
+    values = [torch.randn(1 << bits) for _ in range(ranks)]
+    fast, eager = both_paths(codecs.codes_sum, packed, bits, values, n, ranks)
+    assert torch.equal(eager, fast)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("levels, bits", [(64, 8), (7, 4)])
+def test_levels_sum_same_on_both_paths(ranks, levels, bits):
+    n, bucket = 100_003, 512
+    payloads = [codecs.qsgd_encode(torch.randn(n), bucket, levels, bits) for _ in range(ranks)]
+    shift = 0 if bits == 8 else levels
+    fast, eager = both_paths(lambda: codecs.levels_sum([c for c, _ in payloads], [s / levels for _, s in payloads],
+                                                      bucket, torch.empty(n), bits, shift, ranks))
+    assert torch.equal(eager, fast)
 
 
 @needs_kernels

@@ -181,6 +181,23 @@ def test_aggregate_of_three_ranks(name, n):
             torch.testing.assert_close(total[0], torch.stack(local).sum(0))
 
 
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("name, kwargs", [("onebit", {}), ("efsignsgd", {}), ("qsgd", {}), ("qsgd", {"levels": 7}),
+                                          ("terngrad", {})])
+def test_one_pass_aggregate_is_decode_add_divide_bit_for_bit(name, kwargs, average, codec_path):
+    """The compressors that sum every rank's decode in one pass (no per-rank temporaries) give
+    what decoding each payload, adding in rank order and dividing gives."""
+    from mergecomp.compressor import Compressor
+
+    n, ranks = 70_001, 4
+    c = make(name, **kwargs)
+    assert c.aggregate_passes(ranks, average) == 1
+    sent = [c.compress(torch.randn(n) * (r + 1), "g") for r in range(ranks)]
+    payloads, ctx = [p for p, _ in sent], sent[0][1]
+    got = c.aggregate(payloads, ctx, ranks, average).clone()
+    assert torch.equal(got, Compressor.aggregate(c, payloads, ctx, ranks, average))
+
+
 @settings(max_examples=15, deadline=None)
 @given(numel=st.integers(0, 300), dtype=st.sampled_from(DTYPES), ranks=st.integers(1, 3))
 @pytest.mark.parametrize("name", ALL)

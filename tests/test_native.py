@@ -287,16 +287,39 @@ def test_majority_vote_matches_eager(voters, n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("voters", [1, 2, 3, 8])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
 @pytest.mark.parametrize("n", [1, 8, 9, 32769, (1 << 19) + 5])
-def test_sign_sum_matches_the_sum_of_decodes(voters, n):
-    packed = [pack_signs(torch.randn(n))[0] for _ in range(voters)]
-    values = torch.randn(voters, 2)
-    out = native.sign_sum(packed, values, n, 0.25, torch.full((n,), float("nan")))
-    expected = sum(decode_signs(p, n, torch.float32, v[0], v[1]) for p, v in zip(packed, values)) * 0.25
-    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="one \\(negative, positive\\) pair per voter"):
-        native.sign_sum(packed, values[:, :1], n, 1.0, out)
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_codes_sum_is_the_sum_of_decodes_bit_for_bit(ranks, n, bits):
+    """Every rank's table decode added in rank order, then divided, as decode + add_ + div_ do."""
+    packed = [bitpack.pack(torch.randint(0, 1 << bits, (n,), dtype=torch.uint8), bits) for _ in range(ranks)]
+    values = torch.randn(ranks, 1 << bits)
+    for divisor in (1, ranks, 3):
+        out = native.codes_sum(packed, bits, values, n, divisor, torch.full((n,), float("nan")))
+        expected = native.decode_codes(packed[0], bits, n, values[0], torch.empty(n))
+        for p, v in zip(packed[1:], values[1:]):
+            expected.add_(native.decode_codes(p, bits, n, v, torch.empty(n)))
+        assert torch.equal(out, expected.div_(divisor) if divisor != 1 else expected), divisor
+    with pytest.raises(ValueError, match="values per rank"):
+        native.codes_sum(packed, bits, values[:, :1], n, 1.0, out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ranks", [1, 2, 5])
+@pytest.mark.parametrize("n, bucket", [(1, 512), (100_003, 512), (70_000, (1 << 15) + 1), (1001, 301)])
+@pytest.mark.parametrize("bits, shift", [(8, 0), (4, 7)])
+def test_levels_sum_is_the_sum_of_scale_levels_bit_for_bit(ranks, n, bucket, bits, shift):
+    codes = [torch.randint(-64, 65, (n,), dtype=torch.int8) if bits == 8
+             else bitpack.pack(torch.randint(0, 15, (n,), dtype=torch.uint8), 4) for _ in range(ranks)]
+    steps = [torch.rand(-(-n // bucket)) for _ in range(ranks)]
+    out = native.levels_sum(codes, steps, bucket, bits, shift, ranks, torch.full((n,), float("nan")))
+    expected = native.scale_levels(codes[0], steps[0], bucket, bits, shift, torch.empty(n))
+    for c, s in zip(codes[1:], steps[1:]):
+        expected.add_(native.scale_levels(c, s, bucket, bits, shift, torch.empty(n)))
+    assert torch.equal(out, expected.div_(ranks) if ranks != 1 else expected)
+    with pytest.raises(ValueError, match="steps for"):
+        native.levels_sum(codes, [s[:-1] for s in steps] if n > 1 else [torch.rand(2)] * ranks, bucket, bits,
+                          shift, 1, out)
 
 
 def test_majority_vote_voter_count_is_checked():

@@ -2,7 +2,7 @@
 decode of packed codes through a table of their values."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -10,7 +10,7 @@ from .. import bitpack, native
 from ..quantize import bucket_norms, per_bucket_scale, stochastic_round_, work_dtype
 from ..workspace import fresh
 
-__all__ = ["decode_codes", "stochastic_codes", "qsgd_encode", "scale_levels"]
+__all__ = ["decode_codes", "codes_sum", "stochastic_codes", "qsgd_encode", "scale_levels", "levels_sum"]
 
 
 def decode_codes(packed: torch.Tensor, bits: int, numel: int, values: torch.Tensor,
@@ -22,6 +22,23 @@ def decode_codes(packed: torch.Tensor, bits: int, numel: int, values: torch.Tens
     if native.usable(out, packed):
         return native.decode_codes(packed, bits, numel, values, out)
     return bitpack.decode(packed, bits, numel, values, out=out)
+
+
+def codes_sum(packed: Sequence[torch.Tensor], bits: int, values: Sequence[torch.Tensor], numel: int,
+              divisor: int = 1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum_r decode_codes(packed[r], bits, numel, values[r]) / divisor``: every rank's codes
+    decoded through its own values and summed in rank order, into ``out`` (``numel`` elements of
+    ``values``' dtype; allocated when None).  One pass over ``out`` on the native path, where
+    every rank's decode is added while a block of ``out`` is in cache; else a decode per rank
+    into a temporary.  Returns ``out``."""
+    if out is None:
+        out = torch.empty(numel, dtype=values[0].dtype, device=packed[0].device)
+    if native.usable(out, *packed):
+        return native.codes_sum(packed, bits, torch.stack(list(values)), numel, divisor, out)
+    decode_codes(packed[0], bits, numel, values[0], out)
+    for codes, table in zip(packed[1:], values[1:]):
+        out.add_(decode_codes(codes, bits, numel, table, torch.empty_like(out)))
+    return out.div_(divisor) if divisor != 1 else out
 
 
 def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: int, hi: int,
@@ -83,3 +100,16 @@ def scale_levels(codes: torch.Tensor, steps: torch.Tensor, bucket: int, out: tor
     if shift:
         out.sub_(shift)
     return per_bucket_scale(out, steps, bucket, out=out)
+
+
+def levels_sum(codes: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], bucket: int, out: torch.Tensor,
+               bits: int = 8, shift: int = 0, divisor: int = 1) -> torch.Tensor:
+    """``sum_r scale_levels(codes[r], steps[r], bucket, ...) / divisor``: every rank's levels
+    scaled by its own steps and summed in rank order, into ``out``.  One pass over ``out`` on the
+    native path; else a decode per rank into a temporary.  Returns ``out``."""
+    if native.usable(out, *codes):
+        return native.levels_sum(codes, steps, bucket, bits, shift, divisor, out)
+    scale_levels(codes[0], steps[0], bucket, out, bits, shift)
+    for level, step in zip(codes[1:], steps[1:]):
+        out.add_(scale_levels(level, step, bucket, torch.empty_like(out), bits, shift))
+    return out.div_(divisor) if divisor != 1 else out

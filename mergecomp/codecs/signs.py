@@ -8,7 +8,7 @@ import torch
 
 from .. import bitpack, native
 from ..workspace import fresh
-from .levels import decode_codes
+from .levels import codes_sum, decode_codes
 from .sums import SignStats
 
 __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
@@ -111,16 +111,9 @@ def majority_vote(packed: Sequence[torch.Tensor], numel: int, dtype: torch.dtype
 def sign_sum(packed: Sequence[torch.Tensor], sides: Sequence[Tuple[Value, Value]], numel: int,
              dtype: torch.dtype, divisor: int = 1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``sum_r decode_signs(packed[r], numel, dtype, *sides[r]) / divisor``: the ranks' sign
-    bits, each decoded to its own ``(negative, positive)`` pair, summed in one pass on the native
-    path (no full-size decode per rank).  ``numel`` values of ``dtype``, written into ``out``
-    when given.  Returns them."""
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=packed[0].device)
-    if native.usable(out, *packed):
-        values = torch.stack([torch.stack([torch.as_tensor(v).reshape(()) for v in side])
-                              for side in sides])
-        return native.sign_sum(packed, values, numel, 1.0 / divisor, out)
-    total = decode_signs(packed[0], numel, dtype, *sides[0], out=out)
-    for bits, (negative, positive) in zip(packed[1:], sides[1:]):
-        total.add_(decode_signs(bits, numel, dtype, negative, positive))
-    return total.div_(divisor) if divisor != 1 else total
+    bits, each decoded to its own ``(negative, positive)`` pair, summed (:func:`codes_sum`: in
+    one pass on the native path, no full-size decode per rank).  ``numel`` values of ``dtype``,
+    written into ``out`` when given.  Returns them."""
+    values = [torch.stack([torch.as_tensor(v, device=packed[0].device).reshape(()) for v in side]).to(dtype)
+              for side in sides]
+    return codes_sum(packed, 1, values, numel, divisor, out)

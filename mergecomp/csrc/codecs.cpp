@@ -233,6 +233,41 @@ int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int t
   return std::none_of(bad.begin(), bad.end(), [](uint8_t f) { return f != 0; }) ? 1 : 0;
 }
 
+// out[i] = (code[i] - shift) * steps[i / bucket] (Add: out[i] += that) for first <= i < stop:
+// QSGD's decode of int8 levels (bits == 8, codes as int8) or of 4-bit codes packed two to a
+// byte, low nibble first (bits == 4).
+template <bool Add>
+void scale_levels_range(const uint8_t* codes, int bits, float shift, const float* steps, int64_t bucket,
+                        int64_t first, int64_t stop_all, float* out) {
+  for (int64_t i = first; i < stop_all;) {
+    const int64_t stop = std::min(stop_all, i + (bucket - i % bucket));
+    const float s = steps[i / bucket];
+    if (bits == 8) {
+      const int8_t* levels = reinterpret_cast<const int8_t*>(codes);
+#pragma omp simd
+      for (int64_t k = i; k < stop; ++k) {
+        const float v = (static_cast<float>(levels[k]) - shift) * s;
+        out[k] = Add ? out[k] + v : v;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t k = i; k < stop; ++k) {
+        const float v = (static_cast<float>((codes[k >> 1] >> ((k & 1) << 2)) & 0xf) - shift) * s;
+        out[k] = Add ? out[k] + v : v;
+      }
+    }
+    i = stop;
+  }
+}
+
+// out[i] /= divisor for first <= i < stop (nothing when divisor is 1): the mean of the sums
+// below, divided as torch divides.
+void divide_range(float* out, int64_t first, int64_t stop, float divisor) {
+  if (divisor == 1.0f) return;
+#pragma omp simd
+  for (int64_t k = first; k < stop; ++k) out[k] /= divisor;
+}
+
 }  // namespace
 
 // The elements i < n whose byte mark(start, len, m) sets in m[i - start] for their block of
@@ -309,7 +344,7 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
 
 extern "C" {
 
-int mc_abi_version() { return 13; }
+int mc_abi_version() { return 14; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -380,25 +415,26 @@ void mc_qsgd_encode(const float* x, int64_t n, int64_t bucket, int levels, uint6
   });
 }
 
-// out[i] = (code[i] - shift) * steps[i / bucket]: QSGD's decode of int8 levels (bits == 8,
-// codes as int8) or of 4-bit codes packed two to a byte, low nibble first (bits == 4).
+// out[i] = (code[i] - shift) * steps[i / bucket]: see scale_levels_range.
 void mc_scale_levels(const uint8_t* codes, int64_t n, int bits, float shift, const float* steps,
                      int64_t bucket, float* out, int threads) {
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    const int64_t stop_all = std::min(n, last * BLOCK);
-    for (int64_t i = first * BLOCK; i < stop_all;) {
-      const int64_t stop = std::min(stop_all, i + (bucket - i % bucket));
-      const float s = steps[i / bucket];
-      if (bits == 8) {
-        const int8_t* levels = reinterpret_cast<const int8_t*>(codes);
-#pragma omp simd
-        for (int64_t k = i; k < stop; ++k) out[k] = (static_cast<float>(levels[k]) - shift) * s;
-      } else {
-#pragma omp simd
-        for (int64_t k = i; k < stop; ++k)
-          out[k] = (static_cast<float>((codes[k >> 1] >> ((k & 1) << 2)) & 0xf) - shift) * s;
-      }
-      i = stop;
+    scale_levels_range<false>(codes, bits, shift, steps, bucket, first * BLOCK, std::min(n, last * BLOCK), out);
+  });
+}
+
+// out[i] = (sum over the ranks r of (codes_r[i] - shift) * steps_r[i / bucket]) / divisor:
+// every rank's QSGD decode summed in rank order (rank r's steps at steps + r * per_rank), one
+// pass over out: a block of out stays in cache while the ranks add up.
+void mc_levels_sum(const uint8_t* const* codes, int ranks, int64_t n, int bits, float shift, const float* steps,
+                   int64_t per_rank, int64_t bucket, float divisor, float* out, int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, stop = std::min(n, start + BLOCK);
+      scale_levels_range<false>(codes[0], bits, shift, steps, bucket, start, stop, out);
+      for (int r = 1; r < ranks; ++r)
+        scale_levels_range<true>(codes[r], bits, shift, steps + r * per_rank, bucket, start, stop, out);
+      divide_range(out, start, stop, divisor);
     }
   });
 }
@@ -495,40 +531,40 @@ void mc_majority_vote(const uint8_t* const* packed, int voters, int64_t n, float
   });
 }
 
-// out[i] = scale * sum over the voters r of values[2 r + bit_r(i)]: the scaled sum of each
-// rank's sign-bit decode (1-bit SGD, EF-SignSGD), one pass over out.  Each voter's two values
-// are spread into a 256 x 8 table first; a block of out stays in cache while the voters add up.
-void mc_sign_sum(const uint8_t* const* packed, const float* values, int voters, int64_t n,
-                 float scale, float* out, int threads) {
-  std::vector<float> tables(static_cast<size_t>(voters) * 256 * 8);
-  for (int r = 0; r < voters; ++r) spread_table(values + 2 * r, 1, tables.data() + r * 256 * 8);
+// out[i] = (sum over the ranks r of values_r[code_r(i)]) / divisor: each rank's n packed
+// `bits`-bit codes (1, 2 or 4) decoded through its own 2**bits values (values + r * 2**bits),
+// summed in rank order, one pass over out (1-bit SGD's and EF-SignSGD's signs, TernGrad's
+// codes).  Each rank's values are spread into a 256-row table of what a byte decodes to first;
+// a block of out stays in cache while the ranks add up.
+void mc_codes_sum(const uint8_t* const* packed, int bits, const float* values, int ranks, int64_t n,
+                  float divisor, float* out, int threads) {
+  const int per = 8 / bits, row_size = 256 * per;
+  std::vector<float> tables(static_cast<size_t>(ranks) * row_size);
+  for (int r = 0; r < ranks; ++r) spread_table(values + (r << bits), bits, tables.data() + r * row_size);
   const float* t = tables.data();
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
-      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start), full = len / 8;
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start), full = len / per;
       float* dst = out + start;
-      for (int r = 0; r < voters; ++r) {
-        const uint8_t* src = packed[r] + start / 8;
-        const float* table = t + r * 256 * 8;
+      for (int r = 0; r < ranks; ++r) {
+        const uint8_t* src = packed[r] + start / per;
+        const float* table = t + r * row_size;
         for (int64_t j = 0; j < full; ++j) {
-          const float* row = table + 8 * src[j];
-          float* d = dst + 8 * j;
+          const float* row = table + per * src[j];
+          float* d = dst + per * j;
           if (r == 0) {
-            std::memcpy(d, row, 8 * sizeof(float));
+            std::memcpy(d, row, per * sizeof(float));
           } else {
 #pragma omp simd
-            for (int k = 0; k < 8; ++k) d[k] += row[k];
+            for (int k = 0; k < per; ++k) d[k] += row[k];
           }
         }
-        if (len > 8 * full) {  // the last, partial byte
-          const float* row = table + 8 * src[full];
-          for (int64_t k = 8 * full; k < len; ++k) dst[k] = (r == 0 ? 0.0f : dst[k]) + row[k - 8 * full];
+        if (len > per * full) {  // the last, partial byte
+          const float* row = table + per * src[full];
+          for (int64_t k = per * full; k < len; ++k) dst[k] = (r == 0 ? 0.0f : dst[k]) + row[k - per * full];
         }
       }
-      if (scale != 1.0f) {
-#pragma omp simd
-        for (int64_t k = 0; k < len; ++k) dst[k] *= scale;
-      }
+      divide_range(dst, 0, len, divisor);
     }
   });
 }
