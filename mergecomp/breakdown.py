@@ -14,7 +14,7 @@ optimizer update where the front end times it (the PyTorch optimizer), else the 
     the backward hooks, and for groups started by ``finish``), the hooks' own bookkeeping;
 ``memory``
     the error-feedback memory: compensate and the residual update (both stages of two-phase;
-    after a fused encode, the residual update: the compensation is part of ``encode``);
+    nothing after a fused encode, whose pass does both, counted as ``encode``);
 ``wait``
     blocked on collectives after the backward pass: the exposed wire time;
 ``decode``
@@ -36,9 +36,8 @@ counted, and work on part of the group counts as that fraction of a pass.  Stage
 ``copy-in`` (gradients into the buffer, prescaling), ``check`` (a NaN/Inf pass apart from the
 copy), ``compensate``, ``encode``, ``memory`` (the residual update with any decode it needs),
 ``decode`` (aggregation), ``copy-out`` (results copied back).  A fused encode
-(:meth:`~mergecomp.compressor.Compressor.compress_fused`) compensates in its encode pass: that
-pass counts as ``encode`` and the pass writing the new residual as ``memory``, none as
-``compensate``.  The counts are declared next to the code that makes the passes
+(:meth:`~mergecomp.compressor.Compressor.compress_fused`) compensates and updates the memory in
+its encode pass: that pass counts as ``encode``, none as ``compensate`` or ``memory``.  The counts are declared next to the code that makes the passes
 (``compress_passes`` ... on compressors, ``compensate_passes`` ... on memories) for the fused
 kernels' path (contiguous fp32 CPU tensors); the eager torch versions elsewhere make more
 (:mod:`mergecomp.native`).

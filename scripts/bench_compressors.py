@@ -28,8 +28,8 @@ cut into:
 
 Each case runs once to warm up (state, allocator), then ``--repeats`` times; the median is
 reported (``--stat min``: the fastest run, steadier on a machine shared with other jobs).
-The baseline is ``dst.copy_(src)`` of the 25.6 M floats, measured again before each compressor
-(ratios use that compressor's own baseline).
+The baseline is ``dst.copy_(src)`` of the 25.6 M floats, timed right before every timed run (after
+the untimed restore); a row's memcpy is the ``--stat`` of its baseline runs, and its ratios use it.
 
 Prints the machine (CPU model, torch version, threads), then a markdown table: bits per element on
 the wire (merged 1, all rounds), the medians (or minima) in ms, the ratios ``merged 1 / memcpy``,
@@ -161,10 +161,12 @@ def run_case(compressor, memory, groups):
     return wire
 
 
-def time_ms(fn, repeats, warmup, budget, setup=None):
+def time_ms(fn, repeats, warmup, budget, setup=None, baseline=None):
     """Wall time of ``fn()`` in ms (``--stat`` of the timed runs), all timed runs (ms), the page
-    faults per timed run and the warm-up's result; ``setup()``, when given, runs untimed before
-    each run.  The (last) warm-up run decides whether ``repeats`` runs fit in ``budget`` seconds."""
+    faults per timed run, the warm-up's result and the baseline's timed runs (ms): ``setup()``,
+    when given, runs untimed before each run, then ``baseline()``, when given, timed on its own
+    right before ``fn()``, so both see the machine in the same state.  The (last) warm-up run
+    decides whether ``repeats`` runs fit in ``budget`` seconds."""
     setup = setup or (lambda: None)
     spent, result = 0.0, None
     for _ in range(max(1, warmup)):
@@ -174,22 +176,30 @@ def time_ms(fn, repeats, warmup, budget, setup=None):
         spent = time.perf_counter() - t0
     if spent * repeats > budget:
         repeats = max(1, int(budget // max(spent, 1e-9)))
-    times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    times, base, faults = [], [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         setup()
+        if baseline is not None:
+            t0 = time.perf_counter()
+            baseline()
+            base.append(1e3 * (time.perf_counter() - t0))
         t0 = time.perf_counter()
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / repeats
-    return STATISTICS[args.stat](times), times, faults, result
+    return STATISTICS[args.stat](times), times, faults, result, base
 
 
 # -- measurement ---------------------------------------------------------------------------------
 dst = torch.empty_like(grads)
 
 
+def memcpy():
+    dst.copy_(grads)
+
+
 def memcpy_ms():
-    return time_ms(lambda: dst.copy_(grads), max(args.repeats, 10), args.warmup, 1e9)[0]
+    return time_ms(memcpy, max(args.repeats, 10), args.warmup, 1e9)[0]
 
 
 memcpy_start = memcpy_ms()
@@ -203,20 +213,22 @@ for name in names:
     restore = (lambda: work.copy_(grads)) if memory.feeds_back else None
     if not args.no_workspace:
         compressor.workspace = Workspace()  # as the pipeline attaches on CPU
-    # The baseline is measured again right before each compressor, so that the ratios compare
-    # numbers taken under the same conditions on a machine shared with other jobs.
+    # The baseline runs right before every timed run of the compressor, so that the ratios
+    # compare numbers taken under the same conditions on a machine shared with other jobs.
     row = {"compressor": name, "memory": memory.name, "settings": {k: repr(v) for k, v in compressor.settings().items()},
-           "rounds": compressor.rounds, "memcpy_ms": memcpy_ms(), "ms": {}, "repeats": {},
-           "runs_ms": {}, "page_faults": {}}
+           "rounds": compressor.rounds, "ms": {}, "repeats": {}, "runs_ms": {}, "memcpy_runs_ms": {},
+           "page_faults": {}}
     for case, groups in cases.items():
         compressor.state.clear()
         memory.state.clear()
-        row["ms"][case], row["runs_ms"][case], row["page_faults"][case], wire = time_ms(
-            lambda: run_case(compressor, memory, groups), args.repeats, args.warmup, args.budget, restore)
+        (row["ms"][case], row["runs_ms"][case], row["page_faults"][case], wire,
+         row["memcpy_runs_ms"][case]) = time_ms(lambda: run_case(compressor, memory, groups), args.repeats,
+                                                args.warmup, args.budget, restore, memcpy)
         row["repeats"][case] = len(row["runs_ms"][case])
         row["bits_per_element" if case == "merged1" else f"bits_{case}"] = 8 * wire / RESNET50_NUMEL
         print(f"  {name:10s} {case:10s} {row['ms'][case]:9.2f} ms  (n={row['repeats'][case]}, "
               f"{row['page_faults'][case]:.0f} page faults per run)", file=sys.stderr, flush=True)
+    row["memcpy_ms"] = STATISTICS[args.stat]([t for runs in row["memcpy_runs_ms"].values() for t in runs])
     merged = {k: row["ms"][f"merged{k}"] for k in MERGED_GROUPS}
     best_k = min(merged, key=merged.get)
     row["best_merged"] = best_k
@@ -242,7 +254,7 @@ header = ["compressor", *(["memory"] if with_memory else []), "bits/elem", "memc
     "merged<=layerwise", "n"]
 print()
 print(f"times: the {args.stat} of the timed runs; memcpy: dst.copy_(src) of the 25,557,032 "
-      f"fp32, measured before each compressor ({memcpy_start:.2f} ms at the start)")
+      f"fp32, timed right before each timed run of the row ({memcpy_start:.2f} ms at the start)")
 print()
 print("| " + " | ".join(header) + " |")
 print("|" + "|".join("---" if i <= with_memory else "---:" for i in range(len(header))) + "|")
