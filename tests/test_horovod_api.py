@@ -108,7 +108,7 @@ def _amp_worker(rank, compression, bad_step):
     return out
 
 
-@pytest.mark.parametrize("compression", ["topk", "powersgd"])  # powersgd: compressor state too
+@pytest.mark.parametrize("compression", ["topk", "powersgd", "efsignsgd"])  # powersgd: compressor state too; efsignsgd: a carried residual
 def test_grad_scaler_skips_the_same_step_on_every_rank_and_error_feedback_is_untouched(compression):
     results = run_workers(_amp_worker, WORLD, compression, 3)
     for out in results:

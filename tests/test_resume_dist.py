@@ -54,6 +54,7 @@ def _resume_worker(rank, compression, who_loads, groups):
 @pytest.mark.parametrize("compression,who_loads,exact", [
     ("none", "rank 0", True),            # nothing per rank: the continuation is the uninterrupted run
     ("topk", "every rank", True),        # every rank's own residuals: exact too
+    ("onebit", "every rank", True),      # a residual carried by the sign codes' one pass: written out, exact
     ("topk", "rank 0", False),           # rank 0's residuals alone: reset on every rank, said so
     ("topk", "rank 0's file on every rank", False),  # rank 0's residuals are not rank 1's: reset, said so
 ])
