@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from mergecomp.codecs import levels_sum, qsgd_encode
-from mergecomp.compressor import Compressor, Payload
+from mergecomp.compressor import Payload, SummedDecode
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
@@ -24,7 +24,7 @@ Ctx = Tuple[int, torch.dtype]
 
 
 @register_compressor("qsgd")
-class QSGDCompressor(Compressor):
+class QSGDCompressor(SummedDecode):
     def __init__(self, levels: int = 64, bucket_size: Optional[int] = 512) -> None:
         super().__init__()
         if isinstance(levels, bool) or int(levels) != levels or not 1 <= levels <= 127:
@@ -51,17 +51,8 @@ class QSGDCompressor(Compressor):
                               empty=self.scratch)
         return payload, (numel, tensor.dtype)
 
-    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        return self._decode([payload], ctx, 1)
-
-    def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int, average: bool) -> torch.Tensor:
-        return self._decode(payloads, ctx, world_size if average else 1)
-
-    def aggregate_passes(self, payloads: int, average: bool) -> float:
-        return 1  # every rank's levels scaled, summed and divided in one pass
-
-    def _decode(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
-        """The payloads' decodes summed (:func:`mergecomp.codecs.levels_sum`), divided by ``divisor``."""
+    def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
+        """Every payload's levels times its own steps, in one pass (:func:`mergecomp.codecs.levels_sum`)."""
         numel, dtype = ctx
         work = work_dtype(dtype)
         steps = [norms.to(work) / self.levels for _, norms in payloads]

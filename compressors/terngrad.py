@@ -15,7 +15,7 @@ import torch
 
 from mergecomp import bitpack
 from mergecomp.codecs import codes_sum, moments, stochastic_codes
-from mergecomp.compressor import Compressor, Payload
+from mergecomp.compressor import Payload, SummedDecode
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
@@ -23,7 +23,7 @@ Ctx = Tuple[int, torch.dtype]
 
 
 @register_compressor("terngrad")
-class TernGradCompressor(Compressor):
+class TernGradCompressor(SummedDecode):
     shard_alignment = 4  # whole bytes of 2-bit codes
     compress_passes = 2  # the moments, then the codes
 
@@ -58,18 +58,9 @@ class TernGradCompressor(Compressor):
         codes = stochastic_codes(tensor, inverse, numel, -1, 1, 1, 2, empty=self.scratch)
         return (codes, scalar), (numel, tensor.dtype)
 
-    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        return self._decode([payload], ctx, 1)
-
-    def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int, average: bool) -> torch.Tensor:
-        return self._decode(payloads, ctx, world_size if average else 1)
-
-    def aggregate_passes(self, payloads: int, average: bool) -> float:
-        return 1  # every rank's codes decoded, summed and divided in one pass
-
-    def _decode(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
-        """The payloads' decodes to ``{-s, 0, s}`` summed (:func:`mergecomp.codecs.codes_sum`),
-        divided by ``divisor``."""
+    def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
+        """Every payload's codes decoded to its own ``{-s, 0, s}``, in one pass
+        (:func:`mergecomp.codecs.codes_sum`)."""
         numel, dtype = ctx
         values = []
         for _, scalar in payloads:

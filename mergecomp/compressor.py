@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 Payload = Tuple[torch.Tensor, ...]
 
-__all__ = ["Compressor", "Payload", "check_ratio"]
+__all__ = ["Compressor", "SummedDecode", "Payload", "check_ratio"]
 
 
 def check_ratio(ratio: float, option: str = "ratio") -> float:
@@ -177,3 +177,22 @@ class Compressor(GroupStateful, abc.ABC):
         payload, _ = self.compress(torch.zeros(numel, dtype=dtype), "__probe__")
         self.state.pop("__probe__", None)
         return 8.0 * sum(t.numel() * t.element_size() for t in payload) / numel
+
+
+class SummedDecode(Compressor):
+    """A compressor whose decode of several ranks' payloads is one pass (:meth:`decode_sum`):
+    :meth:`decompress` decodes one payload with it and :meth:`aggregate` all of them, without a
+    full-size decode per rank."""
+
+    def decode_sum(self, payloads: Sequence[Payload], ctx: Any, divisor: int) -> torch.Tensor:
+        """The sum of the ``payloads``' decodes, added in order and divided by ``divisor``."""
+        raise NotImplementedError
+
+    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        return self.decode_sum([payload], ctx, 1)
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: Any, world_size: int, average: bool) -> torch.Tensor:
+        return self.decode_sum(payloads, ctx, world_size if average else 1)
+
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        return 1  # every rank's payload decoded, summed and divided in one pass

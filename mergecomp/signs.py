@@ -7,15 +7,15 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 
 from . import native
-from .codecs import compensated_signs, decode_signs, pack_signs, sign_sum
+from .codecs import compensated_signs, pack_signs, sign_sum
 from .codecs.sums import SignStats
-from .compressor import Compressor, Payload
+from .compressor import Payload, SummedDecode
 from .memory import Memory
 
 __all__ = ["SignValueCompressor"]
 
 
-class SignValueCompressor(Compressor):
+class SignValueCompressor(SummedDecode):
     """Payload ``(sign bits, values...)`` where each rank's bits decode to two values of its
     own (:meth:`sides`); not summable.  The aggregate sums the ranks' decodes with
     :func:`mergecomp.codecs.sign_sum` (one pass natively on fp32 CPU) instead of one full-size
@@ -57,18 +57,7 @@ class SignValueCompressor(Compressor):
         """``(negative, positive)``: what a 0 bit and a 1 bit of this payload decode to."""
         raise NotImplementedError
 
-    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
+    def decode_sum(self, payloads: Sequence[Payload], ctx: Any, divisor: int) -> torch.Tensor:
         numel, dtype = ctx
-        negative, positive = self.sides(payload)
-        return decode_signs(payload[0], numel, dtype, negative, positive,
-                            out=self.scratch(numel, dtype, payload[0].device))
-
-    def aggregate(self, payloads: Sequence[Payload], ctx: Any, world_size: int,
-                  average: bool) -> torch.Tensor:
-        numel, dtype = ctx
-        return sign_sum([p[0] for p in payloads], [self.sides(p) for p in payloads], numel, dtype,
-                        divisor=world_size if average else 1,
+        return sign_sum([p[0] for p in payloads], [self.sides(p) for p in payloads], numel, dtype, divisor=divisor,
                         out=self.scratch(numel, dtype, payloads[0][0].device))
-
-    def aggregate_passes(self, payloads: int, average: bool) -> float:
-        return 1  # every rank's bits decoded, summed and divided in one pass

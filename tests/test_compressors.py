@@ -718,20 +718,28 @@ def encode(c, memory, grad, codec_path, name="g"):
     return payload
 
 
+def fused_matches_plain(fused, plain, grad, codec_path):
+    """One step of ``grad`` by :func:`encode` on ``fused`` and by :func:`plain_encode` on
+    ``plain`` (each a ``(compressor, memory)``): the payload, checked equal to the plain route's
+    with the gradient left unwritten; None on the eager path (no fused encode to compare)."""
+    given = grad.clone()
+    payload = encode(*fused, given, codec_path)
+    if codec_path == "eager":
+        return None
+    expected = plain_encode(*plain, grad.clone())
+    assert torch.equal(given, grad)  # the gradient is not written
+    assert all(torch.equal(a, b) for a, b in zip(payload, expected))
+    return payload
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003])
 @pytest.mark.parametrize("name", SIGN_VALUE)
 def test_fused_encode_matches_compensate_compress_feed_bit_for_bit(name, n, codec_path):
     fused_c, plain_c = make(name), make(name)
     fused_m, plain_m = mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
     for step in range(3):  # the first without a residual
-        grad = torch.randn(n) * (step + 1)
-        given = grad.clone()
-        payload = encode(fused_c, fused_m, given, codec_path)
-        if codec_path == "eager":
-            return  # plain_encode on both sides
-        expected = plain_encode(plain_c, plain_m, grad.clone())
-        assert torch.equal(given, grad)  # the gradient is not written
-        assert all(torch.equal(a, b) for a, b in zip(payload, expected)), step
+        if fused_matches_plain((fused_c, fused_m), (plain_c, plain_m), torch.randn(n) * (step + 1), codec_path) is None:
+            return  # eager: plain_encode on both sides
         assert torch.equal(fused_m.state_dict()["g"]["residual"], plain_m.state["g"]["residual"]), step
 
 
@@ -776,19 +784,15 @@ def test_fused_encode_with_dgc_memory_matches_compensate_compress_feed_bit_for_b
     fused_m, plain_m = mergecomp.get_memory("dgc"), mergecomp.get_memory("dgc")
     for step in range(4):  # the first with zero momentum and velocity
         grad = torch.randn(n) * (step + 1)
-        given = grad.clone()
         if step == 2:
             kept = fused_m.keep("g"), plain_m.keep("g")
             encode(fused_c, fused_m, grad.clone(), codec_path)
             plain_encode(plain_c, plain_m, grad.clone())
             fused_m.restore("g", kept[0])
             plain_m.restore("g", kept[1])
-        payload = encode(fused_c, fused_m, given, codec_path)
-        if codec_path == "eager":
-            return  # plain_encode on both sides
-        expected = plain_encode(plain_c, plain_m, grad.clone())
-        assert torch.equal(given, grad)  # the gradient is not written
-        assert all(torch.equal(a, b) for a, b in zip(payload, expected)), step
+        payload = fused_matches_plain((fused_c, fused_m), (plain_c, plain_m), grad, codec_path)
+        if payload is None:
+            return  # eager: plain_encode on both sides
         for field in ("momentum", "velocity"):
             assert torch.equal(fused_m.state["g"][field], plain_m.state["g"][field]), (step, field)
         assert (fused_m.state["g"]["momentum"] == 0).sum() >= (payload[0] != 0).sum()
