@@ -11,7 +11,9 @@ from what ``compensate`` returned (the hierarchical exchange passes this rank's 
 sum, zero elsewhere: what it holds after the reduce-scatter inside the host).
 
 All state is per-element (same numel as the group), stored in ``self.state[name]`` as a dict of
-flat tensors, so it can be checkpointed and remapped onto a new merge plan.
+flat tensors, so it can be checkpointed and remapped onto a new merge plan (through
+:meth:`state_dict`; the residual memory's live state may hold a carried residual, see
+:class:`ResidualMemory`).
 
 A compressor may instead compensate, compress and update in fewer passes of its own
 (:meth:`~mergecomp.compressor.Compressor.compress_fused`) from what :meth:`Memory.fused_residual`
@@ -109,9 +111,10 @@ class Memory(GroupStateful):
 
     def fused_residual(self, tensor: torch.Tensor, name: str, carried: bool = False) -> Optional[Residual]:
         """Group ``name``'s :class:`Residual` when this memory's :meth:`compensate` of ``tensor``
-        is ``tensor + residual`` and its update ``compensated - sent`` (a compressor may then do
-        both in its own passes); else None (this base class: always).  ``carried``: the caller
-        takes the residual as a sign code's carried remainder (:class:`Residual`'s ``sides``)."""
+        is ``tensor + residual`` (or DGC's momentum correction, :class:`Momentum`) and its update
+        ``compensated - sent`` (a compressor may then do both in its own passes); else None (this
+        base class: always).  ``carried``: the caller takes the residual as a sign code's
+        carried remainder (:class:`Residual`'s ``sides``)."""
         return None
 
     @property
