@@ -40,7 +40,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 14
+_ABI_VERSION = 15
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 
@@ -88,8 +88,6 @@ _SIGNATURES = {
     "mc_abi_version": ([], _I32),
     "mc_stochastic_codes": ([_P, _I64, _P, _I64, _F32, _F32, _F32, _U64, _I32, _P, _I32], None),
     "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _I32, _P, _P, _I32], None),
-    "mc_scale_levels": ([_P, _I64, _I32, _F32, _P, _I64, _P, _I32], None),
-    "mc_decode_codes": ([_P, _I64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
     "mc_compensated_signs": ([_P, _P, _F32, _F32, _P, _I64, _P, _P, _I32], None),
     "mc_sign_residual": ([_P, _P, _I64, _F32, _F32, _P, _I32], None),
@@ -185,9 +183,10 @@ def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> int:
     return t.data_ptr()
 
 
-def _streams(packed: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> ctypes.Array:
-    """A C array of the addresses of several ranks' code streams of ``numel`` ``dtype`` (checked)."""
-    return (ctypes.c_void_p * len(packed))(*[_buf(f"packed[{i}]", p, dtype, numel) for i, p in enumerate(packed)])
+def _streams(name: str, streams: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> ctypes.Array:
+    """A C array of the addresses of several ranks' code streams of ``numel`` ``dtype``, each
+    checked as argument ``name[rank]``."""
+    return (ctypes.c_void_p * len(streams))(*[_buf(f"{name}[{i}]", t, dtype, numel) for i, t in enumerate(streams)])
 
 
 def _per_bucket(n: int, bucket: int) -> int:
@@ -239,15 +238,9 @@ def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, bits: int, out: torch
 def scale_levels(codes: torch.Tensor, steps: torch.Tensor, bucket: int, bits: int, shift: int,
                  out: torch.Tensor) -> torch.Tensor:
     """``out[i] = (code[i] - shift) * steps[i // bucket]`` for the ``out.numel()`` codes: int8
-    for ``bits == 8``, packed 4-bit codes (uint8) for ``bits == 4``; fp32 steps and ``out``."""
-    n, bucket = out.numel(), max(int(bucket), 1)
-    if bits not in (4, 8):
-        raise ValueError(f"scale_levels: bits must be 4 or 8, got {bits}")
-    steps = steps.to(torch.float32).contiguous()
-    _library().mc_scale_levels(_buf("codes", codes, *_level_layout(n, bits)), n, bits, float(shift),
-                               _buf("steps", steps, torch.float32, _per_bucket(n, bucket)), bucket,
-                               _buf("out", out, torch.float32, n), _threads())
-    return out
+    for ``bits == 8``, packed 4-bit codes (uint8) for ``bits == 4``; fp32 steps and ``out``
+    (:func:`levels_sum` of one rank)."""
+    return levels_sum([codes], [steps], bucket, bits, shift, 1, out)
 
 
 def _level_layout(n: int, bits: int) -> Tuple[torch.dtype, int]:
@@ -258,14 +251,10 @@ def _level_layout(n: int, bits: int) -> Tuple[torch.dtype, int]:
 def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
     """``values[code]`` for the ``n`` packed ``bits``-bit codes, into ``out`` (``n`` fp32):
-    :func:`mergecomp.bitpack.decode` in one threaded pass."""
+    :func:`mergecomp.bitpack.decode` in one threaded pass (:func:`codes_sum` of one rank)."""
     if bits not in (1, 2, 4):
         raise ValueError(f"decode_codes: bits must be 1, 2 or 4, got {bits}")
-    values = values.to(torch.float32).contiguous()
-    _library().mc_decode_codes(_buf("packed", packed, torch.uint8, -(-n * bits // 8)), n, bits,
-                               _buf("values", values, torch.float32, 1 << bits),
-                               _buf("out", out, torch.float32, n), _threads())
-    return out
+    return codes_sum([packed], bits, values.reshape(1, -1), n, 1, out)
 
 
 def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +315,7 @@ def majority_vote(packed: Sequence[torch.Tensor], n: int, out: torch.Tensor) -> 
     fp32): +1, -1, or 0 on a tie.  Returns ``out``."""
     if not 1 <= len(packed) <= MAX_VOTERS:
         raise ValueError(f"majority_vote counts 1 to {MAX_VOTERS} voters, got {len(packed)}")
-    _library().mc_majority_vote(_streams(packed, torch.uint8, -(-n // 8)), len(packed), n,
+    _library().mc_majority_vote(_streams("packed", packed, torch.uint8, -(-n // 8)), len(packed), n,
                                 _buf("out", out, torch.float32, n), _threads())
     return out
 
@@ -341,7 +330,7 @@ def codes_sum(packed: Sequence[torch.Tensor], bits: int, values: torch.Tensor, n
     if not packed or bits not in (1, 2, 4) or values.shape != (len(packed), 1 << bits):
         raise ValueError(f"codes_sum needs {1 << bits} values per rank for {bits}-bit codes, got values of "
                          f"shape {tuple(values.shape)} for {len(packed)} rank(s)")
-    _library().mc_codes_sum(_streams(packed, torch.uint8, -(-n * bits // 8)), bits, values.data_ptr(), len(packed),
+    _library().mc_codes_sum(_streams("packed", packed, torch.uint8, -(-n * bits // 8)), bits, values.data_ptr(), len(packed),
                             n, float(divisor), _buf("out", out, torch.float32, n), _threads())
     return out
 
@@ -356,7 +345,7 @@ def levels_sum(codes: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], buc
                          f"{len(codes)} code and {len(steps)} step tensor(s)")
     per_rank = _per_bucket(n, bucket)
     table = torch.stack([_checked_steps(s, per_rank) for s in steps])
-    _library().mc_levels_sum(_streams(codes, *_level_layout(n, bits)), len(codes), n, bits, float(shift),
+    _library().mc_levels_sum(_streams("codes", codes, *_level_layout(n, bits)), len(codes), n, bits, float(shift),
                              table.data_ptr(), per_rank, bucket, float(divisor), _buf("out", out, torch.float32, n),
                              _threads())
     return out

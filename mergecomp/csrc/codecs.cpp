@@ -19,6 +19,9 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -206,6 +209,26 @@ void sign_residual_impl(const float* x, const float* r, int64_t n, float negativ
   });
 }
 
+// dst[0, len) = src[0, len), with non-temporal stores where dst is 32-byte aligned: the lines of
+// dst are written whole, without being read into the cache first (a third of the memory traffic
+// of writing a large output).  The caller ends its thread's stores with stores_done().
+void stream_out(const float* src, float* dst, int64_t len) {
+  int64_t k = 0;
+#if defined(__AVX__)
+  if ((reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    for (; k + 8 <= len; k += 8) _mm256_stream_ps(dst + k, _mm256_loadu_ps(src + k));
+  }
+#endif
+  std::memcpy(dst + k, src + k, (len - k) * sizeof(float));
+}
+
+// Orders the non-temporal stores of stream_out before what the thread does next.
+void stores_done() {
+#if defined(__AVX__)
+  _mm_sfence();
+#endif
+}
+
 // dst = src * scale (Scaled) or src; returns 1 when every element of dst is finite (no NaN or
 // Inf), else 0.
 template <bool Scaled>
@@ -233,12 +256,12 @@ int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int t
   return std::none_of(bad.begin(), bad.end(), [](uint8_t f) { return f != 0; }) ? 1 : 0;
 }
 
-// out[i] = (code[i] - shift) * steps[i / bucket] (Add: out[i] += that) for first <= i < stop:
-// QSGD's decode of int8 levels (bits == 8, codes as int8) or of 4-bit codes packed two to a
-// byte, low nibble first (bits == 4).
+// block[i - first] = (code[i] - shift) * steps[i / bucket] (Add: block[i - first] += that) for
+// first <= i < stop: QSGD's decode of int8 levels (bits == 8, codes as int8) or of 4-bit codes
+// packed two to a byte, low nibble first (bits == 4).
 template <bool Add>
 void scale_levels_range(const uint8_t* codes, int bits, float shift, const float* steps, int64_t bucket,
-                        int64_t first, int64_t stop_all, float* out) {
+                        int64_t first, int64_t stop_all, float* block) {
   for (int64_t i = first; i < stop_all;) {
     const int64_t stop = std::min(stop_all, i + (bucket - i % bucket));
     const float s = steps[i / bucket];
@@ -247,13 +270,13 @@ void scale_levels_range(const uint8_t* codes, int bits, float shift, const float
 #pragma omp simd
       for (int64_t k = i; k < stop; ++k) {
         const float v = (static_cast<float>(levels[k]) - shift) * s;
-        out[k] = Add ? out[k] + v : v;
+        block[k - first] = Add ? block[k - first] + v : v;
       }
     } else {
 #pragma omp simd
       for (int64_t k = i; k < stop; ++k) {
         const float v = (static_cast<float>((codes[k >> 1] >> ((k & 1) << 2)) & 0xf) - shift) * s;
-        out[k] = Add ? out[k] + v : v;
+        block[k - first] = Add ? block[k - first] + v : v;
       }
     }
     i = stop;
@@ -276,13 +299,15 @@ void divide_range(float* out, int64_t first, int64_t stop, float divisor) {
   }
 }
 
-// mc_codes_sum over the blocks [first, last), Per codes a byte (tables: 256 x Per per rank).
+// mc_codes_sum over the blocks [first, last), Per codes a byte (tables: 256 x Per per rank): each
+// block summed in a cache-resident buffer, then streamed to out.
 template <int Per>
 void codes_sum_blocks(const uint8_t* const* packed, const float* tables, int ranks, int64_t n, float divisor,
                       float* out, int64_t first, int64_t last) {
+  std::vector<float> sums(BLOCK);
+  float* dst = sums.data();
   for (int64_t b = first; b < last; ++b) {
     const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start), full = len / Per;
-    float* dst = out + start;
     for (int r = 0; r < ranks; ++r) {
       const uint8_t* src = packed[r] + start / Per;
       const float* table = tables + r * 256 * Per;
@@ -302,7 +327,9 @@ void codes_sum_blocks(const uint8_t* const* packed, const float* tables, int ran
       }
     }
     divide_range(dst, 0, len, divisor);
+    stream_out(dst, out + start, len);
   }
+  stores_done();
 }
 
 }  // namespace
@@ -381,7 +408,7 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
 
 extern "C" {
 
-int mc_abi_version() { return 14; }
+int mc_abi_version() { return 15; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -452,51 +479,24 @@ void mc_qsgd_encode(const float* x, int64_t n, int64_t bucket, int levels, uint6
   });
 }
 
-// out[i] = (code[i] - shift) * steps[i / bucket]: see scale_levels_range.
-void mc_scale_levels(const uint8_t* codes, int64_t n, int bits, float shift, const float* steps,
-                     int64_t bucket, float* out, int threads) {
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    scale_levels_range<false>(codes, bits, shift, steps, bucket, first * BLOCK, std::min(n, last * BLOCK), out);
-  });
-}
-
 // out[i] = (sum over the ranks r of (codes_r[i] - shift) * steps_r[i / bucket]) / divisor:
 // every rank's QSGD decode summed in rank order (rank r's steps at steps + r * per_rank), one
-// pass over out: a block of out stays in cache while the ranks add up.
+// pass over out: each block summed in a cache-resident buffer, then streamed to out.  One rank
+// with divisor 1 is QSGD's decode of one payload.
 void mc_levels_sum(const uint8_t* const* codes, int ranks, int64_t n, int bits, float shift, const float* steps,
                    int64_t per_rank, int64_t bucket, float divisor, float* out, int threads) {
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    std::vector<float> sums(BLOCK);
+    float* block = sums.data();
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, stop = std::min(n, start + BLOCK);
-      scale_levels_range<false>(codes[0], bits, shift, steps, bucket, start, stop, out);
+      scale_levels_range<false>(codes[0], bits, shift, steps, bucket, start, stop, block);
       for (int r = 1; r < ranks; ++r)
-        scale_levels_range<true>(codes[r], bits, shift, steps + r * per_rank, bucket, start, stop, out);
-      divide_range(out, start, stop, divisor);
+        scale_levels_range<true>(codes[r], bits, shift, steps + r * per_rank, bucket, start, stop, block);
+      divide_range(block, 0, stop - start, divisor);
+      stream_out(block, out + start, stop - start);
     }
-  });
-}
-
-// out[i] = values[code i] for the n packed ``bits``-bit codes (values: 2**bits floats).
-void mc_decode_codes(const uint8_t* packed, int64_t n, int bits, const float* values, float* out,
-                     int threads) {
-  const int per = 8 / bits;
-  std::vector<float> table(256 * per);  // the per values of every possible byte
-  spread_table(values, bits, table.data());
-  const float* t = table.data();
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    const int64_t start = first * BLOCK, stop = std::min(n, last * BLOCK);
-    const int64_t full = (stop - start) / per;  // whole bytes
-    const uint8_t* src = packed + start / per;
-    float* dst = out + start;
-    if (per == 8) {
-      for (int64_t j = 0; j < full; ++j) std::memcpy(dst + 8 * j, t + 8 * src[j], 8 * sizeof(float));
-    } else if (per == 4) {
-      for (int64_t j = 0; j < full; ++j) std::memcpy(dst + 4 * j, t + 4 * src[j], 4 * sizeof(float));
-    } else {
-      for (int64_t j = 0; j < full; ++j) std::memcpy(dst + 2 * j, t + 2 * src[j], 2 * sizeof(float));
-    }
-    const int64_t rest = (stop - start) - full * per;
-    if (rest) std::memcpy(dst + full * per, t + per * src[full], rest * sizeof(float));
+    stores_done();
   });
 }
 
