@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.codecs import zero_
 from mergecomp.compressor import Compressor, Payload, check_ratio
 from mergecomp.registry import register_compressor
 from mergecomp.sparse import num_selected, shared_random_indices, stable_seed
@@ -73,7 +74,7 @@ class RandKCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: RandKCtx) -> torch.Tensor:
         values = payload[0].to(ctx.dtype)
-        dense = self.scratch(ctx.numel, ctx.dtype, values.device).zero_()
+        dense = zero_(self.scratch(ctx.numel, ctx.dtype, values.device))
         if not self.unbiased:
             # All ranks share the indices, so a repeated index carries equal (summed) values.
             return dense.index_put_((ctx.indices,), values)

@@ -35,14 +35,16 @@ import torch
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "sign_residual", "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
-           "indices_above", "compensated_above", "moments", "copy_finite"]
+           "indices_above", "compensated_above", "moments", "copy_finite", "zero_fill"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 15
+_ABI_VERSION = 16
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
+#: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
+STREAM_MIN = 1 << 23
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -99,6 +101,7 @@ _SIGNATURES = {
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _I64, _I32], _I64),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32], _I32),
+    "mc_zero_fill": ([_P, _I64, _I32], None),
 }
 
 
@@ -412,3 +415,10 @@ def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> boo
     n = src.numel()
     return bool(_library().mc_copy_finite(_buf("src", src, torch.float32, n),
                                           _buf("dst", dst, torch.float32, n), n, scale, _threads()))
+
+
+def zero_fill(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (fp32) set to zeros with non-temporal stores: written without being read first."""
+    n = out.numel()
+    _library().mc_zero_fill(_buf("out", out, torch.float32, n), n, _threads())
+    return out

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .codecs import indices_above
+from .codecs import indices_above, zero_
 from .compressor import Compressor, Payload, check_ratio
 
 __all__ = [
@@ -152,7 +152,7 @@ class SparseCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
         values, indices = payload
         numel, dtype = ctx
-        dense = self.scratch(numel, dtype, values.device).zero_()
+        dense = zero_(self.scratch(numel, dtype, values.device))
         # scatter_add_ accumulates repeated indices like index_add_, and is faster on CPU.
         return dense.scatter_add_(0, indices.long(), values.to(dtype))
 

@@ -261,3 +261,12 @@ def test_copy_finite_scales_as_the_torch_path_does(n):
 def test_copy_finite_needs_the_same_numel():
     with pytest.raises(ValueError, match="src has 10 elements, dst 11"):
         codecs.copy_finite(torch.zeros(10), torch.zeros(11))
+
+
+@pytest.mark.parametrize("n", [1, 9, 100_003, (1 << 19) + 5])
+def test_zero_fills_every_element_on_both_paths(n):
+    fast, eager = both_paths(codecs.zero_, torch.full((n,), float("nan")))
+    assert torch.equal(fast, torch.zeros(n)) and torch.equal(eager, fast)
+    offset = torch.full((n + 1,), 7.0)
+    codecs.zero_(offset[1:])  # a buffer not aligned for the streaming stores
+    assert offset[0] == 7.0 and torch.equal(offset[1:], torch.zeros(n))

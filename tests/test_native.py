@@ -322,6 +322,24 @@ def test_levels_sum_is_the_sum_of_scale_levels_bit_for_bit(ranks, n, bucket, bit
                           shift, 1, out)
 
 
+@needs_kernels
+def test_outputs_streamed_past_the_cache_are_the_same():
+    """Outputs of 2**23 elements or more are written with non-temporal stores: the same values."""
+    n = (1 << 23) + 37
+    packed = [bitpack.pack(torch.randint(0, 2, (n,), dtype=torch.uint8), 1) for _ in range(2)]
+    values = torch.randn(2, 2)
+    expected = native.decode_codes(packed[0], 1, n, values[0], torch.empty(n))
+    expected.add_(native.decode_codes(packed[1], 1, n, values[1], torch.empty(n))).div_(3)
+    assert torch.equal(native.codes_sum(packed, 1, values, n, 3, torch.empty(n)), expected)
+    codes = [torch.randint(-64, 65, (n,), dtype=torch.int8) for _ in range(2)]
+    steps = [torch.rand(-(-n // 512)) for _ in range(2)]
+    expected = torch.zeros(n)
+    for c, st in zip(codes, steps):
+        expected.add_((c.float() * st.repeat_interleave(512)[:n]))
+    assert torch.equal(native.levels_sum(codes, steps, 512, 8, 0, 1, torch.empty(n)), expected)
+    assert torch.equal(native.zero_fill(torch.full((n,), 5.0)), torch.zeros(n))
+
+
 def test_majority_vote_voter_count_is_checked():
     with pytest.raises(ValueError, match="1 to 255 voters"):
         native.majority_vote([], 8, torch.empty(8))

@@ -15,11 +15,11 @@ the torch path.
   threshold.
 """
 from .levels import codes_sum, decode_codes, levels_sum, qsgd_encode, scale_levels, stochastic_codes
-from .scans import copy_finite, indices_above
+from .scans import copy_finite, indices_above, zero_
 from .signs import (compensated_signs, decode_signs, majority_vote, momentum_signs, pack_signs, sign_remainder,
                     sign_sum)
 from .sums import moments
 
 __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
            "sign_sum", "decode_codes", "codes_sum", "levels_sum", "stochastic_codes", "qsgd_encode", "scale_levels", "moments",
-           "copy_finite", "indices_above"]
+           "copy_finite", "indices_above", "zero_"]
