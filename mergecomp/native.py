@@ -40,7 +40,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 16
+_ABI_VERSION = 17
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -92,7 +92,7 @@ _SIGNATURES = {
     "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
     "mc_compensated_signs": ([_P, _P, _F32, _F32, _P, _I64, _P, _P, _I32], None),
-    "mc_sign_residual": ([_P, _P, _I64, _F32, _F32, _P, _I32], None),
+    "mc_sign_residual": ([_P, _I64, _F32, _F32, _P, _I32], None),
     "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
     "mc_moments": ([_P, _I64, _P, _I32], None),
     "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
@@ -284,14 +284,12 @@ def compensated_signs(x: torch.Tensor, r: Optional[torch.Tensor], negative: floa
     return out, stats
 
 
-def sign_residual(x: torch.Tensor, r: Optional[torch.Tensor], negative: float, positive: float,
-                  out: torch.Tensor) -> torch.Tensor:
-    """``out = v - (positive where v >= 0, else negative)`` for ``v = x + r`` rounded to fp32
-    (``r`` None: ``v = x``), in one pass; ``out`` (fp32, ``x``'s numel) may be ``r``.  Returns
-    ``out``."""
-    n = x.numel()
-    _library().mc_sign_residual(_buf("x", x, torch.float32, n), None if r is None else _buf("r", r, torch.float32, n),
-                                n, negative, positive, _buf("out", out, torch.float32, n), _threads())
+def sign_residual(v: torch.Tensor, negative: float, positive: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = v - (positive where v >= 0, else negative)`` in one pass; ``out`` (fp32, ``v``'s
+    numel) may be ``v``.  Returns ``out``."""
+    n = v.numel()
+    _library().mc_sign_residual(_buf("v", v, torch.float32, n), n, negative, positive,
+                                _buf("out", out, torch.float32, n), _threads())
     return out
 
 

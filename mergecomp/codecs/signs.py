@@ -53,7 +53,7 @@ def sign_remainder(v: torch.Tensor, negative: Value, positive: Value, out: torch
     decode did not give back (the residual error feedback keeps), one pass; ``out`` (``v``'s
     numel and dtype) may be ``v``.  Returns ``out``."""
     if native.usable(v, out):
-        return native.sign_residual(v, None, float(negative), float(positive), out)
+        return native.sign_residual(v, float(negative), float(positive), out)
     side = torch.where(v >= 0, torch.as_tensor(positive, dtype=v.dtype), torch.as_tensor(negative, dtype=v.dtype))
     return torch.sub(v, side, out=out)
 

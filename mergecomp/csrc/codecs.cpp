@@ -194,21 +194,6 @@ void pack_signs_impl(const float* x, const float* r, float negative, float posit
     for (int j = 0; j < 3; ++j) stats[j] += p[3 * b + j];
 }
 
-// out[i] = v - (v >= 0 ? positive : negative), v = x[i] + r[i] (Sum) or x[i]: v less its
-// two-valued sign decode.  out may be r.
-template <bool Sum>
-void sign_residual_impl(const float* x, const float* r, int64_t n, float negative, float positive, float* out,
-                        int threads) {
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    const int64_t stop = std::min(n, last * BLOCK);
-#pragma omp simd
-    for (int64_t i = first * BLOCK; i < stop; ++i) {
-      const float v = Sum ? x[i] + r[i] : x[i];
-      out[i] = v - (v >= 0.0f ? positive : negative);
-    }
-  });
-}
-
 // Outputs of at least this many elements are written with non-temporal stores (stream_out): a
 // smaller one is better left in the cache for whoever reads it next (measured on 2 M, 8 M and
 // 16 M-element aggregates read afterwards: 1.6x slower streamed, even, 1.25x faster).
@@ -416,7 +401,7 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
 
 extern "C" {
 
-int mc_abi_version() { return 16; }
+int mc_abi_version() { return 17; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -540,16 +525,15 @@ void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_
   pack_signs_impl<Input::kMomentum>(x, nullptr, 0.0f, 0.0f, m, weight, nullptr, n, out, stats, threads);
 }
 
-// The residual error feedback keeps after a two-valued sign code of v = x + r (r null: v = x)
-// was sent (1-bit SGD, EF-SignSGD): out[i] = v - (v >= 0 ? positive : negative), v rounded to
-// fp32 first, as mc_compensated_signs rounds it.  out may be r (updated in place).
-void mc_sign_residual(const float* x, const float* r, int64_t n, float negative, float positive, float* out,
-                      int threads) {
-  if (r == nullptr) {
-    sign_residual_impl<false>(x, r, n, negative, positive, out, threads);
-  } else {
-    sign_residual_impl<true>(x, r, n, negative, positive, out, threads);
-  }
+// The residual error feedback keeps after a two-valued sign code of v was sent (1-bit SGD,
+// EF-SignSGD): out[i] = v[i] - (v[i] >= 0 ? positive : negative), v less its sign decode (the
+// bits are not read).  out may be v (updated in place).
+void mc_sign_residual(const float* v, int64_t n, float negative, float positive, float* out, int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t stop = std::min(n, last * BLOCK);
+#pragma omp simd
+    for (int64_t i = first * BLOCK; i < stop; ++i) out[i] = v[i] - (v[i] >= 0.0f ? positive : negative);
+  });
 }
 
 // The majority vote of `voters` (1..255) packed sign-bit streams of n elements each:
