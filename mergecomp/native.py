@@ -40,7 +40,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 17
+_ABI_VERSION = 18
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -102,7 +102,24 @@ _SIGNATURES = {
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _I64, _I32], _I64),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
+    "mc_use_openmp": ([_P, _P, _P], None),
 }
+#: OpenMP runtimes torch may run its operators on (GNU, LLVM, Intel: each has GOMP_parallel)
+_OPENMP_RUNTIMES = ("libgomp.so.1", "libomp.so", "libiomp5.so")
+
+
+def _share_openmp(lib: ctypes.CDLL) -> None:
+    """Points the kernels at the OpenMP runtime already loaded in the process (torch's), so
+    their threads are torch's workers, not extra threads beside them; none: threads of their own."""
+    for name in _OPENMP_RUNTIMES:
+        try:
+            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            entries = [ctypes.cast(getattr(runtime, symbol), ctypes.c_void_p)
+                       for symbol in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")]
+        except (OSError, AttributeError):
+            continue
+        lib.mc_use_openmp(*entries)
+        return
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -132,6 +149,7 @@ def _load() -> Optional[ctypes.CDLL]:
             _declare(lib)
             if lib.mc_abi_version() != _ABI_VERSION:
                 raise RuntimeError(f"{target} has ABI {lib.mc_abi_version()}, expected {_ABI_VERSION}")
+            _share_openmp(lib)
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             warnings.warn(f"mergecomp: building the native codec kernels failed, the codecs use "
                           f"their (slower) eager torch path: {error}", RuntimeWarning, stacklevel=3)
