@@ -119,6 +119,58 @@ def test_grad_scaler_skips_the_same_step_on_every_rank_and_error_feedback_is_unt
     assert torch.equal(results[0]["poisoned"], results[1]["poisoned"])
 
 
+def _amp_recipe_worker(rank, compression, recipe):
+    """Five GradScaler steps, an Inf on rank 1 at step 2.  ``recipe``: "horovod" (synchronize,
+    unscale_, clip, step inside skip_synchronize), "plain" (unscale_, clip, scaler.step, as
+    written for one process or DDP) or "step only" (scaler.step alone)."""
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), compression, groups=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scales = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "step() was called after synchronize()"
+        for step in range(5):
+            hook = poison_on(model, rank, 2, step)
+            opt.zero_grad()
+            scaler.scale(loss_of(model, part(x, rank), part(y, rank))).backward()
+            if recipe == "horovod":
+                opt.synchronize()
+            if recipe != "step only":
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if recipe == "horovod":
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            if hook is not None:
+                hook.remove()
+    return params_of(model), scales
+
+
+@pytest.mark.parametrize("compression", ["none", "efsignsgd"])
+def test_grad_scaler_plain_recipe_unscales_the_averaged_gradients(compression):
+    """The recipe people write for one process or DDP (``scaler.unscale_(opt)``, clipping,
+    ``scaler.step(opt)``, no synchronize) gives Horovod's recipe's parameters bit for bit: the
+    scaler unscales and checks the averaged gradients, not the local ones under exchange."""
+    horovod = run_workers(_amp_recipe_worker, WORLD, compression, "horovod")
+    plain = run_workers(_amp_recipe_worker, WORLD, compression, "plain")
+    step_only = run_workers(_amp_recipe_worker, WORLD, compression, "step only")
+    for runs in (horovod, plain, step_only):
+        for params, scales in runs:
+            assert torch.isfinite(params).all()
+            assert scales == [1024.0, 1024.0, 512.0, 512.0, 512.0]  # the Inf step skipped, on every rank
+        assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(plain[0][0], horovod[0][0])
+    assert not torch.equal(step_only[0][0], plain[0][0])  # the clipping took effect
+
+
 # -- synchronize() / step() lifecycle ----------------------------------------------------------
 def _sync_without_step_worker(rank):
     import mergecomp.torch as mc

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -159,7 +159,7 @@ class DistributedOptimizer(HoldsMergedStep):
         self.backward_passes_per_step = backward_passes_per_step
         self._index = {p: i for i, p in enumerate(self._exchanged)}
         self._passes = [0] * len(self._exchanged)
-        self._synchronized = self._step_skipped = self._warned_step = False
+        self._synchronized = self._step_skipped = self._warned_step = self._read_synchronized = False
         self._should_synchronize = True
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
@@ -191,7 +191,7 @@ class DistributedOptimizer(HoldsMergedStep):
     # -- backward -----------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self._synchronized:  # the first gradient of a new step, whether or not step() ran
-            self._synchronized = self._step_skipped = False
+            self._synchronized = self._step_skipped = self._read_synchronized = False
         i = self._index[p]
         self._passes[i] += 1
         if self._passes[i] > self.backward_passes_per_step:
@@ -203,6 +203,25 @@ class DistributedOptimizer(HoldsMergedStep):
             self.merged.add(i, p.grad)
 
     # -- step ---------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups``.  Read after ``backward()`` while this
+        step's exchange is in flight, they are returned once the exchange has finished
+        (:meth:`synchronize`), so whoever walks them to reach ``p.grad`` sees the averaged
+        gradients: ``torch.amp.GradScaler``'s ``unscale_`` and ``step`` (the plain recipe,
+        ``scaler.step(opt)``, unscales and checks for inf/NaN what is about to be applied, as
+        under DDP).  Not to be read from inside the backward pass (an autograd hook)."""
+        groups = self.__dict__["param_groups"]
+        merged = self.__dict__.get("merged")
+        if merged is not None and self._should_synchronize and not self._synchronized and merged.in_flight:
+            self.synchronize()
+            self._read_synchronized = True
+        return groups
+
+    @param_groups.setter
+    def param_groups(self, groups: List[Dict[str, Any]]) -> None:
+        self.__dict__["param_groups"] = groups
+
     def synchronize(self) -> None:
         """Finish the exchange of this step's gradients and write the result into ``p.grad``.
 
@@ -232,14 +251,14 @@ class DistributedOptimizer(HoldsMergedStep):
             with torch.enable_grad():
                 loss = closure()
         if self._should_synchronize:
-            if self._synchronized and not self._warned_step:
+            if self._synchronized and not self._read_synchronized and not self._warned_step:
                 self._warned_step = True
                 warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
                               "optimizer.skip_synchronize(); the gradients are not exchanged again. "
                               "Wrap step() in skip_synchronize() after an explicit synchronize()",
                               UserWarning, stacklevel=2)
             self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._read_synchronized = False
         if self._step_skipped:
             self._step_skipped = False
             return loss
