@@ -383,18 +383,18 @@ def measure(comm: Communicator, codecs: Mapping[str, Compressor], samples: Seque
     first collective runs; the collectives run in the order of ``codecs``, which must be the
     same on every rank."""
     levels = {name: _levels(comm, name) for name in codecs}
-    timed = {}
+    timed = {}  # name -> (bytes of each sample's shard, the codec's timings)
     for name, compressor in codecs.items():
         flat, across, local = levels[name]
         shard = 1 if local is None else local.size
         parts = [(max(1, nbytes // shard), count) for nbytes, count in samples]
-        timed[name] = (time_two_phase(compressor, parts, dtype, device, across.size, memory) if flat == TWO_PHASE
+        timed[name] = ([n for n, _ in parts],
+                       time_two_phase(compressor, parts, dtype, device, across.size, memory) if flat == TWO_PHASE
                        else time_codec(compressor, parts, shapes, dtype, device, across.size, memory))
     probes = {}
-    for name, times in timed.items():
+    for name, (parts, times) in timed.items():
         flat, across, local = levels[name]
         shard = 1 if local is None else local.size
-        parts = [max(1, nbytes // shard) for nbytes, _ in samples]
         if flat == TWO_PHASE:
             encode, middle, decode, ratio, second = times
             wall, cpu = time_two_phase_network(across, [n * ratio for n in parts], [n * second for n in parts],
