@@ -33,6 +33,8 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.bitpack import packed_size
+
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "sign_residual", "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
            "indices_above", "compensated_above", "moments", "copy_finite", "zero_fill"]
@@ -230,11 +232,10 @@ def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: flo
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"stochastic_codes: bits must be 1, 2, 4 or 8, got {bits}")
     scales = scales.to(torch.float32).contiguous()
-    out_dtype, out_numel = (torch.int8, n) if bits == 8 else (torch.uint8, -(-n * bits // 8))
     _library().mc_stochastic_codes(_buf("x", x, torch.float32, n), n,
                                    _buf("scales", scales, torch.float32, _per_bucket(n, bucket)), bucket,
                                    lo, hi, float(shift), _seed(), bits,
-                                   _buf("out", out, out_dtype, out_numel), _threads())
+                                   _buf("out", out, *_code_layout(n, bits)), _threads())
     return out
 
 
@@ -251,7 +252,7 @@ def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, bits: int, out: torch
         raise ValueError(f"qsgd_encode: levels must be in [1, 127] at 8 bits or [1, 7] at 4 bits, "
                          f"got {levels} at {bits}")
     _library().mc_qsgd_encode(_buf("x", x, torch.float32, n), n, bucket, int(levels), _seed(), bits,
-                              _buf("out", out, *_level_layout(n, bits)),
+                              _buf("out", out, *_code_layout(n, bits)),
                               _buf("norms", norms, torch.float32, _per_bucket(n, bucket)), _threads())
     return out, norms
 
@@ -264,9 +265,9 @@ def scale_levels(codes: torch.Tensor, steps: torch.Tensor, bucket: int, bits: in
     return levels_sum([codes], [steps], bucket, bits, shift, 1, out)
 
 
-def _level_layout(n: int, bits: int) -> Tuple[torch.dtype, int]:
-    """dtype and numel of ``n`` QSGD levels at ``bits`` (8: int8; 4: packed uint8)."""
-    return (torch.int8, n) if bits == 8 else (torch.uint8, -(-n // 2))
+def _code_layout(n: int, bits: int) -> Tuple[torch.dtype, int]:
+    """dtype and numel of ``n`` codes of ``bits`` bits (8: int8; 1, 2, 4: packed uint8)."""
+    return (torch.int8, n) if bits == 8 else (torch.uint8, packed_size(n, bits))
 
 
 def decode_codes(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,
@@ -283,7 +284,7 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.
     pass, the fp64 tensor ``[sum of the x >= 0, sum of the x < 0, count(x >= 0)]``."""
     n = x.numel()
     stats = torch.empty(3, dtype=torch.float64)
-    _library().mc_pack_signs(_buf("x", x, torch.float32, n), n, _buf("out", out, torch.uint8, -(-n // 8)),
+    _library().mc_pack_signs(_buf("x", x, torch.float32, n), n, _buf("out", out, *_code_layout(n, 1)),
                              stats.data_ptr(), _threads())
     return out, stats
 
@@ -298,7 +299,7 @@ def compensated_signs(x: torch.Tensor, r: Optional[torch.Tensor], negative: floa
     stats = torch.empty(3, dtype=torch.float64)
     _library().mc_compensated_signs(_buf("x", x, torch.float32, n), None if r is None else _buf("r", r, torch.float32, n),
                                     negative, positive, None if keep is None else _buf("keep", keep, torch.float32, n),
-                                    n, _buf("out", out, torch.uint8, -(-n // 8)), stats.data_ptr(), _threads())
+                                    n, _buf("out", out, *_code_layout(n, 1)), stats.data_ptr(), _threads())
     return out, stats
 
 
@@ -319,7 +320,7 @@ def momentum_signs(x: torch.Tensor, momentum: torch.Tensor, beta: float,
     n = x.numel()
     stats = torch.empty(3, dtype=torch.float64)
     _library().mc_momentum_signs(_buf("x", x, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
-                                 1.0 - beta, n, _buf("out", out, torch.uint8, -(-n // 8)),
+                                 1.0 - beta, n, _buf("out", out, *_code_layout(n, 1)),
                                  stats.data_ptr(), _threads())
     return out
 
@@ -334,7 +335,7 @@ def majority_vote(packed: Sequence[torch.Tensor], n: int, out: torch.Tensor) -> 
     fp32): +1, -1, or 0 on a tie.  Returns ``out``."""
     if not 1 <= len(packed) <= MAX_VOTERS:
         raise ValueError(f"majority_vote counts 1 to {MAX_VOTERS} voters, got {len(packed)}")
-    _library().mc_majority_vote(_streams("packed", packed, torch.uint8, -(-n // 8)), len(packed), n,
+    _library().mc_majority_vote(_streams("packed", packed, *_code_layout(n, 1)), len(packed), n,
                                 _buf("out", out, torch.float32, n), _threads())
     return out
 
@@ -349,7 +350,7 @@ def codes_sum(packed: Sequence[torch.Tensor], bits: int, values: torch.Tensor, n
     if not packed or bits not in (1, 2, 4) or values.shape != (len(packed), 1 << bits):
         raise ValueError(f"codes_sum needs {1 << bits} values per rank for {bits}-bit codes, got values of "
                          f"shape {tuple(values.shape)} for {len(packed)} rank(s)")
-    _library().mc_codes_sum(_streams("packed", packed, torch.uint8, -(-n * bits // 8)), bits, values.data_ptr(), len(packed),
+    _library().mc_codes_sum(_streams("packed", packed, *_code_layout(n, bits)), bits, values.data_ptr(), len(packed),
                             n, float(divisor), _buf("out", out, torch.float32, n), _threads())
     return out
 
@@ -364,7 +365,7 @@ def levels_sum(codes: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], buc
                          f"{len(codes)} code and {len(steps)} step tensor(s)")
     per_rank = _per_bucket(n, bucket)
     table = torch.stack([_checked_steps(s, per_rank) for s in steps])
-    _library().mc_levels_sum(_streams("codes", codes, *_level_layout(n, bits)), len(codes), n, bits, float(shift),
+    _library().mc_levels_sum(_streams("codes", codes, *_code_layout(n, bits)), len(codes), n, bits, float(shift),
                              table.data_ptr(), per_rank, bucket, float(divisor), _buf("out", out, torch.float32, n),
                              _threads())
     return out
