@@ -173,7 +173,7 @@ static_assert(BLOCK % SIGN_RUN == 0, "a block is whole runs");
 // fp64 partials of the side sums: run totals of lanes l and l + 8 go to acc[l % 8].
 struct SideSums {
   double above[8] = {}, below[8] = {};
-  double total(const double* acc) const {
+  static double total(const double* acc) {
     double t = 0;
     for (int j = 0; j < 8; ++j) t += acc[j];
     return t;
@@ -235,7 +235,7 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
     }
     if (k < std::min(len, run + SIGN_RUN)) {  // the last few elements of x
       const uint16_t bits = code(start + k, static_cast<__mmask16>((1u << (len - k)) - 1));
-      std::memcpy(out + (start + k) / 8, &bits, 1);
+      out[(start + k) / 8] = static_cast<uint8_t>(bits);
       if (len - k > 8) out[(start + k) / 8 + 1] = static_cast<uint8_t>(bits >> 8);
     }
     above = _mm512_add_pd(above, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(up)),
@@ -287,8 +287,8 @@ void pack_signs_impl(const float* x, const float* r, float negative, float posit
       SideSums sums;
       const int64_t count = sign_block<In, Keep>(x, r, negative, positive, m, weight, keep, start,
                                                  std::min(BLOCK, n - start), out, sums);
-      p[3 * b] = sums.total(sums.above);
-      p[3 * b + 1] = sums.total(sums.below);
+      p[3 * b] = SideSums::total(sums.above);
+      p[3 * b + 1] = SideSums::total(sums.below);
       p[3 * b + 2] = static_cast<double>(count);
     }
   });
