@@ -220,7 +220,8 @@ class Cluster:
 
     def wait(self, timeout: Optional[float] = None) -> List[int]:
         """Wait for every worker; on timeout kill them all and report 124 for the unfinished.
-        When one worker fails, the others get a grace period, then are killed (no hangs)."""
+        Once one worker has ended (e.g. failed, or done while a peer hangs in gloo's teardown),
+        the others get a grace period, then are killed (no hangs)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         grace = None
         while True:
@@ -228,8 +229,8 @@ class Cluster:
             if all(c is not None for c in codes):
                 break
             now = time.monotonic()
-            if any(c not in (None, 0) for c in codes) and grace is None:
-                grace = now + 30.0
+            if any(c is not None for c in codes) and grace is None:
+                grace = now + (30.0 if any(codes) else 60.0)
             if (deadline is not None and now > deadline) or (grace is not None and now > grace):
                 self.kill()
                 codes = [124 if c is None else c for c in codes]
