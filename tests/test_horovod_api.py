@@ -3,6 +3,7 @@ synchronize()/step() lifecycle, mixed precision with GradScaler (NaN on one rank
 step on every rank and leaves error feedback untouched), the lossless default, and the
 Horovod-shaped arguments (Compression, gradient_predivide_factor, groups of tensors,
 named_parameters naming more than the optimizer holds, Adasum, process sets)."""
+import contextlib
 import warnings
 
 import pytest
@@ -227,6 +228,115 @@ def _clip_worker(rank, bad_step):
 def test_clipping_between_synchronize_and_step_with_a_skipped_step():
     for diff in run_workers(_clip_worker, WORLD, 2):
         assert diff < 1e-5
+
+
+def _ddp_clip_worker(rank, compression, recipe):
+    """Five clipped steps.  ``recipe``: "ddp" (``backward()``, clip ``model.parameters()``,
+    ``step()``, as written for DDP), "horovod" (``synchronize()`` before the clip, ``step()``
+    inside ``skip_synchronize()``) or "unclipped"."""
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), compression, groups=2)
+    averaged = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            opt.zero_grad()
+            loss_of(model, part(x, rank), part(y, rank)).backward()
+            if recipe == "horovod":
+                opt.synchronize()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            gathered = mc.allgather(grads.unsqueeze(0))
+            averaged = averaged and all(torch.equal(g, grads) for g in gathered)  # the same on every rank
+            if recipe != "unclipped":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if recipe == "horovod":
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+    return params_of(model), averaged
+
+
+@pytest.mark.parametrize("compression", ["none", "efsignsgd"])
+def test_clipping_right_after_backward_clips_the_averaged_gradients(compression):
+    """DDP's recipe (clip between ``backward()`` and ``step()``, no synchronize): when
+    ``backward()`` returns, ``p.grad`` already holds the averaged gradients, so the clip acts on
+    what ``step()`` applies and gives Horovod's recipe's parameters bit for bit."""
+    ddp = run_workers(_ddp_clip_worker, WORLD, compression, "ddp")
+    horovod = run_workers(_ddp_clip_worker, WORLD, compression, "horovod")
+    unclipped = run_workers(_ddp_clip_worker, WORLD, compression, "unclipped")
+    for params, averaged in ddp:
+        assert averaged
+        assert torch.equal(params, horovod[0][0]) and torch.equal(params, ddp[0][0])
+        assert not torch.equal(params, unclipped[0][0])
+    if compression == "none":
+        assert (ddp[0][0] - single_process(5, clip=0.05)).abs().max().item() < 1e-5
+
+
+def _unused_parameter_amp_worker(rank, recipe):
+    """The plain GradScaler recipe when a parameter gets no gradient (so ``backward()`` cannot
+    know it is over): ``scaler.step(opt)`` reads ``opt.param_groups``, which finishes the
+    exchange first."""
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    model = model_for_test()
+    spare = torch.nn.Parameter(torch.zeros(4))  # in the optimizer, never in the graph
+    opt = mc.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [spare], lr=0.1, momentum=0.9),
+                                  list(model.named_parameters()) + [("spare", spare)], groups=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(5):
+        hook = poison_on(model, rank, 2, step)
+        opt.zero_grad()
+        scaler.scale(loss_of(model, part(x, rank), part(y, rank))).backward()
+        if recipe == "plain":
+            in_flight = opt.merged.in_flight
+            scaler.unscale_(opt)
+        else:
+            in_flight = True
+            opt.synchronize()
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize() if recipe == "horovod" else contextlib.nullcontext():
+            scaler.step(opt)
+        scaler.update()
+        if hook is not None:
+            hook.remove()
+    return params_of(model), in_flight, torch.equal(spare.detach(), torch.zeros(4))
+
+
+def test_grad_scaler_plain_recipe_with_a_parameter_that_gets_no_gradient():
+    plain = run_workers(_unused_parameter_amp_worker, WORLD, "plain")
+    horovod = run_workers(_unused_parameter_amp_worker, WORLD, "horovod")
+    for params, in_flight, spare_unchanged in plain:
+        assert in_flight and spare_unchanged  # backward() left the exchange to the scaler's read
+        assert torch.isfinite(params).all() and torch.equal(params, horovod[0][0])
+
+
+def _two_backwards_worker(rank):
+    """Two backward passes per step with ``backward_passes_per_step=1``: as under DDP, each
+    pass's gradients are averaged and the second adds to the first."""
+    import mergecomp.torch as mc
+
+    x, y = batch()
+    model = model_for_test()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), groups=2)
+    for _ in range(3):
+        opt.zero_grad()
+        for _ in range(2):
+            loss_of(model, part(x, rank), part(y, rank)).backward()
+        opt.step()
+    return params_of(model)
+
+
+def test_two_backward_passes_per_step_add_their_averaged_gradients():
+    for params in run_workers(_two_backwards_worker, WORLD):
+        assert (params - single_process(3, lr=0.2)).abs().max().item() < 1e-5  # twice the gradient
 
 
 # -- defaults and Horovod arguments --------------------------------------------------------------

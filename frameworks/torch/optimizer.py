@@ -7,11 +7,17 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
          MergedStep.add: copy it into its group's flat buffer (fp32 on CPU: checked for NaN/Inf
          in the same pass); a group whose last gradient arrived starts, in plan order:
          compensate -> compress -> async collective
+      └─ the last parameter's hook: the exchange finishes (below), so when backward() returns
+         p.grad holds the averaged gradients, as under DDP (clipping, logging, GradScaler)
     optimizer.step()
-      └─ synchronize(): MergedStep.finish (parameters without a gradient count as zeros; the
-         ranks agree on non-finite gradients; each group is decoded and averaged into its
-         buffer); each p.grad becomes a view of its slot there
+      └─ synchronize(), unless backward() finished the exchange: MergedStep.finish (parameters
+         without a gradient count as zeros; the ranks agree on non-finite gradients; each group
+         is decoded and averaged into its buffer); each p.grad becomes a view of its slot there
       └─ the wrapped optimizer class's own step() (timed: ``step_breakdown()``)
+
+A step in which some parameter gets no gradient cannot know when backward ends (a gradient
+may still come): its exchange finishes when ``step()``, ``synchronize()`` or a read of
+``param_groups`` (a GradScaler's) needs it.
 
 The result is an instance of a subclass of the wrapped optimizer's class (as Horovod builds it),
 sharing that optimizer's ``param_groups``, ``state`` and hooks, so ``isinstance`` checks, LR
@@ -104,9 +110,11 @@ class DistributedOptimizer(HoldsMergedStep):
             two-phase), ``"allgather"``, or None (default: allgather unless the scheduler
             picks two-phase or a hierarchical scheme for a group); see docs/compressors.md.
 
-    With a ``GradScaler`` (as with Horovod): ``scaler.scale(loss).backward(); opt.synchronize();
-    scaler.unscale_(opt)`` (averaged gradients: NaN on every rank or on none), then
-    ``with opt.skip_synchronize(): scaler.step(opt)`` and ``scaler.update()``.
+    After ``loss.backward()`` in which every parameter got its gradient, ``p.grad`` holds the
+    averaged gradients (clip them, log them, or hand them to a ``GradScaler``'s plain recipe).
+    Horovod's pattern (``opt.synchronize()``, clipping or ``scaler.unscale_(opt)``, then
+    ``with opt.skip_synchronize(): opt.step()``) works too, and is the one to use when some
+    parameters may get no gradient in a step.
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args, **kwargs):
@@ -159,7 +167,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self.backward_passes_per_step = backward_passes_per_step
         self._index = {p: i for i, p in enumerate(self._exchanged)}
         self._passes = [0] * len(self._exchanged)
-        self._synchronized = self._step_skipped = self._warned_step = self._read_synchronized = False
+        self._final = 0  # parameters whose gradient is final for this step
+        self._synchronized = self._step_skipped = self._warned_step = self._called_synchronize = False
         self._should_synchronize = True
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
@@ -191,7 +200,7 @@ class DistributedOptimizer(HoldsMergedStep):
     # -- backward -----------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self._synchronized:  # the first gradient of a new step, whether or not step() ran
-            self._synchronized = self._step_skipped = self._read_synchronized = False
+            self._synchronized = self._step_skipped = self._called_synchronize = False
         i = self._index[p]
         self._passes[i] += 1
         if self._passes[i] > self.backward_passes_per_step:
@@ -201,21 +210,23 @@ class DistributedOptimizer(HoldsMergedStep):
                 f"synchronize()) after every {self.backward_passes_per_step} backward pass(es)")
         if self._passes[i] == self.backward_passes_per_step:
             self.merged.add(i, p.grad)
+            self._final += 1
+            if self._final == len(self._exchanged):  # the step's last gradient: backward is over
+                self._finish_exchange()
 
     # -- step ---------------------------------------------------------------------------------
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         """The wrapped optimizer's ``param_groups``.  Read after ``backward()`` while this
-        step's exchange is in flight, they are returned once the exchange has finished
-        (:meth:`synchronize`), so whoever walks them to reach ``p.grad`` sees the averaged
-        gradients: ``torch.amp.GradScaler``'s ``unscale_`` and ``step`` (the plain recipe,
-        ``scaler.step(opt)``, unscales and checks for inf/NaN what is about to be applied, as
-        under DDP).  Not to be read from inside the backward pass (an autograd hook)."""
+        step's exchange is still in flight (some parameter got no gradient), they are returned
+        once the exchange has finished, so whoever walks them to reach ``p.grad`` sees the
+        averaged gradients: ``torch.amp.GradScaler``'s ``unscale_`` and ``step`` (the plain
+        recipe unscales and checks for inf/NaN what is about to be applied, as under DDP).  Not
+        to be read from inside the backward pass (an autograd hook)."""
         groups = self.__dict__["param_groups"]
         merged = self.__dict__.get("merged")
         if merged is not None and self._should_synchronize and not self._synchronized and merged.in_flight:
-            self.synchronize()
-            self._read_synchronized = True
+            self._finish_exchange()
         return groups
 
     @param_groups.setter
@@ -223,15 +234,22 @@ class DistributedOptimizer(HoldsMergedStep):
         self.__dict__["param_groups"] = groups
 
     def synchronize(self) -> None:
-        """Finish the exchange of this step's gradients and write the result into ``p.grad``.
+        """Finish the exchange of this step's gradients and write the result into ``p.grad``
+        (``backward()`` already did when every parameter got a gradient).
 
         Parameters that got no gradient this step contribute zeros.  Calling it again before
         the next backward pass does nothing; the next backward pass starts a new step whether
-        or not :meth:`step` ran (e.g. when a ``GradScaler`` skipped it).
+        or not :meth:`step` ran (e.g. when a ``GradScaler`` skipped it).  Then call ``step()``
+        inside :meth:`skip_synchronize` (outside it, ``step()`` warns once).
         """
+        self._finish_exchange()
+        self._called_synchronize = True
+
+    def _finish_exchange(self) -> None:
         if self._synchronized:
             return
         self._passes = [0] * len(self._exchanged)
+        self._final = 0
         reduced = self.merged.finish()  # raises under nonfinite="raise"
         self._synchronized = True
         self._step_skipped = reduced is None
@@ -251,14 +269,14 @@ class DistributedOptimizer(HoldsMergedStep):
             with torch.enable_grad():
                 loss = closure()
         if self._should_synchronize:
-            if self._synchronized and not self._read_synchronized and not self._warned_step:
+            if self._called_synchronize and not self._warned_step:
                 self._warned_step = True
                 warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
                               "optimizer.skip_synchronize(); the gradients are not exchanged again. "
                               "Wrap step() in skip_synchronize() after an explicit synchronize()",
                               UserWarning, stacklevel=2)
-            self.synchronize()
-        self._synchronized = self._read_synchronized = False
+            self._finish_exchange()
+        self._synchronized = self._called_synchronize = False
         if self._step_skipped:
             self._step_skipped = False
             return loss
@@ -279,8 +297,9 @@ class DistributedOptimizer(HoldsMergedStep):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.merged.in_flight:
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
-                               "optimizer.step() or optimizer.synchronize(); the gradients being "
-                               "exchanged would be lost")
+                               "optimizer.step() or optimizer.synchronize() in a step where some "
+                               "parameters got no gradient (so backward() could not finish the "
+                               "exchange); the gradients being exchanged would be lost")
         super().zero_grad(set_to_none=set_to_none)
 
     # -- checkpoints --------------------------------------------------------------------------
