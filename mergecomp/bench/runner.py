@@ -275,9 +275,6 @@ def _run_mergecomp(w: _Worker, args) -> List[Dict]:
                         "steps_s": times[label], **describe_plan(plans[label], sizes),
                         "compressor_repr": repr(opt.compressor), "memory": repr(opt.memory),
                         "breakdown": combine(breakdowns[label]), **extra.get(label, {})})
-    import mergecomp.torch as mc
-
-    mc.shutdown()
     return records
 
 
@@ -333,7 +330,6 @@ def _run_ddp(w: _Worker, args) -> List[Dict]:
     times = [w.step() for _ in range(args.steps * args.rounds)]
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.destroy_process_group()
     return [{"plan": "ddp", "hook": hook, "step_s": float(t), "steps_s": times, "bucket_cap_mb": 25}]
 
 
@@ -491,6 +487,20 @@ def _strip_launcher_args(argv: List[str]) -> List[str]:
     return out
 
 
+def _leave_group() -> None:
+    """Tear the process group down once the records are safe: gloo's teardown has hung a rank
+    now and then, which then costs the launcher's grace period instead of the measurement."""
+    import torch.distributed as dist
+
+    import mergecomp.torch as mc
+
+    if mc.is_initialized():
+        mc.shutdown()
+    elif dist.is_available() and dist.is_initialized():  # DDP's: leave together, as mc.shutdown() does
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -501,9 +511,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             with open(args.result, "w") as f:
                 json.dump(records, f)
+        _leave_group()
         return 0
     else:
         records = run_worker(args)
+        _leave_group()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     _print_table(records)
