@@ -43,10 +43,12 @@ class TopKCompressor(SparseCompressor):
         """With the residual memory or DGC's (:meth:`Memory.fused_residual`) and the threshold
         selection, where the kernel serves the tensors (:func:`mergecomp.native.compensated_above`):
         one pass reads the gradient and the memory and writes the memory's new state, setting the
-        candidates above the sampled threshold aside.  Compensate, compress and feed make three
-        passes with the residual (the add, the threshold scan, the residual's copy), six with
-        DGC's memory (momentum, velocity, the copy out, the scan, the velocity's copy, the
-        masking).  The same payload and state, bit for bit."""
+        candidates above the sampled threshold aside (and masking their momentum, with DGC's);
+        :func:`mergecomp.native.keep_largest` keeps the k largest and puts the others back.
+        Compensate, compress and feed make three passes with the residual (the add, the
+        threshold scan, the residual's copy), six with DGC's memory (momentum, velocity, the
+        copy out, the scan, the velocity's copy, the masking).  The same payload and state, bit
+        for bit."""
         residual = memory.fused_residual(tensor, name)
         n = tensor.numel()
         k = num_selected(n, self.ratio)
@@ -65,20 +67,19 @@ class TopKCompressor(SparseCompressor):
         threshold = float(sample_threshold(sample.abs(), k, n))
         corrected = None if momentum is None else momentum.target()
         out = residual.target()  # every element written below
-        indices, values, count = native.compensated_above(
+        indices, values, count, momenta = native.compensated_above(
             tensor, old, threshold, out, candidate_capacity(k),
             None if momentum is None else (momentum.factor, momentum.old, corrected))
-        if k <= count <= indices.numel():  # the k largest among the candidates; the others stay
-            best = values.abs().topk(k, sorted=False).indices
-            rest = torch.ones(count, dtype=torch.bool)
-            rest[best] = False
-            out[indices[rest]] = values[rest]
-            indices, values = indices.index_select(0, best), values.index_select(0, best)
-        else:  # too few or too many candidates: ``out`` becomes the compensated gradient again
+        if k <= count <= indices.numel():  # the k largest among the candidates; the others go back
+            indices, values = native.keep_largest(indices, values, k, out,
+                                                  None if momenta is None else (momenta, corrected))
+        else:  # too few or too many candidates: ``out`` (and the momentum) as before the scan took them
             out[indices] = values
+            if corrected is not None:
+                corrected[indices] = momenta
             indices = self.select(out, k, name)
             values = out.index_select(0, indices)
             out[indices] = 0
-        if corrected is not None:  # momentum factor masking where a value went out
-            corrected.index_fill_(0, indices[values != 0], 0)
+            if corrected is not None:  # momentum factor masking where a value went out
+                corrected.index_fill_(0, indices[values != 0], 0)
         return (values, indices.to(torch.int32)), (n, tensor.dtype), lambda: None

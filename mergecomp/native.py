@@ -37,12 +37,12 @@ from mergecomp.bitpack import packed_size
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "sign_residual", "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
-           "indices_above", "compensated_above", "moments", "copy_finite", "zero_fill"]
+           "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "zero_fill"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 18
+_ABI_VERSION = 19
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -101,7 +101,8 @@ _SIGNATURES = {
     "mc_codes_sum": ([_P, _I32, _P, _I32, _I64, _F32, _P, _I32], None),
     "mc_levels_sum": ([_P, _I32, _I64, _I32, _F32, _P, _I64, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
-    "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _I64, _I32], _I64),
+    "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _I32], _I64),
+    "mc_keep_largest": ([_P, _P, _P, _I64, _I64, _P, _P], None),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
@@ -394,25 +395,50 @@ def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Ten
 
 def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], threshold: float, out: torch.Tensor,
                       capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor, int]:
+                      ) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]]:
     """Top-k's scan of ``c = x + residual`` (``residual`` None: ``x``) in one pass: ``out`` (fp32,
     ``x``'s numel; may be ``residual``) gets ``c``, except that the first ``capacity`` elements
-    with ``|c| >= threshold`` get 0 and are returned as ``(indices, values)`` (int64 ascending,
-    their ``c``), with how many passed (above ``capacity``: the rest keep ``out = c``).  With
-    ``momentum = (m, u, u_out)`` (DGC; ``residual`` is the velocity): ``u_out`` (may be ``u``)
-    gets ``m * u + x`` and ``c = residual + u_out``, each step rounded to fp32."""
+    with ``|c| >= threshold`` get 0 and are returned as ``(indices, values, count, None)``
+    (int64 ascending, their ``c``, how many passed: above ``capacity``, the rest keep
+    ``out = c``).  With ``momentum = (m, u, u_out)`` (DGC; ``residual`` is the velocity):
+    ``u_out`` (may be ``u``) gets ``m * u + x``, each step rounded to fp32, and ``c = residual +
+    u_out``; a returned element's ``u_out`` is 0 where its ``c`` is not (momentum factor
+    masking), its value before that is returned last.  :func:`keep_largest` then puts back
+    what is not sent."""
     n = x.numel()
     indices = torch.empty(max(int(capacity), 1), dtype=torch.int64)
     values = torch.empty(indices.numel(), dtype=torch.float32)
     factor, u, u_out = (0.0, None, None) if momentum is None else momentum
+    momenta = None if momentum is None else torch.empty(indices.numel(), dtype=torch.float32)
     count = _library().mc_compensated_above(
         _buf("x", x, torch.float32, n), None if residual is None else _buf("residual", residual, torch.float32, n),
         None if u is None else _buf("u", u, torch.float32, n), factor,
         None if u_out is None else _buf("u_out", u_out, torch.float32, n),
-        n, threshold, _buf("out", out, torch.float32, n), indices.data_ptr(), values.data_ptr(), indices.numel(),
-        _threads())
+        n, threshold, _buf("out", out, torch.float32, n), indices.data_ptr(), values.data_ptr(),
+        None if momenta is None else momenta.data_ptr(), indices.numel(), _threads())
     stored = min(count, indices.numel())
-    return indices[:stored], values[:stored], count
+    return indices[:stored], values[:stored], count, None if momenta is None else momenta[:stored]
+
+
+def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
+                 momentum: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Of candidates ``indices`` (int64, ascending) with fp32 ``values`` (``0 < k <= len``): the
+    ``k`` largest in magnitude (of equal ones, the first), ``(indices[:k], values[:k])`` in
+    ascending order, moved to the front in place.  The others go back into ``out`` (fp32):
+    ``out[index] = value``, and with ``momentum = (momenta, u_out)`` from
+    :func:`compensated_above`, ``u_out[index] = momentum``; ``out`` None: nothing goes back."""
+    count = indices.numel()
+    if not 0 < k <= count or values.numel() != count:
+        raise ValueError(f"keep_largest: need 0 < k <= {count} candidates with as many values, got k={k}, "
+                         f"{values.numel()} values")
+    momenta, u_out = (None, None) if momentum is None else momentum
+    numel = 0 if out is None else out.numel()
+    _library().mc_keep_largest(
+        _buf("indices", indices, torch.int64, count), _buf("values", values, torch.float32, count),
+        None if momenta is None else _buf("momenta", momenta, torch.float32, count), count, k,
+        None if out is None else _buf("out", out, torch.float32, numel),
+        None if u_out is None else _buf("u_out", u_out, torch.float32, numel))
+    return indices[:k], values[:k]
 
 
 def moments(x: torch.Tensor) -> torch.Tensor:

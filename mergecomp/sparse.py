@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import native
 from .codecs import indices_above, zero_
 from .compressor import Compressor, Payload, check_ratio
 
@@ -62,8 +63,9 @@ def topk_indices(magnitude: torch.Tensor, k: int, method: str = "exact") -> torc
 
     ``method="exact"`` is ``torch.topk``.  ``method="threshold"`` returns the same set (ties
     aside) faster on large buffers: it estimates the k-th largest value from a strided sample,
-    keeps the candidates above it and runs the exact top-k only among those, falling back to
-    the full top-k when the estimate kept fewer than ``k``.
+    keeps the candidates above it and runs the exact top-k only among those (on fp32 CPU
+    tensors by :func:`mergecomp.native.keep_largest`: ascending, of equal values the first),
+    falling back to the full top-k when the estimate kept fewer than ``k``.
     """
     return _topk(magnitude, k, method, absolute=False)
 
@@ -89,6 +91,8 @@ def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Te
         candidates = indices_above(values, threshold, absolute, candidate_capacity(k))
         if candidates.numel() >= k:
             magnitude = values.index_select(0, candidates)
+            if native.usable(magnitude):  # the k largest in ascending order, as the fused encode finds them
+                return native.keep_largest(candidates, magnitude, k)[0]
             if absolute:
                 magnitude.abs_()
             best = magnitude.topk(k, sorted=False).indices

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mergecomp import bitpack
+from mergecomp import bitpack, native
 from mergecomp.codecs import majority_vote, pack_signs
 from mergecomp.codecs.scans import _flat_nonzero
 from mergecomp.quantize import stochastic_round_
@@ -89,7 +89,12 @@ def reference_threshold_topk(magnitude, k):
     threshold = sample.topk(rank, sorted=False).values.min()
     candidates = torch.nonzero(magnitude >= threshold).view(-1)
     if candidates.numel() >= k:
-        return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+        among = magnitude[candidates]
+        if magnitude.dtype == torch.float32 and native.usable(magnitude):  # ascending, of ties the first
+            kth = among.topk(k).values.min()
+            tie = among == kth
+            return candidates[(among > kth) | (tie & (tie.cumsum(0) <= k - (among > kth).sum()))]
+        return candidates[among.topk(k, sorted=False).indices]
     return magnitude.topk(k, sorted=False).indices
 
 

@@ -312,6 +312,52 @@ def test_indices_above(n, capacity):
 
 
 @needs_kernels
+@pytest.mark.parametrize("count, k", [(1, 1), (10, 3), (10, 10), (100_003, 77_000)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_keep_largest_keeps_the_top_k_in_ascending_order_and_puts_the_others_back(count, k, ties):
+    n = 3 * count
+    indices = torch.randperm(n)[:count].sort().values
+    values = torch.randn(count)
+    if ties:  # many equal magnitudes of both signs at the k-th largest: the first ones are kept
+        values = values.round().mul_(torch.where(torch.rand(count) < 0.5, -1.0, 1.0))
+    momenta = torch.randn(count)
+    out, u_out = torch.zeros(n), torch.zeros(n)
+    magnitude = values.abs()
+    kth = magnitude.topk(k).values.min()
+    expected = (magnitude > kth) | ((magnitude == kth) & ((magnitude == kth).cumsum(0) <= k - (magnitude > kth).sum()))
+    kept_indices, kept_values = native.keep_largest(indices.clone(), values.clone(), k, out, (momenta, u_out))
+    assert torch.equal(kept_indices, indices[expected]) and torch.equal(kept_values, values[expected])
+    rest = indices[~expected]
+    assert torch.equal(out[rest], values[~expected]) and torch.equal(u_out[rest], momenta[~expected])
+    assert out.count_nonzero() <= rest.numel() and u_out.count_nonzero() <= rest.numel()  # nothing else written
+    assert torch.equal(native.keep_largest(indices.clone(), values.clone(), k)[0], indices[expected])
+    with pytest.raises(ValueError, match="keep_largest"):
+        native.keep_largest(indices.clone(), values.clone(), count + 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("capacity", [5, 10 ** 6])
+def test_compensated_above_masks_the_momentum_of_what_it_takes(capacity):
+    """DGC's scan: u_out = m u + x and c = r + u_out everywhere, except that a candidate it
+    takes gets out = 0 and u_out = 0 (where c != 0), its u_out returned; candidates beyond
+    ``capacity`` keep both."""
+    n = 100_003
+    x, r, u = torch.randn(n), torch.randn(n), torch.randn(n)
+    corrected = u.mul(0.9).add_(x)
+    c = r + corrected
+    out, u_out = torch.empty(n), torch.empty(n)
+    indices, values, count, momenta = native.compensated_above(x, r, 2.0, out, capacity, (0.9, u, u_out))
+    above = torch.nonzero(c.abs() >= 2.0).view(-1)
+    taken = above[:capacity]
+    assert count == above.numel() and torch.equal(indices, taken) and torch.equal(values, c[taken])
+    assert torch.equal(momenta, corrected[taken])
+    expected_out, expected_u = c.clone(), corrected.clone()
+    expected_out[taken] = 0
+    expected_u[taken[c[taken] != 0]] = 0
+    assert torch.equal(out, expected_out) and torch.equal(u_out, expected_u)
+
+
+@needs_kernels
 @pytest.mark.parametrize("voters", [1, 2, 3, 4, 255])
 @pytest.mark.parametrize("n", [1, 9, 32769, (1 << 19) + 5])
 def test_majority_vote_matches_eager(voters, n):

@@ -430,14 +430,15 @@ void codes_sum_blocks(const uint8_t* const* packed, const float* tables, int ran
 
 }  // namespace
 
-// The elements i < n whose byte mark(start, len, m) sets in m[i - start] for their block of
-// BLOCK elements (mark may write other outputs of the block), one list per block, ascending;
-// the blocks run in parallel.
-template <typename Mark>
-std::vector<std::vector<int64_t>> marked_by_block(int64_t n, int threads, Mark mark) {
+// take(i) for the elements i < n whose byte mark(start, len, m) sets in m[i - start] for their
+// block of BLOCK elements (mark may write other outputs of the block; take runs right after it,
+// while the block is in cache), collected one list per block, ascending; the blocks run in
+// parallel.
+template <typename Hit, typename Mark, typename Take>
+std::vector<std::vector<Hit>> marked_by_block(int64_t n, int threads, Mark mark, Take take) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-  std::vector<std::vector<int64_t>> found(blocks);
-  std::vector<int64_t>* lists = found.data();
+  std::vector<std::vector<Hit>> found(blocks);
+  std::vector<Hit>* lists = found.data();
   // Captures by value: a worker reading the caller's stack would share its cache lines.
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     std::vector<uint8_t> mask(BLOCK + 8);
@@ -447,12 +448,12 @@ std::vector<std::vector<int64_t>> marked_by_block(int64_t n, int threads, Mark m
       mark(start, len, m);
       std::fill(m + len, m + len + 8, 0);
       // Scan the 0/1 bytes a word at a time: most words are zero when few elements pass.
-      std::vector<int64_t>& hits = lists[b];
+      std::vector<Hit>& hits = lists[b];
       for (int64_t w = 0; w < len; w += 8) {
         uint64_t word;
         std::memcpy(&word, m + w, 8);
         while (word) {
-          hits.push_back(start + w + __builtin_ctzll(word) / 8);
+          hits.push_back(take(start + w + __builtin_ctzll(word) / 8));
           word &= word - 1;
         }
       }
@@ -465,41 +466,86 @@ std::vector<std::vector<int64_t>> marked_by_block(int64_t n, int threads, Mark m
 // correction u' = m * u + x (written to u_out, which may be u), c = r + u' (r: the velocity).
 enum class Source { kPlain, kSum, kMomentum };
 
+// A candidate of the scan: its index, compensated value and (DGC) corrected momentum.
+struct Candidate {
+  int64_t i;
+  float c, u;
+};
+
 // Top-k's scan of the compensated gradient c (see Source) with its memory, in one pass:
 // out[i] = c for every element, then for the first `capacity` elements with |c| >= threshold
-// (ascending) idx[j] = i, val[j] = c and out[i] = 0.  Returns how many elements passed (more
-// than `capacity`: the rest keep out[i] = c).  out may be r.
+// (ascending) idx[j] = i, val[j] = c and out[i] = 0; with momentum also uval[j] = u_out[i] and
+// u_out[i] = 0 where c != 0 (DGC's momentum factor masking, undone by mc_keep_largest for the
+// candidates not sent).  Returns how many elements passed (more than `capacity`: the rest keep
+// out[i] = c and u_out[i]).  out may be r.
 template <Source S>
 int64_t compensated_above_impl(const float* x, const float* r, const float* u, float momentum, float* u_out,
-                               int64_t n, float threshold, float* out, int64_t* idx, float* val,
+                               int64_t n, float threshold, float* out, int64_t* idx, float* val, float* uval,
                                int64_t capacity, int threads) {
-  const auto found = marked_by_block(n, threads, [=](int64_t start, int64_t len, uint8_t* m) {
+  const auto found = marked_by_block<Candidate>(
+      n, threads,
+      [=](int64_t start, int64_t len, uint8_t* m) {
 #pragma omp simd
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t i = start + k;
-      float c = x[i];
-      if (S == Source::kSum) c += r[i];
-      if (S == Source::kMomentum) {
-        const float corrected = momentum * u[i] + c;  // rounded twice: no contraction (-ffp-contract=off)
-        u_out[i] = corrected;
-        c = r[i] + corrected;
-      }
-      out[i] = c;
-      m[k] = std::fabs(c) >= threshold;
-    }
-  });
+        for (int64_t k = 0; k < len; ++k) {
+          const int64_t i = start + k;
+          float c = x[i];
+          if (S == Source::kSum) c += r[i];
+          if (S == Source::kMomentum) {
+            const float corrected = momentum * u[i] + c;  // rounded twice: no contraction (-ffp-contract=off)
+            u_out[i] = corrected;
+            c = r[i] + corrected;
+          }
+          out[i] = c;
+          m[k] = std::fabs(c) >= threshold;
+        }
+      },
+      [=](int64_t i) {
+        const Candidate hit{i, out[i], S == Source::kMomentum ? u_out[i] : 0.0f};
+        out[i] = 0.0f;
+        if (S == Source::kMomentum && hit.c != 0.0f) u_out[i] = 0.0f;
+        return hit;
+      });
   int64_t count = 0;
   for (const auto& hits : found) {
-    for (const int64_t i : hits) {
+    for (const Candidate& hit : hits) {
       if (count < capacity) {
-        idx[count] = i;
-        val[count] = out[i];
-        out[i] = 0.0f;
+        idx[count] = hit.i;
+        val[count] = hit.c;
+        if (S == Source::kMomentum) uval[count] = hit.u;
+      } else {  // no room: as if it had not passed
+        out[hit.i] = hit.c;
+        if (S == Source::kMomentum) u_out[hit.i] = hit.u;
       }
       ++count;
     }
   }
   return count;
+}
+
+// The magnitude of rank `rank` (0: the smallest) among |val[0..count)| (no NaN), by a radix
+// select on the bits of |val|, which order as the magnitudes do: a histogram of the high 16
+// bits finds the bucket holding that rank, one of the low 16 bits within the bucket the value.
+static float kth_magnitude(const float* val, int64_t count, int64_t rank) {
+  std::vector<uint32_t> bits(count);
+  for (int64_t j = 0; j < count; ++j) {
+    std::memcpy(&bits[j], &val[j], 4);
+    bits[j] &= 0x7fffffffu;
+  }
+  std::vector<int64_t> histogram(1 << 16);
+  uint32_t found = 0;
+  for (const int shift : {16, 0}) {
+    std::fill(histogram.begin(), histogram.end(), 0);
+    for (const uint32_t b : bits) {
+      if (shift == 0 && (b >> 16) != (found >> 16)) continue;
+      ++histogram[(b >> shift) & 0xffffu];
+    }
+    uint32_t bucket = 0;
+    while (rank >= histogram[bucket]) rank -= histogram[bucket++];
+    found |= bucket << shift;
+  }
+  float kth;
+  std::memcpy(&kth, &found, 4);
+  return kth;
 }
 
 extern "C" {
@@ -515,7 +561,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 18; }
+int mc_abi_version() { return 19; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -711,11 +757,14 @@ void mc_zero_fill(float* out, int64_t n, int threads) {
 // out and returns how many there are (call again with a larger out if that is > capacity).
 int64_t mc_indices_above(const float* x, int64_t n, float threshold, int64_t* out,
                          int64_t capacity, int threads) {
-  const auto found = marked_by_block(n, threads, [=](int64_t start, int64_t len, uint8_t* m) {
-    const float* src = x + start;
+  const auto found = marked_by_block<int64_t>(
+      n, threads,
+      [=](int64_t start, int64_t len, uint8_t* m) {
+        const float* src = x + start;
 #pragma omp simd
-    for (int64_t k = 0; k < len; ++k) m[k] = std::fabs(src[k]) >= threshold;
-  });
+        for (int64_t k = 0; k < len; ++k) m[k] = std::fabs(src[k]) >= threshold;
+      },
+      [](int64_t i) { return i; });
   int64_t count = 0;
   for (const auto& hits : found) {
     const int64_t take = std::max<int64_t>(0, std::min<int64_t>(hits.size(), capacity - count));
@@ -780,16 +829,39 @@ int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int thr
 // The scan above of c = x (r and u null), x + r (u null) or, with u, DGC's r + (m * u + x)
 // with u_out receiving m * u + x.
 int64_t mc_compensated_above(const float* x, const float* r, const float* u, float momentum, float* u_out,
-                             int64_t n, float threshold, float* out, int64_t* idx, float* val, int64_t capacity,
-                             int threads) {
+                             int64_t n, float threshold, float* out, int64_t* idx, float* val, float* uval,
+                             int64_t capacity, int threads) {
   if (u) {
-    return compensated_above_impl<Source::kMomentum>(x, r, u, momentum, u_out, n, threshold, out, idx, val,
+    return compensated_above_impl<Source::kMomentum>(x, r, u, momentum, u_out, n, threshold, out, idx, val, uval,
                                                      capacity, threads);
   }
-  return r ? compensated_above_impl<Source::kSum>(x, r, u, momentum, u_out, n, threshold, out, idx, val, capacity,
-                                                  threads)
-           : compensated_above_impl<Source::kPlain>(x, r, u, momentum, u_out, n, threshold, out, idx, val, capacity,
-                                                    threads);
+  return r ? compensated_above_impl<Source::kSum>(x, r, u, momentum, u_out, n, threshold, out, idx, val, uval,
+                                                  capacity, threads)
+           : compensated_above_impl<Source::kPlain>(x, r, u, momentum, u_out, n, threshold, out, idx, val, uval,
+                                                    capacity, threads);
+}
+
+// Of `count` candidates (idx ascending, val their values; 0 < k <= count), keeps the k largest
+// |val| (of equal ones, the first) at the front of idx and val, in ascending order; each other
+// one goes back where the scan above took it from: out[idx] = val, and with u_out,
+// u_out[idx] = uval (its momentum, unmasked).  out null: nothing goes back.
+void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count, int64_t k, float* out,
+                     float* u_out) {
+  const float kth = kth_magnitude(val, count, count - k);
+  int64_t ties = k;
+  for (int64_t j = 0; j < count; ++j) ties -= std::fabs(val[j]) > kth;
+  int64_t kept = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const float a = std::fabs(val[j]);
+    if (a > kth || (a == kth && ties-- > 0)) {
+      idx[kept] = idx[j];
+      val[kept] = val[j];
+      ++kept;
+    } else if (out) {
+      out[idx[j]] = val[j];
+      if (u_out) u_out[idx[j]] = uval[j];
+    }
+  }
 }
 
 }  // extern "C"
