@@ -51,11 +51,13 @@ def test_pack_signs_and_sums(n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n", [0] + SIZES)
-@pytest.mark.parametrize("carried", ["none", "plain", "carried", "carried, kept in place"])
+@pytest.mark.parametrize("n", [0] + SIZES + [(1 << 23) + 37])  # the last: keep written past the cache
+@pytest.mark.parametrize("carried", ["none", "plain", "carried", "carried, kept in place",
+                                     "carried, kept unaligned"])
 def test_compensated_signs_are_pack_signs_of_the_compensated_gradient_bit_for_bit(n, carried):
     """v = x + (r - side(r)) (sides 0: x + r; r None: x), rounded as torch rounds each step:
-    its bits and sums are pack_signs' of v, and keep receives v."""
+    its bits and sums are pack_signs' of v, and keep receives v (by non-temporal stores from
+    2**23 elements on, where keep is 64-byte aligned)."""
     x, r = torch.randn(n), torch.randn(n) * 0.1
     x[::5], r[::5] = 0.0, -0.0  # zeros of both signs: +0 + -0 = +0 travels as +
     r[1::7] = -x[1::7]  # sums of exactly zero
@@ -65,7 +67,8 @@ def test_compensated_signs_are_pack_signs_of_the_compensated_gradient_bit_for_bi
     else:
         v = x + (r - torch.where(r >= 0, torch.tensor(positive), torch.tensor(negative)))
     x_before, r_before = x.clone(), r.clone()
-    keep = r if carried.endswith("in place") else torch.empty(n)
+    keep = r if carried.endswith("in place") else torch.empty(n + 1)[1:] if carried.endswith("unaligned") \
+        else torch.empty(n)
     empty = torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8)
     bits, stats = native.compensated_signs(x, None if carried == "none" else r, negative, positive, keep, empty.clone())
     expected_bits, expected_stats = native.pack_signs(v, empty.clone())
