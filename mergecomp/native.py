@@ -42,7 +42,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 19
+_ABI_VERSION = 20
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -103,7 +103,7 @@ _SIGNATURES = {
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _I32], _I64),
     "mc_keep_largest": ([_P, _P, _P, _I64, _I64, _P, _P], None),
-    "mc_copy_finite": ([_P, _P, _I64, _F32, _I32], _I32),
+    "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
 }
@@ -451,13 +451,15 @@ def moments(x: torch.Tensor) -> torch.Tensor:
     return stats
 
 
-def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> bool:
+def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0, stream: bool = False) -> bool:
     """``dst[:n] = src * scale`` (``scale`` 1: a copy) for fp32 ``src`` of ``n`` elements and,
     from the same pass, whether every element written is finite (no NaN or Inf): a gradient's
-    copy into its merged group, its prescale and the group's non-finite check in one read."""
+    copy into its merged group, its prescale and the group's non-finite check in one read.
+    ``stream``: ``dst`` is written past the cache (non-temporal stores), for a destination read
+    again only later (a large group's buffer, read when the group is complete)."""
     n = src.numel()
     return bool(_library().mc_copy_finite(_buf("src", src, torch.float32, n),
-                                          _buf("dst", dst, torch.float32, n), n, scale, _threads()))
+                                          _buf("dst", dst, torch.float32, n), n, scale, int(stream), _threads()))
 
 
 def zero_fill(out: torch.Tensor) -> torch.Tensor:

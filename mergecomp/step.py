@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import codecs
+from . import codecs, native
 from .agreement import check_ranks_agree
 from .breakdown import DECODE, ENCODE, SCHEDULER, WAIT, Breakdown
 from .comm import Communicator
@@ -423,7 +423,8 @@ class MergedStep:
                                   f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=6)
                 grad = grad.to_dense()
                 passes = 2  # the dense gradient written, then copied
-            finite = codecs.copy_finite(grad, slot, self.prescale)  # the copy, prescale and check: one pass
+            # the copy, prescale and check: one pass; a large group's buffer is read only once it is complete
+            finite = codecs.copy_finite(grad, slot, self.prescale, stream=flat.numel() >= native.STREAM_MIN)
             if finite is None:
                 self._unchecked(g)
             elif not finite:

@@ -120,6 +120,23 @@ def test_copy_finite_copies_and_finds_nan_and_inf_anywhere(n, bad):
 
 
 @needs_kernels
+@pytest.mark.parametrize("offset", [0, 1, 15])  # the destination's alignment
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+@pytest.mark.parametrize("bad", [None, float("nan"), -float("inf")])
+def test_copy_finite_streamed_past_the_cache_is_the_same(offset, scale, bad):
+    n = 100_003
+    x = torch.randn(n)
+    if bad is not None:
+        x[n // 2 + 5] = bad
+    expected = x * scale if scale != 1.0 else x.clone()
+    for stream in (False, True):
+        out = torch.full((n + offset,), 7.0)
+        assert native.copy_finite(x, out[offset:], scale, stream) is (bad is None)
+        torch.testing.assert_close(out[offset:], expected, rtol=0, atol=0, equal_nan=True)
+        assert (out[:offset] == 7.0).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003])
 @pytest.mark.parametrize("scale", [0.25, 1 / 3])
 def test_copy_finite_scales_as_torch_does_and_checks_what_it_wrote(n, scale):

@@ -14,15 +14,16 @@ __all__ = ["copy_finite", "indices_above", "zero_"]
 _CHUNK = 1 << 20
 
 
-def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0) -> Optional[bool]:
+def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0, stream: bool = False) -> Optional[bool]:
     """Copy ``src`` (any shape, read flat) times ``scale`` into the flat ``dst`` of the same
     numel (``scale`` 1: copied as it is).  Returns whether every element written is finite (no
     NaN or Inf) where the same pass could tell (the native kernel: contiguous fp32 CPU tensors),
-    else None: the caller checks."""
+    else None: the caller checks.  ``stream``: the kernel writes ``dst`` past the cache (for a
+    destination read again only later)."""
     if src.numel() != dst.numel():
         raise ValueError(f"copy_finite: src has {src.numel()} elements, dst {dst.numel()}")
     if native.usable(src, dst):
-        return native.copy_finite(src, dst, scale)
+        return native.copy_finite(src, dst, scale, stream)
     dst.copy_(src.reshape(-1))
     if scale != 1.0:
         dst.mul_(scale)

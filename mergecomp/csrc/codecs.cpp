@@ -335,10 +335,20 @@ void pack_signs_impl(const float* x, const float* r, float negative, float posit
     for (int j = 0; j < 3; ++j) stats[j] += p[3 * b + j];
 }
 
-// dst = src * scale (Scaled) or src; returns 1 when every element of dst is finite (no NaN or
-// Inf), else 0.
+// dst[k] = src[k] * scale (Scaled) or src[k]; returns 1 when it is not finite (NaN or Inf).
 template <bool Scaled>
-int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int threads) {
+inline uint32_t copy_one(const float* in, float scale, float* out, int64_t k) {
+  const float v = Scaled ? in[k] * scale : in[k];
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  out[k] = v;
+  return static_cast<uint32_t>((bits & 0x7f800000U) == 0x7f800000U);  // exponent all ones
+}
+
+// dst = src * scale (Scaled) or src; returns 1 when every element of dst is finite (no NaN or
+// Inf), else 0.  With `stream`, whole 64-byte lines of dst are written by non-temporal stores.
+template <bool Scaled>
+int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, bool stream, int threads) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<uint8_t> bad(blocks);
   uint8_t* flags = bad.data();
@@ -348,16 +358,27 @@ int copy_finite_impl(const float* src, float scale, float* dst, int64_t n, int t
       const float* in = src + start;
       float* out = dst + start;
       uint32_t any = 0;
-#pragma omp simd reduction(| : any)
-      for (int64_t k = 0; k < len; ++k) {
-        const float v = Scaled ? in[k] * scale : in[k];
-        uint32_t bits;
-        std::memcpy(&bits, &v, sizeof bits);
-        out[k] = v;
-        any |= static_cast<uint32_t>((bits & 0x7f800000U) == 0x7f800000U);  // exponent all ones
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      if (stream) {
+        for (; k < len && (reinterpret_cast<uintptr_t>(out + k) & 63) != 0; ++k) any |= copy_one<Scaled>(in, scale, out, k);
+        const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+        const __m512 factor = _mm512_set1_ps(scale);
+        __mmask16 nonfinite = 0;
+        for (; k + 16 <= len; k += 16) {
+          __m512 v = _mm512_loadu_ps(in + k);
+          if (Scaled) v = _mm512_mul_ps(v, factor);
+          nonfinite |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), exponent), exponent);
+          _mm512_stream_ps(out + k, v);
+        }
+        any |= static_cast<uint32_t>(nonfinite != 0);
       }
+#endif
+#pragma omp simd reduction(| : any)
+      for (int64_t j = k; j < len; ++j) any |= copy_one<Scaled>(in, scale, out, j);
       flags[b] = static_cast<uint8_t>(any);
     }
+    if (stream) stores_done();
   });
   return std::none_of(bad.begin(), bad.end(), [](uint8_t f) { return f != 0; }) ? 1 : 0;
 }
@@ -573,7 +594,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 19; }
+int mc_abi_version() { return 20; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -832,10 +853,10 @@ void mc_moments(const float* x, int64_t n, double* stats, int threads) {
 }
 
 // dst = src * scale (n floats; scale 1: a copy); returns 1 when every element of dst is finite
-// (no NaN or Inf), else 0.
-int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int threads) {
-  if (scale == 1.0f) return copy_finite_impl<false>(src, scale, dst, n, threads);
-  return copy_finite_impl<true>(src, scale, dst, n, threads);
+// (no NaN or Inf), else 0.  stream != 0: dst is written past the cache (non-temporal stores).
+int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int stream, int threads) {
+  if (scale == 1.0f) return copy_finite_impl<false>(src, scale, dst, n, stream != 0, threads);
+  return copy_finite_impl<true>(src, scale, dst, n, stream != 0, threads);
 }
 
 // The scan above of c = x (r and u null), x + r (u null) or, with u, DGC's r + (m * u + x)
