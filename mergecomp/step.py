@@ -424,7 +424,7 @@ class MergedStep:
                 grad = grad.to_dense()
                 passes = 2  # the dense gradient written, then copied
             # the copy, prescale and check: one pass; a large group's buffer is read only once it is complete
-            finite = codecs.copy_finite(grad, slot, self.prescale, stream=flat.numel() >= native.STREAM_MIN)
+            finite = codecs.copy_finite(grad, slot, self.prescale, stream=flat.numel() >= native.LATER_STREAM_MIN)
             if finite is None:
                 self._unchecked(g)
             elif not finite:

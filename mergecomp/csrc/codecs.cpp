@@ -159,6 +159,9 @@ const std::vector<uint64_t> EXPAND = [] {
 // smaller one is better left in the cache for whoever reads it next (measured on 2 M, 8 M and
 // 16 M-element aggregates read afterwards: 1.6x slower streamed, even, 1.25x faster).
 constexpr int64_t STREAM_MIN = 1 << 23;
+// An output read only much later (the next step's pass, or a group buffer once the group is
+// complete) is written past the cache from this many elements on (4 MiB, a core's L2).
+constexpr int64_t LATER_STREAM_MIN = 1 << 20;
 
 // dst[0, len) = src[0, len); with `stream`, by non-temporal stores where dst is 32-byte aligned:
 // the lines of dst are written whole, without being read into the cache first (a third of the
@@ -317,7 +320,7 @@ void pack_signs_impl(const float* x, const float* r, float negative, float posit
   std::vector<double> partial(3 * blocks);
   double* p = partial.data();
   // A large kept gradient is read again only at the next step: written past the cache.
-  const bool stream = Keep && n >= STREAM_MIN && (reinterpret_cast<uintptr_t>(keep) & 63) == 0;
+  const bool stream = Keep && n >= LATER_STREAM_MIN && (reinterpret_cast<uintptr_t>(keep) & 63) == 0;
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK;
