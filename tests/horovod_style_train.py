@@ -68,7 +68,7 @@ def main(out_dir: str) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)
-    hvd.shutdown()
+    # no hvd.shutdown(), as in Horovod's examples: mergecomp leaves the group at exit
 
 
 if __name__ == "__main__":
