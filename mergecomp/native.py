@@ -436,6 +436,9 @@ def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optio
                          f"{values.numel()} values")
     momenta, u_out = (None, None) if momentum is None else momentum
     numel = 0 if out is None else out.numel()
+    if out is not None and not 0 <= int(indices[0]) <= int(indices[-1]) < numel:  # ascending: the ends bound them
+        raise ValueError(f"keep_largest: candidate indices {int(indices[0])}..{int(indices[-1])} do not fit "
+                         f"an output of {numel} elements")
     _library().mc_keep_largest(
         _buf("indices", indices, torch.int64, count), _buf("values", values, torch.float32, count),
         None if momenta is None else _buf("momenta", momenta, torch.float32, count), count, k,

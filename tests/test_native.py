@@ -353,6 +353,8 @@ def test_keep_largest_keeps_the_top_k_in_ascending_order_and_puts_the_others_bac
     assert torch.equal(native.keep_largest(indices.clone(), values.clone(), k)[0], indices[expected])
     with pytest.raises(ValueError, match="keep_largest"):
         native.keep_largest(indices.clone(), values.clone(), count + 1)
+    with pytest.raises(ValueError, match="do not fit"):  # a scatter past the output's end
+        native.keep_largest(indices.clone(), values.clone(), k, torch.zeros(int(indices[-1])))
 
 
 @needs_kernels
