@@ -29,7 +29,9 @@ Contract (what the pipeline in :mod:`mergecomp.exchange` relies on):
   shard's numel and dtype.
 * ``compress_fused(tensor, name, shapes, memory)`` may do the error-feedback ``memory``'s
   ``compensate``, ``compress`` and the memory's update in fewer passes; it returns None where it
-  does not (the default), and the pipeline then runs the three.
+  does not (the default), and the pipeline then runs the three.  ``compress_fused_parts``
+  may do the same work tensor by tensor as a merged group's gradients arrive (:class:`FusedParts`),
+  so that no pass copies them into the group's buffer first.
 * Full-size outputs and temporaries come from :meth:`Compressor.scratch`.  When the pipeline
   attached a :class:`~mergecomp.workspace.Workspace` (on CPU), they are recycled step by step:
   what ``decompress``/``aggregate`` return is then valid until the pipeline's next step, and a
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 Payload = Tuple[torch.Tensor, ...]
 
-__all__ = ["Compressor", "SummedDecode", "Payload", "check_ratio"]
+__all__ = ["Compressor", "FusedParts", "SummedDecode", "Payload", "check_ratio"]
 
 
 def check_ratio(ratio: float, option: str = "ratio") -> float:
@@ -123,6 +125,14 @@ class Compressor(GroupStateful, abc.ABC):
         compresses and feeds."""
         return None
 
+    def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
+                             memory: "Memory") -> Optional["FusedParts"]:
+        """:meth:`compress_fused` of group ``name`` (``like``: a flat tensor of its numel, dtype and
+        device, not read) done part by part as its ``parts`` tensors arrive, where this compressor
+        can for ``memory``: a :class:`FusedParts`.  None (this base class: always): the caller
+        gathers the group and calls :meth:`compress_fused`."""
+        return None
+
     def compress_shard(self, tensor: torch.Tensor, name: str, start: int, total: int) -> Tuple[Payload, Any]:
         """Encode ``tensor``, elements ``[start, start + numel)`` of group ``name``'s flat buffer
         of ``total`` elements, as a payload of its own (the two-phase scheme's first phase).
@@ -177,6 +187,31 @@ class Compressor(GroupStateful, abc.ABC):
         payload, _ = self.compress(torch.zeros(numel, dtype=dtype), "__probe__")
         self.state.pop("__probe__", None)
         return 8.0 * sum(t.numel() * t.element_size() for t in payload) / numel
+
+
+class FusedParts(abc.ABC):
+    """One group's :meth:`Compressor.compress_fused`, encoded tensor by tensor as the group's
+    gradients arrive (:meth:`Compressor.compress_fused_parts`).  The caller calls :meth:`add`
+    once per tensor, in any order, then :meth:`finish` once, or, when a part was not finite,
+    puts back the state of the holders in :attr:`kept` (which it filled) and starts over with the
+    whole group.  The memory's state the parts write goes to a spare buffer of a kept group
+    (:meth:`~mergecomp.memory.Memory.keep`), so putting it back costs no copy."""
+
+    #: ``(holder, group name, what it kept)`` to restore if the step cannot use the parts
+    kept: list
+
+    @abc.abstractmethod
+    def add(self, part: int, start: int, tensor: torch.Tensor) -> bool:
+        """Encode the group's elements ``[start, start + tensor.numel())`` from ``tensor``
+        (contiguous, read flat, not written), the group's tensor number ``part``.  Returns whether
+        they are finite (no NaN or Inf)."""
+
+    @abc.abstractmethod
+    def finish(self) -> Tuple[Payload, Any, Callable[[], None]]:
+        """After every part was added and found finite: ``(payload, ctx, update)`` as
+        :meth:`Compressor.compress_fused` returns them for the whole group (where the payload
+        holds sums over the group, they are added part by part: equal to the whole group's to
+        rounding)."""
 
 
 class SummedDecode(Compressor):

@@ -40,7 +40,7 @@ import torch
 from . import hierarchy
 from .breakdown import DECODE, ENCODE, MEMORY, STAGES, WAIT, Stopwatch
 from .comm import Communicator, Handle
-from .compressor import Compressor, Payload
+from .compressor import Compressor, FusedParts, Payload
 from .memory import Memory
 from .plan import CODECS, EXEMPT, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, Group
 from .registry import get_compressor, get_memory
@@ -122,7 +122,7 @@ class InFlight:
         """Tally ``passes`` over ``numel`` of the group's elements (default: all of them) in
         ``stage`` (one of :data:`~mergecomp.breakdown.STAGES`), as passes over the whole group."""
         total = self.group.numel
-        if total and passes:
+        if total and passes and numel != 0:
             self.passes[stage] = self.passes.get(stage, 0.0) + passes * (total if numel is None else numel) / total
 
     def describe(self) -> Dict[str, Any]:
@@ -210,18 +210,54 @@ class Exchange(hierarchy.HostLevel):
             return hierarchy.FLAT[codec]
         return codec
 
+    def begin(self, group: Group, flat: torch.Tensor, codec: str = "compressed") -> Optional[FusedParts]:
+        """Where ``group`` (sent with ``codec``; ``flat``: its buffer, not read) can be encoded
+        tensor by tensor as its gradients arrive (:meth:`Compressor.compress_fused_parts`: the
+        sign codes with the residual memory on fp32 CPU): its :class:`FusedParts`, for the caller
+        to :meth:`~FusedParts.add` each gradient to and pass to :meth:`start`; the group's state
+        is kept meanwhile (a part found not finite puts it back).  Else None: the caller fills
+        ``flat`` and starts it."""
+        name = group.name
+        if (self.sent_as(codec) != "compressed" or group.numel == 0 or self.compressor.rounds != 1
+                or self.shard_memory.has_carry(name)):
+            return None
+        if self.workspace is not None:
+            self.workspace.advance(self.step)
+        parts = self.compressor.compress_fused_parts(flat, name, len(group.indices), self.memory)
+        if parts is not None and self.check_finite:
+            holders = (self.memory, self.compressor, self.shard_memory) if self.keep_state else (self.memory,)
+            parts.kept = [(holder, name, holder.keep(name)) for holder in holders]
+        return parts
+
+    def cancel(self, parts: FusedParts) -> None:
+        """Put back the state ``parts`` (from :meth:`begin`, not started) kept."""
+        for holder, name, kept in reversed(parts.kept):
+            holder.restore(name, kept)
+        parts.kept = []
+
     def start(self, group: Group, flat: torch.Tensor, codec: str = "compressed",
-              finite: Optional[bool] = None) -> InFlight:
+              finite: Optional[bool] = None, parts: Optional[FusedParts] = None) -> InFlight:
         """Compress ``flat`` (the group's gradients; modified in place) and start round 1.
 
         ``finite``: whether ``flat`` holds no NaN/Inf, when the caller already knows (e.g. from
-        :func:`mergecomp.codecs.copy_finite` while filling it); None: checked here.
+        :func:`mergecomp.codecs.copy_finite` while filling it); None: checked here.  ``parts``:
+        what :meth:`begin` gave, every gradient added (``finite``: whether all were; ``flat``
+        then holds no gradients): its payload is sent, or, for a part not finite, the group's
+        state is put back and the group goes on as one whose ``flat`` held NaN.
         """
         with self.clock(ENCODE, group.name):
             if self.workspace is not None:
                 self.workspace.advance(self.step)
             codec = self.sent_as(codec)
             job = InFlight(group, codec, self.codec(codec), flat, self.comm)
+            if parts is not None:
+                if finite or not self.check_finite:
+                    job.finite = flat.new_ones((), dtype=torch.bool)
+                    self._kept += parts.kept if self.keep_state else []
+                    self._launch_fused(job, parts.finish())
+                    return job
+                self.cancel(parts)
+                finite = False
             job.finite = self._check(job, finite)
             whole = codec not in hierarchy.FLAT and not (codec == TWO_PHASE and self.comm.size > 1)  # not in shards
             if job.feedback:
@@ -359,7 +395,11 @@ class Exchange(hierarchy.HostLevel):
         compressor's fused encode (:meth:`Compressor.compress_fused`) and start the collective,
         where the compressor offers one for this memory; :meth:`_remember` then runs its update.
         Returns whether it did (``job.compensated`` stays the gradient as given)."""
-        fused = job.compressor.compress_fused(job.compensated, job.group.name, job.group.shapes, self.memory)
+        return self._launch_fused(job, job.compressor.compress_fused(job.compensated, job.group.name,
+                                                                     job.group.shapes, self.memory))
+
+    def _launch_fused(self, job: InFlight, fused: Optional[Tuple[Payload, Any, Callable[[], None]]]) -> bool:
+        """Start ``job`` with a fused encode's ``(payload, ctx, update)``; None: returns False."""
         if fused is None:
             return False
         job.payload, job.ctx, job.update = fused

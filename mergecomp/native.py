@@ -36,13 +36,14 @@ import torch
 from mergecomp.bitpack import packed_size
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "compensated_signs", "sign_residual", "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
+           "pack_signs", "compensated_signs", "compensated_signs_part", "sign_residual", "momentum_signs",
+           "majority_vote", "codes_sum", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "zero_fill"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 20
+_ABI_VERSION = 21
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -97,6 +98,7 @@ _SIGNATURES = {
     "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
     "mc_compensated_signs": ([_P, _P, _F32, _F32, _P, _I64, _P, _P, _I32], None),
+    "mc_compensated_signs_part": ([_P, _P, _F32, _F32, _P, _I64, _I64, _P, _P, _I32, _I32], _I32),
     "mc_sign_residual": ([_P, _I64, _F32, _F32, _P, _I32], None),
     "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
     "mc_moments": ([_P, _I64, _P, _I32], None),
@@ -305,6 +307,21 @@ def compensated_signs(x: torch.Tensor, r: Optional[torch.Tensor], negative: floa
                                     negative, positive, None if keep is None else _buf("keep", keep, torch.float32, n),
                                     n, _buf("out", out, *_code_layout(n, 1)), stats.data_ptr(), _threads())
     return out, stats
+
+
+def compensated_signs_part(x: torch.Tensor, r: Optional[torch.Tensor], negative: float, positive: float,
+                           keep: Optional[torch.Tensor], at: int, out: torch.Tensor, stats: torch.Tensor,
+                           stream: bool = False) -> bool:
+    """:func:`compensated_signs` of one part of a group: ``x``, ``r`` and ``keep`` (fp32, ``x``'s
+    numel) hold the group's elements ``[at, at + x.numel())``, whose sign bits go to those bits
+    of ``out`` (the group's packed signs; the bits of other elements are left as they are), and
+    ``stats`` (fp64, 3 elements) receives the part's sums.  ``stream``: ``keep`` is written past
+    the cache.  Returns whether the sums are finite (NaN or Inf in ``v`` makes them not)."""
+    n = x.numel()
+    return bool(_library().mc_compensated_signs_part(
+        _buf("x", x, torch.float32, n), None if r is None else _buf("r", r, torch.float32, n), negative, positive,
+        None if keep is None else _buf("keep", keep, torch.float32, n), at, n,
+        _buf("out", out, *_code_layout(at + n, 1)), _buf("stats", stats, torch.float64, 3), int(stream), _threads()))
 
 
 def sign_residual(v: torch.Tensor, negative: float, positive: float, out: torch.Tensor) -> torch.Tensor:

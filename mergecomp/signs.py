@@ -6,13 +6,13 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from . import native
+from . import bitpack, native
 from .codecs import compensated_signs, pack_signs, sign_sum
 from .codecs.sums import SignStats
-from .compressor import Payload, SummedDecode
-from .memory import Memory
+from .compressor import FusedParts, Payload, SummedDecode
+from .memory import Memory, Residual
 
-__all__ = ["SignValueCompressor"]
+__all__ = ["SignValueCompressor", "SignParts"]
 
 
 class SignValueCompressor(SummedDecode):
@@ -53,6 +53,15 @@ class SignValueCompressor(SummedDecode):
         residual.carry(*(float(v) for v in self.sides(payload)))
         return payload, ctx, lambda: None
 
+    def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
+                             memory: Memory) -> Optional["SignParts"]:
+        """:meth:`compress_fused` part by part (:class:`SignParts`) with the residual memory
+        on fp32 CPU groups where the kernels are on."""
+        residual = memory.fused_residual(like, name, carried=True)
+        if residual is None or not native.usable(like, *(() if residual.old is None else (residual.old,))):
+            return None
+        return SignParts(self, residual, like, parts)
+
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(negative, positive)``: what a 0 bit and a 1 bit of this payload decode to."""
         raise NotImplementedError
@@ -61,3 +70,37 @@ class SignValueCompressor(SummedDecode):
         numel, dtype = ctx
         return sign_sum([p[0] for p in payloads], [self.sides(p) for p in payloads], numel, dtype, divisor=divisor,
                         out=self.scratch(numel, dtype, payloads[0][0].device))
+
+
+class SignParts(FusedParts):
+    """:meth:`SignValueCompressor.compress_fused` of a group, part by part: each part's pass
+    (:func:`mergecomp.native.compensated_signs_part`) reads its gradient and its slice of the
+    carried buffer, and writes its slice of the compensated gradient (into the memory's buffer
+    for the next step) and its bits; :meth:`finish` adds the parts' sums in part order."""
+
+    def __init__(self, compressor: SignValueCompressor, residual: Residual, like: torch.Tensor, parts: int) -> None:
+        self.kept = []
+        self._compressor = compressor
+        self._residual = residual
+        self._like = like
+        self._keep: Optional[torch.Tensor] = None  # the memory's target, taken at the first part
+        self._stream = like.numel() >= native.LATER_STREAM_MIN  # read again only at the next step
+        self._bits = compressor.scratch(bitpack.packed_size(like.numel(), 1), torch.uint8, like.device)
+        if like.numel() % 8:
+            self._bits[-1] = 0  # the padding bits, which no part writes
+        self._sums = torch.zeros(parts, 3, dtype=torch.float64)
+
+    def add(self, part: int, start: int, tensor: torch.Tensor) -> bool:
+        if self._keep is None:
+            self._keep = self._residual.target()
+        stop = start + tensor.numel()
+        old, (negative, positive) = self._residual.old, self._residual.sides
+        return native.compensated_signs_part(tensor.reshape(-1), None if old is None else old[start:stop],
+                                             negative, positive, self._keep[start:stop], start, self._bits,
+                                             self._sums[part], self._stream)
+
+    def finish(self) -> Tuple[Payload, Any, Callable[[], None]]:
+        compressor = self._compressor
+        payload, ctx = compressor.encode(self._bits, SignStats(self._like, fused=self._sums.sum(0)), self._like)
+        self._residual.carry(*(float(v) for v in compressor.sides(payload)))
+        return payload, ctx, lambda: None

@@ -39,7 +39,7 @@ from . import codecs, native
 from .agreement import check_ranks_agree
 from .breakdown import DECODE, ENCODE, SCHEDULER, WAIT, Breakdown
 from .comm import Communicator
-from .compressor import Compressor
+from .compressor import Compressor, FusedParts
 from .exchange import NONFINITE_POLICIES, SHARDED, Exchange, InFlight, NonfiniteCheck
 from .plan import EXEMPT, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
 from .scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
@@ -317,9 +317,11 @@ class MergedStep:
         self._plan = plan
         self._groups = layout(plan, self.shapes)
         self._where: Dict[int, Tuple[int, int]] = {}  # tensor -> (group, offset)
+        self._position: Dict[int, int] = {}  # tensor -> its place among its group's tensors
         for g, group in enumerate(self._groups):
-            for i, offset in zip(group.indices, group.offsets):
+            for k, (i, offset) in enumerate(zip(group.indices, group.offsets)):
                 self._where[i] = (g, offset)
+                self._position[i] = k
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._groups)
         self._reset()
 
@@ -373,6 +375,9 @@ class MergedStep:
         self._encode_spent = 0.0
         #: per group: elements written into its buffer by this step's copy-in, pass by pass
         self._copied = [0] * len(self._groups)
+        #: per group whose first tensor arrived: its FusedParts when its tensors are encoded as
+        #: they arrive (Exchange.begin), else None
+        self._arriving: Dict[int, Optional[FusedParts]] = {}
         #: caller-given groups split by exemption: (the group's slices, index of the job whose
         #: result goes back into them)
         self._copy_back: List[Tuple[List[torch.Tensor], int]] = []
@@ -399,12 +404,38 @@ class MergedStep:
     def _fill(self, i: int, grad: Optional[torch.Tensor]) -> None:
         g, offset = self._where[i]
         with self.exchange.clock(ENCODE, self._groups[g].name):
-            self._copied[g] += self._copy_in(i, grad, g, offset) * self.shapes[i].numel()
+            parts = self._parts(g)
+            if parts is None:
+                self._copied[g] += self._copy_in(i, grad, g, offset) * self.shapes[i].numel()
+            else:
+                began = time.perf_counter()
+                finite = parts.add(self._position[i], offset, self._part(i, grad, g, offset))  # checked by the kernel
+                self._finite[g] = finite and self._finite[g] is not False
+                self._encode_spent += time.perf_counter() - began
         self._count[g] += 1
 
-    def _copy_in(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int) -> int:
+    def _parts(self, g: int) -> Optional[FusedParts]:
+        """Group ``g``'s :class:`~mergecomp.compressor.FusedParts` this step, when its gradients
+        are encoded as they arrive (:meth:`Exchange.begin`; no prescaling, no caller-given
+        groups), else None: they are copied into its buffer."""
+        if g not in self._arriving:
+            self._arriving[g] = None if self._caller_groups or self.prescale != 1.0 else \
+                self.exchange.begin(self._groups[g], self._buffer(g), self._started_as(self._plan.codec(g)))
+        return self._arriving[g]
+
+    def _part(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int) -> torch.Tensor:
+        """Tensor ``i``'s gradient as its part is encoded from: itself where the kernel reads
+        it as it is (dense, contiguous fp32), else copied into its slot first."""
+        if grad is not None and not grad.is_sparse and grad.numel() == self.shapes[i].numel() and native.usable(grad):
+            return grad
+        self._copied[g] += self._copy_in(i, grad, g, offset, later=False) * self.shapes[i].numel()
+        return self.slot(i)
+
+    def _copy_in(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int, later: bool = True) -> int:
         """Write tensor ``i``'s gradient (None: zeros), prescaled, into its slot at ``offset`` of
-        group ``g``'s buffer, checking NaN/Inf where the copy can; returns the passes over the slot."""
+        group ``g``'s buffer, checking NaN/Inf where the copy can; returns the passes over the slot.
+        ``later``: the slot is read only once the group is complete (a large group's is then
+        written past the cache)."""
         flat = self._buffer(g)
         slot = flat[offset:offset + self.shapes[i].numel()]
         passes = 1
@@ -424,7 +455,8 @@ class MergedStep:
                 grad = grad.to_dense()
                 passes = 2  # the dense gradient written, then copied
             # the copy, prescale and check: one pass; a large group's buffer is read only once it is complete
-            finite = codecs.copy_finite(grad, slot, self.prescale, stream=flat.numel() >= native.LATER_STREAM_MIN)
+            finite = codecs.copy_finite(grad, slot, self.prescale,
+                                        stream=later and flat.numel() >= native.LATER_STREAM_MIN)
             if finite is None:
                 self._unchecked(g)
             elif not finite:
@@ -439,17 +471,23 @@ class MergedStep:
         while (not self._caller_groups and len(self._started) < len(self._groups)
                and self._count[len(self._started)] == len(self._groups[len(self._started)].indices)):
             g = len(self._started)
-            self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g], self._copied[g])
+            self._launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g], self._copied[g],
+                         self._arriving.get(g))
 
-    def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool], copied: int) -> None:
+    def _launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool], copied: int,
+                parts: Optional[FusedParts] = None) -> None:
         """Start ``group`` from ``flat``, into which ``copied`` elements were written (pass by
-        pass) this step."""
+        pass) this step, or from its ``parts`` (:meth:`Exchange.start`)."""
         began = time.perf_counter()
-        job = self.exchange.start(group, flat, self._sent_as(codec) if self.compressing else EXEMPT, finite)
+        job = self.exchange.start(group, flat, self._started_as(codec), finite, parts)
         self._encode_spent += time.perf_counter() - began
         job.count("copy-in", 1, copied)
         self._started.append(job)
         self._outs.append(flat)
+
+    def _started_as(self, codec: str) -> str:
+        """The codec a group of the plan's ``codec`` is started with this step."""
+        return self._sent_as(codec) if self.compressing else EXEMPT
 
     def _sent_as(self, codec: str) -> str:
         """The codec a group of the plan's ``codec`` is started with: ``"compressed"`` travels by
@@ -578,6 +616,9 @@ class MergedStep:
         """Forget a step that cannot finish (an interrupted backward pass): its collectives are
         out of step with the other ranks', so the caller must fail the step on every rank."""
         self.exchange.rollback()
+        for g, parts in self._arriving.items():
+            if parts is not None and g >= len(self._started):
+                self.exchange.cancel(parts)
         self.exchange.clock.take()
         self.timings.forget()
         self._before = None

@@ -158,6 +158,10 @@ class ShardMemory(ResidualMemory):
             carry = fields["carry"] = residual.new_zeros(numel)
         carry[start:start + residual.numel()].add_(residual, alpha=scale)
 
+    def has_carry(self, name: str) -> bool:
+        """Whether group ``name`` has a carry (:meth:`take_carry`)."""
+        return "carry" in self.state.get(name, {})
+
     def take_carry(self, name: str) -> Optional[torch.Tensor]:
         """Group ``name``'s carry, removed (None if there is none)."""
         fields = self.state.get(name)

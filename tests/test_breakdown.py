@@ -152,11 +152,11 @@ PASSES = {
     # residual, fused encode: one scan of gradient + residual writes the new residual and sets
     # the candidates aside; zero the dense sum (k entries scattered)
     ("topk", None): {"copy-in": 1, "encode": 1, "decode": 1},
-    # residual, fused encode: signs and sums of gradient + carried residual, the compensated
-    # gradient kept in the memory's buffer (the residual is worked out in the next step's pass);
-    # all ranks' bits in one pass
-    ("onebit", None): {"copy-in": 1, "encode": 1, "decode": 1},
-    ("efsignsgd", None): {"copy-in": 1, "encode": 1, "decode": 1},
+    # residual, fused encode of each gradient as it arrives (no copy-in): signs and sums of
+    # gradient + carried residual, the compensated gradient kept in the memory's buffer (the
+    # residual is worked out in the next step's pass); all ranks' bits in one pass
+    ("onebit", None): {"encode": 1, "decode": 1},
+    ("efsignsgd", None): {"encode": 1, "decode": 1},
     # two-phase adds, on this rank's half, the second stage: compensate, encode, memory (decode +
     # subtract), and the sign sum of its shard before every shard is decoded; the first-stage
     # memory decodes the shards side by side (decodes, copies and zeros: 2 passes)

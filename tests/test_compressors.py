@@ -885,7 +885,8 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
                                                                                  monkeypatch):
     """A small model trained 4 steps through MergedStep (one rank, 2 groups, the residual memory,
     a kept state for the propagate policy): parameters and residuals bit for bit the same with
-    the fused encode as with compensate, compress and feed."""
+    the fused encode of each whole group as with compensate, compress and feed (the encode of
+    each gradient as it arrives: tests/test_step.py)."""
     from mergecomp.comm import LocalCommunicator
     from mergecomp.compressor import Compressor
     from mergecomp.memory import DGCMemory, ResidualMemory
@@ -911,6 +912,7 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
         memory = step.exchange.memory.state_dict()
         return [p.detach().clone() for p in params] + [t for g in sorted(memory) for _, t in sorted(memory[g].items())]
 
+    monkeypatch.setattr(SignValueCompressor, "compress_fused_parts", Compressor.compress_fused_parts)
     with monkeypatch.context() as patch:
         if codec_path == "native":  # the fused encode's update stands in for the memory's feed
             patch.setattr(ResidualMemory if memory_name == "residual" else DGCMemory, "feed", None)

@@ -521,3 +521,63 @@ def test_failed_build_warns_and_falls_back(tmp_path):
     out = _probe({"CXX": str(broken), "MERGECOMP_CACHE": str(tmp_path / "cache")})
     assert out.startswith("False True"), out
     assert "building the native codec kernels failed" in out and "cannot compile" in out
+
+
+def _split(n, cuts):
+    """Parts ``(start, stop)`` of ``n`` elements cut at ``cuts`` (sorted, within [0, n])."""
+    bounds = [0, *cuts, n]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, cuts", [
+    (1, []), (7, [3]), (40, [0, 0, 5, 21, 21, 37]), (1000, [1, 9, 16, 17, 500, 999]),
+    (100_003, [13, 4096, 50_001, 99_990]),
+    ((1 << 20) + 37, [5, 70_000, 1 << 19]),  # keep written past the cache, from part starts of all alignments
+])
+@pytest.mark.parametrize("carried", ["none", "carried", "carried, kept in place"])
+def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
+    """compensated_signs_part over the parts of a group, added in a shuffled order, leaves the
+    group's bits and kept values those of one compensated_signs of the whole, bit for bit; each
+    part's sums add up to the whole group's to rounding, its count exactly."""
+    x, r = torch.randn(n), torch.randn(n) * 0.1
+    x[::5] = 0.0
+    negative, positive = (-0.3125, 0.7) if carried != "none" else (0.0, 0.0)
+    whole_keep = torch.empty(n)
+    whole_bits, whole_stats = native.compensated_signs(
+        x, None if carried == "none" else r.clone(), negative, positive, whole_keep,
+        torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8))
+    keep = r if carried.endswith("in place") else torch.empty(n)
+    bits = torch.randint(0, 256, (bitpack.packed_size(n, 1),), dtype=torch.uint8)  # garbage until written
+    if n % 8:
+        bits[-1] = 0  # padding: no part writes it
+    parts = _split(n, cuts)
+    stats = torch.zeros(len(parts), 3, dtype=torch.float64)
+    for k in torch.randperm(len(parts)).tolist():
+        start, stop = parts[k]
+        assert native.compensated_signs_part(x[start:stop], None if carried == "none" else r[start:stop], negative,
+                                             positive, keep[start:stop], start, bits, stats[k],
+                                             stream=n > (1 << 20))
+    assert torch.equal(bits, whole_bits)
+    assert torch.equal(keep, whole_keep)
+    torch.testing.assert_close(stats.sum(0)[:2], whole_stats[:2], rtol=16 * 2.0**-24, atol=1e-30)
+    assert stats.sum(0)[2] == whole_stats[2]
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 5, 16, 999])  # in the part's head, its body, its last element
+def test_a_part_holding_nan_or_inf_is_reported_not_finite(bad, where):
+    x = torch.randn(1000)
+    bits = torch.zeros(bitpack.packed_size(1003, 1), dtype=torch.uint8)
+    stats = torch.zeros(3, dtype=torch.float64)
+    assert native.compensated_signs_part(x, None, 0.0, 0.0, torch.empty(1000), 3, bits, stats)
+    x[where] = bad
+    assert not native.compensated_signs_part(x, None, 0.0, 0.0, torch.empty(1000), 3, bits, stats)
+
+
+@needs_kernels
+def test_a_part_past_the_end_of_its_bits_is_refused():
+    with pytest.raises(ValueError, match="'out'"):
+        native.compensated_signs_part(torch.randn(10), None, 0.0, 0.0, None, 60,
+                                      torch.zeros(8, dtype=torch.uint8), torch.zeros(3, dtype=torch.float64))

@@ -214,3 +214,108 @@ def test_two_ranks_average_agree_on_nonfinite_and_take_caller_groups():
         first, second = out["caller_residuals"]
         assert len(first) == 2 and len(second) == 1  # the old groups' state is gone
         assert 0 < sum(second.values()) <= sum(first.values()) + 1e-6
+
+
+SIGN_SHAPES = [(33, 7), (5,), (0,), (1000, 3), (17,), (1,)]  # part starts of every alignment
+
+
+def sign_step(compression, parts=True, **kwargs) -> MergedStep:
+    """A one-rank MergedStep of SIGN_SHAPES in 2 groups; ``parts`` False: the gradients are
+    copied into the group buffers and the whole group is encoded at once."""
+    names = [f"t{i}" for i in range(len(SIGN_SHAPES))]
+    step = MergedStep(compression, None, LocalCommunicator(), names, SIGN_SHAPES, [torch.float32] * len(names),
+                      torch.device("cpu"), groups=GroupPlan(((5, 4, 3), (2, 1, 0))), **kwargs)
+    if not parts:
+        step.exchange.begin = lambda *args: None
+    return step
+
+
+def sign_grads(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=generator) for s in SIGN_SHAPES]
+
+
+def run_sign_step(step, seed, bad=None):
+    """One step of ``sign_grads(seed)``, in backward order, ``bad`` (index, value) written into
+    one gradient; the results (cloned), or None."""
+    g = sign_grads(seed)
+    if bad is not None:
+        g[bad[0]].view(-1)[3] = bad[1]
+    for i in reversed(range(len(g))):
+        step.add(i, g[i])
+    reduced = step.finish()
+    return None if reduced is None else [t.clone() for t in reduced.tensors(len(g))]
+
+
+def memory_state(step):
+    return {n: {k: v.clone() for k, v in f.items()} for n, f in step.exchange.memory.state.items()}
+
+
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise", "skip", "ignore"])
+@pytest.mark.parametrize("compression", ["onebit", "efsignsgd"])
+def test_sign_codes_encoded_as_gradients_arrive_give_what_the_whole_group_gives(compression, nonfinite):
+    """Each gradient encoded as it arrives (no copy into the group buffer) gives the results and
+    the memory the whole group's encode gives: the same sign bits, the scales (sums added part
+    by part) to fp32 rounding."""
+    from mergecomp import native
+
+    if not native.usable(torch.zeros(1)):
+        pytest.skip("the parts are encoded by the native kernels")
+    by_parts, whole = sign_step(compression, nonfinite=nonfinite), sign_step(compression, False, nonfinite=nonfinite)
+    for seed in range(4):
+        got, want = run_sign_step(by_parts, seed), run_sign_step(whole, seed)
+        assert all(g.sign().eq(w.sign()).all() for g, w in zip(got, want))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    breakdown = by_parts.step_breakdown()
+    assert all("copy-in" not in group["passes_by_stage"] for group in breakdown["groups"])
+    a, b = memory_state(by_parts), memory_state(whole)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise", "skip"])
+@pytest.mark.parametrize("bad", [(0, float("nan")), (4, float("-inf")), (3, float("inf"))])
+def test_a_nonfinite_gradient_met_part_by_part_leaves_the_memory_as_the_whole_group_route(nonfinite, bad):
+    """A NaN or Inf found while the parts are encoded puts the memory back and the group goes on
+    as a whole: the group's memory after the step (rolled back, or advanced as by zeros) is, bit
+    for bit, what the route without parts leaves, and the steps after it agree."""
+    from mergecomp import native
+
+    if not native.usable(torch.zeros(1)):
+        pytest.skip("the parts are encoded by the native kernels")
+    by_parts, whole = sign_step("efsignsgd", nonfinite=nonfinite), sign_step("efsignsgd", False, nonfinite=nonfinite)
+    run_sign_step(by_parts, 0)
+    saved = by_parts.exchange.memory.state_dict()
+    for step in (by_parts, whole):  # the same residuals on both
+        step.exchange.memory.load_state_dict(saved)
+    outcomes = []
+    for step in (by_parts, whole):
+        with pytest.raises(FloatingPointError) if nonfinite == "raise" else contextlib.nullcontext():
+            outcomes.append(run_sign_step(step, 1, bad))
+    if nonfinite == "propagate":
+        assert all(t.isnan().all() for out in outcomes for t in out if t.numel())
+    elif nonfinite == "skip":
+        assert outcomes == [None, None]
+    a, b = memory_state(by_parts), memory_state(whole)
+    held = by_parts.groups[by_parts._where[bad[0]][0]].name  # the group that held it
+    assert a.keys() == b.keys() and all(torch.equal(a[held][k], b[held][k]) for k in a[held])
+    for name in a:  # the other group was encoded part by part
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+    for seed in (2, 3):
+        got, want = run_sign_step(by_parts, seed), run_sign_step(whole, seed)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_an_aborted_step_puts_back_the_memory_its_parts_wrote():
+    step = sign_step("onebit", nonfinite="propagate")
+    run_sign_step(step, 0)
+    before = memory_state(step)
+    g = sign_grads(1)
+    step.add(5, g[5])
+    step.add(4, g[4])  # the first group is partly encoded
+    step.abort()
+    after = memory_state(step)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
+    assert run_sign_step(step, 1) is not None and not step.in_flight

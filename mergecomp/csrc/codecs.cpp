@@ -256,8 +256,10 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
         _mm512_mask_storeu_ps(keep + i, live, v);
       }
     }
-    up = _mm512_add_ps(up, _mm512_max_ps(v, zero));
-    down = _mm512_add_ps(down, _mm512_min_ps(v, zero));
+    // zero first: the vector max and min return their second operand for a NaN, which then
+    // reaches the sums (as the portable loop's std::max and std::min do)
+    up = _mm512_add_ps(up, _mm512_max_ps(zero, v));
+    down = _mm512_add_ps(down, _mm512_min_ps(zero, v));
     const uint16_t bits = _mm512_mask_cmp_ps_mask(live, v, zero, _CMP_GE_OQ);
     count += __builtin_popcount(bits);
     return bits;
@@ -312,15 +314,14 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
 // The sign bits of v[i] (see Input) packed into out, with stats = {sum of the v >= 0, sum of the
 // v < 0, count of v >= 0}, each side summed on its own (see SIGN_LANES).  One loop for every
 // input, so the sums of equal v are equal bit for bit.  With Keep, keep (may be r) receives
-// every v.
+// every v, written past the cache with stream_keep where keep is 64-byte aligned.
 template <Input In, bool Keep = false>
 void pack_signs_impl(const float* x, const float* r, float negative, float positive, float* m, float weight,
-                     float* keep, int64_t n, uint8_t* out, double* stats, int threads) {
+                     float* keep, int64_t n, uint8_t* out, double* stats, int threads, bool stream_keep = false) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<double> partial(3 * blocks);
   double* p = partial.data();
-  // A large kept gradient is read again only at the next step: written past the cache.
-  const bool stream = Keep && n >= LATER_STREAM_MIN && (reinterpret_cast<uintptr_t>(keep) & 63) == 0;
+  const bool stream = Keep && stream_keep && (reinterpret_cast<uintptr_t>(keep) & 63) == 0;
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK;
@@ -597,7 +598,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 20; }
+int mc_abi_version() { return 21; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -698,21 +699,77 @@ void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int t
   pack_signs_impl<Input::kPlain>(x, nullptr, 0.0f, 0.0f, nullptr, 0.0f, nullptr, n, out, stats, threads);
 }
 
-// mc_pack_signs of the compensated gradient v = x + (r - (r >= 0 ? positive : negative)), each
-// difference and sum rounded to fp32 (r null: v = x): with negative = positive = 0, x plus the
-// residual r; else r holds the step before's compensated gradient and its residual is r less
-// its two-valued sign decode.  keep (may be null, may be r) receives v.
-void mc_compensated_signs(const float* x, const float* r, float negative, float positive, float* keep,
-                          int64_t n, uint8_t* out, double* stats, int threads) {
+// pack_signs_impl of the compensated gradient (mc_compensated_signs) for each case of r and keep.
+void compensated_signs_impl(const float* x, const float* r, float negative, float positive, float* keep,
+                            int64_t n, uint8_t* out, double* stats, bool stream_keep, int threads) {
   if (r == nullptr && keep == nullptr) {
     pack_signs_impl<Input::kPlain>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
   } else if (r == nullptr) {
-    pack_signs_impl<Input::kPlain, true>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
+    pack_signs_impl<Input::kPlain, true>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads, stream_keep);
   } else if (keep == nullptr) {
     pack_signs_impl<Input::kCarried>(x, r, negative, positive, nullptr, 0.0f, keep, n, out, stats, threads);
   } else {
-    pack_signs_impl<Input::kCarried, true>(x, r, negative, positive, nullptr, 0.0f, keep, n, out, stats, threads);
+    pack_signs_impl<Input::kCarried, true>(x, r, negative, positive, nullptr, 0.0f, keep, n, out, stats, threads,
+                                           stream_keep);
   }
+}
+
+// mc_pack_signs of the compensated gradient v = x + (r - (r >= 0 ? positive : negative)), each
+// difference and sum rounded to fp32 (r null: v = x): with negative = positive = 0, x plus the
+// residual r; else r holds the step before's compensated gradient and its residual is r less
+// its two-valued sign decode.  keep (may be null, may be r) receives v; a large one (read again
+// only at the next step) is written past the cache.
+void mc_compensated_signs(const float* x, const float* r, float negative, float positive, float* keep,
+                          int64_t n, uint8_t* out, double* stats, int threads) {
+  compensated_signs_impl(x, r, negative, positive, keep, n, out, stats, n >= LATER_STREAM_MIN, threads);
+}
+
+// Writes the `len` (< 32 - at % 8) low bits of `bits` as bits at .. at + len - 1 of the packed
+// stream out (bit j in byte j / 8, bit j % 8), leaving its other bits as they are.
+static void merge_bits(uint8_t* out, int64_t at, int64_t len, uint64_t bits) {
+  const int shift = static_cast<int>(at % 8);
+  const uint64_t mask = ((uint64_t{1} << len) - 1) << shift;
+  bits <<= shift;
+  uint8_t* dst = out + at / 8;
+  for (int j = 0; 8 * j < shift + len; ++j) {
+    const uint8_t m = static_cast<uint8_t>(mask >> (8 * j));
+    dst[j] = static_cast<uint8_t>((dst[j] & ~m) | (static_cast<uint8_t>(bits >> (8 * j)) & m));
+  }
+}
+
+// mc_compensated_signs of one part of a group, as the group's gradients arrive one by one: the
+// part is the group's elements [at, at + n) (x, r and keep point at the part's first element),
+// its bits go to bits at .. at + n - 1 of the group's packed signs `out`, the bits of the bytes
+// it shares with its neighbours are left as they are, and stats are the part's.  The elements up
+// to the next multiple of 16 and the last ones are coded on their own, so the rest starts on a
+// whole byte of bits (and, in a 64-byte aligned group, on a 64-byte line of keep).  stream_keep:
+// keep is written past the cache.  Returns whether the part's sums are finite (a NaN or Inf in
+// v makes them not).
+int mc_compensated_signs_part(const float* x, const float* r, float negative, float positive, float* keep,
+                              int64_t at, int64_t n, uint8_t* out, double* stats, int stream_keep, int threads) {
+  const int64_t head = std::min(n, (16 - at % 16) % 16), body = (n - head) / 16 * 16;
+  stats[0] = stats[1] = stats[2] = 0;
+  double part[3];
+  const auto add = [&] {
+    for (int j = 0; j < 3; ++j) stats[j] += part[j];
+  };
+  const auto edge = [&](int64_t first, int64_t len) {  // fewer than 16 elements of the part
+    if (len == 0) return;
+    uint8_t bits[2] = {0, 0};
+    compensated_signs_impl(x + first, r == nullptr ? nullptr : r + first, negative, positive,
+                           keep == nullptr ? nullptr : keep + first, len, bits, part, false, 1);
+    merge_bits(out, at + first, len, bits[0] | static_cast<uint64_t>(bits[1]) << 8);
+    add();
+  };
+  edge(0, head);
+  if (body > 0) {
+    compensated_signs_impl(x + head, r == nullptr ? nullptr : r + head, negative, positive,
+                           keep == nullptr ? nullptr : keep + head, body, out + (at + head) / 8, part,
+                           stream_keep != 0, threads);
+    add();
+  }
+  edge(head + body, n - head - body);
+  return std::isfinite(stats[0]) && std::isfinite(stats[1]);
 }
 
 // Signum's step: m = m + weight * (x - m) in place, then mc_pack_signs of m.
