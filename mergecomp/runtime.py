@@ -29,6 +29,7 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
+from .allocator import hold_freed_memory
 from .comm import CommunicationError, Communicator, LocalCommunicator, default_timeout
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "communicator",
@@ -204,8 +205,13 @@ def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[
         backend: torch.distributed backend; default NCCL when CUDA is available, else gloo.
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
         comm: use this communicator instead (advanced: a sub-group, a custom engine).
+
+    Also keeps the memory glibc's malloc frees in the process (:func:`mergecomp.allocator.hold_freed_memory`;
+    ``MERGECOMP_HOLD_FREED_MEMORY=0``: glibc's defaults), so the gradients freed every step are not
+    faulted in again page by page.
     """
     global _comm, _exit_registered
+    hold_freed_memory()
     if comm is not None:
         _comm = comm
         return _comm

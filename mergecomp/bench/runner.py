@@ -49,6 +49,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..allocator import hold_freed_memory
 from ..breakdown import GROUP_PARTS, PARTS, combine
 from ..cmdline import keyword_args
 
@@ -342,7 +343,10 @@ def _run_local(w: _Worker, args) -> List[Dict]:
 
 
 def run_worker(args) -> List[Dict]:
-    """Run the benchmark on this rank; every rank returns the same records."""
+    """Run the benchmark on this rank; every rank returns the same records.  Every mode runs
+    with the malloc settings ``mergecomp.init`` makes (:func:`mergecomp.allocator.hold_freed_memory`),
+    so the DDP anchors and the single worker are measured under the same allocator."""
+    hold_freed_memory()
     w = _Worker(args)
     runner = {"mergecomp": _run_mergecomp, "ddp": _run_ddp, "ddp-fp16": _run_ddp, "ddp-powersgd": _run_ddp,
               "ddp-powersgd-serial": _run_ddp, "local": _run_local}[args.mode]
