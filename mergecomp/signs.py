@@ -88,6 +88,7 @@ class SignParts(FusedParts):
         self._bits = compressor.scratch(bitpack.packed_size(like.numel(), 1), torch.uint8, like.device)
         if like.numel() % 8:
             self._bits[-1] = 0  # the padding bits, which no part writes
+        # each part's row written by its add(); every part is added before finish()
         self._sums = compressor.scratch(parts * 3, torch.float64, like.device).view(parts, 3)
 
     def add(self, part: int, start: int, tensor: torch.Tensor) -> bool:
