@@ -8,7 +8,7 @@ import torch
 
 from . import bitpack, native
 from .codecs import compensated_signs, pack_signs, sign_sum
-from .codecs.sums import SignStats
+from .codecs.sums import SignStats, exact_where_overflowed
 from .compressor import FusedParts, Payload, SummedDecode
 from .memory import Memory, Residual
 
@@ -96,9 +96,12 @@ class SignParts(FusedParts):
             self._keep = self._residual.target()
         stop = start + tensor.numel()
         old, (negative, positive) = self._residual.old, self._residual.sides
-        return native.compensated_signs_part(tensor.reshape(-1), None if old is None else old[start:stop],
-                                             negative, positive, self._keep[start:stop], start, self._bits,
-                                             self._sums[part], self._stream)
+        sums, kept = self._sums[part], self._keep[start:stop]
+        if native.compensated_signs_part(tensor.reshape(-1), None if old is None else old[start:stop], negative,
+                                         positive, kept, start, self._bits, sums, self._stream):
+            return True
+        sums.copy_(exact_where_overflowed(sums, lambda: kept))  # finite values whose fp32 runs overflowed
+        return bool(torch.isfinite(sums).all())
 
     def finish(self) -> Tuple[Payload, Any, Callable[[], None]]:
         compressor = self._compressor

@@ -732,6 +732,16 @@ def fused_matches_plain(fused, plain, grad, codec_path):
     return payload
 
 
+@pytest.mark.parametrize("name", SIGN_VALUE)
+def test_sign_scales_of_values_near_the_fp32_limit_are_finite(name):
+    """Sides summing past fp32's largest value (a gradient under a huge loss scale) still give
+    the finite scale or means their values have."""
+    x = torch.full((1000,), 3e38)
+    x[::2] = -3e38
+    payload, _ = make(name).compress(x, "g")
+    assert torch.isfinite(payload[1]).all() and torch.allclose(payload[1].abs(), torch.tensor(3e38)), payload[1]
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 100_003])
 @pytest.mark.parametrize("name", SIGN_VALUE)
 def test_fused_encode_matches_compensate_compress_feed_bit_for_bit(name, n, codec_path):

@@ -319,3 +319,16 @@ def test_an_aborted_step_puts_back_the_memory_its_parts_wrote():
     assert before.keys() == after.keys()
     assert all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
     assert run_sign_step(step, 1) is not None and not step.in_flight
+
+
+@pytest.mark.parametrize("compression", ["onebit", "efsignsgd"])
+def test_gradients_near_the_fp32_limit_are_finite_part_by_part(compression):
+    """Finite gradients whose sides sum past fp32's largest value (a huge loss scale) are not
+    taken for NaN/Inf, and their scales stay finite."""
+    step = sign_step(compression, nonfinite="raise")
+    for i, n in enumerate(SIGN_SHAPES):
+        g = torch.full(n, 3e38)
+        g.view(-1)[::2] = -3e38
+        step.add(i, g)
+    out = step.finish().tensors(len(SIGN_SHAPES))
+    assert all(torch.isfinite(t).all() and torch.allclose(t.abs(), torch.tensor(3e38)) for t in out if t.numel())

@@ -9,7 +9,7 @@ import torch
 from .. import bitpack, native
 from ..workspace import fresh
 from .levels import codes_sum, decode_codes
-from .sums import SignStats
+from .sums import SignStats, exact_where_overflowed
 
 __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
            "sign_sum"]
@@ -26,7 +26,7 @@ def pack_signs(x: torch.Tensor, empty: Optional[Callable] = None) -> Tuple[torch
     if native.usable(x):
         out = (empty or fresh)(bitpack.packed_size(x.numel(), 1), torch.uint8, x.device)
         bits, fused = native.pack_signs(x.reshape(-1), out)
-        return bits, SignStats(x, fused=fused)
+        return bits, SignStats(x, fused=exact_where_overflowed(fused, lambda: x))
     positive = x >= 0
     return bitpack.pack(positive, 1), SignStats(x, positive=positive)
 
@@ -45,7 +45,13 @@ def compensated_signs(x: torch.Tensor, carried: Optional[torch.Tensor], sides: T
         return None
     out = (empty or fresh)(bitpack.packed_size(x.numel(), 1), torch.uint8, x.device)
     bits, fused = native.compensated_signs(x, carried, float(sides[0]), float(sides[1]), keep, out)
-    return bits, SignStats(x, fused=fused)
+
+    def compensated() -> torch.Tensor:
+        if keep is not None:
+            return keep
+        return x if carried is None else x + sign_remainder(carried, *sides, out=torch.empty_like(carried))
+
+    return bits, SignStats(x, fused=exact_where_overflowed(fused, compensated))
 
 
 def sign_remainder(v: torch.Tensor, negative: Value, positive: Value, out: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,19 @@ import torch
 from .. import native
 from ..quantize import work_dtype
 
-__all__ = ["SignStats", "Moments", "moments"]
+__all__ = ["SignStats", "Moments", "moments", "side_sums", "exact_where_overflowed"]
 
 
 class _Reductions:
-    """0-d tensors in ``work_dtype(x.dtype)``: slots of ``fused`` (a kernel's fp64 results) when
-    given, else reduced from ``x`` on demand."""
+    """0-d tensors in ``work_dtype(x.dtype)`` (fp64 with :attr:`wide`): slots of ``fused`` (a
+    kernel's fp64 results) when given, else reduced from ``x`` on demand."""
+
+    #: reduce in fp64 whatever the input's dtype
+    wide = False
 
     def __init__(self, x: torch.Tensor, fused: Optional[torch.Tensor] = None) -> None:
         self._x = x
-        self._work = work_dtype(x.dtype)
+        self._work = torch.float64 if self.wide else work_dtype(x.dtype)
         self._fused = None if fused is None else fused.to(self._work)
 
 
@@ -30,7 +33,11 @@ class SignStats(_Reductions):
     """What :func:`mergecomp.codecs.pack_signs` learns about ``x`` besides its sign bits:
     :meth:`nonnegative_sum`, :meth:`negative_sum`, :meth:`magnitude` and :meth:`nonnegative`.  Each side
     is summed on its own, so a side of a few small elements keeps its digits beside a large
-    one (``sum x`` and ``sum |x|`` would cancel)."""
+    one (``sum x`` and ``sum |x|`` would cancel).  In fp64: a side of fp32 values near fp32's
+    largest (a gradient under a large loss scale) sums past it, and a scale or mean taken from
+    it in fp32 would be infinite where the values are not."""
+
+    wide = True
 
     def __init__(self, x: torch.Tensor, fused: Optional[torch.Tensor] = None,
                  positive: Optional[torch.Tensor] = None) -> None:
@@ -87,3 +94,21 @@ def moments(x: torch.Tensor) -> Moments:
     """The :class:`Moments` of the non-empty ``x`` (any shape): all from one pass over memory on
     the native path, each reduced when read on the torch path."""
     return Moments(x, native.moments(x) if native.usable(x) else None)
+
+
+def side_sums(v: torch.Tensor) -> torch.Tensor:
+    """fp64 ``[sum of the v >= 0, sum of the v < 0, count(v >= 0)]`` of ``v`` (read flat), as
+    the sign kernels return them, reduced in fp64 by torch."""
+    v = v.reshape(-1)
+    return torch.stack([torch.clamp_min(v, 0).sum(dtype=torch.float64), torch.clamp_max(v, 0).sum(dtype=torch.float64),
+                        torch.count_nonzero(v >= 0).to(torch.float64)])
+
+
+def exact_where_overflowed(fused: torch.Tensor, values) -> torch.Tensor:
+    """A sign kernel's ``fused`` side sums, or, where they are not finite although the values
+    summed (``values()``, called then) are, :func:`side_sums` of those: a kernel adds runs of 8
+    terms per lane in fp32, which overflow from about 4e37 (a gradient under a huge loss scale)."""
+    if bool(torch.isfinite(fused[:2]).all()):
+        return fused
+    v = values()
+    return side_sums(v) if bool(torch.isfinite(v).all()) else fused
