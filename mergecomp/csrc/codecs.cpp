@@ -465,6 +465,50 @@ void codes_sum_blocks(const uint8_t* const* packed, const float* tables, int ran
   stores_done();
 }
 
+#if defined(__AVX512F__)
+// codes_sum_blocks<8> (1-bit codes) 16 elements at a time: each rank's bits, as a lane mask, pick
+// between its two values (values + 2 r: code 0, code 1), summed in rank order in a register and
+// divided as divide_range divides, then stored (streamed for an output of STREAM_MIN elements or
+// more, 64-byte aligned): the same sums bit for bit, without a table row per byte and rank.
+void sign_sum_blocks(const uint8_t* const* packed, const float* values, int ranks, int64_t n, float divisor,
+                     float* out, int64_t first, int64_t last) {
+  const bool stream = n >= STREAM_MIN && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
+  int exponent;
+  const bool scale = divisor != 1.0f, by_inverse = std::frexp(divisor, &exponent) == 0.5f;
+  const __m512 inverse = _mm512_set1_ps(1.0f / divisor), divide = _mm512_set1_ps(divisor);
+  // the sum of 16 elements from element i, `live` of them (their bits: whole bytes from i / 8)
+  const auto sum = [&](int64_t i, __mmask16 live) {
+    const int64_t byte = i / 8;
+    const auto bits = [&](int r) {
+      uint16_t m = packed[r][byte];
+      if (live > 0xff) m |= static_cast<uint16_t>(packed[r][byte + 1]) << 8;
+      return static_cast<__mmask16>(m & live);
+    };
+    __m512 acc = _mm512_mask_blend_ps(bits(0), _mm512_set1_ps(values[0]), _mm512_set1_ps(values[1]));
+    for (int r = 1; r < ranks; ++r)
+      acc = _mm512_add_ps(acc, _mm512_mask_blend_ps(bits(r), _mm512_set1_ps(values[2 * r]),
+                                                    _mm512_set1_ps(values[2 * r + 1])));
+    if (scale) acc = by_inverse ? _mm512_mul_ps(acc, inverse) : _mm512_div_ps(acc, divide);
+    return acc;
+  };
+  const int64_t stop = std::min(n, last * BLOCK);
+  int64_t i = first * BLOCK;
+  for (; i + 16 <= stop; i += 16) {
+    const __m512 acc = sum(i, 0xffff);
+    if (stream) {
+      _mm512_stream_ps(out + i, acc);
+    } else {
+      _mm512_storeu_ps(out + i, acc);
+    }
+  }
+  if (i < stop) {  // the last few elements
+    const __mmask16 live = static_cast<__mmask16>((1u << (stop - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, live, sum(i, live));
+  }
+  if (stream) stores_done();
+}
+#endif
+
 }  // namespace
 
 // take(i) for the elements i < n whose byte mark(start, len, m) sets in m[i - start] for their
@@ -819,9 +863,17 @@ void mc_majority_vote(const uint8_t* const* packed, int voters, int64_t n, float
 // `bits`-bit codes (1, 2 or 4) decoded through its own 2**bits values (values + r * 2**bits),
 // summed in rank order, one pass over out (1-bit SGD's and EF-SignSGD's signs, TernGrad's
 // codes).  Each rank's values are spread into a 256-row table of what a byte decodes to first;
-// a block of out stays in cache while the ranks add up.
+// a block of out stays in cache while the ranks add up.  1-bit codes on AVX-512: sign_sum_blocks.
 void mc_codes_sum(const uint8_t* const* packed, int bits, const float* values, int ranks, int64_t n,
                   float divisor, float* out, int threads) {
+#if defined(__AVX512F__)
+  if (bits == 1) {
+    parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+      sign_sum_blocks(packed, values, ranks, n, divisor, out, first, last);
+    });
+    return;
+  }
+#endif
   const int per = 8 / bits;
   std::vector<float> tables(static_cast<size_t>(ranks) * 256 * per);
   for (int r = 0; r < ranks; ++r) spread_table(values + (r << bits), bits, tables.data() + r * 256 * per);
