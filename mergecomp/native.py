@@ -36,7 +36,7 @@ import torch
 from mergecomp.bitpack import packed_size
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "compensated_signs", "compensated_signs_part", "sign_residual", "momentum_signs",
+           "pack_signs", "compensated_signs", "CompensatedSignParts", "sign_residual", "momentum_signs",
            "majority_vote", "codes_sum", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "zero_fill"]
 
@@ -309,19 +309,41 @@ def compensated_signs(x: torch.Tensor, r: Optional[torch.Tensor], negative: floa
     return out, stats
 
 
-def compensated_signs_part(x: torch.Tensor, r: Optional[torch.Tensor], negative: float, positive: float,
-                           keep: Optional[torch.Tensor], at: int, out: torch.Tensor, stats: torch.Tensor,
-                           stream: bool = False) -> bool:
-    """:func:`compensated_signs` of one part of a group: ``x``, ``r`` and ``keep`` (fp32, ``x``'s
-    numel) hold the group's elements ``[at, at + x.numel())``, whose sign bits go to those bits
-    of ``out`` (the group's packed signs; the bits of other elements are left as they are), and
-    ``stats`` (fp64, 3 elements) receives the part's sums.  ``stream``: ``keep`` is written past
-    the cache.  Returns whether the sums are finite (NaN or Inf in ``v`` makes them not)."""
-    n = x.numel()
-    return bool(_library().mc_compensated_signs_part(
-        _buf("x", x, torch.float32, n), None if r is None else _buf("r", r, torch.float32, n), negative, positive,
-        None if keep is None else _buf("keep", keep, torch.float32, n), at, n,
-        _buf("out", out, *_code_layout(at + n, 1)), _buf("stats", stats, torch.float64, 3), int(stream), _threads()))
+class CompensatedSignParts:
+    """:func:`compensated_signs` of one group, part by part as its gradients arrive: ``r`` (None:
+    no residual) and ``keep`` (fp32, may be ``r``) hold the group's elements, ``out`` receives
+    its packed signs and ``stats`` (fp64, ``(parts, 3)``) a row of sums per part.  The group's
+    buffers are checked here once; each part's call checks its gradient and its bounds.
+    ``stream``: ``keep`` is written past the cache."""
+
+    def __init__(self, r: Optional[torch.Tensor], negative: float, positive: float, keep: torch.Tensor,
+                 out: torch.Tensor, stats: torch.Tensor, stream: bool = False) -> None:
+        n = keep.numel()
+        if stats.dim() != 2 or stats.shape[1] != 3:
+            raise ValueError(f"native kernel argument 'stats': need (parts, 3), got {tuple(stats.shape)}")
+        self._numel, self._parts = n, stats.shape[0]
+        self._r = None if r is None else _buf("r", r, torch.float32, n)
+        self._keep = _buf("keep", keep, torch.float32, n)
+        self._out = _buf("out", out, *_code_layout(n, 1))
+        self._stats = _buf("stats", stats, torch.float64, stats.numel())
+        self._sides = (float(negative), float(positive))
+        self._stream, self._threads = int(stream), _threads()
+        self._kernel = _library().mc_compensated_signs_part
+        self._buffers = (r, keep, out, stats)  # alive while their addresses are in use
+
+    def __call__(self, part: int, at: int, x: torch.Tensor) -> bool:
+        """Code the group's elements ``[at, at + x.numel())`` from ``x`` (contiguous fp32, read
+        flat) as part ``part``: their bits at those bits of ``out`` (the bits of other elements
+        left as they are), their sums in row ``part``.  Returns whether the sums are finite (NaN
+        or Inf in ``v`` makes them not)."""
+        n = x.numel()
+        if not (0 <= part < self._parts and 0 <= at and at + n <= self._numel):
+            raise ValueError(f"native kernel part {part}: elements [{at}, {at + n}) or its row are outside the "
+                             f"group's {self._numel} elements and {self._parts} rows")
+        offset = 4 * at
+        return bool(self._kernel(_buf("x", x, torch.float32, n), None if self._r is None else self._r + offset,
+                                 *self._sides, self._keep + offset, at, n, self._out, self._stats + 24 * part,
+                                 self._stream, self._threads))
 
 
 def sign_residual(v: torch.Tensor, negative: float, positive: float, out: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ class SignValueCompressor(SummedDecode):
 
 class SignParts(FusedParts):
     """:meth:`SignValueCompressor.compress_fused` of a group, part by part: each part's pass
-    (:func:`mergecomp.native.compensated_signs_part`) reads its gradient and its slice of the
+    (:class:`mergecomp.native.CompensatedSignParts`) reads its gradient and its slice of the
     carried buffer, and writes its slice of the compensated gradient (into the memory's buffer
     for the next step) and its bits; :meth:`finish` adds the parts' sums in part order."""
 
@@ -83,7 +83,8 @@ class SignParts(FusedParts):
         self._compressor = compressor
         self._residual = residual
         self._like = like
-        self._keep: Optional[torch.Tensor] = None  # the memory's target, taken at the first part
+        self._keep: Optional[torch.Tensor] = None
+        self._kernel: Optional[native.CompensatedSignParts] = None
         self._stream = like.numel() >= native.LATER_STREAM_MIN  # read again only at the next step
         self._bits = compressor.scratch(bitpack.packed_size(like.numel(), 1), torch.uint8, like.device)
         if like.numel() % 8:
@@ -92,14 +93,13 @@ class SignParts(FusedParts):
         self._sums = compressor.scratch(parts * 3, torch.float64, like.device).view(parts, 3)
 
     def add(self, part: int, start: int, tensor: torch.Tensor) -> bool:
-        if self._keep is None:
+        if self._kernel is None:  # the memory's target, taken at the first part
             self._keep = self._residual.target()
-        stop = start + tensor.numel()
-        old, (negative, positive) = self._residual.old, self._residual.sides
-        sums, kept = self._sums[part], self._keep[start:stop]
-        if native.compensated_signs_part(tensor.reshape(-1), None if old is None else old[start:stop], negative,
-                                         positive, kept, start, self._bits, sums, self._stream):
+            self._kernel = native.CompensatedSignParts(self._residual.old, *self._residual.sides, self._keep,
+                                                       self._bits, self._sums, self._stream)
+        if self._kernel(part, start, tensor):
             return True
+        sums, kept = self._sums[part], self._keep[start:start + tensor.numel()]
         sums.copy_(exact_where_overflowed(sums, lambda: kept))  # finite values whose fp32 runs overflowed
         return bool(torch.isfinite(sums).all())
 

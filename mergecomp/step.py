@@ -426,8 +426,9 @@ class MergedStep:
     def _part(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int) -> torch.Tensor:
         """Tensor ``i``'s gradient as its part is encoded from: itself where the kernel reads
         it as it is (dense, contiguous fp32), else copied into its slot first."""
-        if grad is not None and not grad.is_sparse and grad.numel() == self.shapes[i].numel() and native.usable(grad):
-            return grad
+        if (grad is not None and grad.layout == torch.strided and grad.dtype == torch.float32
+                and grad.is_contiguous() and grad.numel() == self.shapes[i].numel()):
+            return grad  # on the group's device (the CPU, where parts are encoded)
         self._copied[g] += self._copy_in(i, grad, g, offset, later=False) * self.shapes[i].numel()
         return self.slot(i)
 

@@ -537,7 +537,7 @@ def _split(n, cuts):
 ])
 @pytest.mark.parametrize("carried", ["none", "carried", "carried, kept in place"])
 def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
-    """compensated_signs_part over the parts of a group, added in a shuffled order, leaves the
+    """CompensatedSignParts over the parts of a group, added in a shuffled order, leaves the
     group's bits and kept values those of one compensated_signs of the whole, bit for bit; each
     part's sums add up to the whole group's to rounding, its count exactly."""
     x, r = torch.randn(n), torch.randn(n) * 0.1
@@ -553,11 +553,11 @@ def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
         bits[-1] = 0  # padding: no part writes it
     parts = _split(n, cuts)
     stats = torch.zeros(len(parts), 3, dtype=torch.float64)
+    code = native.CompensatedSignParts(None if carried == "none" else r, negative, positive, keep, bits, stats,
+                                       stream=n > (1 << 20))
     for k in torch.randperm(len(parts)).tolist():
         start, stop = parts[k]
-        assert native.compensated_signs_part(x[start:stop], None if carried == "none" else r[start:stop], negative,
-                                             positive, keep[start:stop], start, bits, stats[k],
-                                             stream=n > (1 << 20))
+        assert code(k, start, x[start:stop])
     assert torch.equal(bits, whole_bits)
     assert torch.equal(keep, whole_keep)
     torch.testing.assert_close(stats.sum(0)[:2], whole_stats[:2], rtol=16 * 2.0**-24, atol=1e-30)
@@ -569,34 +569,24 @@ def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
 @pytest.mark.parametrize("where", [0, 5, 16, 999])  # in the part's head, its body, its last element
 def test_a_part_holding_nan_or_inf_is_reported_not_finite(bad, where):
     x = torch.randn(1000)
-    bits = torch.zeros(bitpack.packed_size(1003, 1), dtype=torch.uint8)
-    stats = torch.zeros(3, dtype=torch.float64)
-    assert native.compensated_signs_part(x, None, 0.0, 0.0, torch.empty(1000), 3, bits, stats)
+    code = native.CompensatedSignParts(None, 0.0, 0.0, torch.empty(1003), torch.zeros(bitpack.packed_size(1003, 1),
+                                       dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.float64))
+    assert code(0, 3, x)
     x[where] = bad
-    assert not native.compensated_signs_part(x, None, 0.0, 0.0, torch.empty(1000), 3, bits, stats)
+    assert not code(1, 3, x)
 
 
 @needs_kernels
-def test_a_part_past_the_end_of_its_bits_is_refused():
-    with pytest.raises(ValueError, match="'out'"):
-        native.compensated_signs_part(torch.randn(10), None, 0.0, 0.0, None, 60,
-                                      torch.zeros(8, dtype=torch.uint8), torch.zeros(3, dtype=torch.float64))
-
-
-@needs_kernels
-@pytest.mark.parametrize("aligned", [True, False])
-@pytest.mark.parametrize("ranks", [1, 2, 5])
-def test_sign_sum_streamed_is_the_eager_sum_bit_for_bit(ranks, aligned):
-    """1-bit codes of 2**23 + 37 elements (an output written past the cache where 64-byte
-    aligned): each rank's bits picking its two values, 16 at a time, summed and divided as the
-    eager path does."""
-    from mergecomp.codecs import sign_sum
-
-    n = (1 << 23) + 37
-    packed = [bitpack.pack(torch.randint(0, 2, (n,), dtype=torch.uint8), 1) for _ in range(ranks)]
-    sides = [(-0.3 - r, 0.7 + 0.1 * r) for r in range(ranks)]
-    out = torch.empty(n) if aligned else torch.empty(n + 1)[1:]
-    got = sign_sum(packed, sides, n, torch.float32, divisor=ranks, out=out)
-    with native.disabled():
-        want = sign_sum(packed, sides, n, torch.float32, divisor=ranks)
-    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+def test_parts_outside_their_group_or_not_fp32_are_refused():
+    bits, stats = torch.zeros(8, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'out'"):  # 8 bytes of bits for 100 elements
+        native.CompensatedSignParts(None, 0.0, 0.0, torch.empty(100), bits, stats)
+    code = native.CompensatedSignParts(None, 0.0, 0.0, torch.empty(64), bits, stats)
+    with pytest.raises(ValueError, match=r"elements \[60, 70\)"):
+        code(0, 60, torch.randn(10))
+    with pytest.raises(ValueError, match="row"):
+        code(2, 0, torch.randn(10))
+    with pytest.raises(ValueError, match="'x'"):
+        code(0, 0, torch.randn(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not contiguous"):
+        code(0, 0, torch.randn(4, 5).t())
