@@ -590,3 +590,22 @@ def test_parts_outside_their_group_or_not_fp32_are_refused():
         code(0, 0, torch.randn(10, dtype=torch.float64))
     with pytest.raises(ValueError, match="not contiguous"):
         code(0, 0, torch.randn(4, 5).t())
+
+
+@needs_kernels
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("ranks", [1, 2, 5])
+def test_sign_sum_streamed_is_the_eager_sum_bit_for_bit(ranks, aligned):
+    """1-bit codes of 2**23 + 37 elements (an output written past the cache where 64-byte
+    aligned): each rank's bits picking its two values, 16 at a time, summed and divided as the
+    eager path does."""
+    from mergecomp.codecs import sign_sum
+
+    n = (1 << 23) + 37
+    packed = [bitpack.pack(torch.randint(0, 2, (n,), dtype=torch.uint8), 1) for _ in range(ranks)]
+    sides = [(-0.3 - r, 0.7 + 0.1 * r) for r in range(ranks)]
+    out = torch.empty(n) if aligned else torch.empty(n + 1)[1:]
+    got = sign_sum(packed, sides, n, torch.float32, divisor=ranks, out=out)
+    with native.disabled():
+        want = sign_sum(packed, sides, n, torch.float32, divisor=ranks)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
