@@ -44,23 +44,37 @@ class SignValueCompressor(SummedDecode):
         the bits decode to, and the residual (the compensated gradient less its decode) is
         folded into the next step's pass.  Compensate, compress and feed make four passes (the
         third decodes the payload into a temporary)."""
-        residual = memory.fused_residual(tensor, name, carried=True)
-        if residual is None or not native.usable(tensor, *(() if residual.old is None else (residual.old,))):
+        residual = self._carried_residual(tensor, name, memory)
+        if residual is None:
             return None
         bits, stats = compensated_signs(tensor, residual.old, residual.sides, keep=residual.target(),
                                         empty=self.scratch)
-        payload, ctx = self.encode(bits, stats, tensor)
-        residual.carry(*(float(v) for v in self.sides(payload)))
-        return payload, ctx, lambda: None
+        return self._sent(bits, stats, tensor, residual)
 
     def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
                              memory: Memory) -> Optional["SignParts"]:
         """:meth:`compress_fused` part by part (:class:`SignParts`) with the residual memory
         on fp32 CPU groups where the kernels are on."""
+        residual = self._carried_residual(like, name, memory)
+        return None if residual is None else SignParts(self, residual, like, parts)
+
+    @staticmethod
+    def _carried_residual(like: torch.Tensor, name: str, memory: Memory) -> Optional[Residual]:
+        """``memory``'s residual of group ``name`` carried as the sign codes carry it, where the
+        memory offers one and a kernel serves ``like`` (the group's gradient or a tensor like it)
+        and the carried buffer; else None."""
         residual = memory.fused_residual(like, name, carried=True)
         if residual is None or not native.usable(like, *(() if residual.old is None else (residual.old,))):
             return None
-        return SignParts(self, residual, like, parts)
+        return residual
+
+    def _sent(self, bits: torch.Tensor, stats: SignStats, like: torch.Tensor,
+              residual: Residual) -> Tuple[Payload, Any, Callable[[], None]]:
+        """The fused encode's ``(payload, ctx, update)`` from the group's ``bits`` and ``stats``;
+        the memory notes the two values the bits decode to."""
+        payload, ctx = self.encode(bits, stats, like)
+        residual.carry(*(float(v) for v in self.sides(payload)))
+        return payload, ctx, lambda: None
 
     def sides(self, payload: Payload) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(negative, positive)``: what a 0 bit and a 1 bit of this payload decode to."""
@@ -104,7 +118,5 @@ class SignParts(FusedParts):
         return bool(torch.isfinite(sums).all())
 
     def finish(self) -> Tuple[Payload, Any, Callable[[], None]]:
-        compressor = self._compressor
-        payload, ctx = compressor.encode(self._bits, SignStats(self._like, fused=self._sums.sum(0)), self._like)
-        self._residual.carry(*(float(v) for v in compressor.sides(payload)))
-        return payload, ctx, lambda: None
+        stats = SignStats(self._like, fused=self._sums.sum(0))
+        return self._compressor._sent(self._bits, stats, self._like, self._residual)

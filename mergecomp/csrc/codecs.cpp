@@ -414,13 +414,18 @@ void scale_levels_range(const uint8_t* codes, int bits, float shift, const float
   }
 }
 
+// Whether a division by `divisor` is a multiplication by its inverse, exactly: a power of two.
+inline bool exact_inverse(float divisor) {
+  int exponent;
+  return std::frexp(divisor, &exponent) == 0.5f;
+}
+
 // out[i] /= divisor for first <= i < stop (nothing when divisor is 1): the mean of the sums
 // below, divided as torch divides.  By a power of two it multiplies by the inverse instead,
 // which is exact and gives the same floats (a division costs ~10 multiplications here).
 void divide_range(float* out, int64_t first, int64_t stop, float divisor) {
   if (divisor == 1.0f) return;
-  int exponent;
-  if (std::frexp(divisor, &exponent) == 0.5f) {
+  if (exact_inverse(divisor)) {
     const float inverse = 1.0f / divisor;
 #pragma omp simd
     for (int64_t k = first; k < stop; ++k) out[k] *= inverse;
@@ -473,8 +478,7 @@ void codes_sum_blocks(const uint8_t* const* packed, const float* tables, int ran
 void sign_sum_blocks(const uint8_t* const* packed, const float* values, int ranks, int64_t n, float divisor,
                      float* out, int64_t first, int64_t last) {
   const bool stream = n >= STREAM_MIN && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
-  int exponent;
-  const bool scale = divisor != 1.0f, by_inverse = std::frexp(divisor, &exponent) == 0.5f;
+  const bool scale = divisor != 1.0f, by_inverse = exact_inverse(divisor);
   const __m512 inverse = _mm512_set1_ps(1.0f / divisor), divide = _mm512_set1_ps(divisor);
   // the sum of 16 elements from element i, `live` of them (their bits: whole bytes from i / 8)
   const auto sum = [&](int64_t i, __mmask16 live) {
