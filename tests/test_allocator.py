@@ -31,8 +31,13 @@ def test_freed_blocks_are_reused_without_page_faults():
     block = 4096  # pages of one 16 MiB tensor
     held, faults = churn()
     assert held and faults < 3 * block, faults  # a block or two may land on fresh pages
-    held, faults = churn(MERGECOMP_HOLD_FREED_MEMORY="0")  # glibc's defaults: the heap is trimmed
+    # The control: a glibc that gives every freed block back.  glibc's own defaults do so only
+    # where the heap's blocks happen to lie (in about 1 of 5 runs of this churn they do not),
+    # which is why the settings exist, and why the control sets it explicitly.
+    held, faults = churn(MALLOC_TRIM_THRESHOLD_="0")
     assert not held and faults >= 5 * block, faults
+    held, _ = churn(MERGECOMP_HOLD_FREED_MEMORY="0")
+    assert not held
 
 
 @pytest.mark.parametrize("setting", ["MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"])
