@@ -10,9 +10,12 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp import native
 from mergecomp.codecs import decode_signs, majority_vote, pack_signs
 from mergecomp.compressor import Compressor, Payload
+from mergecomp.memory import Memory
 from mergecomp.registry import register_compressor
+from mergecomp.signs import SignParts
 from mergecomp.twophase import VoteCodec
 
 Ctx = Tuple[int, torch.dtype]
@@ -31,6 +34,16 @@ class SignSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         return (self.sign_bits(tensor, name),), (tensor.numel(), tensor.dtype)
+
+    def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
+                             memory: Memory) -> Optional[SignParts]:
+        """Without error feedback, where a kernel serves ``like``: the bits each gradient's own
+        pass writes as it arrives (:class:`~mergecomp.signs.SignParts`, no residual), the
+        payload :meth:`compress` gives the whole group."""
+        if not memory.passthrough or not native.usable(like):
+            return None
+        ctx = (like.numel(), like.dtype)
+        return SignParts(self, None, like, parts, lambda bits, stats: ((bits,), ctx, lambda: None))
 
     def second_phase(self) -> Compressor:
         return VoteCodec()

@@ -26,6 +26,9 @@ class SignumCompressor(SignSGDCompressor):
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return momentum_signs(tensor, self._momentum(name, tensor.numel(), tensor), self.beta, empty=self.scratch)
 
+    def compress_fused_parts(self, like, name, parts, memory):
+        return None  # the bits are the momentum's: the group's gradients are gathered first
+
     def compress_shard(self, tensor: torch.Tensor, name: str, start: int, total: int):
         momentum = self._momentum(name, total, tensor)[start:start + tensor.numel()]
         return (momentum_signs(tensor, momentum, self.beta, empty=self.scratch),), (tensor.numel(), tensor.dtype)

@@ -122,6 +122,12 @@ class Memory(GroupStateful):
         """Whether this memory does error feedback (overrides :meth:`update`)."""
         return type(self).update is not Memory.update
 
+    @property
+    def passthrough(self) -> bool:
+        """Whether :meth:`compensate` and :meth:`update` are both identities (no error feedback
+        at all), so a compressor may encode the gradients as they arrive."""
+        return not self.feeds_back and type(self).compensate is Memory.compensate
+
     def feed(self, codec, compensated: torch.Tensor, name: str, payload, ctx, start: int = 0) -> float:
         """Tell the memory what of ``compensated`` the ``codec`` (a
         :class:`~mergecomp.compressor.Compressor`) sent as ``payload``, which encodes the

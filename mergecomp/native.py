@@ -310,20 +310,20 @@ def compensated_signs(x: torch.Tensor, r: Optional[torch.Tensor], negative: floa
 
 
 class CompensatedSignParts:
-    """:func:`compensated_signs` of one group, part by part as its gradients arrive: ``r`` (None:
-    no residual) and ``keep`` (fp32, may be ``r``) hold the group's elements, ``out`` receives
-    its packed signs and ``stats`` (fp64, ``(parts, 3)``) a row of sums per part.  The group's
-    buffers are checked here once; each part's call checks its gradient and its bounds.
-    ``stream``: ``keep`` is written past the cache."""
+    """:func:`compensated_signs` of one group of ``n`` elements, part by part as its gradients
+    arrive: ``r`` (None: no residual) and ``keep`` (fp32, may be ``r``; None: ``v`` is not kept)
+    hold the group's elements, ``out`` receives its packed signs and ``stats`` (fp64,
+    ``(parts, 3)``) a row of sums per part.  The group's buffers are checked here once; each
+    part's call checks its gradient and its bounds.  ``stream``: ``keep`` is written past the
+    cache."""
 
-    def __init__(self, r: Optional[torch.Tensor], negative: float, positive: float, keep: torch.Tensor,
-                 out: torch.Tensor, stats: torch.Tensor, stream: bool = False) -> None:
-        n = keep.numel()
+    def __init__(self, n: int, r: Optional[torch.Tensor], negative: float, positive: float,
+                 keep: Optional[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, stream: bool = False) -> None:
         if stats.dim() != 2 or stats.shape[1] != 3:
             raise ValueError(f"native kernel argument 'stats': need (parts, 3), got {tuple(stats.shape)}")
         self._numel, self._parts = n, stats.shape[0]
         self._r = None if r is None else _buf("r", r, torch.float32, n)
-        self._keep = _buf("keep", keep, torch.float32, n)
+        self._keep = None if keep is None else _buf("keep", keep, torch.float32, n)
         self._out = _buf("out", out, *_code_layout(n, 1))
         self._stats = _buf("stats", stats, torch.float64, stats.numel())
         self._sides = (float(negative), float(positive))
@@ -342,8 +342,8 @@ class CompensatedSignParts:
                              f"group's {self._numel} elements and {self._parts} rows")
         offset = 4 * at
         return bool(self._kernel(_buf("x", x, torch.float32, n), None if self._r is None else self._r + offset,
-                                 *self._sides, self._keep + offset, at, n, self._out, self._stats + 24 * part,
-                                 self._stream, self._threads))
+                                 *self._sides, None if self._keep is None else self._keep + offset, at, n, self._out,
+                                 self._stats + 24 * part, self._stream, self._threads))
 
 
 def sign_residual(v: torch.Tensor, negative: float, positive: float, out: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The base of the sign compressors whose bits decode to two values of each rank's own
-(1-bit SGD, EF-SignSGD).  The sign-bit operations themselves are in :mod:`mergecomp.codecs`."""
+(1-bit SGD, EF-SignSGD), and the sign pass part by part as a group's gradients arrive, which
+signSGD shares.  The sign-bit operations themselves are in :mod:`mergecomp.codecs`."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence, Tuple
@@ -9,7 +10,7 @@ import torch
 from . import bitpack, native
 from .codecs import compensated_signs, pack_signs, sign_sum
 from .codecs.sums import SignStats, exact_where_overflowed
-from .compressor import FusedParts, Payload, SummedDecode
+from .compressor import Compressor, FusedParts, Payload, SummedDecode
 from .memory import Memory, Residual
 
 __all__ = ["SignValueCompressor", "SignParts"]
@@ -56,7 +57,9 @@ class SignValueCompressor(SummedDecode):
         """:meth:`compress_fused` part by part (:class:`SignParts`) with the residual memory
         on fp32 CPU groups where the kernels are on."""
         residual = self._carried_residual(like, name, memory)
-        return None if residual is None else SignParts(self, residual, like, parts)
+        if residual is None:
+            return None
+        return SignParts(self, residual, like, parts, lambda bits, stats: self._sent(bits, stats, like, residual))
 
     @staticmethod
     def _carried_residual(like: torch.Tensor, name: str, memory: Memory) -> Optional[Residual]:
@@ -87,16 +90,20 @@ class SignValueCompressor(SummedDecode):
 
 
 class SignParts(FusedParts):
-    """:meth:`SignValueCompressor.compress_fused` of a group, part by part: each part's pass
-    (:class:`mergecomp.native.CompensatedSignParts`) reads its gradient and its slice of the
-    carried buffer, and writes its slice of the compensated gradient (into the memory's buffer
-    for the next step) and its bits; :meth:`finish` adds the parts' sums in part order."""
+    """The sign pass of a group, part by part: each part's pass
+    (:class:`mergecomp.native.CompensatedSignParts`) reads its gradient and, with a
+    ``residual``, its slice of the carried buffer and writes its slice of the compensated
+    gradient (into the memory's buffer for the next step), then its bits; :meth:`finish` adds
+    the parts' sums in part order and returns ``sent(bits, stats)``, the ``(payload, ctx,
+    update)`` of :meth:`Compressor.compress_fused`.  Without a residual the bits are the
+    gradient's own signs and nothing is written but the bits."""
 
-    def __init__(self, compressor: SignValueCompressor, residual: Residual, like: torch.Tensor, parts: int) -> None:
+    def __init__(self, compressor: Compressor, residual: Optional[Residual], like: torch.Tensor, parts: int,
+                 sent: Callable[[torch.Tensor, SignStats], Tuple[Payload, Any, Callable[[], None]]]) -> None:
         self.kept = []
-        self._compressor = compressor
         self._residual = residual
         self._like = like
+        self._sent = sent
         self._keep: Optional[torch.Tensor] = None
         self._kernel: Optional[native.CompensatedSignParts] = None
         self._stream = like.numel() >= native.LATER_STREAM_MIN  # read again only at the next step
@@ -108,15 +115,17 @@ class SignParts(FusedParts):
 
     def add(self, part: int, start: int, tensor: torch.Tensor) -> bool:
         if self._kernel is None:  # the memory's target, taken at the first part
-            self._keep = self._residual.target()
-            self._kernel = native.CompensatedSignParts(self._residual.old, *self._residual.sides, self._keep,
-                                                       self._bits, self._sums, self._stream)
+            residual = self._residual
+            old, sides = (None, (0.0, 0.0)) if residual is None else (residual.old, residual.sides)
+            self._keep = None if residual is None else residual.target()
+            self._kernel = native.CompensatedSignParts(self._like.numel(), old, *sides, self._keep, self._bits,
+                                                       self._sums, self._stream)
         if self._kernel(part, start, tensor):
             return True
-        sums, kept = self._sums[part], self._keep[start:start + tensor.numel()]
-        sums.copy_(exact_where_overflowed(sums, lambda: kept))  # finite values whose fp32 runs overflowed
+        sums = self._sums[part]
+        coded = tensor.reshape(-1) if self._keep is None else self._keep[start:start + tensor.numel()]
+        sums.copy_(exact_where_overflowed(sums, lambda: coded))  # finite values whose fp32 runs overflowed
         return bool(torch.isfinite(sums).all())
 
     def finish(self) -> Tuple[Payload, Any, Callable[[], None]]:
-        stats = SignStats(self._like, fused=self._sums.sum(0))
-        return self._compressor._sent(self._bits, stats, self._like, self._residual)
+        return self._sent(self._bits, SignStats(self._like, fused=self._sums.sum(0)))

@@ -446,6 +446,25 @@ def test_outputs_streamed_past_the_cache_are_the_same():
     assert torch.equal(native.zero_fill(torch.full((n,), 5.0)), torch.zeros(n))
 
 
+@needs_kernels
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("voters", [2, 5])
+def test_majority_vote_streamed_is_the_eager_vote(voters, aligned):
+    """An output of 2**23 + 37 elements (written past the cache where 64-byte aligned), with
+    ties among an even number of voters: the vote in registers equals the eager byte count's."""
+    n = (1 << 23) + 37
+    packed = [pack_signs(torch.randn(n))[0] for _ in range(voters)]
+    packed[1] = packed[0].clone()
+    packed[1][::3] ^= 0xFF  # disagreeing there: ties among two voters
+    out = torch.full((n + 16,), 7.0)[0 if aligned else 1:][:n]
+    fast = majority_vote(packed, n, torch.float32, out=out)
+    with native.disabled():
+        eager = majority_vote(packed, n, torch.float32)
+    assert fast.data_ptr() == out.data_ptr()
+    assert torch.equal(fast, eager)
+    assert (fast == 1).any() and (fast == -1).any() and bool((fast == 0).any()) == (voters % 2 == 0)
+
+
 def test_majority_vote_voter_count_is_checked():
     with pytest.raises(ValueError, match="1 to 255 voters"):
         native.majority_vote([], 8, torch.empty(8))
@@ -535,31 +554,37 @@ def _split(n, cuts):
     (100_003, [13, 4096, 50_001, 99_990]),
     ((1 << 20) + 37, [5, 70_000, 1 << 19]),  # keep written past the cache, from part starts of all alignments
 ])
-@pytest.mark.parametrize("carried", ["none", "carried", "carried, kept in place"])
+@pytest.mark.parametrize("carried", ["none", "none, not kept", "carried", "carried, kept in place"])
 def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
     """CompensatedSignParts over the parts of a group, added in a shuffled order, leaves the
     group's bits and kept values those of one compensated_signs of the whole, bit for bit; each
-    part's sums add up to the whole group's to rounding, its count exactly."""
+    part's sums add up to the whole group's to rounding, its count exactly.  Not kept (signSGD's
+    parts): the bits of the gradient itself, nothing else written."""
     x, r = torch.randn(n), torch.randn(n) * 0.1
     x[::5] = 0.0
-    negative, positive = (-0.3125, 0.7) if carried != "none" else (0.0, 0.0)
+    negative, positive = (-0.3125, 0.7) if carried.startswith("carried") else (0.0, 0.0)
     whole_keep = torch.empty(n)
     whole_bits, whole_stats = native.compensated_signs(
-        x, None if carried == "none" else r.clone(), negative, positive, whole_keep,
+        x, None if carried.startswith("none") else r.clone(), negative, positive, whole_keep,
         torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8))
-    keep = r if carried.endswith("in place") else torch.empty(n)
+    keep = r if carried.endswith("in place") else None if carried.endswith("not kept") else torch.empty(n)
+    x_before, r_before = x.clone(), r.clone()
     bits = torch.randint(0, 256, (bitpack.packed_size(n, 1),), dtype=torch.uint8)  # garbage until written
     if n % 8:
         bits[-1] = 0  # padding: no part writes it
     parts = _split(n, cuts)
     stats = torch.zeros(len(parts), 3, dtype=torch.float64)
-    code = native.CompensatedSignParts(None if carried == "none" else r, negative, positive, keep, bits, stats,
-                                       stream=n > (1 << 20))
+    code = native.CompensatedSignParts(n, None if carried.startswith("none") else r, negative, positive, keep, bits,
+                                       stats, stream=n > (1 << 20))
     for k in torch.randperm(len(parts)).tolist():
         start, stop = parts[k]
         assert code(k, start, x[start:stop])
     assert torch.equal(bits, whole_bits)
-    assert torch.equal(keep, whole_keep)
+    assert torch.equal(x, x_before)
+    if keep is None:
+        assert torch.equal(r, r_before)
+    else:
+        assert torch.equal(keep, whole_keep)
     torch.testing.assert_close(stats.sum(0)[:2], whole_stats[:2], rtol=16 * 2.0**-24, atol=1e-30)
     assert stats.sum(0)[2] == whole_stats[2]
 
@@ -569,7 +594,7 @@ def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
 @pytest.mark.parametrize("where", [0, 5, 16, 999])  # in the part's head, its body, its last element
 def test_a_part_holding_nan_or_inf_is_reported_not_finite(bad, where):
     x = torch.randn(1000)
-    code = native.CompensatedSignParts(None, 0.0, 0.0, torch.empty(1003), torch.zeros(bitpack.packed_size(1003, 1),
+    code = native.CompensatedSignParts(1003, None, 0.0, 0.0, None, torch.zeros(bitpack.packed_size(1003, 1),
                                        dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.float64))
     assert code(0, 3, x)
     x[where] = bad
@@ -580,8 +605,8 @@ def test_a_part_holding_nan_or_inf_is_reported_not_finite(bad, where):
 def test_parts_outside_their_group_or_not_fp32_are_refused():
     bits, stats = torch.zeros(8, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="'out'"):  # 8 bytes of bits for 100 elements
-        native.CompensatedSignParts(None, 0.0, 0.0, torch.empty(100), bits, stats)
-    code = native.CompensatedSignParts(None, 0.0, 0.0, torch.empty(64), bits, stats)
+        native.CompensatedSignParts(100, None, 0.0, 0.0, torch.empty(100), bits, stats)
+    code = native.CompensatedSignParts(64, None, 0.0, 0.0, None, bits, stats)
     with pytest.raises(ValueError, match=r"elements \[60, 70\)"):
         code(0, 60, torch.randn(10))
     with pytest.raises(ValueError, match="row"):

@@ -475,8 +475,10 @@ void codes_sum_blocks(const uint8_t* const* packed, const float* tables, int ran
 // between its two values (values + 2 r: code 0, code 1), summed in rank order in a register and
 // divided as divide_range divides, then stored (streamed for an output of STREAM_MIN elements or
 // more, 64-byte aligned): the same sums bit for bit, without a table row per byte and rank.
+// With `vote` (values -1 and +1 for every rank, divisor 1) the sign of each sum is stored
+// instead: the majority vote, +1, -1 or 0 (the sums of at most 255 votes are exact in fp32).
 void sign_sum_blocks(const uint8_t* const* packed, const float* values, int ranks, int64_t n, float divisor,
-                     float* out, int64_t first, int64_t last) {
+                     float* out, int64_t first, int64_t last, bool vote = false) {
   const bool stream = n >= STREAM_MIN && (reinterpret_cast<uintptr_t>(out) & 63) == 0;
   const bool scale = divisor != 1.0f, by_inverse = exact_inverse(divisor);
   const __m512 inverse = _mm512_set1_ps(1.0f / divisor), divide = _mm512_set1_ps(divisor);
@@ -493,6 +495,13 @@ void sign_sum_blocks(const uint8_t* const* packed, const float* values, int rank
       acc = _mm512_add_ps(acc, _mm512_mask_blend_ps(bits(r), _mm512_set1_ps(values[2 * r]),
                                                     _mm512_set1_ps(values[2 * r + 1])));
     if (scale) acc = by_inverse ? _mm512_mul_ps(acc, inverse) : _mm512_div_ps(acc, divide);
+    if (vote) {
+      const __m512 zero = _mm512_setzero_ps();
+      acc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(acc, zero, _CMP_GT_OQ),
+                                 _mm512_mask_blend_ps(_mm512_cmp_ps_mask(acc, zero, _CMP_LT_OQ), zero,
+                                                      _mm512_set1_ps(-1.0f)),
+                                 _mm512_set1_ps(1.0f));
+    }
     return acc;
   };
   const int64_t stop = std::min(n, last * BLOCK);
@@ -838,9 +847,18 @@ void mc_sign_residual(const float* v, int64_t n, float negative, float positive,
 }
 
 // The majority vote of `voters` (1..255) packed sign-bit streams of n elements each:
-// out[i] = +1 if more than half voted +, -1 if fewer, 0 on a tie.  Votes are counted in one
-// byte per element, eight elements per 64-bit add.
+// out[i] = +1 if more than half voted +, -1 if fewer, 0 on a tie.  On AVX-512 the votes are
+// added as -1 and +1 in registers (sign_sum_blocks); else counted in one byte per element,
+// eight elements per 64-bit add.
 void mc_majority_vote(const uint8_t* const* packed, int voters, int64_t n, float* out, int threads) {
+#if defined(__AVX512F__)
+  std::vector<float> votes(2 * static_cast<size_t>(voters));
+  for (int v = 0; v < voters; ++v) votes[2 * v] = -1.0f, votes[2 * v + 1] = 1.0f;
+  const float* values = votes.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    sign_sum_blocks(packed, values, voters, n, 1.0f, out, first, last, true);
+  });
+#else
   const uint64_t* expand = EXPAND.data();
   parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
     std::vector<uint64_t> counts(BLOCK / 8);
@@ -861,6 +879,7 @@ void mc_majority_vote(const uint8_t* const* packed, int voters, int64_t n, float
       }
     }
   });
+#endif
 }
 
 // out[i] = (sum over the ranks r of values_r[code_r(i)]) / divisor: each rank's n packed
