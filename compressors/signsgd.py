@@ -26,6 +26,7 @@ class SignSGDCompressor(Compressor):
     votes = True
     default_memory = "none"
     shard_alignment = 8  # whole bytes of sign bits
+    fused_update_passes = 0  # the parts' code has no memory to update
 
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The packed sign bits sent for ``tensor`` (subclasses: of a momentum, e.g.)."""

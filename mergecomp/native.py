@@ -43,7 +43,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 21
+_ABI_VERSION = 22
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -98,7 +98,7 @@ _SIGNATURES = {
     "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
     "mc_compensated_signs": ([_P, _P, _F32, _F32, _P, _I64, _P, _P, _I32], None),
-    "mc_compensated_signs_part": ([_P, _P, _F32, _F32, _P, _I64, _I64, _P, _P, _I32, _I32], _I32),
+    "mc_compensated_signs_part": ([_P, _P, _F32, _F32, _P, _I64, _I64, _P, _P, _I32, _I32, _I32], _I32),
     "mc_sign_residual": ([_P, _I64, _F32, _F32, _P, _I32], None),
     "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
     "mc_moments": ([_P, _I64, _P, _I32], None),
@@ -315,10 +315,12 @@ class CompensatedSignParts:
     hold the group's elements, ``out`` receives its packed signs and ``stats`` (fp64,
     ``(parts, 3)``) a row of sums per part.  The group's buffers are checked here once; each
     part's call checks its gradient and its bounds.  ``stream``: ``keep`` is written past the
-    cache."""
+    cache.  ``sums`` False (no ``r``, no ``keep``: signSGD's bits): the rows only tell whether
+    the part is finite (``[0 or NaN, 0, 0]``), which skips the side sums' work."""
 
     def __init__(self, n: int, r: Optional[torch.Tensor], negative: float, positive: float,
-                 keep: Optional[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, stream: bool = False) -> None:
+                 keep: Optional[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, stream: bool = False,
+                 sums: bool = True) -> None:
         if stats.dim() != 2 or stats.shape[1] != 3:
             raise ValueError(f"native kernel argument 'stats': need (parts, 3), got {tuple(stats.shape)}")
         self._numel, self._parts = n, stats.shape[0]
@@ -327,7 +329,9 @@ class CompensatedSignParts:
         self._out = _buf("out", out, *_code_layout(n, 1))
         self._stats = _buf("stats", stats, torch.float64, stats.numel())
         self._sides = (float(negative), float(positive))
-        self._stream, self._threads = int(stream), _threads()
+        if not sums and (r is not None or keep is not None):
+            raise ValueError("native kernel CompensatedSignParts: sums=False is for the bits of x alone (no r, no keep)")
+        self._stream, self._sums_too, self._threads = int(stream), int(sums), _threads()
         self._kernel = _library().mc_compensated_signs_part
         self._buffers = (r, keep, out, stats)  # alive while their addresses are in use
 
@@ -343,7 +347,7 @@ class CompensatedSignParts:
         offset = 4 * at
         return bool(self._kernel(_buf("x", x, torch.float32, n), None if self._r is None else self._r + offset,
                                  *self._sides, None if self._keep is None else self._keep + offset, at, n, self._out,
-                                 self._stats + 24 * part, self._stream, self._threads))
+                                 self._stats + 24 * part, self._stream, self._sums_too, self._threads))
 
 
 def sign_residual(v: torch.Tensor, negative: float, positive: float, out: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,8 @@ class SignParts(FusedParts):
     gradient (into the memory's buffer for the next step), then its bits; :meth:`finish` adds
     the parts' sums in part order and returns ``sent(bits, stats)``, the ``(payload, ctx,
     update)`` of :meth:`Compressor.compress_fused`.  Without a residual the bits are the
-    gradient's own signs and nothing is written but the bits."""
+    gradient's own signs, nothing is written but the bits and no side sums are worked out (the
+    stats given to ``sent`` are zeros)."""
 
     def __init__(self, compressor: Compressor, residual: Optional[Residual], like: torch.Tensor, parts: int,
                  sent: Callable[[torch.Tensor, SignStats], Tuple[Payload, Any, Callable[[], None]]]) -> None:
@@ -119,12 +120,14 @@ class SignParts(FusedParts):
             old, sides = (None, (0.0, 0.0)) if residual is None else (residual.old, residual.sides)
             self._keep = None if residual is None else residual.target()
             self._kernel = native.CompensatedSignParts(self._like.numel(), old, *sides, self._keep, self._bits,
-                                                       self._sums, self._stream)
+                                                       self._sums, self._stream, sums=residual is not None)
         if self._kernel(part, start, tensor):
             return True
+        if self._residual is None:
+            return False  # the kernel's check of the bits alone is exact (no sums to overflow)
         sums = self._sums[part]
-        coded = tensor.reshape(-1) if self._keep is None else self._keep[start:start + tensor.numel()]
-        sums.copy_(exact_where_overflowed(sums, lambda: coded))  # finite values whose fp32 runs overflowed
+        kept = self._keep[start:start + tensor.numel()]
+        sums.copy_(exact_where_overflowed(sums, lambda: kept))  # finite values whose fp32 runs overflowed
         return bool(torch.isfinite(sums).all())
 
     def finish(self) -> Tuple[Payload, Any, Callable[[], None]]:

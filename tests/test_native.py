@@ -583,6 +583,15 @@ def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
     assert torch.equal(x, x_before)
     if keep is None:
         assert torch.equal(r, r_before)
+        bits_alone = torch.zeros_like(bits)
+        if n % 8:
+            bits_alone[-1] = 0
+        rows = torch.full((len(parts), 3), 5.0, dtype=torch.float64)
+        code = native.CompensatedSignParts(n, None, 0.0, 0.0, None, bits_alone, rows, sums=False)
+        for k in torch.randperm(len(parts)).tolist():
+            start, stop = parts[k]
+            assert code(k, start, x[start:stop])
+        assert torch.equal(bits_alone, whole_bits) and not rows.any()  # the bits; rows tell only finiteness
     else:
         assert torch.equal(keep, whole_keep)
     torch.testing.assert_close(stats.sum(0)[:2], whole_stats[:2], rtol=16 * 2.0**-24, atol=1e-30)
@@ -590,12 +599,14 @@ def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
 
 
 @needs_kernels
+@pytest.mark.parametrize("sums", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", [0, 5, 16, 999])  # in the part's head, its body, its last element
-def test_a_part_holding_nan_or_inf_is_reported_not_finite(bad, where):
+def test_a_part_holding_nan_or_inf_is_reported_not_finite(bad, where, sums):
     x = torch.randn(1000)
+    x[7] = 3e38  # finite, however large
     code = native.CompensatedSignParts(1003, None, 0.0, 0.0, None, torch.zeros(bitpack.packed_size(1003, 1),
-                                       dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.float64))
+                                       dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.float64), sums=sums)
     assert code(0, 3, x)
     x[where] = bad
     assert not code(1, 3, x)
@@ -606,6 +617,8 @@ def test_parts_outside_their_group_or_not_fp32_are_refused():
     bits, stats = torch.zeros(8, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.float64)
     with pytest.raises(ValueError, match="'out'"):  # 8 bytes of bits for 100 elements
         native.CompensatedSignParts(100, None, 0.0, 0.0, torch.empty(100), bits, stats)
+    with pytest.raises(ValueError, match="sums=False"):
+        native.CompensatedSignParts(64, None, 0.0, 0.0, torch.empty(64), bits, stats, sums=False)
     code = native.CompensatedSignParts(64, None, 0.0, 0.0, None, bits, stats)
     with pytest.raises(ValueError, match=r"elements \[60, 70\)"):
         code(0, 60, torch.randn(10))

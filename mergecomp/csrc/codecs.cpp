@@ -225,9 +225,10 @@ inline float sign_input(const float* x, const float* r, float negative, float po
 // pack_signs_impl over elements [start, start + len) of one block (start a multiple of
 // SIGN_RUN): bits into out + start / 8 (a short last byte zero-padded), sums into `sums`;
 // returns the count of v >= 0.  With `stream` (keep 64-byte aligned), whole vectors of keep are
-// written by non-temporal stores (the caller then calls stores_done()).  Portable form: codes
-// a byte per element, then packs them.
-template <Input In, bool Keep>
+// written by non-temporal stores (the caller then calls stores_done()).  Without Sums only
+// whether every v is finite is worked out: sums.above[0] is 0, or NaN for a NaN or Inf (v - v
+// added up), and the count is 0.  Portable form: codes a byte per element, then packs them.
+template <Input In, bool Keep, bool Sums = true>
 int64_t sign_block(const float* x, const float* r, float negative, float positive, float* m, float weight,
                    float* keep, int64_t start, int64_t len, uint8_t* out, SideSums& sums, bool stream) {
 #if defined(__AVX512F__)
@@ -235,7 +236,7 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
                w = _mm512_set1_ps(weight);
   __m512d above = _mm512_loadu_pd(sums.above), below = _mm512_loadu_pd(sums.below);
   int64_t count = 0;
-  __m512 up = zero, down = zero;
+  __m512 up = zero, down = zero, unfinite = zero;
   // one vector of lanes [i, i + 16) of which `live` are elements; the others code nothing
   const auto code = [&](int64_t i, __mmask16 live) {
     __m512 v = _mm512_maskz_loadu_ps(live, x + i);
@@ -256,12 +257,16 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
         _mm512_mask_storeu_ps(keep + i, live, v);
       }
     }
-    // zero first: the vector max and min return their second operand for a NaN, which then
-    // reaches the sums (as the portable loop's std::max and std::min do)
-    up = _mm512_add_ps(up, _mm512_max_ps(zero, v));
-    down = _mm512_add_ps(down, _mm512_min_ps(zero, v));
     const uint16_t bits = _mm512_mask_cmp_ps_mask(live, v, zero, _CMP_GE_OQ);
-    count += __builtin_popcount(bits);
+    if (Sums) {
+      // zero first: the vector max and min return their second operand for a NaN, which then
+      // reaches the sums (as the portable loop's std::max and std::min do)
+      up = _mm512_add_ps(up, _mm512_max_ps(zero, v));
+      down = _mm512_add_ps(down, _mm512_min_ps(zero, v));
+      count += __builtin_popcount(bits);
+    } else {
+      unfinite = _mm512_add_ps(unfinite, _mm512_sub_ps(v, v));  // masked-off lanes are 0
+    }
     return bits;
   };
   for (int64_t run = 0; run < len; run += SIGN_RUN) {
@@ -277,6 +282,7 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
       out[(start + k) / 8] = static_cast<uint8_t>(bits);
       if (len - k > 8) out[(start + k) / 8 + 1] = static_cast<uint8_t>(bits >> 8);
     }
+    if (!Sums) continue;
     above = _mm512_add_pd(above, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(up)),
                                                _mm512_cvtps_pd(_mm512_extractf32x8_ps(up, 1))));
     below = _mm512_add_pd(below, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(down)),
@@ -284,6 +290,7 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
   }
   _mm512_storeu_pd(sums.above, above);
   _mm512_storeu_pd(sums.below, below);
+  if (!Sums) sums.above[0] += _mm512_reduce_add_ps(unfinite);
   return count;
 #else
   (void)stream;  // the portable loop stores as it goes
@@ -296,6 +303,10 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
       const float v = k < stop ? sign_input<In>(x, r, negative, positive, m, weight, start + run + k) : 0.0f;
       if (Keep && k < stop) keep[start + run + k] = v;
       codes[k] = k < stop && v >= 0.0f;
+      if (!Sums) {
+        up[0] += v - v;
+        continue;
+      }
       count += codes[k];
       up[k % SIGN_LANES] += std::max(v, 0.0f);
       down[k % SIGN_LANES] += std::min(v, 0.0f);
@@ -314,8 +325,9 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
 // The sign bits of v[i] (see Input) packed into out, with stats = {sum of the v >= 0, sum of the
 // v < 0, count of v >= 0}, each side summed on its own (see SIGN_LANES).  One loop for every
 // input, so the sums of equal v are equal bit for bit.  With Keep, keep (may be r) receives
-// every v, written past the cache with stream_keep where keep is 64-byte aligned.
-template <Input In, bool Keep = false>
+// every v, written past the cache with stream_keep where keep is 64-byte aligned.  Without
+// Sums, stats = {0, or NaN where a v is NaN or Inf; 0; 0} (see sign_block).
+template <Input In, bool Keep = false, bool Sums = true>
 void pack_signs_impl(const float* x, const float* r, float negative, float positive, float* m, float weight,
                      float* keep, int64_t n, uint8_t* out, double* stats, int threads, bool stream_keep = false) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
@@ -326,8 +338,8 @@ void pack_signs_impl(const float* x, const float* r, float negative, float posit
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK;
       SideSums sums;
-      const int64_t count = sign_block<In, Keep>(x, r, negative, positive, m, weight, keep, start,
-                                                 std::min(BLOCK, n - start), out, sums, stream);
+      const int64_t count = sign_block<In, Keep, Sums>(x, r, negative, positive, m, weight, keep, start,
+                                                       std::min(BLOCK, n - start), out, sums, stream);
       p[3 * b] = SideSums::total(sums.above);
       p[3 * b + 1] = SideSums::total(sums.below);
       p[3 * b + 2] = static_cast<double>(count);
@@ -655,7 +667,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 21; }
+int mc_abi_version() { return 22; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -756,10 +768,13 @@ void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int t
   pack_signs_impl<Input::kPlain>(x, nullptr, 0.0f, 0.0f, nullptr, 0.0f, nullptr, n, out, stats, threads);
 }
 
-// pack_signs_impl of the compensated gradient (mc_compensated_signs) for each case of r and keep.
+// pack_signs_impl of the compensated gradient (mc_compensated_signs) for each case of r and keep;
+// with neither and not `sums`, only the bits and whether x is finite (signSGD's code).
 void compensated_signs_impl(const float* x, const float* r, float negative, float positive, float* keep,
-                            int64_t n, uint8_t* out, double* stats, bool stream_keep, int threads) {
-  if (r == nullptr && keep == nullptr) {
+                            int64_t n, uint8_t* out, double* stats, bool stream_keep, int threads, bool sums = true) {
+  if (r == nullptr && keep == nullptr && !sums) {
+    pack_signs_impl<Input::kPlain, false, false>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
+  } else if (r == nullptr && keep == nullptr) {
     pack_signs_impl<Input::kPlain>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
   } else if (r == nullptr) {
     pack_signs_impl<Input::kPlain, true>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads, stream_keep);
@@ -800,10 +815,12 @@ static void merge_bits(uint8_t* out, int64_t at, int64_t len, uint64_t bits) {
 // it shares with its neighbours are left as they are, and stats are the part's.  The elements up
 // to the next multiple of 16 and the last ones are coded on their own, so the rest starts on a
 // whole byte of bits (and, in a 64-byte aligned group, on a 64-byte line of keep).  stream_keep:
-// keep is written past the cache.  Returns whether the part's sums are finite (a NaN or Inf in
-// v makes them not).
+// keep is written past the cache.  Without `sums` (r and keep null: signSGD's code) the stats
+// only tell whether x is finite (see sign_block).  Returns whether the part's sums are finite (a
+// NaN or Inf in v makes them not).
 int mc_compensated_signs_part(const float* x, const float* r, float negative, float positive, float* keep,
-                              int64_t at, int64_t n, uint8_t* out, double* stats, int stream_keep, int threads) {
+                              int64_t at, int64_t n, uint8_t* out, double* stats, int stream_keep, int sums,
+                              int threads) {
   const int64_t head = std::min(n, (16 - at % 16) % 16), body = (n - head) / 16 * 16;
   stats[0] = stats[1] = stats[2] = 0;
   double part[3];
@@ -814,7 +831,7 @@ int mc_compensated_signs_part(const float* x, const float* r, float negative, fl
     if (len == 0) return;
     uint8_t bits[2] = {0, 0};
     compensated_signs_impl(x + first, r == nullptr ? nullptr : r + first, negative, positive,
-                           keep == nullptr ? nullptr : keep + first, len, bits, part, false, 1);
+                           keep == nullptr ? nullptr : keep + first, len, bits, part, false, 1, sums != 0);
     merge_bits(out, at + first, len, bits[0] | static_cast<uint64_t>(bits[1]) << 8);
     add();
   };
@@ -822,7 +839,7 @@ int mc_compensated_signs_part(const float* x, const float* r, float negative, fl
   if (body > 0) {
     compensated_signs_impl(x + head, r == nullptr ? nullptr : r + head, negative, positive,
                            keep == nullptr ? nullptr : keep + head, body, out + (at + head) / 8, part,
-                           stream_keep != 0, threads);
+                           stream_keep != 0, threads, sums != 0);
     add();
   }
   edge(head + body, n - head - body);
