@@ -47,10 +47,7 @@ _ABI_VERSION = 22
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
-STREAM_MIN = 1 << 23
-#: the same for an output read only much later, as a group buffer the gradients are copied
-#: into (LATER_STREAM_MIN)
-LATER_STREAM_MIN = 1 << 20
+STREAM_MIN = 1 << 20
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None

@@ -107,7 +107,7 @@ class SignParts(FusedParts):
         self._sent = sent
         self._keep: Optional[torch.Tensor] = None
         self._kernel: Optional[native.CompensatedSignParts] = None
-        self._stream = like.numel() >= native.LATER_STREAM_MIN  # read again only at the next step
+        self._stream = like.numel() >= native.STREAM_MIN  # read again only at the next step
         self._bits = compressor.scratch(bitpack.packed_size(like.numel(), 1), torch.uint8, like.device)
         if like.numel() % 8:
             self._bits[-1] = 0  # the padding bits, which no part writes

@@ -457,7 +457,7 @@ class MergedStep:
                 passes = 2  # the dense gradient written, then copied
             # the copy, prescale and check: one pass; a large group's buffer is read only once it is complete
             finite = codecs.copy_finite(grad, slot, self.prescale,
-                                        stream=later and flat.numel() >= native.LATER_STREAM_MIN)
+                                        stream=later and flat.numel() >= native.STREAM_MIN)
             if finite is None:
                 self._unchecked(g)
             elif not finite:

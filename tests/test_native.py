@@ -51,13 +51,13 @@ def test_pack_signs_and_sums(n):
 
 
 @needs_kernels
-@pytest.mark.parametrize("n", [0] + SIZES + [(1 << 23) + 37])  # the last: keep written past the cache
+@pytest.mark.parametrize("n", [0] + SIZES + [(1 << 20) + 37])  # the last: keep written past the cache
 @pytest.mark.parametrize("carried", ["none", "plain", "carried", "carried, kept in place",
                                      "carried, kept unaligned"])
 def test_compensated_signs_are_pack_signs_of_the_compensated_gradient_bit_for_bit(n, carried):
     """v = x + (r - side(r)) (sides 0: x + r; r None: x), rounded as torch rounds each step:
     its bits and sums are pack_signs' of v, and keep receives v (by non-temporal stores from
-    2**23 elements on, where keep is 64-byte aligned)."""
+    2**20 elements on, where keep is 64-byte aligned)."""
     x, r = torch.randn(n), torch.randn(n) * 0.1
     x[::5], r[::5] = 0.0, -0.0  # zeros of both signs: +0 + -0 = +0 travels as +
     r[1::7] = -x[1::7]  # sums of exactly zero
@@ -430,8 +430,8 @@ def test_levels_sum_is_the_sum_of_scale_levels_bit_for_bit(ranks, n, bucket, bit
 
 @needs_kernels
 def test_outputs_streamed_past_the_cache_are_the_same():
-    """Outputs of 2**23 elements or more are written with non-temporal stores: the same values."""
-    n = (1 << 23) + 37
+    """Outputs of 2**20 elements or more are written with non-temporal stores: the same values."""
+    n = (1 << 20) + 37
     packed = [bitpack.pack(torch.randint(0, 2, (n,), dtype=torch.uint8), 1) for _ in range(2)]
     values = torch.randn(2, 2)
     expected = native.decode_codes(packed[0], 1, n, values[0], torch.empty(n))
@@ -450,9 +450,9 @@ def test_outputs_streamed_past_the_cache_are_the_same():
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("voters", [2, 5])
 def test_majority_vote_streamed_is_the_eager_vote(voters, aligned):
-    """An output of 2**23 + 37 elements (written past the cache where 64-byte aligned), with
+    """An output of 2**20 + 37 elements (written past the cache where 64-byte aligned), with
     ties among an even number of voters: the vote in registers equals the eager byte count's."""
-    n = (1 << 23) + 37
+    n = (1 << 20) + 37
     packed = [pack_signs(torch.randn(n))[0] for _ in range(voters)]
     packed[1] = packed[0].clone()
     packed[1][::3] ^= 0xFF  # disagreeing there: ties among two voters
@@ -634,12 +634,12 @@ def test_parts_outside_their_group_or_not_fp32_are_refused():
 @pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("ranks", [1, 2, 5])
 def test_sign_sum_streamed_is_the_eager_sum_bit_for_bit(ranks, aligned):
-    """1-bit codes of 2**23 + 37 elements (an output written past the cache where 64-byte
+    """1-bit codes of 2**20 + 37 elements (an output written past the cache where 64-byte
     aligned): each rank's bits picking its two values, 16 at a time, summed and divided as the
     eager path does."""
     from mergecomp.codecs import sign_sum
 
-    n = (1 << 23) + 37
+    n = (1 << 20) + 37
     packed = [bitpack.pack(torch.randint(0, 2, (n,), dtype=torch.uint8), 1) for _ in range(ranks)]
     sides = [(-0.3 - r, 0.7 + 0.1 * r) for r in range(ranks)]
     out = torch.empty(n) if aligned else torch.empty(n + 1)[1:]

@@ -155,13 +155,13 @@ const std::vector<uint64_t> EXPAND = [] {
   return table;
 }();
 
-// Outputs of at least this many elements are written with non-temporal stores (stream_out): a
-// smaller one is better left in the cache for whoever reads it next (measured on 2 M, 8 M and
-// 16 M-element aggregates read afterwards: 1.6x slower streamed, even, 1.25x faster).
-constexpr int64_t STREAM_MIN = 1 << 23;
-// An output read only much later (the next step's pass, or a group buffer once the group is
-// complete) is written past the cache from this many elements on (4 MiB, a core's L2).
-constexpr int64_t LATER_STREAM_MIN = 1 << 20;
+// Outputs of at least this many elements (4 MiB, a core's L2) are written with non-temporal
+// stores (stream_out): an aggregate is read only once every group of the step is decoded (by the
+// optimizer), a kept buffer at the next step, a group buffer once the group is complete.
+// Measured, 2-rank 1-bit aggregates of 1 M, 2 M, 4 M and 6.4 M elements: 0.79, 1.31, 2.21 and
+// 3.24 ms in place, 0.52, 0.70, 1.11 and 1.51 ms streamed; read right afterwards, streaming costs
+// 0.1 ms at 1 M and 2 M elements and gains from 4 M on.
+constexpr int64_t STREAM_MIN = 1 << 20;
 
 // dst[0, len) = src[0, len); with `stream`, by non-temporal stores where dst is 32-byte aligned:
 // the lines of dst are written whole, without being read into the cache first (a third of the
@@ -793,7 +793,7 @@ void compensated_signs_impl(const float* x, const float* r, float negative, floa
 // only at the next step) is written past the cache.
 void mc_compensated_signs(const float* x, const float* r, float negative, float positive, float* keep,
                           int64_t n, uint8_t* out, double* stats, int threads) {
-  compensated_signs_impl(x, r, negative, positive, keep, n, out, stats, n >= LATER_STREAM_MIN, threads);
+  compensated_signs_impl(x, r, negative, positive, keep, n, out, stats, n >= STREAM_MIN, threads);
 }
 
 // Writes the `len` (< 32 - at % 8) low bits of `bits` as bits at .. at + len - 1 of the packed
