@@ -9,6 +9,7 @@ Defaults: ``beta=0.9``; no error-feedback memory.
 import torch
 
 from mergecomp.codecs import momentum_signs
+from mergecomp.memory import Memory
 from mergecomp.registry import register_compressor
 
 from .signsgd import SignSGDCompressor
@@ -26,7 +27,7 @@ class SignumCompressor(SignSGDCompressor):
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return momentum_signs(tensor, self._momentum(name, tensor.numel(), tensor), self.beta, empty=self.scratch)
 
-    def compress_fused_parts(self, like, name, parts, memory):
+    def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int, memory: Memory) -> None:
         return None  # the bits are the momentum's: the group's gradients are gathered first
 
     def compress_shard(self, tensor: torch.Tensor, name: str, start: int, total: int):

@@ -328,7 +328,7 @@ class CompensatedSignParts:
         self._sides = (float(negative), float(positive))
         if not sums and (r is not None or keep is not None):
             raise ValueError("native kernel CompensatedSignParts: sums=False is for the bits of x alone (no r, no keep)")
-        self._stream, self._sums_too, self._threads = int(stream), int(sums), _threads()
+        self._stream, self._side_sums, self._threads = int(stream), int(sums), _threads()
         self._kernel = _library().mc_compensated_signs_part
         self._buffers = (r, keep, out, stats)  # alive while their addresses are in use
 
@@ -344,7 +344,7 @@ class CompensatedSignParts:
         offset = 4 * at
         return bool(self._kernel(_buf("x", x, torch.float32, n), None if self._r is None else self._r + offset,
                                  *self._sides, None if self._keep is None else self._keep + offset, at, n, self._out,
-                                 self._stats + 24 * part, self._stream, self._sums_too, self._threads))
+                                 self._stats + 24 * part, self._stream, self._side_sums, self._threads))
 
 
 def sign_residual(v: torch.Tensor, negative: float, positive: float, out: torch.Tensor) -> torch.Tensor:
