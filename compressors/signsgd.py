@@ -44,7 +44,11 @@ class SignSGDCompressor(Compressor):
         if not memory.passthrough or not native.usable(like):
             return None
         ctx = (like.numel(), like.dtype)
-        return SignParts(self, None, like, parts, lambda bits, stats: ((bits,), ctx, lambda: None))
+
+        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.CompensatedSignParts, None]:
+            return native.CompensatedSignParts(like.numel(), None, 0.0, 0.0, None, bits, sums, sums=False), None
+
+        return SignParts(self, like, parts, kernel, lambda bits, stats: ((bits,), ctx, lambda: None))
 
     def second_phase(self) -> Compressor:
         return VoteCodec()

@@ -6,11 +6,15 @@ zeros sent as ``+``.  Aggregation is the majority vote of :mod:`signsgd` (0 on a
 Two-phase: each shard's bits come from its slice of the group's momentum.
 Defaults: ``beta=0.9``; no error-feedback memory.
 """
+from typing import Dict, Optional, Set, Tuple
+
 import torch
 
+from mergecomp import native
 from mergecomp.codecs import momentum_signs
 from mergecomp.memory import Memory
 from mergecomp.registry import register_compressor
+from mergecomp.signs import SignParts
 
 from .signsgd import SignSGDCompressor
 
@@ -23,16 +27,64 @@ class SignumCompressor(SignSGDCompressor):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"signum beta must be in [0, 1), got {beta}")
         self.beta = beta
+        self._spares: Dict[str, torch.Tensor] = {}  # per group: the momentum of the step before, reused
+        self._kept: Set[str] = set()  # groups whose momentum a step keeps for a rollback
 
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        return momentum_signs(tensor, self._momentum(name, tensor.numel(), tensor), self.beta, empty=self.scratch)
+        return momentum_signs(tensor, self._writable_momentum(name, tensor.numel(), tensor), self.beta,
+                              empty=self.scratch)
 
-    def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int, memory: Memory) -> None:
-        return None  # the bits are the momentum's: the group's gradients are gathered first
+    def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
+                             memory: Memory) -> Optional[SignParts]:
+        """Without error feedback, where a kernel serves ``like`` and the momentum: each
+        gradient's pass steps its slice of the momentum as it arrives
+        (:class:`~mergecomp.native.MomentumSignParts`) into a second buffer, so the group's state
+        changes only once every part was found finite (a part with NaN/Inf leaves it for the
+        whole-group route); the buffer it replaces is the next step's.  The same bits and
+        momentum as :meth:`compress`."""
+        momentum = self._momentum(name, like.numel(), like)
+        if not memory.passthrough or not native.usable(like, momentum):
+            return None
+        self._spares = {group: spare for group, spare in self._spares.items() if group in self.state}
+        spare = self._spares.get(name)
+        if spare is None or spare.shape != momentum.shape or spare.dtype != momentum.dtype:
+            spare = torch.empty_like(momentum)
+        ctx = (like.numel(), like.dtype)
+
+        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.MomentumSignParts, None]:
+            return native.MomentumSignParts(like.numel(), momentum, 1.0 - self.beta, spare, bits, sums,
+                                            stream=like.numel() >= native.STREAM_MIN), None
+
+        def sent(bits: torch.Tensor, stats) -> tuple:
+            self.group_state(name)["momentum"] = spare
+            self._spares[name] = momentum
+            return (bits,), ctx, lambda: None
+
+        return SignParts(self, like, parts, kernel, sent)
 
     def compress_shard(self, tensor: torch.Tensor, name: str, start: int, total: int):
-        momentum = self._momentum(name, total, tensor)[start:start + tensor.numel()]
+        momentum = self._writable_momentum(name, total, tensor)[start:start + tensor.numel()]
         return (momentum_signs(tensor, momentum, self.beta, empty=self.scratch),), (tensor.numel(), tensor.dtype)
+
+    def keep(self, name: str) -> Dict[str, torch.Tensor]:
+        """The group's momentum itself, not a copy: while kept it is not written in place (the
+        parts write a second buffer; the whole-group and shard routes copy it first)."""
+        self._kept.add(name)
+        return dict(self.state.get(name, {}))
+
+    def restore(self, name: str, kept: Dict[str, torch.Tensor]) -> None:
+        self._kept.discard(name)
+        super().restore(name, kept)
+        if kept and self._spares.get(name) is kept.get("momentum"):
+            del self._spares[name]  # live again: not the next step's second buffer
+
+    def _writable_momentum(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """:meth:`_momentum`, copied first where a step keeps it (:meth:`keep`)."""
+        momentum = self._momentum(name, numel, like)
+        if name in self._kept:
+            self._kept.discard(name)
+            momentum = self.group_state(name)["momentum"] = momentum.clone()
+        return momentum
 
     def _momentum(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         """Group ``name``'s momentum (``numel`` elements in ``like``'s dtype and device; zeros

@@ -36,14 +36,14 @@ import torch
 from mergecomp.bitpack import packed_size
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "compensated_signs", "CompensatedSignParts", "sign_residual", "momentum_signs",
+           "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual", "momentum_signs",
            "majority_vote", "codes_sum", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "zero_fill"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 22
+_ABI_VERSION = 23
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -98,6 +98,7 @@ _SIGNATURES = {
     "mc_compensated_signs_part": ([_P, _P, _F32, _F32, _P, _I64, _I64, _P, _P, _I32, _I32, _I32], _I32),
     "mc_sign_residual": ([_P, _I64, _F32, _F32, _P, _I32], None),
     "mc_momentum_signs": ([_P, _P, _F32, _I64, _P, _P, _I32], None),
+    "mc_momentum_signs_part": ([_P, _P, _F32, _P, _I64, _I64, _P, _P, _I32, _I32], _I32),
     "mc_moments": ([_P, _I64, _P, _I32], None),
     "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
     "mc_codes_sum": ([_P, _I32, _P, _I32, _I64, _F32, _P, _I32], None),
@@ -306,29 +307,46 @@ def compensated_signs(x: torch.Tensor, r: Optional[torch.Tensor], negative: floa
     return out, stats
 
 
-class CompensatedSignParts:
+class _SignParts:
+    """What the part-by-part sign kernels share: a group of ``n`` elements whose packed signs go
+    to ``out`` and whose parts' stats to the rows of ``stats`` (fp64, ``(parts, 3)``), checked
+    here once; each call checks its part's bounds and gradient."""
+
+    def __init__(self, n: int, out: torch.Tensor, stats: torch.Tensor) -> None:
+        if stats.dim() != 2 or stats.shape[1] != 3:
+            raise ValueError(f"native kernel argument 'stats': need (parts, 3), got {tuple(stats.shape)}")
+        self._numel, self._parts = n, stats.shape[0]
+        self._out = _buf("out", out, *_code_layout(n, 1))
+        self._stats = _buf("stats", stats, torch.float64, stats.numel())
+        self._threads = _threads()
+
+    def _part(self, part: int, at: int, x: torch.Tensor) -> Tuple[int, int, int]:
+        """``(address of x, its numel, address of row part)`` once the part is checked."""
+        n = x.numel()
+        if not (0 <= part < self._parts and 0 <= at and at + n <= self._numel):
+            raise ValueError(f"native kernel part {part}: elements [{at}, {at + n}) or its row are outside the "
+                             f"group's {self._numel} elements and {self._parts} rows")
+        return _buf("x", x, torch.float32, n), n, self._stats + 24 * part
+
+
+class CompensatedSignParts(_SignParts):
     """:func:`compensated_signs` of one group of ``n`` elements, part by part as its gradients
     arrive: ``r`` (None: no residual) and ``keep`` (fp32, may be ``r``; None: ``v`` is not kept)
     hold the group's elements, ``out`` receives its packed signs and ``stats`` (fp64,
-    ``(parts, 3)``) a row of sums per part.  The group's buffers are checked here once; each
-    part's call checks its gradient and its bounds.  ``stream``: ``keep`` is written past the
-    cache.  ``sums`` False (no ``r``, no ``keep``: signSGD's bits): the rows only tell whether
-    the part is finite (``[0 or NaN, 0, 0]``), which skips the side sums' work."""
+    ``(parts, 3)``) a row of sums per part.  ``stream``: ``keep`` is written past the cache.
+    ``sums`` False (no ``r``, no ``keep``: signSGD's bits): the rows only tell whether the part
+    is finite (``[0 or NaN, 0, 0]``), which skips the side sums' work."""
 
     def __init__(self, n: int, r: Optional[torch.Tensor], negative: float, positive: float,
                  keep: Optional[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, stream: bool = False,
                  sums: bool = True) -> None:
-        if stats.dim() != 2 or stats.shape[1] != 3:
-            raise ValueError(f"native kernel argument 'stats': need (parts, 3), got {tuple(stats.shape)}")
-        self._numel, self._parts = n, stats.shape[0]
-        self._r = None if r is None else _buf("r", r, torch.float32, n)
-        self._keep = None if keep is None else _buf("keep", keep, torch.float32, n)
-        self._out = _buf("out", out, *_code_layout(n, 1))
-        self._stats = _buf("stats", stats, torch.float64, stats.numel())
-        self._sides = (float(negative), float(positive))
+        super().__init__(n, out, stats)
         if not sums and (r is not None or keep is not None):
             raise ValueError("native kernel CompensatedSignParts: sums=False is for the bits of x alone (no r, no keep)")
-        self._stream, self._side_sums, self._threads = int(stream), int(sums), _threads()
+        self._r = None if r is None else _buf("r", r, torch.float32, n)
+        self._keep = None if keep is None else _buf("keep", keep, torch.float32, n)
+        self._sides = (float(negative), float(positive))
+        self._stream, self._side_sums = int(stream), int(sums)
         self._kernel = _library().mc_compensated_signs_part
         self._buffers = (r, keep, out, stats)  # alive while their addresses are in use
 
@@ -337,14 +355,36 @@ class CompensatedSignParts:
         flat) as part ``part``: their bits at those bits of ``out`` (the bits of other elements
         left as they are), their sums in row ``part``.  Returns whether the sums are finite (NaN
         or Inf in ``v`` makes them not)."""
-        n = x.numel()
-        if not (0 <= part < self._parts and 0 <= at and at + n <= self._numel):
-            raise ValueError(f"native kernel part {part}: elements [{at}, {at + n}) or its row are outside the "
-                             f"group's {self._numel} elements and {self._parts} rows")
+        address, n, row = self._part(part, at, x)
         offset = 4 * at
-        return bool(self._kernel(_buf("x", x, torch.float32, n), None if self._r is None else self._r + offset,
-                                 *self._sides, None if self._keep is None else self._keep + offset, at, n, self._out,
-                                 self._stats + 24 * part, self._stream, self._side_sums, self._threads))
+        return bool(self._kernel(address, None if self._r is None else self._r + offset, *self._sides,
+                                 None if self._keep is None else self._keep + offset, at, n, self._out, row,
+                                 self._stream, self._side_sums, self._threads))
+
+
+class MomentumSignParts(_SignParts):
+    """Signum's step of one group of ``n`` elements, part by part as its gradients arrive: the
+    new momentum ``keep = momentum + weight * (x - momentum)`` (fp32; ``keep`` may be
+    ``momentum``) and its sign bits into ``out``; each part's row of ``stats`` only tells whether
+    its new momentum is finite (``[0 or NaN, 0, 0]``).  ``stream``: ``keep`` is written past the
+    cache."""
+
+    def __init__(self, n: int, momentum: torch.Tensor, weight: float, keep: torch.Tensor, out: torch.Tensor,
+                 stats: torch.Tensor, stream: bool = False) -> None:
+        super().__init__(n, out, stats)
+        self._momentum = _buf("momentum", momentum, torch.float32, n)
+        self._keep = _buf("keep", keep, torch.float32, n)
+        self._weight, self._stream = float(weight), int(stream)
+        self._kernel = _library().mc_momentum_signs_part
+        self._buffers = (momentum, keep, out, stats)  # alive while their addresses are in use
+
+    def __call__(self, part: int, at: int, x: torch.Tensor) -> bool:
+        """Step the group's elements ``[at, at + x.numel())`` with ``x`` (contiguous fp32, read
+        flat) as part ``part``; returns whether their new momentum is finite."""
+        address, n, row = self._part(part, at, x)
+        offset = 4 * at
+        return bool(self._kernel(address, self._momentum + offset, self._weight, self._keep + offset, at, n,
+                                 self._out, row, self._stream, self._threads))
 
 
 def sign_residual(v: torch.Tensor, negative: float, positive: float, out: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,13 @@ class SignValueCompressor(SummedDecode):
         residual = self._carried_residual(like, name, memory)
         if residual is None:
             return None
-        return SignParts(self, residual, like, parts, lambda bits, stats: self._sent(bits, stats, like, residual))
+
+        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.CompensatedSignParts, torch.Tensor]:
+            keep = residual.target()  # the memory's target, taken at the first part
+            return native.CompensatedSignParts(like.numel(), residual.old, *residual.sides, keep, bits, sums,
+                                               stream=like.numel() >= native.STREAM_MIN), keep
+
+        return SignParts(self, like, parts, kernel, lambda bits, stats: self._sent(bits, stats, like, residual))
 
     @staticmethod
     def _carried_residual(like: torch.Tensor, name: str, memory: Memory) -> Optional[Residual]:
@@ -90,24 +96,25 @@ class SignValueCompressor(SummedDecode):
 
 
 class SignParts(FusedParts):
-    """The sign pass of a group, part by part: each part's pass
-    (:class:`mergecomp.native.CompensatedSignParts`) reads its gradient and, with a
-    ``residual``, its slice of the carried buffer and writes its slice of the compensated
-    gradient (into the memory's buffer for the next step), then its bits; :meth:`finish` adds
-    the parts' sums in part order and returns ``sent(bits, stats)``, the ``(payload, ctx,
-    update)`` of :meth:`Compressor.compress_fused`.  Without a residual the bits are the
-    gradient's own signs, nothing is written but the bits and no side sums are worked out (the
-    stats given to ``sent`` are zeros)."""
+    """A sign code of a group, part by part: each gradient's pass (a part-by-part kernel of
+    :mod:`mergecomp.native`, made by ``kernel(bits, sums)`` at the first part) reads the
+    gradient where autograd left it and writes its bits into the group's and its row of
+    ``sums``; :meth:`finish` adds the rows in part order and returns ``sent(bits, stats)``, the
+    ``(payload, ctx, update)`` of :meth:`Compressor.compress_fused`.  ``kernel`` also returns
+    the tensor holding the values it coded, whose fp32 side sums are worked out again in fp64
+    where they overflowed; None: its rows only check finiteness, exactly (the stats given to
+    ``sent`` are then zeros).  Large groups' buffers are written past the cache (read again only
+    at the next step)."""
 
-    def __init__(self, compressor: Compressor, residual: Optional[Residual], like: torch.Tensor, parts: int,
+    def __init__(self, compressor: Compressor, like: torch.Tensor, parts: int,
+                 kernel: Callable[[torch.Tensor, torch.Tensor], Tuple[Any, Optional[torch.Tensor]]],
                  sent: Callable[[torch.Tensor, SignStats], Tuple[Payload, Any, Callable[[], None]]]) -> None:
         self.kept = []
-        self._residual = residual
         self._like = like
+        self._make_kernel = kernel
         self._sent = sent
-        self._keep: Optional[torch.Tensor] = None
-        self._kernel: Optional[native.CompensatedSignParts] = None
-        self._stream = like.numel() >= native.STREAM_MIN  # read again only at the next step
+        self._kernel: Optional[Callable[[int, int, torch.Tensor], bool]] = None
+        self._coded: Optional[torch.Tensor] = None
         self._bits = compressor.scratch(bitpack.packed_size(like.numel(), 1), torch.uint8, like.device)
         if like.numel() % 8:
             self._bits[-1] = 0  # the padding bits, which no part writes
@@ -115,19 +122,14 @@ class SignParts(FusedParts):
         self._sums = compressor.scratch(parts * 3, torch.float64, like.device).view(parts, 3)
 
     def add(self, part: int, start: int, tensor: torch.Tensor) -> bool:
-        if self._kernel is None:  # the memory's target, taken at the first part
-            residual = self._residual
-            old, sides = (None, (0.0, 0.0)) if residual is None else (residual.old, residual.sides)
-            self._keep = None if residual is None else residual.target()
-            self._kernel = native.CompensatedSignParts(self._like.numel(), old, *sides, self._keep, self._bits,
-                                                       self._sums, self._stream, sums=residual is not None)
+        if self._kernel is None:
+            self._kernel, self._coded = self._make_kernel(self._bits, self._sums)
         if self._kernel(part, start, tensor):
             return True
-        if self._residual is None:
-            return False  # the kernel's check of the bits alone is exact (no sums to overflow)
-        sums = self._sums[part]
-        kept = self._keep[start:start + tensor.numel()]
-        sums.copy_(exact_where_overflowed(sums, lambda: kept))  # finite values whose fp32 runs overflowed
+        if self._coded is None:
+            return False  # the kernel's check of the values alone is exact (no sums to overflow)
+        sums, coded = self._sums[part], self._coded[start:start + tensor.numel()]
+        sums.copy_(exact_where_overflowed(sums, lambda: coded))  # finite values whose fp32 runs overflowed
         return bool(torch.isfinite(sums).all())
 
     def finish(self) -> Tuple[Payload, Any, Callable[[], None]]:

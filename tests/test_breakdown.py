@@ -159,6 +159,8 @@ PASSES = {
     ("efsignsgd", None): {"encode": 1, "decode": 1},
     # no memory, each gradient's bits packed as it arrives (no copy-in); the vote in one pass
     ("signsgd", None): {"encode": 1, "decode": 1},
+    # its momentum stepped and its bits packed as each gradient arrives, into a second buffer
+    ("signum", None): {"encode": 1, "decode": 1},
     # two-phase adds, on this rank's half, the second stage: compensate, encode, memory (decode +
     # subtract), and the sign sum of its shard before every shard is decoded; the first-stage
     # memory decodes the shards side by side (decodes, copies and zeros: 2 passes)
@@ -170,7 +172,7 @@ UNFUSED = {**{(codec, None): {"copy-in": 1, "compensate": 1, "encode": 1, "memor
               for codec in ("onebit", "efsignsgd")},
            # residual: add; threshold scan; residual copy (k entries aside); the dense sum
            ("topk", None): {"copy-in": 1, "compensate": 1, "encode": 1, "memory": 1, "decode": 1},
-           ("signsgd", None): {"copy-in": 1, "encode": 1, "decode": 1}}
+           **{(codec, None): {"copy-in": 1, "encode": 1, "decode": 1} for codec in ("signsgd", "signum")}}
 
 
 def _optimizer_worker(rank, compression, scheme):

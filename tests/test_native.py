@@ -599,6 +599,34 @@ def test_parts_in_any_order_code_what_the_whole_group_codes(n, cuts, carried):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n,cuts", [(1003, [1, 16, 17, 500]), ((1 << 20) + 37, [5, 70_000, 1 << 19])])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_momentum_parts_in_any_order_step_what_the_whole_group_steps(n, cuts, in_place):
+    """MomentumSignParts over the parts of a group, in a shuffled order: the bits and the new
+    momentum of one momentum_signs of the whole, bit for bit; the old momentum left as it was
+    unless it is the target; the rows only tell finiteness."""
+    x, m = torch.randn(n), torch.randn(n)
+    x[::7] = 0.0
+    whole_m = m.clone()
+    whole_bits = native.momentum_signs(x, whole_m, 0.9, torch.empty(bitpack.packed_size(n, 1), dtype=torch.uint8))
+    old = m.clone()
+    keep = m if in_place else torch.full((n,), 7.0)
+    bits = torch.randint(0, 256, (bitpack.packed_size(n, 1),), dtype=torch.uint8)
+    if n % 8:
+        bits[-1] = 0
+    parts = _split(n, cuts)
+    rows = torch.full((len(parts), 3), 5.0, dtype=torch.float64)
+    code = native.MomentumSignParts(n, m, 0.1, keep, bits, rows, stream=n > (1 << 20))
+    for k in torch.randperm(len(parts)).tolist():
+        start, stop = parts[k]
+        assert code(k, start, x[start:stop])
+    assert torch.equal(bits, whole_bits) and torch.equal(keep, whole_m) and not rows.any()
+    assert in_place or torch.equal(m, old)
+    x[parts[0][0]] = float("nan")
+    assert not code(0, parts[0][0], x[parts[0][0]:parts[0][1]])
+
+
+@needs_kernels
 @pytest.mark.parametrize("sums", [True, False])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", [0, 5, 16, 999])  # in the part's head, its body, its last element

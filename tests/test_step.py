@@ -251,8 +251,12 @@ def memory_state(step):
     return {n: {k: v.clone() for k, v in f.items()} for n, f in step.exchange.memory.state.items()}
 
 
+def compressor_state(step):
+    return {n: {k: v.clone() for k, v in f.items()} for n, f in step.exchange.compressor.state.items()}
+
+
 @pytest.mark.parametrize("nonfinite", ["propagate", "raise", "skip", "ignore"])
-@pytest.mark.parametrize("compression", ["onebit", "efsignsgd", "signsgd"])
+@pytest.mark.parametrize("compression", ["onebit", "efsignsgd", "signsgd", "signum"])
 def test_sign_codes_encoded_as_gradients_arrive_give_what_the_whole_group_gives(compression, nonfinite):
     """Each gradient encoded as it arrives (no copy into the group buffer) gives the results and
     the memory the whole group's encode gives: the same sign bits, the scales (sums added part
@@ -265,18 +269,21 @@ def test_sign_codes_encoded_as_gradients_arrive_give_what_the_whole_group_gives(
     for seed in range(4):
         got, want = run_sign_step(by_parts, seed), run_sign_step(whole, seed)
         assert all(g.sign().eq(w.sign()).all() for g, w in zip(got, want))
-        torch.testing.assert_close(got, want, rtol=0 if compression == "signsgd" else 1e-6, atol=0)
+        torch.testing.assert_close(got, want, rtol=0 if compression.startswith("sign") else 1e-6, atol=0)
     breakdown = by_parts.step_breakdown()
     assert all("copy-in" not in group["passes_by_stage"] for group in breakdown["groups"])
     a, b = memory_state(by_parts), memory_state(whole)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+    a, b = compressor_state(by_parts), compressor_state(whole)  # Signum's momentum, bit for bit
+    assert a.keys() == b.keys() and bool(a) == (compression == "signum")
+    assert all(torch.equal(a[name][k], b[name][k]) for name in a for k in a[name])
 
 
 @pytest.mark.parametrize("nonfinite", ["propagate", "raise", "skip"])
 @pytest.mark.parametrize("bad", [(0, float("nan")), (4, float("-inf")), (3, float("inf"))])
-@pytest.mark.parametrize("compression", ["efsignsgd", "signsgd"])
+@pytest.mark.parametrize("compression", ["efsignsgd", "signsgd", "signum"])
 def test_a_nonfinite_gradient_met_part_by_part_leaves_the_memory_as_the_whole_group_route(compression, nonfinite,
                                                                                           bad):
     """A NaN or Inf found while the parts are encoded puts the memory back and the group goes on
@@ -290,8 +297,10 @@ def test_a_nonfinite_gradient_met_part_by_part_leaves_the_memory_as_the_whole_gr
     by_parts, whole = sign_step(compression, nonfinite=nonfinite), sign_step(compression, False, nonfinite=nonfinite)
     run_sign_step(by_parts, 0)
     saved = by_parts.exchange.memory.state_dict()
-    for step in (by_parts, whole):  # the same residuals on both
+    saved_compressor = by_parts.exchange.compressor.state_dict()
+    for step in (by_parts, whole):  # the same residuals (Signum: momentum) on both
         step.exchange.memory.load_state_dict(saved)
+        step.exchange.compressor.load_state_dict(saved_compressor)
     outcomes = []
     for step in (by_parts, whole):
         with pytest.raises(FloatingPointError) if nonfinite == "raise" else contextlib.nullcontext():
@@ -307,21 +316,24 @@ def test_a_nonfinite_gradient_met_part_by_part_leaves_the_memory_as_the_whole_gr
         assert all(torch.equal(a[held][k], b[held][k]) for k in a[held])
     for name in a:  # the other group was encoded part by part
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+    a, b = compressor_state(by_parts), compressor_state(whole)
+    assert a.keys() == b.keys() and all(torch.equal(a[name][k], b[name][k]) for name in a for k in a[name])
     for seed in (2, 3):
         got, want = run_sign_step(by_parts, seed), run_sign_step(whole, seed)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
-def test_an_aborted_step_puts_back_the_memory_its_parts_wrote():
-    step = sign_step("onebit", nonfinite="propagate")
+@pytest.mark.parametrize("compression,state", [("onebit", memory_state), ("signum", compressor_state)])
+def test_an_aborted_step_puts_back_the_memory_its_parts_wrote(compression, state):
+    step = sign_step(compression, nonfinite="propagate")
     run_sign_step(step, 0)
-    before = memory_state(step)
+    before = state(step)
     g = sign_grads(1)
     step.add(5, g[5])
     step.add(4, g[4])  # the first group is partly encoded
     step.abort()
-    after = memory_state(step)
-    assert before.keys() == after.keys()
+    after = state(step)
+    assert before and before.keys() == after.keys()
     assert all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])
     assert run_sign_step(step, 1) is not None and not step.in_flight
 

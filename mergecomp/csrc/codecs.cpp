@@ -187,7 +187,8 @@ void stores_done() {
 // Where pack_signs_impl takes each element v from: x; x + (r - side(r)), side(r) = positive
 // where r >= 0, else negative (with both 0: x + r, the plain residual; else r holds the
 // compensated gradient of the step before, whose residual is r less its sign decode); or the
-// momentum m = m + weight * (x - m), updated in place.
+// momentum r + weight * (x - r) of the momentum r (written out through keep; in place where
+// keep is r).
 enum class Input { kPlain, kCarried, kMomentum };
 
 // Each side of a sign code is summed in SIGN_LANES fp32 lanes (element k of a block in lane
@@ -209,16 +210,15 @@ struct SideSums {
   }
 };
 
-// The value pack_signs_impl codes at element k (see Input), updating m in place for kMomentum.
+// The value pack_signs_impl codes at element k (see Input).
 template <Input In>
-inline float sign_input(const float* x, const float* r, float negative, float positive, float* m, float weight,
-                        int64_t k) {
+inline float sign_input(const float* x, const float* r, float negative, float positive, float weight, int64_t k) {
   float v = x[k];
   if (In == Input::kCarried) {
     const float carried = r[k];
     v += carried - (carried >= 0.0f ? positive : negative);
   }
-  if (In == Input::kMomentum) m[k] = v = m[k] + weight * (v - m[k]);
+  if (In == Input::kMomentum) v = r[k] + weight * (v - r[k]);
   return v;
 }
 
@@ -229,8 +229,7 @@ inline float sign_input(const float* x, const float* r, float negative, float po
 // whether every v is finite is worked out: sums.above[0] is 0, or NaN for a NaN or Inf (v - v
 // added up), and the count is 0.  Portable form: codes a byte per element, then packs them.
 template <Input In, bool Keep, bool Sums = true>
-int64_t sign_block(const float* x, const float* r, float negative, float positive, float* m, float weight,
-                   float* keep, int64_t start, int64_t len, uint8_t* out, SideSums& sums, bool stream) {
+int64_t sign_block(const float* x, const float* r, float negative, float positive, float weight, float* keep, int64_t start, int64_t len, uint8_t* out, SideSums& sums, bool stream) {
 #if defined(__AVX512F__)
   const __m512 zero = _mm512_setzero_ps(), pos = _mm512_set1_ps(positive), neg = _mm512_set1_ps(negative),
                w = _mm512_set1_ps(weight);
@@ -246,9 +245,8 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
       v = _mm512_maskz_add_ps(live, v, _mm512_sub_ps(carried, side));
     }
     if (In == Input::kMomentum) {
-      const __m512 old = _mm512_maskz_loadu_ps(live, m + i);
+      const __m512 old = _mm512_maskz_loadu_ps(live, r + i);
       v = _mm512_add_ps(old, _mm512_mul_ps(w, _mm512_sub_ps(v, old)));
-      _mm512_mask_storeu_ps(m + i, live, v);
     }
     if (Keep) {
       if (stream && live == 0xffff) {
@@ -300,7 +298,7 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
     const int64_t stop = std::min(len - run, SIGN_RUN);
     float up[SIGN_LANES] = {}, down[SIGN_LANES] = {};
     for (int64_t k = 0; k < SIGN_RUN; ++k) {
-      const float v = k < stop ? sign_input<In>(x, r, negative, positive, m, weight, start + run + k) : 0.0f;
+      const float v = k < stop ? sign_input<In>(x, r, negative, positive, weight, start + run + k) : 0.0f;
       if (Keep && k < stop) keep[start + run + k] = v;
       codes[k] = k < stop && v >= 0.0f;
       if (!Sums) {
@@ -328,8 +326,7 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
 // every v, written past the cache with stream_keep where keep is 64-byte aligned.  Without
 // Sums, stats = {0, or NaN where a v is NaN or Inf; 0; 0} (see sign_block).
 template <Input In, bool Keep = false, bool Sums = true>
-void pack_signs_impl(const float* x, const float* r, float negative, float positive, float* m, float weight,
-                     float* keep, int64_t n, uint8_t* out, double* stats, int threads, bool stream_keep = false) {
+void pack_signs_impl(const float* x, const float* r, float negative, float positive, float weight, float* keep, int64_t n, uint8_t* out, double* stats, int threads, bool stream_keep = false) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<double> partial(3 * blocks);
   double* p = partial.data();
@@ -338,7 +335,7 @@ void pack_signs_impl(const float* x, const float* r, float negative, float posit
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK;
       SideSums sums;
-      const int64_t count = sign_block<In, Keep, Sums>(x, r, negative, positive, m, weight, keep, start,
+      const int64_t count = sign_block<In, Keep, Sums>(x, r, negative, positive, weight, keep, start,
                                                        std::min(BLOCK, n - start), out, sums, stream);
       p[3 * b] = SideSums::total(sums.above);
       p[3 * b + 1] = SideSums::total(sums.below);
@@ -534,6 +531,52 @@ void sign_sum_blocks(const uint8_t* const* packed, const float* values, int rank
 }
 #endif
 
+// Writes the `len` (< 32 - at % 8) low bits of `bits` as bits at .. at + len - 1 of the packed
+// stream out (bit j in byte j / 8, bit j % 8), leaving its other bits as they are.
+void merge_bits(uint8_t* out, int64_t at, int64_t len, uint64_t bits) {
+  const int shift = static_cast<int>(at % 8);
+  const uint64_t mask = ((uint64_t{1} << len) - 1) << shift;
+  bits <<= shift;
+  uint8_t* dst = out + at / 8;
+  for (int j = 0; 8 * j < shift + len; ++j) {
+    const uint8_t m = static_cast<uint8_t>(mask >> (8 * j));
+    dst[j] = static_cast<uint8_t>((dst[j] & ~m) | (static_cast<uint8_t>(bits >> (8 * j)) & m));
+  }
+}
+
+// The sign code of one part of a group, as the group's gradients arrive one by one: the part is
+// the group's elements [at, at + n), its bits go to bits at .. at + n - 1 of the group's packed
+// signs `out`, the bits of the bytes it shares with its neighbours are left as they are, and
+// stats are the part's.  code(first, len, bits, stats, whole) codes the part's elements
+// [first, first + len) into the packed `bits` and their `stats`; the elements up to the next
+// multiple of 16 and the last ones are coded on their own (whole false: into two bytes, merged
+// here), so the rest starts on a whole byte of bits (and, in a 64-byte aligned group, on a
+// 64-byte line of whatever the code writes).  Returns whether the part's sums are finite (a NaN
+// or Inf in what was coded makes them not).
+template <typename Code>
+int signs_part(int64_t at, int64_t n, uint8_t* out, double* stats, Code code) {
+  const int64_t head = std::min(n, (16 - at % 16) % 16), body = (n - head) / 16 * 16;
+  stats[0] = stats[1] = stats[2] = 0;
+  double part[3];
+  const auto add = [&] {
+    for (int j = 0; j < 3; ++j) stats[j] += part[j];
+  };
+  const auto edge = [&](int64_t first, int64_t len) {  // fewer than 16 elements of the part
+    if (len == 0) return;
+    uint8_t bits[2] = {0, 0};
+    code(first, len, bits, part, false);
+    merge_bits(out, at + first, len, bits[0] | static_cast<uint64_t>(bits[1]) << 8);
+    add();
+  };
+  edge(0, head);
+  if (body > 0) {
+    code(head, body, out + (at + head) / 8, part, true);
+    add();
+  }
+  edge(head + body, n - head - body);
+  return std::isfinite(stats[0]) && std::isfinite(stats[1]);
+}
+
 }  // namespace
 
 // take(i) for the elements i < n whose byte mark(start, len, m) sets in m[i - start] for their
@@ -667,7 +710,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 22; }
+int mc_abi_version() { return 23; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -765,7 +808,7 @@ void mc_levels_sum(const uint8_t* const* codes, int ranks, int64_t n, int bits, 
 // out (ceil(n / 8) bytes) and writes stats = {sum of the x >= 0, sum of the x < 0, count of
 // x >= 0}.
 void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int threads) {
-  pack_signs_impl<Input::kPlain>(x, nullptr, 0.0f, 0.0f, nullptr, 0.0f, nullptr, n, out, stats, threads);
+  pack_signs_impl<Input::kPlain>(x, nullptr, 0.0f, 0.0f, 0.0f, nullptr, n, out, stats, threads);
 }
 
 // pack_signs_impl of the compensated gradient (mc_compensated_signs) for each case of r and keep;
@@ -773,15 +816,15 @@ void mc_pack_signs(const float* x, int64_t n, uint8_t* out, double* stats, int t
 void compensated_signs_impl(const float* x, const float* r, float negative, float positive, float* keep,
                             int64_t n, uint8_t* out, double* stats, bool stream_keep, int threads, bool sums = true) {
   if (r == nullptr && keep == nullptr && !sums) {
-    pack_signs_impl<Input::kPlain, false, false>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
+    pack_signs_impl<Input::kPlain, false, false>(x, r, 0.0f, 0.0f, 0.0f, keep, n, out, stats, threads);
   } else if (r == nullptr && keep == nullptr) {
-    pack_signs_impl<Input::kPlain>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads);
+    pack_signs_impl<Input::kPlain>(x, r, 0.0f, 0.0f, 0.0f, keep, n, out, stats, threads);
   } else if (r == nullptr) {
-    pack_signs_impl<Input::kPlain, true>(x, r, 0.0f, 0.0f, nullptr, 0.0f, keep, n, out, stats, threads, stream_keep);
+    pack_signs_impl<Input::kPlain, true>(x, r, 0.0f, 0.0f, 0.0f, keep, n, out, stats, threads, stream_keep);
   } else if (keep == nullptr) {
-    pack_signs_impl<Input::kCarried>(x, r, negative, positive, nullptr, 0.0f, keep, n, out, stats, threads);
+    pack_signs_impl<Input::kCarried>(x, r, negative, positive, 0.0f, keep, n, out, stats, threads);
   } else {
-    pack_signs_impl<Input::kCarried, true>(x, r, negative, positive, nullptr, 0.0f, keep, n, out, stats, threads,
+    pack_signs_impl<Input::kCarried, true>(x, r, negative, positive, 0.0f, keep, n, out, stats, threads,
                                            stream_keep);
   }
 }
@@ -796,60 +839,35 @@ void mc_compensated_signs(const float* x, const float* r, float negative, float 
   compensated_signs_impl(x, r, negative, positive, keep, n, out, stats, n >= STREAM_MIN, threads);
 }
 
-// Writes the `len` (< 32 - at % 8) low bits of `bits` as bits at .. at + len - 1 of the packed
-// stream out (bit j in byte j / 8, bit j % 8), leaving its other bits as they are.
-static void merge_bits(uint8_t* out, int64_t at, int64_t len, uint64_t bits) {
-  const int shift = static_cast<int>(at % 8);
-  const uint64_t mask = ((uint64_t{1} << len) - 1) << shift;
-  bits <<= shift;
-  uint8_t* dst = out + at / 8;
-  for (int j = 0; 8 * j < shift + len; ++j) {
-    const uint8_t m = static_cast<uint8_t>(mask >> (8 * j));
-    dst[j] = static_cast<uint8_t>((dst[j] & ~m) | (static_cast<uint8_t>(bits >> (8 * j)) & m));
-  }
-}
-
-// mc_compensated_signs of one part of a group, as the group's gradients arrive one by one: the
-// part is the group's elements [at, at + n) (x, r and keep point at the part's first element),
-// its bits go to bits at .. at + n - 1 of the group's packed signs `out`, the bits of the bytes
-// it shares with its neighbours are left as they are, and stats are the part's.  The elements up
-// to the next multiple of 16 and the last ones are coded on their own, so the rest starts on a
-// whole byte of bits (and, in a 64-byte aligned group, on a 64-byte line of keep).  stream_keep:
-// keep is written past the cache.  Without `sums` (r and keep null: signSGD's code) the stats
-// only tell whether x is finite (see sign_block).  Returns whether the part's sums are finite (a
-// NaN or Inf in v makes them not).
+// mc_compensated_signs of one part of a group (signs_part; x, r and keep point at the part's
+// first element).  stream_keep: keep is written past the cache.  Without `sums` (r and keep
+// null: signSGD's code) the stats only tell whether x is finite (see sign_block).
 int mc_compensated_signs_part(const float* x, const float* r, float negative, float positive, float* keep,
                               int64_t at, int64_t n, uint8_t* out, double* stats, int stream_keep, int sums,
                               int threads) {
-  const int64_t head = std::min(n, (16 - at % 16) % 16), body = (n - head) / 16 * 16;
-  stats[0] = stats[1] = stats[2] = 0;
-  double part[3];
-  const auto add = [&] {
-    for (int j = 0; j < 3; ++j) stats[j] += part[j];
-  };
-  const auto edge = [&](int64_t first, int64_t len) {  // fewer than 16 elements of the part
-    if (len == 0) return;
-    uint8_t bits[2] = {0, 0};
+  return signs_part(at, n, out, stats, [&](int64_t first, int64_t len, uint8_t* bits, double* part, bool whole) {
     compensated_signs_impl(x + first, r == nullptr ? nullptr : r + first, negative, positive,
-                           keep == nullptr ? nullptr : keep + first, len, bits, part, false, 1, sums != 0);
-    merge_bits(out, at + first, len, bits[0] | static_cast<uint64_t>(bits[1]) << 8);
-    add();
-  };
-  edge(0, head);
-  if (body > 0) {
-    compensated_signs_impl(x + head, r == nullptr ? nullptr : r + head, negative, positive,
-                           keep == nullptr ? nullptr : keep + head, body, out + (at + head) / 8, part,
-                           stream_keep != 0, threads, sums != 0);
-    add();
-  }
-  edge(head + body, n - head - body);
-  return std::isfinite(stats[0]) && std::isfinite(stats[1]);
+                           keep == nullptr ? nullptr : keep + first, len, bits, part, whole && stream_keep != 0,
+                           whole ? threads : 1, sums != 0);
+  });
+}
+
+// Signum's step for one part of a group (signs_part; x, m and keep point at the part's first
+// element): keep = m + weight * (x - m) (keep may be m: in place), and its sign bits; the stats
+// only tell whether keep is finite (see sign_block).  stream_keep: keep is written past the
+// cache.
+int mc_momentum_signs_part(const float* x, const float* m, float weight, float* keep, int64_t at, int64_t n,
+                           uint8_t* out, double* stats, int stream_keep, int threads) {
+  return signs_part(at, n, out, stats, [&](int64_t first, int64_t len, uint8_t* bits, double* part, bool whole) {
+    pack_signs_impl<Input::kMomentum, true, false>(x + first, m + first, 0.0f, 0.0f, weight, keep + first, len, bits,
+                                                   part, whole ? threads : 1, whole && stream_keep != 0);
+  });
 }
 
 // Signum's step: m = m + weight * (x - m) in place, then mc_pack_signs of m.
 void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_t* out,
                        double* stats, int threads) {
-  pack_signs_impl<Input::kMomentum>(x, nullptr, 0.0f, 0.0f, m, weight, nullptr, n, out, stats, threads);
+  pack_signs_impl<Input::kMomentum, true>(x, m, 0.0f, 0.0f, weight, m, n, out, stats, threads);
 }
 
 // The residual error feedback keeps after a two-valued sign code of v was sent (1-bit SGD,
