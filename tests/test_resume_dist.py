@@ -55,6 +55,7 @@ def _resume_worker(rank, compression, who_loads, groups):
     ("none", "rank 0", True),            # nothing per rank: the continuation is the uninterrupted run
     ("topk", "every rank", True),        # every rank's own residuals: exact too
     ("onebit", "every rank", True),      # a residual carried by the sign codes' one pass: written out, exact
+    ("signum", "every rank", True),      # a momentum stepped part by part into a second buffer: exact
     ("topk", "rank 0", False),           # rank 0's residuals alone: reset on every rank, said so
     ("topk", "rank 0's file on every rank", False),  # rank 0's residuals are not rank 1's: reset, said so
 ])
