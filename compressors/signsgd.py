@@ -6,7 +6,7 @@ rank sends the vote on its shard exactly, as 2-bit codes.  Not summable:
 payloads are allgathered and :meth:`aggregate` returns the majority vote, the sign of the sum of
 the ranks' signs (0 on a tie), whether or not ``average`` is set.  No options; no memory.
 """
-from typing import Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,6 +19,9 @@ from mergecomp.signs import SignParts
 from mergecomp.twophase import VoteCodec
 
 Ctx = Tuple[int, torch.dtype]
+#: what :meth:`SignSGDCompressor.part_code` returns: the factory of a group's part-by-part kernel
+#: (as :class:`~mergecomp.signs.SignParts` takes it) and what to do once every part was found finite
+PartCode = Tuple[Callable[[torch.Tensor, torch.Tensor], Tuple[Any, None]], Callable[[], None]]
 
 
 @register_compressor("signsgd")
@@ -39,16 +42,28 @@ class SignSGDCompressor(Compressor):
     def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
                              memory: Memory) -> Optional[SignParts]:
         """Without error feedback, where a kernel serves ``like``: the bits each gradient's own
-        pass writes as it arrives (:class:`~mergecomp.signs.SignParts`, no residual), the
-        payload :meth:`compress` gives the whole group."""
-        if not memory.passthrough or not native.usable(like):
+        pass writes as it arrives (:class:`~mergecomp.signs.SignParts` over :meth:`part_code`),
+        the payload :meth:`compress` gives the whole group."""
+        code = self.part_code(like, name) if memory.passthrough and native.usable(like) else None
+        if code is None:
             return None
+        kernel, done = code
         ctx = (like.numel(), like.dtype)
 
+        def sent(bits: torch.Tensor, stats: Any) -> Tuple[Payload, Ctx, Callable[[], None]]:
+            done()
+            return (bits,), ctx, lambda: None
+
+        return SignParts(self, like, parts, kernel, sent)
+
+    def part_code(self, like: torch.Tensor, name: str) -> Optional[PartCode]:
+        """The part-by-part counterpart of :meth:`sign_bits` for group ``name`` (``like``: a flat
+        fp32 CPU tensor of its numel), or None where there is none: here the gradient's own bits
+        (no side sums, only the NaN/Inf check), nothing to do when done."""
         def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.CompensatedSignParts, None]:
             return native.CompensatedSignParts(like.numel(), None, 0.0, 0.0, None, bits, sums, sums=False), None
 
-        return SignParts(self, like, parts, kernel, lambda bits, stats: ((bits,), ctx, lambda: None))
+        return kernel, lambda: None
 
     def second_phase(self) -> Compressor:
         return VoteCodec()

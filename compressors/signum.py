@@ -12,11 +12,9 @@ import torch
 
 from mergecomp import native
 from mergecomp.codecs import momentum_signs
-from mergecomp.memory import Memory
 from mergecomp.registry import register_compressor
-from mergecomp.signs import SignParts
 
-from .signsgd import SignSGDCompressor
+from .signsgd import PartCode, SignSGDCompressor
 
 
 @register_compressor("signum")
@@ -34,33 +32,29 @@ class SignumCompressor(SignSGDCompressor):
         return momentum_signs(tensor, self._writable_momentum(name, tensor.numel(), tensor), self.beta,
                               empty=self.scratch)
 
-    def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
-                             memory: Memory) -> Optional[SignParts]:
-        """Without error feedback, where a kernel serves ``like`` and the momentum: each
-        gradient's pass steps its slice of the momentum as it arrives
-        (:class:`~mergecomp.native.MomentumSignParts`) into a second buffer, so the group's state
-        changes only once every part was found finite (a part with NaN/Inf leaves it for the
-        whole-group route); the buffer it replaces is the next step's.  The same bits and
-        momentum as :meth:`compress`."""
+    def part_code(self, like: torch.Tensor, name: str) -> Optional[PartCode]:
+        """Where a kernel serves the momentum: each gradient's pass steps its slice of the
+        momentum as it arrives (:class:`~mergecomp.native.MomentumSignParts`) into a second
+        buffer, which becomes the group's state once every part was found finite (a part with
+        NaN/Inf leaves the state for the whole-group route); the buffer it replaces is the next
+        step's.  The same bits and momentum as :meth:`compress`."""
         momentum = self._momentum(name, like.numel(), like)
-        if not memory.passthrough or not native.usable(like, momentum):
+        if not native.usable(momentum):
             return None
         self._spares = {group: spare for group, spare in self._spares.items() if group in self.state}
         spare = self._spares.get(name)
         if spare is None or spare.shape != momentum.shape or spare.dtype != momentum.dtype:
             spare = torch.empty_like(momentum)
-        ctx = (like.numel(), like.dtype)
 
         def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.MomentumSignParts, None]:
             return native.MomentumSignParts(like.numel(), momentum, 1.0 - self.beta, spare, bits, sums,
                                             stream=like.numel() >= native.STREAM_MIN), None
 
-        def sent(bits: torch.Tensor, stats) -> tuple:
+        def done() -> None:
             self.group_state(name)["momentum"] = spare
             self._spares[name] = momentum
-            return (bits,), ctx, lambda: None
 
-        return SignParts(self, like, parts, kernel, sent)
+        return kernel, done
 
     def compress_shard(self, tensor: torch.Tensor, name: str, start: int, total: int):
         momentum = self._writable_momentum(name, total, tensor)[start:start + tensor.numel()]

@@ -36,8 +36,8 @@ import torch
 from mergecomp.bitpack import packed_size
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
-           "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual", "momentum_signs",
-           "majority_vote", "codes_sum", "levels_sum",
+           "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
+           "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "zero_fill"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
@@ -342,7 +342,8 @@ class CompensatedSignParts(_SignParts):
                  sums: bool = True) -> None:
         super().__init__(n, out, stats)
         if not sums and (r is not None or keep is not None):
-            raise ValueError("native kernel CompensatedSignParts: sums=False is for the bits of x alone (no r, no keep)")
+            raise ValueError("native kernel CompensatedSignParts: sums=False is for the bits of x alone "
+                             "(no r, no keep)")
         self._r = None if r is None else _buf("r", r, torch.float32, n)
         self._keep = None if keep is None else _buf("keep", keep, torch.float32, n)
         self._sides = (float(negative), float(positive))

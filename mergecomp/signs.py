@@ -103,8 +103,7 @@ class SignParts(FusedParts):
     ``(payload, ctx, update)`` of :meth:`Compressor.compress_fused`.  ``kernel`` also returns
     the tensor holding the values it coded, whose fp32 side sums are worked out again in fp64
     where they overflowed; None: its rows only check finiteness, exactly (the stats given to
-    ``sent`` are then zeros).  Large groups' buffers are written past the cache (read again only
-    at the next step)."""
+    ``sent`` are then zeros)."""
 
     def __init__(self, compressor: Compressor, like: torch.Tensor, parts: int,
                  kernel: Callable[[torch.Tensor, torch.Tensor], Tuple[Any, Optional[torch.Tensor]]],

@@ -229,7 +229,8 @@ inline float sign_input(const float* x, const float* r, float negative, float po
 // whether every v is finite is worked out: sums.above[0] is 0, or NaN for a NaN or Inf (v - v
 // added up), and the count is 0.  Portable form: codes a byte per element, then packs them.
 template <Input In, bool Keep, bool Sums = true>
-int64_t sign_block(const float* x, const float* r, float negative, float positive, float weight, float* keep, int64_t start, int64_t len, uint8_t* out, SideSums& sums, bool stream) {
+int64_t sign_block(const float* x, const float* r, float negative, float positive, float weight, float* keep,
+                   int64_t start, int64_t len, uint8_t* out, SideSums& sums, bool stream) {
 #if defined(__AVX512F__)
   const __m512 zero = _mm512_setzero_ps(), pos = _mm512_set1_ps(positive), neg = _mm512_set1_ps(negative),
                w = _mm512_set1_ps(weight);
@@ -326,7 +327,8 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
 // every v, written past the cache with stream_keep where keep is 64-byte aligned.  Without
 // Sums, stats = {0, or NaN where a v is NaN or Inf; 0; 0} (see sign_block).
 template <Input In, bool Keep = false, bool Sums = true>
-void pack_signs_impl(const float* x, const float* r, float negative, float positive, float weight, float* keep, int64_t n, uint8_t* out, double* stats, int threads, bool stream_keep = false) {
+void pack_signs_impl(const float* x, const float* r, float negative, float positive, float weight, float* keep,
+                     int64_t n, uint8_t* out, double* stats, int threads, bool stream_keep = false) {
   const int64_t blocks = (n + BLOCK - 1) / BLOCK;
   std::vector<double> partial(3 * blocks);
   double* p = partial.data();
