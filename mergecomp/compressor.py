@@ -195,7 +195,9 @@ class FusedParts(abc.ABC):
     once per tensor, in any order, then :meth:`finish` once, or, when a part was not finite,
     puts back the state of the holders in :attr:`kept` (which it filled) and starts over with the
     whole group.  The memory's state the parts write goes to a spare buffer of a kept group
-    (:meth:`~mergecomp.memory.Memory.keep`), so putting it back costs no copy."""
+    (:meth:`~mergecomp.memory.Memory.keep`), so putting it back costs no copy.  The payload's
+    tensors are its own: nothing writes them before the next step (a one-tensor payload goes on
+    the wire without a copy)."""
 
     #: ``(holder, group name, what it kept)`` to restore if the step cannot use the parts
     kept: list

@@ -98,6 +98,9 @@ class InFlight:
         #: the memory's update after a fused encode (:meth:`Compressor.compress_fused`), run in
         #: place of :meth:`Memory.feed`
         self.update: Optional[Callable[[], None]] = None
+        #: the payload's tensors are the encoder's own, written by nothing until the next step
+        #: (:class:`FusedParts`): a one-tensor payload is sent without a copy
+        self.owned = False
         self.round = 1
         self.ctx: Any = None
         self.payload: Payload = ()
@@ -254,6 +257,7 @@ class Exchange(hierarchy.HostLevel):
                 if finite or not self.check_finite:
                     job.finite = flat.new_ones((), dtype=torch.bool)
                     self._kept += parts.kept if self.keep_state else []
+                    job.owned = True
                     self._launch_fused(job, parts.finish())
                     return job
                 self.cancel(parts)
@@ -420,7 +424,7 @@ class Exchange(hierarchy.HostLevel):
                 buffer = torch.cat([t.reshape(-1) for t in job.payload])
             job.handle = job.comm.allreduce_async(buffer)
         else:
-            buffer, job.specs = pack_payload(job.payload)
+            buffer, job.specs = pack_payload(job.payload, borrow=job.owned)
             job.handle = job.comm.allgather_async(buffer)
             if last_round:
                 self._remember(job)

@@ -114,9 +114,12 @@ class SignParts(FusedParts):
         self._sent = sent
         self._kernel: Optional[Callable[[int, int, torch.Tensor], bool]] = None
         self._coded: Optional[torch.Tensor] = None
-        self._bits = compressor.scratch(bitpack.packed_size(like.numel(), 1), torch.uint8, like.device)
-        if like.numel() % 8:
-            self._bits[-1] = 0  # the padding bits, which no part writes
+        # the bits, then zeros to a whole 8-byte word: the payload goes on the wire as it lies
+        # (:func:`~mergecomp.wire.pack_payload`)
+        size = bitpack.packed_size(like.numel(), 1)
+        words = compressor.scratch(-(-size // 8) * 8, torch.uint8, like.device)
+        words[size - (like.numel() % 8 != 0):].zero_()  # the padding bits and bytes, which no part writes
+        self._bits = words[:size]
         # each part's row written by its add(); every part is added before finish()
         self._sums = compressor.scratch(parts * 3, torch.float64, like.device).view(parts, 3)
 

@@ -19,8 +19,19 @@ Spec = Tuple[torch.dtype, torch.Size]
 _ALIGN = 8
 
 
-def pack_payload(payload: Payload) -> Tuple[torch.Tensor, List[Spec]]:
-    """Concatenate the payload tensors' bytes into one uint8 tensor (8-byte aligned parts)."""
+def pack_payload(payload: Payload, borrow: bool = False) -> Tuple[torch.Tensor, List[Spec]]:
+    """Concatenate the payload tensors' bytes into one uint8 tensor (8-byte aligned parts).
+    ``borrow``: a payload of one contiguous tensor that starts on an 8-byte boundary of its
+    storage, and whose storage holds zeros up to the next one after it, is sent as it lies (no
+    copy; the same bytes); the caller guarantees nothing writes it until the collective is over."""
+    if borrow and len(payload) == 1 and payload[0].is_contiguous():
+        tensor = payload[0]
+        start, nbytes = tensor.storage_offset() * tensor.element_size(), tensor.numel() * tensor.element_size()
+        padded = nbytes + (-nbytes) % _ALIGN
+        storage = tensor.untyped_storage()
+        if start % _ALIGN == 0 and start + padded <= storage.nbytes():
+            raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, start, (padded,))
+            return raw, [(tensor.dtype, tensor.shape)]
     parts, specs = [], []
     for tensor in payload:
         raw = tensor.contiguous().reshape(-1).view(torch.uint8)

@@ -228,6 +228,35 @@ def test_nonfinite_gradient_skip_skips_on_all_ranks_and_keeps_memory_finite(set_
         assert unchanged and skipped == 1 and finite
 
 
+def _sign_parts_worker(rank):
+    """signSGD sends each group's bits as its parts wrote them; rank 1's NaN sends its group by
+    the whole-group route (copied): the same bytes on the wire, so the step completes."""
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  compression="signsgd", groups=2, nonfinite="skip")
+    assert all(group.numel % 64 for group in opt.groups)  # bits that end inside an 8-byte word
+    poisoned = []
+    model[2].weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan"))
+                                  if rank == 1 and poisoned else grad)
+    train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=2)
+    poisoned.append(True)
+    before = flat_params(model)
+    train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=1)
+    skipped_unchanged = torch.equal(before, flat_params(model))
+    poisoned.clear()
+    train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=2)
+    return opt.skipped_steps, skipped_unchanged, flat_params(model)
+
+
+def test_sign_bits_sent_as_written_and_a_rank_copying_its_group_agree_on_the_wire():
+    (skipped0, unchanged0, params0), (skipped1, unchanged1, params1) = run_workers(_sign_parts_worker, 2)
+    assert skipped0 == skipped1 == 1 and unchanged0 and unchanged1
+    assert torch.equal(params0, params1)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def _bad_input_worker(rank):
     import mergecomp.torch as mc
