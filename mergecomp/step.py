@@ -85,14 +85,24 @@ class Reduced:
 
     groups: List[Group]
     flats: List[torch.Tensor]
+    #: what :meth:`tensors` returns, once made (a later step's result with the same groups and
+    #: buffers takes them over: :meth:`MergedStep.finish`)
+    views: Optional[List[Optional[torch.Tensor]]] = None
 
     def tensors(self, count: int) -> List[torch.Tensor]:
         """Views of the ``count`` tensors' reduced gradients, by tensor index, in their shapes."""
-        out: List[Optional[torch.Tensor]] = [None] * count
-        for group, flat in zip(self.groups, self.flats):
-            for i, offset, n, shape in zip(group.indices, group.offsets, group.numels(), group.shapes):
-                out[i] = flat[offset:offset + n].view(shape)
-        return out
+        if self.views is None or len(self.views) != count:
+            self.views = [None] * count
+            for group, flat in zip(self.groups, self.flats):
+                for i, offset, n, shape in zip(group.indices, group.offsets, group.numels(), group.shapes):
+                    self.views[i] = flat[offset:offset + n].view(shape)
+        return list(self.views)
+
+    def holds_as(self, other: "Reduced") -> bool:
+        """Whether ``other`` is made of the same group and buffer objects."""
+        return (len(self.groups) == len(other.groups) == len(self.flats) == len(other.flats)
+                and all(a is b for a, b in zip(self.groups, other.groups))
+                and all(a is b for a, b in zip(self.flats, other.flats)))
 
 
 class HoldsMergedStep:
@@ -225,6 +235,7 @@ class MergedStep:
         self._kind = tensor_kind
         self._cache_tag = list(cache_tag)
         self._last_end: Optional[float] = None
+        self._last_reduced: Optional[Reduced] = None  # the last step's result (its views are reused)
         self._before: Optional[List[Dict]] = None  # state snapshot while caller-given groups change
         self._exemptions = check_safety_options(compression_warmup_steps, uncompressed, min_compress_numel)
         self.scheme = check_scheme(scheme, self.exchange.compressor)
@@ -387,31 +398,39 @@ class MergedStep:
         g, offset = self._where[i]
         return self._buffer(g)[offset:offset + self.shapes[i].numel()].view(self.shapes[i])
 
-    @torch.no_grad()
     def add(self, i: int, grad: Optional[torch.Tensor]) -> None:
         """Tensor ``i``'s gradient is final for this step (None: zeros).  It is copied into its
         slot (nothing is copied when ``grad`` is that slot); every group whose tensors have all
         arrived is then started, in plan order."""
+        if torch.is_grad_enabled():  # e.g. a hook of backward(create_graph=True): record nothing
+            with torch.no_grad():
+                return self.add(i, grad)
         if self._arrived[i]:
             raise RuntimeError(f"{self._who}: the gradient of {self.names[i]!r} arrived twice in one step")
-        with self.exchange.clock(ENCODE):
+        g, offset = self._where[i]
+        with self.exchange.clock(ENCODE, self._groups[g].name):
             self._ready_at[i] = time.perf_counter() - self._encode_spent  # our own hook work excluded
             self._order_seen.append(i)
-            self._fill(i, grad)
+            self._put(i, grad, g, offset)
             self._arrived[i] = True
             self._start_ready()
 
     def _fill(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """:meth:`_put` on the group's clock."""
         g, offset = self._where[i]
         with self.exchange.clock(ENCODE, self._groups[g].name):
-            parts = self._parts(g)
-            if parts is None:
-                self._copied[g] += self._copy_in(i, grad, g, offset) * self.shapes[i].numel()
-            else:
-                began = time.perf_counter()
-                finite = parts.add(self._position[i], offset, self._part(i, grad, g, offset))  # checked by the kernel
-                self._finite[g] = finite and self._finite[g] is not False
-                self._encode_spent += time.perf_counter() - began
+            self._put(i, grad, g, offset)
+
+    def _put(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int) -> None:
+        """Tensor ``i``'s gradient into group ``g`` at ``offset``: encoded as a part, or copied in."""
+        parts = self._parts(g)
+        if parts is None:
+            self._copied[g] += self._copy_in(i, grad, g, offset) * self.shapes[i].numel()
+        else:
+            began = time.perf_counter()
+            finite = parts.add(self._position[i], offset, self._part(i, grad, g, offset))  # checked by the kernel
+            self._finite[g] = finite and self._finite[g] is not False
+            self._encode_spent += time.perf_counter() - began
         self._count[g] += 1
 
     def _parts(self, g: int) -> Optional[FusedParts]:
@@ -611,7 +630,17 @@ class MergedStep:
         with clock(SCHEDULER):
             self._adopt_order(order_seen)
             self._feed_scheduler(ready if timed else None)
-        return Reduced(groups, flats)
+        return self._reduced(groups, flats)
+
+    def _reduced(self, groups: List[Group], flats: List[torch.Tensor]) -> Reduced:
+        """This step's result, with the last step's views where it holds the same groups and
+        buffers (the group buffers, reused step after step unless handed out or the caller's)."""
+        reduced, last = Reduced(groups, flats), self._last_reduced
+        if last is not None and reduced.holds_as(last):
+            reduced.views = last.views
+        if not (self._hand_out or self._caller_groups):
+            self._last_reduced = reduced
+        return reduced
 
     def abort(self) -> None:
         """Forget a step that cannot finish (an interrupted backward pass): its collectives are

@@ -257,6 +257,35 @@ def test_sign_bits_sent_as_written_and_a_rank_copying_its_group_agree_on_the_wir
     assert torch.equal(params0, params1)
 
 
+def _create_graph_worker(rank, compression, eager):
+    import contextlib
+
+    import mergecomp.torch as mc
+    from mergecomp import native
+
+    x, y = make_data()
+    results = []
+    for create_graph in (False, True):
+        model = make_model()
+        opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                      compression=compression, groups=2)
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(model(shard(x, rank, 2)), shard(y, rank, 2))
+            opt.zero_grad()
+            with native.disabled() if eager else contextlib.nullcontext():  # torch ops would record
+                loss.backward(create_graph=create_graph)  # the hooks run with grad mode on
+            opt.step()
+        results.append((flat_params(model), any(p.grad.requires_grad for p in model.parameters())))
+    return results
+
+
+@pytest.mark.parametrize("compression", ["none", "signsgd"])
+@pytest.mark.parametrize("eager", [False, True], ids=["native", "eager"])
+def test_backward_with_create_graph_exchanges_the_same_gradients_and_records_nothing(compression, eager):
+    for (plain, _), (graph, recorded) in run_workers(_create_graph_worker, 2, compression, eager):
+        assert torch.equal(plain, graph) and not recorded
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def _bad_input_worker(rank):
     import mergecomp.torch as mc

@@ -166,6 +166,33 @@ def test_handed_out_results_are_never_written_again():
     assert all(torch.equal(a, b) for a, b in zip(first, kept))
 
 
+def test_each_step_returns_its_values_through_the_same_views_until_the_groups_change():
+    step = local_step()
+    seen = []
+    for seed in (11, 12):
+        g = grads(seed)
+        for i, t in enumerate(g):
+            step.add(i, t)
+        out = step.finish().tensors(4)
+        assert all(torch.equal(got, want) for got, want in zip(out, g))
+        seen.append(out)
+    assert all(a is b for a, b in zip(*seen))  # the buffers did not move: no new views
+    step.set_plan(GroupPlan(((0, 1, 2, 3),)))
+    g = grads(13)
+    for i, t in enumerate(g):
+        step.add(i, t)
+    out = step.finish().tensors(4)
+    assert all(torch.equal(got, want) for got, want in zip(out, g))
+    assert not any(a is b for a, b in zip(out, seen[-1]))
+    handing = local_step(hand_out=True)
+    firsts = []
+    for seed in (14, 15):
+        for i, t in enumerate(grads(seed)):
+            handing.add(i, t)
+        firsts.append(handing.finish().tensors(4)[0])
+    assert firsts[0] is not firsts[1] and firsts[0].data_ptr() != firsts[1].data_ptr()
+
+
 def _two_rank_worker(rank):
     import mergecomp.torch as mc
 

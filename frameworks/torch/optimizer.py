@@ -165,7 +165,7 @@ class DistributedOptimizer(HoldsMergedStep):
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
-        self._index = {p: i for i, p in enumerate(self._exchanged)}
+        self._index = {id(p): i for i, p in enumerate(self._exchanged)}  # the hooks' lookup, by identity
         self._passes = [0] * len(self._exchanged)
         self._final = 0  # parameters whose gradient is final for this step
         self._synchronized = self._step_skipped = self._warned_step = self._called_synchronize = False
@@ -201,7 +201,7 @@ class DistributedOptimizer(HoldsMergedStep):
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self._synchronized:  # the first gradient of a new step, whether or not step() ran
             self._synchronized = self._step_skipped = self._called_synchronize = False
-        i = self._index[p]
+        i = self._index[id(p)]
         self._passes[i] += 1
         if self._passes[i] > self.backward_passes_per_step:
             raise RuntimeError(
