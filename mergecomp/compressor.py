@@ -196,8 +196,9 @@ class FusedParts(abc.ABC):
     puts back the state of the holders in :attr:`kept` (which it filled) and starts over with the
     whole group.  The memory's state the parts write goes to a spare buffer of a kept group
     (:meth:`~mergecomp.memory.Memory.keep`), so putting it back costs no copy.  The payload's
-    tensors are its own: nothing writes them before the next step (a one-tensor payload goes on
-    the wire without a copy)."""
+    tensors are its own: nothing writes them before the next step, and a one-tensor payload
+    starts on an 8-byte boundary of its storage with zeros after it to the next one (it goes on
+    the wire as it lies, :func:`~mergecomp.wire.pack_payload`)."""
 
     #: ``(holder, group name, what it kept)`` to restore if the step cannot use the parts
     kept: list

@@ -334,6 +334,7 @@ class MergedStep:
                 self._where[i] = (g, offset)
                 self._position[i] = k
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._groups)
+        self._last_reduced = None  # its buffers are the old plan's: let them go
         self._reset()
 
     def set_plan(self, plan: PlanSpec) -> None:
