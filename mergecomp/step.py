@@ -98,7 +98,7 @@ class Reduced:
                     self.views[i] = flat[offset:offset + n].view(shape)
         return list(self.views)
 
-    def holds_as(self, other: "Reduced") -> bool:
+    def same_groups_and_buffers(self, other: "Reduced") -> bool:
         """Whether ``other`` is made of the same group and buffer objects."""
         return (len(self.groups) == len(other.groups) == len(self.flats) == len(other.flats)
                 and all(a is b for a, b in zip(self.groups, other.groups))
@@ -637,7 +637,7 @@ class MergedStep:
         """This step's result, with the last step's views where it holds the same groups and
         buffers (the group buffers, reused step after step unless handed out or the caller's)."""
         reduced, last = Reduced(groups, flats), self._last_reduced
-        if last is not None and reduced.holds_as(last):
+        if last is not None and reduced.same_groups_and_buffers(last):
             reduced.views = last.views
         if not (self._hand_out or self._caller_groups):
             self._last_reduced = reduced
