@@ -12,6 +12,7 @@ from .codecs import compensated_signs, pack_signs, sign_sum
 from .codecs.sums import SignStats, exact_where_overflowed
 from .compressor import Compressor, FusedParts, Payload, SummedDecode
 from .memory import Memory, Residual
+from .wire import word_padded
 
 __all__ = ["SignValueCompressor", "SignParts"]
 
@@ -117,7 +118,7 @@ class SignParts(FusedParts):
         # the bits, then zeros to a whole 8-byte word: the payload goes on the wire as it lies
         # (:func:`~mergecomp.wire.pack_payload`)
         size = bitpack.packed_size(like.numel(), 1)
-        words = compressor.scratch(-(-size // 8) * 8, torch.uint8, like.device)
+        words = compressor.scratch(word_padded(size), torch.uint8, like.device)
         words[size - (like.numel() % 8 != 0):].zero_()  # the padding bits and bytes, which no part writes
         self._bits = words[:size]
         # each part's row written by its add(); every part is added before finish()

@@ -11,12 +11,17 @@ import torch
 
 from .compressor import Payload
 
-__all__ = ["Spec", "pack_payload", "unpack_payload", "pack_rows"]
+__all__ = ["Spec", "pack_payload", "unpack_payload", "pack_rows", "word_padded"]
 
 #: what :func:`unpack_payload` needs of each payload tensor: its dtype and shape
 Spec = Tuple[torch.dtype, torch.Size]
 
 _ALIGN = 8
+
+
+def word_padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to the 8-byte boundary each payload tensor's bytes start on."""
+    return nbytes + (-nbytes) % _ALIGN
 
 
 def pack_payload(payload: Payload, borrow: bool = False) -> Tuple[torch.Tensor, List[Spec]]:
@@ -27,7 +32,7 @@ def pack_payload(payload: Payload, borrow: bool = False) -> Tuple[torch.Tensor, 
     if borrow and len(payload) == 1 and payload[0].is_contiguous():
         tensor = payload[0]
         start, nbytes = tensor.storage_offset() * tensor.element_size(), tensor.numel() * tensor.element_size()
-        padded = nbytes + (-nbytes) % _ALIGN
+        padded = word_padded(nbytes)
         storage = tensor.untyped_storage()
         if start % _ALIGN == 0 and start + padded <= storage.nbytes():
             raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, start, (padded,))
@@ -36,7 +41,7 @@ def pack_payload(payload: Payload, borrow: bool = False) -> Tuple[torch.Tensor, 
     for tensor in payload:
         raw = tensor.contiguous().reshape(-1).view(torch.uint8)
         parts.append(raw)
-        pad = (-raw.numel()) % _ALIGN
+        pad = word_padded(raw.numel()) - raw.numel()
         if pad:
             parts.append(raw.new_zeros(pad))
         specs.append((tensor.dtype, tensor.shape))
@@ -52,7 +57,7 @@ def unpack_payload(raw: torch.Tensor, specs: Sequence[Spec]) -> Payload:
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         tensors.append(raw[offset:offset + nbytes].view(dtype).view(shape) if nbytes
                        else raw.new_empty(shape, dtype=dtype))
-        offset += nbytes + (-nbytes) % _ALIGN
+        offset += word_padded(nbytes)
     return tuple(tensors)
 
 
