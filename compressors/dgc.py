@@ -4,6 +4,8 @@ correction and momentum-factor masking in the ``dgc`` error-feedback memory (its
 The threshold is estimated from a strided sample of the magnitudes, as in the paper; the payload
 is exactly k values + int32 indices so every rank sends the same bytes.
 """
+from __future__ import annotations
+
 from mergecomp.registry import register_compressor
 
 from .topk import TopKCompressor

@@ -4,6 +4,8 @@ Wire: the sign bits, 1 bit per element packed in uint8 (zeros sent as ``+``), an
 scale ``mean |x| = ||x||_1 / n``; an element decodes to ``±scale``.  Not summable (allgathered);
 the result is the mean (or sum) of the ranks' decodes.  Default memory: ``residual``.
 """
+from __future__ import annotations
+
 from typing import Tuple
 
 import torch

@@ -5,6 +5,8 @@ non-negative elements and that of the negative ones (0 for an empty side).  An e
 to the mean of its side.  Not summable (allgathered).  Default memory: ``residual`` (the
 quantization error is carried to the next step, as in the paper).
 """
+from __future__ import annotations
+
 from typing import Tuple
 
 import torch

@@ -20,6 +20,8 @@ of the local payload returns this rank's own approximation, local raw elements i
 the error-feedback memory); the input must stay unchanged until the last round.
 Defaults: ``rank=1``, ``warm_start=True``, ``min_compression_rate=2``, memory ``residual``.
 """
+from __future__ import annotations
+
 import functools
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple

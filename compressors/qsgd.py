@@ -11,6 +11,8 @@ bucket: ``8 + 32 / bucket_size`` or ``4 + 32 / bucket_size`` bits per element.  
 (allgathered, or two-phase).
 Defaults: ``levels=64`` (at most 127), ``bucket_size=512``; no error-feedback memory.
 """
+from __future__ import annotations
+
 from typing import Optional, Sequence, Tuple
 
 import torch

@@ -11,6 +11,8 @@ and scaled by ``n / k``, an unbiased estimate of the gradient.  With ``unbiased=
 GRACE style, meant for error feedback) the selected elements are kept as they are (a repeated
 index is kept once).  Defaults: ``ratio=0.01``, ``unbiased=False``, memory ``residual``.
 """
+from __future__ import annotations
+
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch

@@ -6,6 +6,8 @@ rank sends the vote on its shard exactly, as 2-bit codes.  Not summable:
 payloads are allgathered and :meth:`aggregate` returns the majority vote, the sign of the sum of
 the ranks' signs (0 on a tie), whether or not ``average`` is set.  No options; no memory.
 """
+from __future__ import annotations
+
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch

@@ -6,6 +6,8 @@ zeros sent as ``+``.  Aggregation is the majority vote of :mod:`signsgd` (0 on a
 Two-phase: each shard's bits come from its slice of the group's momentum.
 Defaults: ``beta=0.9``; no error-feedback memory.
 """
+from __future__ import annotations
+
 from typing import Dict, Optional, Set, Tuple
 
 import torch

@@ -9,6 +9,8 @@ Wire: the codes ``t + 1`` at 2 bits per element packed in uint8 (``ceil(n / 4)``
 fp32 scalar ``s``: ``2 + 32 / n`` bits per element.  Not summable (allgathered).
 Defaults: ``clip=2.5``; no error-feedback memory.
 """
+from __future__ import annotations
+
 from typing import Optional, Sequence, Tuple
 
 import torch

@@ -5,6 +5,8 @@ magnitude from a sample and runs the exact top-k only among the candidates above
 a merged 25 M-element buffer fast (see :func:`mergecomp.sparse.topk_indices`).  Error feedback:
 residual memory by default, so what is not sent now is sent later.
 """
+from __future__ import annotations
+
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
