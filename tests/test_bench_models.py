@@ -59,7 +59,7 @@ def test_without_transformers_the_error_says_what_to_install(monkeypatch):
 
 def test_bench_cli_runs_in_one_process(tmp_path):
     """`mergecomp bench` with a tiny model, one process (local engine): every plan gets a record
-    with its step breakdown."""
+    with its step breakdown and the optimizer's nonfinite policy."""
     import json
     import subprocess
     import sys
@@ -68,11 +68,12 @@ def test_bench_cli_runs_in_one_process(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mergecomp.cli", "bench", "--model", "resnet18", "--width", "0.125",
                           "--input-size", "16", "--batch-size", "2", "--compressor", "topk",
                           "--plan", "auto,layerwise,1,fp32", "--steps", "1", "--rounds", "1", "--warmup", "1",
-                          "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+                          "--nonfinite", "ignore", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out_json.read_text().splitlines()]
     assert [r["plan"] for r in records] == ["auto", "layerwise", "1", "fp32"]
     assert all(r["status"] == "ok" and r["step_s"] > 0 for r in records)
+    assert all(r["nonfinite"] == "ignore" for r in records)  # as the optimizer was built
     assert records[0]["search_steps_total"] <= 30
     assert records[3]["codecs"] == ["none"]
     assert all(r["breakdown"]["steps"] == 1 and r["breakdown"]["groups"] for r in records)  # 1 round x 1 step

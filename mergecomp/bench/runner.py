@@ -52,6 +52,7 @@ import torch
 from ..allocator import hold_freed_memory
 from ..breakdown import GROUP_PARTS, PARTS, combine
 from ..cmdline import keyword_args
+from ..exchange import NONFINITE_POLICIES
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd-serial", "local")
 
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compressor", default="topk")
     p.add_argument("-C", "--compressor-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--memory", default=None, help="error-feedback memory (default: the compressor's)")
+    p.add_argument("--nonfinite", default="propagate", choices=NONFINITE_POLICIES,
+                   help="the DistributedOptimizer's nonfinite policy ('ignore': no NaN/Inf check or agreement)")
     p.add_argument("--plan", default="auto",
                    help="comma list of: auto, layerwise, <int groups>, default, fp32 (1 fused group, no "
                         "compression), fp16 (1 fused group cast to fp16); layerwise, an int or default with the "
@@ -183,7 +186,8 @@ def make_optimizer(w: _Worker, args, groups, scheduler=None):
     momentum = 0.0 if memory == "dgc" else 0.9
     w.optimizer = mc.DistributedOptimizer(_sgd(w.model.parameters(), args.lr, momentum),
                                           named_parameters=w.model.named_parameters(), compression=compressor,
-                                          memory=memory, groups=groups, scheduler=scheduler or SchedulerConfig())
+                                          memory=memory, groups=groups, scheduler=scheduler or SchedulerConfig(),
+                                          nonfinite=args.nonfinite)
     mc.broadcast_parameters(w.model.state_dict(), root_rank=0)
     return w.optimizer
 
@@ -275,6 +279,7 @@ def _run_mergecomp(w: _Worker, args) -> List[Dict]:
         records.append({"plan": label, "step_s": _slowest(comm, statistics.median(times[label])),
                         "steps_s": times[label], **describe_plan(plans[label], sizes),
                         "compressor_repr": repr(opt.compressor), "memory": repr(opt.memory),
+                        "nonfinite": opt.merged.nonfinite,
                         "breakdown": combine(breakdowns[label]), **extra.get(label, {})})
     return records
 
