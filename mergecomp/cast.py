@@ -29,6 +29,11 @@ class CastCompressor(Compressor):
         self.prescale = float(prescale)
 
     @property
+    def may_overflow(self) -> bool:
+        """A cast to fp16 or bf16, whose largest values are below fp32's."""
+        return self.wire_dtype in (torch.float16, torch.bfloat16)
+
+    @property
     def lossless(self) -> bool:
         """The tensor itself is sent (no cast, no prescale)."""
         return self.wire_dtype is None and self.prescale == 1.0

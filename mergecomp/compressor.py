@@ -82,6 +82,10 @@ class Compressor(GroupStateful, abc.ABC):
     #: this compressor and none is offered the fp16 or uncompressed codec instead
     #: (:func:`mergecomp.plan.has_codec_choice`)
     votes: bool = False
+    #: a payload may hold Inf where the tensor compressed is finite (a cast to a narrower float:
+    #: fp16 beyond 65504): after an error-feedback memory compensated the tensor, the exchange
+    #: then checks the payload (:meth:`mergecomp.exchange.Exchange.start`)
+    may_overflow: bool = False
     #: two-phase shards start at multiples of this many elements (whole bytes of packed bits,
     #: whole quantization buckets), so each shard is encoded as it would be inside the group
     shard_alignment: int = 1

@@ -48,7 +48,8 @@ from .twophase import Bounds, Sharded, ShardLayouts, ShardMemory, VoteCodec, sha
 from .wire import Spec, pack_payload, pack_rows, unpack_payload
 from .workspace import Workspace
 
-__all__ = ["Exchange", "InFlight", "NONFINITE_POLICIES", "NonfiniteCheck", "SHARDED", "resolve"]
+__all__ = ["Exchange", "InFlight", "NONFINITE_GRADIENT", "NONFINITE_POLICIES", "NonfiniteCheck", "OVERFLOWED", "SHARDED",
+           "resolve"]
 
 NONFINITE_POLICIES = ("propagate", "raise", "skip", "ignore")
 #: codecs that send the configured compressor's payloads in shards (single-round compressors)
@@ -94,6 +95,9 @@ class InFlight:
         #: part (as given after a fused encode, :meth:`Exchange._compress_fused`)
         self.compensated = flat
         self.finite: Optional[torch.Tensor] = None
+        #: 0-d bool: the payload of the finite, error-compensated gradient overflowed (e.g. its
+        #: cast to fp16); None: not checked (:attr:`Compressor.may_overflow`)
+        self.overflowed: Optional[torch.Tensor] = None
         self.feedback = codec != EXEMPT  # the error-feedback memory takes part
         #: the memory's update after a fused encode (:meth:`Compressor.compress_fused`), run in
         #: place of :meth:`Memory.feed`
@@ -344,6 +348,13 @@ class Exchange(hierarchy.HostLevel):
         """The step's state changes stand (``keep_state``)."""
         self._kept = []
 
+    def forget(self, names: Sequence[str]) -> None:
+        """The memory of groups ``names`` starts afresh: their error-compensated gradient
+        overflowed its payload (:attr:`InFlight.overflowed`), so the residual kept for them
+        (whose last update holds Inf) would overflow the next step's payload again."""
+        for name in names:
+            self.memory.restore(name, {})
+
     def rollback(self) -> None:
         """Undo the memory and compressor state changes of the groups started since the last
         :meth:`commit` (``keep_state``), as if this step had not happened."""
@@ -392,6 +403,9 @@ class Exchange(hierarchy.HostLevel):
         else:
             job.payload, job.ctx = job.compressor.compress_shard(compensated[start:stop], job.group.name, start,
                                                                  compensated.numel())
+        if job.compressor.may_overflow and self.check_finite and job.feedback and self.memory.feeds_back:
+            job.overflowed = ~_all_finite(job.payload[0])
+            job.count("check", 1, stop - start)
         self._launch(job)
 
     def _compress_fused(self, job: InFlight) -> bool:
@@ -552,22 +566,30 @@ class Exchange(hierarchy.HostLevel):
         self.shard_memory.load_state_dict(state.get("shard_memory", {}))
 
 
-class NonfiniteCheck:
-    """Agree across ranks on which (rank, group) pairs held NaN/Inf this step.
+#: why a group is a culprit of :class:`NonfiniteCheck` (bits of its flag)
+NONFINITE_GRADIENT, OVERFLOWED = 1, 2
 
-    ``finite`` holds one 0-d bool tensor per group, in plan order (the same on every rank).
-    One small allreduce of a ``(size, groups)`` matrix, started now; :meth:`culprits` waits and
-    gives the same answer on every rank.
+
+class NonfiniteCheck:
+    """Agree across ranks on which (rank, group) pairs held NaN/Inf this step, and why.
+
+    ``jobs``: this step's groups, in plan order (the same on every rank); a group is a culprit
+    when its gradient was not finite (:attr:`InFlight.finite`) or its payload overflowed
+    (:attr:`InFlight.overflowed`).  One small allreduce of a ``(size, groups)`` int32 matrix of
+    those bits, started now; :meth:`culprits` waits and gives the same answer on every rank.
     """
 
-    def __init__(self, comm: Communicator, finite: Sequence[torch.Tensor], step: int) -> None:
-        device = finite[0].device if finite else torch.device("cpu")
-        flags = torch.zeros(comm.size, len(finite), dtype=torch.int32, device=device)
-        if finite:
-            flags[comm.rank] = torch.stack([f.logical_not() for f in finite]).to(torch.int32)
+    def __init__(self, comm: Communicator, jobs: Sequence[InFlight], step: int) -> None:
+        device = jobs[0].finite.device if jobs else torch.device("cpu")
+        flags = torch.zeros(comm.size, len(jobs), dtype=torch.int32, device=device)
+        if jobs:
+            bits = [NONFINITE_GRADIENT * job.finite.logical_not().to(torch.int32)
+                    + (0 if job.overflowed is None else OVERFLOWED * job.overflowed.to(torch.int32)) for job in jobs]
+            flags[comm.rank] = torch.stack(bits)
         self._what = f"non-finite gradient check at step {step} on rank {comm.rank}"
         self._handle = comm.allreduce_async(flags)
 
-    def culprits(self, names: Sequence[str]) -> List[Tuple[int, str]]:
-        flags = self._handle.wait(self._what)
-        return [(rank, names[g]) for rank, g in flags.nonzero().tolist()]
+    def culprits(self, names: Sequence[str]) -> List[Tuple[int, str, int]]:
+        """``(rank, group name, bits)`` of every culprit (:data:`NONFINITE_GRADIENT`, :data:`OVERFLOWED`)."""
+        flags = self._handle.wait(self._what).cpu()
+        return [(rank, names[g], int(flags[rank, g])) for rank, g in flags.nonzero().tolist()]

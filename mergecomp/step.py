@@ -40,7 +40,7 @@ from .agreement import check_ranks_agree
 from .breakdown import DECODE, ENCODE, SCHEDULER, WAIT, Breakdown
 from .comm import Communicator
 from .compressor import Compressor, FusedParts
-from .exchange import NONFINITE_POLICIES, SHARDED, Exchange, InFlight, NonfiniteCheck
+from .exchange import NONFINITE_POLICIES, OVERFLOWED, SHARDED, Exchange, InFlight, NonfiniteCheck
 from .plan import EXEMPT, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
 from .scheduler import MergeScheduler, SchedulerConfig, exchange_scheduler
 
@@ -593,8 +593,7 @@ class MergedStep:
             self._start_ready()
         jobs, outs = self._started, self._outs
         groups = [job.group for job in jobs]
-        check = NonfiniteCheck(self.comm, [job.finite for job in jobs], self.step) \
-            if self.nonfinite != "ignore" else None
+        check = NonfiniteCheck(self.comm, jobs, self.step) if self.nonfinite != "ignore" else None
         hand_out = self._hand_out
         pending = jobs  # the groups' later collectives, stage by stage, in plan order
         while pending:
@@ -666,11 +665,17 @@ class MergedStep:
             self._plan = GroupPlan(tuple(group.indices for group in self._groups), tuple(self._given_codecs))
         self._before = None
 
-    def _nonfinite(self, bad: List[Tuple[int, str]], reduced: Reduced, step: int) -> Optional[Reduced]:
-        """Apply the policy to a step in which ``bad`` (rank, group name) held NaN/Inf."""
-        where = "; ".join(f"rank {rank}, group {name!r}" for rank, name in bad)
-        if self.nonfinite == "propagate":  # every rank's GradScaler then skips this step
+    def _nonfinite(self, bad: List[Tuple[int, str, int]], reduced: Reduced, step: int) -> Optional[Reduced]:
+        """Apply the policy to a step in which ``bad`` (rank, group name, why: the bits of
+        :class:`~mergecomp.exchange.NonfiniteCheck`) held NaN/Inf.  A group whose payload
+        overflowed here starts its error feedback afresh, under every policy."""
+        if self.nonfinite == "propagate":
             self.exchange.rollback()
+        self.exchange.forget([name for rank, name, why in bad if rank == self.comm.rank and why & OVERFLOWED])
+        where = "; ".join(f"rank {rank}, group {name!r}" + (
+            ": its error-compensated gradient overflowed the 16-bit cast for the wire, so its memory starts afresh"
+            if why & OVERFLOWED else "") for rank, name, why in bad)
+        if self.nonfinite == "propagate":  # every rank's GradScaler then skips this step
             for flat in reduced.flats:
                 flat.fill_(float("nan"))
             logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", self._who,
@@ -678,7 +683,7 @@ class MergedStep:
             return reduced
         if self.nonfinite == "raise":
             by_name = {group.name: group for group in reduced.groups}
-            names = sorted({n for _, name in bad for n in self.tensor_names(by_name[name])})
+            names = sorted({n for _, name, _ in bad for n in self.tensor_names(by_name[name])})
             raise FloatingPointError(f"{self._who}: non-finite gradient at step {step} ({where}); {self._kind} "
                                      f"in those groups: {names[:8]}{' ...' if len(names) > 8 else ''}")
         self.skipped_steps += 1

@@ -131,6 +131,86 @@ def test_propagate_makes_the_step_nan_and_puts_error_feedback_back(compression):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+FP16_SECOND = GroupPlan(((3, 2), (1, 0)), ("compressed", "fp16"))
+
+
+def _residual_beyond_fp16(step, rank=0, big=1e5):
+    """Two 1-bit SGD steps sent compressed, in the second a gradient of ``big`` at one element
+    of group (1, 0) on ``rank``: its residual there ends near ``big``, beyond fp16's 65504.  Then
+    the plan sends that group as fp16, so the next step's compensated gradient overflows the
+    cast on that rank."""
+    for seed, spike in ((10, False), (11, True)):
+        g = grads(seed)
+        if spike and step.comm.rank == rank:
+            g[1][0] = big
+        for i, t in enumerate(g):
+            step.add(i, t)
+        step.finish()
+    step.set_plan(FP16_SECOND)
+
+
+def _finite_steps(step, seeds=(13, 14)):
+    out = []
+    for seed in seeds:
+        for i, t in enumerate(grads(seed)):
+            step.add(i, t)
+        out.append(all(bool(torch.isfinite(t).all()) for t in step.finish().tensors(4)))
+    return out
+
+
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise", "skip"])
+def test_a_compensated_gradient_overflowing_fp16_is_a_nonfinite_group_and_its_memory_starts_afresh(nonfinite):
+    """The scheduler may send an error-feedback group as fp16. Where gradient + residual goes
+    beyond fp16's range, the cast gives Inf and the residual update v - fp16(v) would keep -Inf
+    (every later step NaN). The group counts as non-finite (the policy applies, naming the
+    overflow) and its memory starts afresh; the steps after it are finite."""
+    step = local_step(compression="onebit", nonfinite=nonfinite, groups=GroupPlan(((3, 2), (1, 0))))
+    _residual_beyond_fp16(step)
+    name = step.groups[1].name
+    assert float(step.exchange.memory.state[name]["residual"].abs().max()) > 65504
+    for i, t in enumerate(grads(12)):
+        step.add(i, t)
+    if nonfinite == "raise":
+        with pytest.raises(FloatingPointError, match=r"rank 0, group '.*': its error-compensated gradient overflowed "
+                                                     r"the 16-bit cast"):
+            step.finish()
+    elif nonfinite == "skip":
+        assert step.finish() is None and step.skipped_steps == 1
+    else:
+        assert all(t.isnan().all() for t in step.finish().tensors(4) if t.numel())
+    assert name not in step.exchange.memory.state
+    assert step.groups[0].name in step.exchange.memory.state  # the other group's residual stays
+    assert _finite_steps(step) == [True, True]
+
+
+def _one_rank_overflows_worker(rank):
+    import mergecomp.torch as mc
+
+    step = MergedStep("onebit", None, mc.communicator(), NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"),
+                      groups=GroupPlan(((3, 2), (1, 0))), nonfinite="propagate")
+    _residual_beyond_fp16(step, rank=1)
+    before = memory_state(step)
+    for i, t in enumerate(grads(12)):
+        step.add(i, t)
+    nan = all(bool(t.isnan().all()) for t in step.finish().tensors(4) if t.numel())
+    after = memory_state(step)
+    kept = {n: all(torch.equal(before[n][k], after[n][k]) for k in before[n]) for n in after}
+    return {"nan": nan, "groups": sorted(after), "kept": kept, "finite": _finite_steps(step),
+            "names": [group.name for group in step.groups]}
+
+
+def test_one_rank_overflowing_fp16_makes_every_rank_skip_and_only_its_memory_starts_afresh():
+    """Two gloo ranks; only rank 1's compensated gradient overflows fp16: both ranks' results
+    are NaN (so GradScaler skips the step everywhere), rank 0's memory is put back as it was,
+    rank 1's overflowed group starts afresh, and both go on with finite steps."""
+    outs = run_workers(_one_rank_overflows_worker, 2)
+    first, second = outs[0]["names"]
+    for out in outs:
+        assert out["nan"] and out["finite"] == [True, True]
+        assert all(out["kept"].values())
+    assert outs[0]["groups"] == sorted([first, second]) and outs[1]["groups"] == [first]
+
+
 def test_plan_switch_only_between_steps_and_checkpoint_round_trip():
     step = local_step(compression="topk", groups=2)
     for seed in range(3):
