@@ -599,14 +599,17 @@ class MergedStep:
         while pending:
             pending = [job for job in pending if self.exchange.advance(job)]
         flats = [self.exchange.finish(job, out=None if hand_out else out) for job, out in zip(jobs, outs)]
-        for slices, j in self._copy_back:
-            for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
-                dst.copy_(src)
-            jobs[j].count("copy-out", 1)
         bad = []
         if check:
             with clock(WAIT):
                 bad = check.culprits([group.name for group in groups])
+        if bad and self.nonfinite == "propagate":  # every rank's result is NaN: GradScaler skips the step
+            for flat in flats:
+                flat.fill_(float("nan"))
+        for slices, j in self._copy_back:
+            for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
+                dst.copy_(src)
+            jobs[j].count("copy-out", 1)
         step = self.exchange.step
         self.exchange.step += 1
         if self.step == self.warmup_steps > 0:
@@ -675,9 +678,7 @@ class MergedStep:
         where = "; ".join(f"rank {rank}, group {name!r}" + (
             ": its error-compensated gradient overflowed the 16-bit cast for the wire, so its memory starts afresh"
             if why & OVERFLOWED else "") for rank, name, why in bad)
-        if self.nonfinite == "propagate":  # every rank's GradScaler then skips this step
-            for flat in reduced.flats:
-                flat.fill_(float("nan"))
+        if self.nonfinite == "propagate":  # its results are NaN (_finish): every rank's GradScaler skips it
             logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", self._who,
                         step, where)
             return reduced

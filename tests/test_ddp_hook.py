@@ -3,6 +3,7 @@ allreduce, training with compressors, checkpoints, error feedback across DDP's b
 import copy
 import math
 
+import pytest
 import torch
 
 from distributed import run_workers
@@ -178,7 +179,7 @@ def test_error_feedback_is_remapped_when_ddp_rebuilds_its_buckets():
 # -- errors ---------------------------------------------------------------------------------------
 def _nonfinite_worker(rank):
     x, y = make_data()
-    model, _ = ddp(make_model(), "topk")
+    model, _ = ddp(make_model(), "topk", nonfinite="raise")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train(model, opt, shard(x, rank), shard(y, rank), steps=2)
     if rank == 1:
@@ -193,6 +194,43 @@ def _nonfinite_worker(rank):
 def test_nonfinite_gradient_raises_on_every_rank_naming_rank_and_bucket():
     for message in run_workers(_nonfinite_worker, 2):
         assert "non-finite gradient" in message and "rank 1" in message and "4.weight" in message
+
+
+def _grad_scaler_worker(rank, compression, uncompressed):
+    x, y = make_data()
+    mine = shard(x, rank), shard(y, rank)
+    model, state = ddp(make_model(), compression, uncompressed=uncompressed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    out = {"params": [], "scales": []}
+    for step in range(5):
+        loss = torch.nn.functional.cross_entropy(model(mine[0]), mine[1])
+        if step == 2 and rank == 1:  # one rank's scaled gradients overflow fp32 at this step
+            loss = loss * 1e38
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        out["params"].append(flat_params(model))
+        out["scales"].append(scaler.get_scale())
+    memory = state.merged.exchange.memory.state
+    out["memory_finite"] = all(bool(torch.isfinite(t).all()) for fields in memory.values() for t in fields.values())
+    return out
+
+
+@pytest.mark.parametrize("compression, uncompressed", [("none", ()), ("topk", ()), ("topk", ("*.bias",))])
+def test_grad_scaler_skips_an_overflowing_step_on_every_rank_as_with_ddp(compression, uncompressed):
+    """DDP's standard AMP recipe with the hook's defaults: one rank's gradients overflow at step 2,
+    every rank's buckets come back NaN (also a bucket split around its exempt biases), so every
+    GradScaler skips that step and halves its scale, the memory stays finite, and training goes on."""
+    outs = run_workers(_grad_scaler_worker, 2, compression, uncompressed)
+    for out in outs:
+        params = out["params"]
+        assert out["scales"] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+        assert torch.equal(params[2], params[1])  # skipped
+        assert not torch.equal(params[3], params[2]) and bool(torch.isfinite(params[4]).all())
+        assert out["memory_finite"]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"]))
 
 
 def _bad_settings_worker(rank):

@@ -41,7 +41,7 @@ from mergecomp.step import HoldsMergedStep, MergedStep
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook"]
 
-_NONFINITE = ("raise", "ignore")
+_NONFINITE = ("propagate", "raise", "ignore")
 
 
 class DDPHookState(HoldsMergedStep):
@@ -151,7 +151,7 @@ def ddp_comm_hook(
     memory: Union[str, Memory, None] = None,
     process_group: Optional[dist.ProcessGroup] = None,
     named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-    nonfinite: str = "raise",
+    nonfinite: str = "propagate",
     timeout: Optional[float] = None,
     compression_warmup_steps: int = 0,
     uncompressed: Sequence[str] = (),
@@ -169,10 +169,13 @@ def ddp_comm_hook(
             collectives run on it through :class:`~mergecomp.engines.torch_dist.TorchCommunicator`.
         named_parameters: ``model.named_parameters()`` (recommended: stable indices across
             restarts, names in errors).
-        nonfinite: ``"raise"`` (default): one small allreduce per step agrees on NaN/Inf and
-            every rank's backward raises FloatingPointError naming the rank and bucket; NaN/Inf
-            never enters the error-feedback memory.  ``"ignore"``: no check (like DDP's own
-            allreduce, NaN propagates).  A hook cannot skip the optimizer step.
+        nonfinite: what NaN/Inf in any rank's gradients does; one small allreduce per step
+            agrees on it, and it never enters the error-feedback memory.  ``"propagate"``
+            (default): every bucket's result is NaN on every rank, so a ``GradScaler`` skips the
+            step everywhere and lowers its scale, as with DDP's own allreduce; the memory and
+            compressor state are put back as before the step.  ``"raise"``: every rank's backward
+            raises FloatingPointError naming the rank and bucket.  ``"ignore"``: no check (NaN
+            flows into the memory).  A hook cannot skip the optimizer step (no ``"skip"``).
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
         compression_warmup_steps, uncompressed, min_compress_numel, scheme: as for
             :class:`~mergecomp.torch.DistributedOptimizer`; ``uncompressed`` needs
