@@ -185,6 +185,53 @@ def test_keras_and_tape_on_two_ranks():
         assert math.isfinite(full) and full < 0.9 * first, f"{name}: loss {first:.3f} -> {full:.3f}"
 
 
+def _mixed_precision_worker(rank):
+    import keras
+
+    import mergecomp.tensorflow as mct
+
+    _setup()
+    out = {}
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        try:
+            mct.DistributedOptimizer(keras.optimizers.SGD(0.05))
+        except ValueError as err:
+            out["plain"] = str(err)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(4),
+                                  keras.layers.Activation("linear", dtype="float32")])
+        opt = mct.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+                                       compression="topk")
+        model.compile(optimizer=opt, loss="mse")
+        rng = np.random.default_rng(rank)
+        x = rng.standard_normal((64, 16)).astype("float32")
+        y = rng.standard_normal((64, 4)).astype("float32")
+        if rank == 1:
+            y[:8] *= 1e4  # this rank's first batch overflows fp16 at the initial loss scale
+        mct.broadcast_variables(model.variables, root_rank=0)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        out["weights"] = weights(model)
+        out["scale"] = float(model.optimizer.dynamic_scale.numpy())
+        out["wrapped"] = type(model.optimizer).__name__
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
+def test_mixed_float16_with_a_loss_scale_optimizer_skips_overflows_on_every_rank():
+    """Keras' mixed precision: the DistributedOptimizer wraps the LossScaleOptimizer, exchanges
+    before its overflow check, and (nonfinite='propagate', its default there) gives every rank NaN
+    when one rank's fp16 gradients overflow: both ranks skip the same steps and keep equal weights.
+    A plain optimizer, which Keras would wrap itself, is refused with the way to do it."""
+    r0, r1 = run_workers(_mixed_precision_worker, 2, env=ENV, timeout=170)
+    for r in (r0, r1):
+        assert "wrap the LossScaleOptimizer instead" in r["plain"]
+        assert r["wrapped"] == "LossScaleOptimizer" and r["scale"] < 32768.0  # lowered from Keras' initial scale
+        assert np.isfinite(r["weights"]).all()
+    assert r0["scale"] == r1["scale"] and np.array_equal(r0["weights"], r1["weights"])
+
+
 # -- one process: scheduler, errors ---------------------------------------------------------------
 def _single_worker(rank):
     import keras

@@ -97,8 +97,16 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
         scale_local_gradients: divide the gradients of variables registered with
             ``register_local_var`` by the number of ranks.
         options: mergecomp's own, as keywords, as in :class:`~.reducer.GradientReducer`:
-            ``memory``, ``nonfinite`` (``"raise"`` or ``"ignore"``), ``scheduler``,
-            ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``, ``scheme``.
+            ``memory``, ``nonfinite`` (``"raise"``, ``"propagate"`` or ``"ignore"``; default
+            ``"propagate"`` for a ``keras.optimizers.LossScaleOptimizer``, else ``"raise"``),
+            ``scheduler``, ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``,
+            ``scheme``.
+
+    Mixed precision (``mixed_float16``): wrap the ``LossScaleOptimizer``, as in
+    ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))``; the gradients are then
+    exchanged before its overflow check, and under ``"propagate"`` an overflow on any rank gives
+    every rank NaN, so every rank skips the step and lowers its scale.  An optimizer Keras would
+    wrap itself (any other under that policy) raises ValueError saying so.
 
     Returns an optimizer of the same class; ``optimizer.mergecomp_reducer`` holds the groups,
     the error-feedback state (``state_dict()``) and the scheduler's report.
@@ -136,6 +144,17 @@ def _check_keras_optimizer(optimizer) -> None:
                          f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow; for PyTorch use mergecomp.torch)")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
+    if keras.mixed_precision.global_policy().name == "mixed_float16" and not _loss_scaled(optimizer):
+        raise ValueError(
+            "under the mixed_float16 policy Keras wraps the optimizer in a LossScaleOptimizer, whose overflow "
+            "check runs on each rank before the exchange and would skip it on some ranks only; wrap the "
+            "LossScaleOptimizer instead: DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer))")
+
+
+def _loss_scaled(optimizer) -> bool:
+    import keras
+
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
 def make_distributed(optimizer, compression: Any = Compression.none, sparse_as_dense: bool = False,
@@ -149,6 +168,8 @@ def make_distributed(optimizer, compression: Any = Compression.none, sparse_as_d
     if hasattr(optimizer, "mergecomp_reducer"):
         raise TypeError("the optimizer is already a mergecomp DistributedOptimizer")
     check_process_set(process_set)
+    if _loss_scaled(optimizer):
+        options.setdefault("nonfinite", "propagate")
     reducer = GradientReducer(compression, groups=resolve_groups(groups, num_groups, variable_name), op=op,
                               gradient_predivide_factor=gradient_predivide_factor,
                               backward_passes_per_step=backward_passes_per_step,

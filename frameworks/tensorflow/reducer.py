@@ -27,7 +27,7 @@ from mergecomp.step import MergedStep, check_safety_options, check_scheme
 
 __all__ = ["GradientReducer"]
 
-_NONFINITE = ("raise", "ignore")
+_NONFINITE = ("raise", "propagate", "ignore")
 
 
 class GradientReducer:
@@ -42,7 +42,9 @@ class GradientReducer:
             :class:`~mergecomp.plan.GroupPlan`, or ``None`` (about 25 MB per group, at most 4).
         op: ``"average"`` or ``"sum"`` over ranks.
         nonfinite: ``"raise"`` (FloatingPointError on every rank naming the rank and the
-            variables) or ``"ignore"``.
+            variables), ``"propagate"`` (every rank's gradients come back NaN, the
+            error-feedback memory is put back: a ``LossScaleOptimizer`` then skips the step on
+            every rank) or ``"ignore"``.
         scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``.
         comm: the communicator (default: the one :func:`mergecomp.runtime.init` set up).
         gradient_predivide_factor: with ``op="average"``, each rank's gradient is divided by
@@ -72,7 +74,7 @@ class GradientReducer:
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
         if nonfinite not in _NONFINITE:
-            raise ValueError(f"nonfinite must be 'raise' or 'ignore' in the TensorFlow front end, got {nonfinite!r}")
+            raise ValueError(f"nonfinite must be one of {_NONFINITE} in the TensorFlow front end, got {nonfinite!r}")
         if comm is None:
             from mergecomp.runtime import communicator
 
