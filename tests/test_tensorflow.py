@@ -214,22 +214,52 @@ def _mixed_precision_worker(rank):
         out["weights"] = weights(model)
         out["scale"] = float(model.optimizer.dynamic_scale.numpy())
         out["wrapped"] = type(model.optimizer).__name__
+        out["tape"] = _loss_scaled_tape_loop(x, y)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     return out
+
+
+def _loss_scaled_tape_loop(x, y):
+    """A custom loop under mixed_float16: the loss scaled by a LossScaleOptimizer, the gradients
+    exchanged by a DistributedGradientTape with its defaults; (weights, final scale)."""
+    import keras
+    import tensorflow as tf
+
+    import mergecomp.tensorflow as mct
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(4),
+                              keras.layers.Activation("linear", dtype="float32")])
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
+    mct.broadcast_variables(model.variables, root_rank=0)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(tf.reduce_mean((model(xb, training=True) - yb) ** 2))
+        grads = mct.DistributedGradientTape(tape, compression="topk").gradient(scaled, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+
+    for start in range(0, len(x), 8):
+        step(x[start:start + 8], y[start:start + 8])
+    return weights(model), float(opt.dynamic_scale.numpy())
 
 
 def test_mixed_float16_with_a_loss_scale_optimizer_skips_overflows_on_every_rank():
     """Keras' mixed precision: the DistributedOptimizer wraps the LossScaleOptimizer, exchanges
     before its overflow check, and (nonfinite='propagate', its default there) gives every rank NaN
     when one rank's fp16 gradients overflow: both ranks skip the same steps and keep equal weights.
-    A plain optimizer, which Keras would wrap itself, is refused with the way to do it."""
+    A plain optimizer, which Keras would wrap itself, is refused with the way to do it.  A custom
+    loop's DistributedGradientTape does the same under that policy by default."""
     r0, r1 = run_workers(_mixed_precision_worker, 2, env=ENV, timeout=170)
     for r in (r0, r1):
         assert "wrap the LossScaleOptimizer instead" in r["plain"]
         assert r["wrapped"] == "LossScaleOptimizer" and r["scale"] < 32768.0  # lowered from Keras' initial scale
         assert np.isfinite(r["weights"]).all()
     assert r0["scale"] == r1["scale"] and np.array_equal(r0["weights"], r1["weights"])
+    (w0, scale0), (w1, scale1) = r0["tape"], r1["tape"]  # the custom loop's tape, its defaults
+    assert scale0 == scale1 < 32768.0 and np.isfinite(w0).all() and np.array_equal(w0, w1)
 
 
 # -- one process: scheduler, errors ---------------------------------------------------------------

@@ -144,7 +144,7 @@ def _check_keras_optimizer(optimizer) -> None:
                          f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow; for PyTorch use mergecomp.torch)")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"optimizer must be a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
-    if keras.mixed_precision.global_policy().name == "mixed_float16" and not _loss_scaled(optimizer):
+    if _mixed_float16() and not _loss_scaled(optimizer):
         raise ValueError(
             "under the mixed_float16 policy Keras wraps the optimizer in a LossScaleOptimizer, whose overflow "
             "check runs on each rank before the exchange and would skip it on some ranks only; wrap the "
@@ -155,6 +155,13 @@ def _loss_scaled(optimizer) -> bool:
     import keras
 
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _mixed_float16() -> bool:
+    """Keras' global dtype policy is ``mixed_float16`` (losses are scaled, gradients overflow)."""
+    import keras
+
+    return keras.mixed_precision.global_policy().name == "mixed_float16"
 
 
 def make_distributed(optimizer, compression: Any = Compression.none, sparse_as_dense: bool = False,
@@ -193,7 +200,9 @@ class DistributedGradientTape:
 
     Horovod's pattern, creating the wrapper every step, keeps error-feedback state: the reducer
     is shared by every tape with the same settings, variables and local sources (or pass
-    ``reducer``).
+    ``reducer``).  Under the ``mixed_float16`` policy ``nonfinite`` defaults to ``"propagate"``:
+    the loop's ``LossScaleOptimizer`` then sees an overflow on any rank as NaN on every rank and
+    skips the step everywhere.
 
     Example::
 
@@ -213,6 +222,8 @@ class DistributedGradientTape:
         check_horovod_args(op, gradient_predivide_factor, process_set)
         self._tape = gradtape
         self._reducer = reducer
+        if _mixed_float16():  # the loop scales its loss: an overflow must reach its LossScaleOptimizer
+            options.setdefault("nonfinite", "propagate")
         self._options = dict(compression=compression, groups=resolve_groups(groups, num_groups, variable_name),
                              op=op, gradient_predivide_factor=gradient_predivide_factor,
                              scale_local_gradients=scale_local_gradients, **options)
