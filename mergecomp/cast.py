@@ -5,6 +5,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .codecs import cast_finite
 from .compressor import Compressor, Payload
 
 __all__ = ["CastCompressor"]
@@ -51,14 +52,21 @@ class CastCompressor(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype]:
+        payload, ctx, _ = self.compress_checked(tensor, name, shapes)
+        return payload, ctx
+
+    def compress_checked(self, tensor: torch.Tensor, name: str,
+                         shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype, Optional[bool]]:
+        """The cast to fp16 of a contiguous fp32 CPU tensor tells, from its own pass, whether
+        every value fits (:func:`mergecomp.codecs.cast_finite`)."""
         wire_dtype = self.wire_dtype or tensor.dtype
         if self.prescale == 1.0 and wire_dtype == tensor.dtype:
-            return (tensor,), tensor.dtype
+            return (tensor,), tensor.dtype, None
         wire = self.scratch(tensor.numel(), wire_dtype, tensor.device)
         if self.prescale == 1.0:
-            return (wire.copy_(tensor),), tensor.dtype
+            return (wire,), tensor.dtype, cast_finite(tensor, wire)
         # Divide in the gradient's dtype and round to the wire dtype in the same pass.
-        return (torch.div(tensor, self.prescale, out=wire),), tensor.dtype
+        return (torch.div(tensor, self.prescale, out=wire),), tensor.dtype, None
 
     def decompress(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
         wire = payload[0]

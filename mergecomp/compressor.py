@@ -113,6 +113,13 @@ class Compressor(GroupStateful, abc.ABC):
         """
         raise NotImplementedError
 
+    def compress_checked(self, tensor: torch.Tensor, name: str,
+                         shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Any, Optional[bool]]:
+        """:meth:`compress`, and whether the payload holds no NaN/Inf where the encode's own
+        pass could tell; None: the caller checks (see :attr:`may_overflow`)."""
+        payload, ctx = self.compress(tensor, name, shapes)
+        return payload, ctx, None
+
     @abc.abstractmethod
     def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Decode one payload (or the elementwise sum of several) into a flat tensor."""

@@ -398,14 +398,18 @@ class Exchange(hierarchy.HostLevel):
         """Compress the elements of ``job.span`` and start the collective on ``job.comm``."""
         (start, stop), compensated = job.span, job.compensated
         job.count("encode", job.compressor.compress_passes, stop - start)
+        finite = None
         if stop - start == compensated.numel():
-            job.payload, job.ctx = job.compressor.compress(compensated, job.group.name, job.group.shapes)
+            job.payload, job.ctx, finite = job.compressor.compress_checked(compensated, job.group.name,
+                                                                           job.group.shapes)
         else:
             job.payload, job.ctx = job.compressor.compress_shard(compensated[start:stop], job.group.name, start,
                                                                  compensated.numel())
         if job.compressor.may_overflow and self.check_finite and job.feedback and self.memory.feeds_back:
-            job.overflowed = ~_all_finite(job.payload[0])
-            job.count("check", 1, stop - start)
+            if finite is None:
+                finite = _all_finite(job.payload[0])
+                job.count("check", 1, stop - start)
+            job.overflowed = torch.as_tensor(finite, device=compensated.device).logical_not()
         self._launch(job)
 
     def _compress_fused(self, job: InFlight) -> bool:

@@ -38,12 +38,13 @@ from mergecomp.bitpack import packed_size
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
            "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
-           "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "zero_fill"]
+           "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "cast_half_finite",
+           "zero_fill"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 23
+_ABI_VERSION = 24
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -107,6 +108,7 @@ _SIGNATURES = {
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _I32], _I64),
     "mc_keep_largest": ([_P, _P, _P, _I64, _I64, _P, _P], None),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
+    "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
 }
@@ -547,6 +549,16 @@ def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0, stream
     n = src.numel()
     return bool(_library().mc_copy_finite(_buf("src", src, torch.float32, n),
                                           _buf("dst", dst, torch.float32, n), n, scale, int(stream), _threads()))
+
+
+def cast_half_finite(src: torch.Tensor, dst: torch.Tensor) -> Optional[bool]:
+    """``dst`` (fp16) = ``src`` (fp32, ``n`` elements) rounded as torch's cast rounds and, from
+    the same pass, whether every element written is finite (a finite ``src`` beyond 65504 becomes
+    Inf); None where the CPU has no F16C conversion (nothing written: the caller casts)."""
+    n = src.numel()
+    served = _library().mc_cast_half_finite(_buf("src", src, torch.float32, n), _buf("dst", dst, torch.float16, n),
+                                            n, _threads())
+    return None if served < 0 else bool(served)
 
 
 def zero_fill(out: torch.Tensor) -> torch.Tensor:

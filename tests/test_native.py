@@ -120,6 +120,26 @@ def test_copy_finite_copies_and_finds_nan_and_inf_anywhere(n, bad):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 100_003])
+@pytest.mark.parametrize("bad", [None, 65520.0, -1e30, float("nan")])
+def test_cast_half_finite_rounds_as_torch_and_finds_what_overflows(n, bad):
+    """fp32 -> fp16 bit for bit as torch's cast (ties to even at the top of the range: 65519.99
+    rounds to 65504, 65520 to Inf), fp16 subnormals kept; the flag says whether all fit."""
+    x = torch.randn(n) * 3000
+    edges = torch.tensor([65504.0, 65519.99, -65519.99, 6e-8, -3e-8, 1e-9, 0.0, -0.0, 2049.0, 2051.0])
+    x[:min(n, len(edges))] = edges[:n]
+    if bad is not None and n:
+        x[n - 1] = bad
+    out = torch.full((n + 1,), 7.0, dtype=torch.float16)
+    served = native.cast_half_finite(x, out)
+    if served is None:
+        pytest.skip("this CPU has no F16C conversion")
+    assert served is (bad is None or n == 0)
+    assert torch.equal(out[:n].view(torch.int16)[~x.isnan()], x.half().view(torch.int16)[~x.isnan()])
+    assert out[:n].isnan().sum() == x.isnan().sum() and out[n] == 7.0  # nothing written past n
+
+
+@needs_kernels
 @pytest.mark.parametrize("offset", [0, 1, 15])  # the destination's alignment
 @pytest.mark.parametrize("scale", [1.0, 1 / 3])
 @pytest.mark.parametrize("bad", [None, float("nan"), -float("inf")])

@@ -1,5 +1,5 @@
-"""Scans of a flat buffer: the gradient copy with its prescale and finite check, the indices of
-the elements above a threshold, and zeroing a dense output."""
+"""Scans of a flat buffer: the gradient copy with its prescale and finite check, the cast to fp16
+with its finite check, the indices of the elements above a threshold, and zeroing a dense output."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,7 +8,7 @@ import torch
 
 from .. import native
 
-__all__ = ["copy_finite", "indices_above", "zero_"]
+__all__ = ["cast_finite", "copy_finite", "indices_above", "zero_"]
 
 #: elements per chunk when the torch path takes magnitudes (4 MiB of fp32)
 _CHUNK = 1 << 20
@@ -27,6 +27,21 @@ def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0, stream
     dst.copy_(src.reshape(-1))
     if scale != 1.0:
         dst.mul_(scale)
+    return None
+
+
+def cast_finite(src: torch.Tensor, dst: torch.Tensor) -> Optional[bool]:
+    """Cast ``src`` (any shape, read flat) into the flat ``dst`` of the same numel and another
+    floating dtype.  Returns whether every element written is finite (no NaN or Inf: a finite
+    value beyond ``dst``'s range becomes Inf) where the same pass could tell (the native kernel:
+    contiguous fp32 into fp16 on the CPU), else None: the caller checks."""
+    if src.numel() != dst.numel():
+        raise ValueError(f"cast_finite: src has {src.numel()} elements, dst {dst.numel()}")
+    if dst.dtype == torch.float16 and dst.is_contiguous() and dst.device.type == "cpu" and native.usable(src):
+        finite = native.cast_half_finite(src, dst)
+        if finite is not None:
+            return finite
+    dst.copy_(src.reshape(-1))
     return None
 
 

@@ -712,7 +712,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 23; }
+int mc_abi_version() { return 24; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1056,6 +1056,44 @@ void mc_moments(const float* x, int64_t n, double* stats, int threads) {
 int mc_copy_finite(const float* src, float* dst, int64_t n, float scale, int stream, int threads) {
   if (scale == 1.0f) return copy_finite_impl<false>(src, scale, dst, n, stream != 0, threads);
   return copy_finite_impl<true>(src, scale, dst, n, stream != 0, threads);
+}
+
+// dst = src rounded to fp16 (to nearest, ties to even, as torch's cast; n elements); returns 1
+// when every element of dst is finite, 0 when one is NaN or Inf (a finite src beyond fp16's
+// range rounds to Inf), -1 when this build has no F16C conversion (nothing written).
+int mc_cast_half_finite(const float* src, uint16_t* dst, int64_t n, int threads) {
+#if defined(__F16C__)
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  std::vector<uint8_t> bad(blocks);
+  uint8_t* flags = bad.data();
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const __m128i exponent = _mm_set1_epi16(0x7c00);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
+      const float* in = src + start;
+      uint16_t* out = dst + start;
+      __m128i nonfinite = _mm_setzero_si128();
+      int64_t k = 0;
+      for (; k + 8 <= len; k += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + k), kRound);
+        nonfinite = _mm_or_si128(nonfinite, _mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), h);
+      }
+      uint32_t any = _mm_movemask_epi8(nonfinite) != 0;
+      for (; k < len; ++k) {
+        const uint16_t h = _cvtss_sh(in[k], kRound);
+        any |= (h & 0x7c00u) == 0x7c00u;
+        out[k] = h;
+      }
+      flags[b] = static_cast<uint8_t>(any);
+    }
+  });
+  return std::none_of(bad.begin(), bad.end(), [](uint8_t f) { return f != 0; }) ? 1 : 0;
+#else
+  (void)src, (void)dst, (void)n, (void)threads;
+  return -1;
+#endif
 }
 
 // The scan above of c = x (r and u null), x + r (u null) or, with u, DGC's r + (m * u + x)
