@@ -98,6 +98,9 @@ class InFlight:
         #: 0-d bool: the payload of the finite, error-compensated gradient overflowed (e.g. its
         #: cast to fp16); None: not checked (:attr:`Compressor.may_overflow`)
         self.overflowed: Optional[torch.Tensor] = None
+        #: the gradient's NaN/Inf check is left to the encode (a cast that checks its payload in
+        #: its own pass, with no error feedback to keep NaN out of): :meth:`Exchange._compress`
+        self.checked_by_encode = False
         self.feedback = codec != EXEMPT  # the error-feedback memory takes part
         #: the memory's update after a fused encode (:meth:`Compressor.compress_fused`), run in
         #: place of :meth:`Memory.feed`
@@ -266,8 +269,10 @@ class Exchange(hierarchy.HostLevel):
                     return job
                 self.cancel(parts)
                 finite = False
-            job.finite = self._check(job, finite)
             whole = codec not in hierarchy.FLAT and not (codec == TWO_PHASE and self.comm.size > 1)  # not in shards
+            job.checked_by_encode = (finite is None and whole and self.check_finite and job.compressor.may_overflow
+                                     and flat.device.type == "cpu" and (not job.feedback or self.memory.passthrough))
+            job.finite = flat.new_ones((), dtype=torch.bool) if job.checked_by_encode else self._check(job, finite)
             if job.feedback:
                 name = group.name
                 if self.keep_state:
@@ -405,11 +410,17 @@ class Exchange(hierarchy.HostLevel):
         else:
             job.payload, job.ctx = job.compressor.compress_shard(compensated[start:stop], job.group.name, start,
                                                                  compensated.numel())
-        if job.compressor.may_overflow and self.check_finite and job.feedback and self.memory.feeds_back:
+        if job.checked_by_encode or (job.compressor.may_overflow and self.check_finite and job.feedback
+                                     and self.memory.feeds_back):
             if finite is None:
                 finite = _all_finite(job.payload[0])
                 job.count("check", 1, stop - start)
             job.overflowed = torch.as_tensor(finite, device=compensated.device).logical_not()
+            if job.checked_by_encode and job.overflowed:  # on the CPU; a NaN/Inf gradient, or one beyond the cast
+                job.finite = _all_finite(compensated)
+                job.overflowed &= job.finite
+                for t in job.payload:
+                    t.zero_()
         self._launch(job)
 
     def _compress_fused(self, job: InFlight) -> bool:

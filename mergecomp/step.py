@@ -676,7 +676,8 @@ class MergedStep:
             self.exchange.rollback()
         self.exchange.forget([name for rank, name, why in bad if rank == self.comm.rank and why & OVERFLOWED])
         where = "; ".join(f"rank {rank}, group {name!r}" + (
-            ": its error-compensated gradient overflowed the 16-bit cast for the wire, so its memory starts afresh"
+            ": its values, finite, overflowed the 16-bit cast for the wire (error feedback included), so its "
+            "memory starts afresh"
             if why & OVERFLOWED else "") for rank, name, why in bad)
         if self.nonfinite == "propagate":  # its results are NaN (_finish): every rank's GradScaler skips it
             logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", self._who,

@@ -181,8 +181,8 @@ def _overflow_fp16_and_go_on(nonfinite):
     for i, t in enumerate(grads(12)):
         step.add(i, t)
     if nonfinite == "raise":
-        with pytest.raises(FloatingPointError, match=r"rank 0, group '.*': its error-compensated gradient overflowed "
-                                                     r"the 16-bit cast"):
+        with pytest.raises(FloatingPointError, match=r"rank 0, group '.*': its values, finite, overflowed the 16-bit "
+                                                     r"cast"):
             step.finish()
     elif nonfinite == "skip":
         assert step.finish() is None and step.skipped_steps == 1
@@ -191,6 +191,35 @@ def _overflow_fp16_and_go_on(nonfinite):
     assert name not in step.exchange.memory.state
     assert step.groups[0].name in step.exchange.memory.state  # the other group's residual stays
     assert _finite_steps(step) == [True, True]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_an_fp16_bucket_is_checked_by_its_cast_and_tells_nan_from_overflow(kernels):
+    """A caller's bucket sent as fp16 with no error feedback is checked for NaN/Inf by the cast's
+    own pass (native) or on the fp16 payload (torch), not by a pass of its own over the fp32
+    gradient; the policy still tells a NaN gradient from finite values beyond fp16's range."""
+    from mergecomp import native
+
+    def run(values, nonfinite="raise"):
+        step = MergedStep("fp16", None, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"),
+                          caller_groups=True, nonfinite=nonfinite)
+        step.start_group((3, 2, 1, 0), torch.cat([v.reshape(-1) for v in reversed(values)]))
+        return step, step._started[0]
+
+    with contextlib.nullcontext() if kernels else native.disabled():
+        g = grads(20)
+        step, job = run(g, "propagate")
+        out = step.finish().tensors(4)
+        assert job.passes.get("check", 0) == (0 if kernels else 1)  # no fp32 pass: the cast's, or its payload's
+        assert all(torch.equal(o, t.half().float()) for o, t in zip(out, g))
+        for value, expected in ((float("nan"), r"rank 0, group '[^']*'\)"), (1e5, "overflowed the 16-bit cast")):
+            g = grads(21)
+            g[1][2] = value
+            step, _ = run(g)
+            with pytest.raises(FloatingPointError, match=expected):
+                step.finish()
+        step, _ = run(g, "propagate")
+        assert all(t.isnan().all() for t in step.finish().tensors(4) if t.numel())
 
 
 def _one_rank_overflows_worker(rank):
