@@ -598,9 +598,11 @@ class NonfiniteCheck:
         device = jobs[0].finite.device if jobs else torch.device("cpu")
         flags = torch.zeros(comm.size, len(jobs), dtype=torch.int32, device=device)
         if jobs:
-            bits = [NONFINITE_GRADIENT * job.finite.logical_not().to(torch.int32)
-                    + (0 if job.overflowed is None else OVERFLOWED * job.overflowed.to(torch.int32)) for job in jobs]
-            flags[comm.rank] = torch.stack(bits)
+            row = torch.stack([job.finite for job in jobs]).logical_not().to(torch.int32) * NONFINITE_GRADIENT
+            checked = [g for g, job in enumerate(jobs) if job.overflowed is not None]  # casts' payloads only
+            if checked:
+                row[checked] += OVERFLOWED * torch.stack([jobs[g].overflowed for g in checked]).to(torch.int32)
+            flags[comm.rank] = row
         self._what = f"non-finite gradient check at step {step} on rank {comm.rank}"
         self._handle = comm.allreduce_async(flags)
 
