@@ -12,13 +12,18 @@ optimizer step apart, it reads the main thread's scheduler statistics
   worker's, the kernel's);
 * ``blocked``: it slept, waiting on a collective (wall - cpu - runq).
 
-Prints per rank the mean ms per step of each (so the parts add up), for both copies, and the difference. Run it under
-the namespace cluster (root) or torchrun::
+Prints per rank the mean ms per step of each (so the parts add up), for both copies, and the
+difference; and the CPU the process's other threads took per step meanwhile, by thread name
+(gloo's socket loop ``gloo_tcp_loop``, the threads that run its collectives ``pt_gloo_runloop``).
+Run it under the namespace cluster (root) or torchrun::
 
     python -m mergecomp.bench.cluster --hosts 2 --rate 1gbit -- python scripts/bench_core_sharing.py
 """
 import argparse
+import glob
+import os
 import statistics
+import threading
 import time
 
 import torch
@@ -28,6 +33,7 @@ import mergecomp.torch as mc
 from mergecomp.bench.models import build_model, loss
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
+TASKS = "/proc/self/task/*"
 
 
 def thread_times():
@@ -38,6 +44,30 @@ def thread_times():
     except OSError as e:
         raise SystemExit(f"bench_core_sharing: needs {SCHEDSTAT} (Linux with schedstats): {e}")
     return int(ran) / 1e9, int(waited) / 1e9
+
+
+def other_threads():
+    """{thread id: (name, seconds it ran)} of this process's threads other than the caller."""
+    me, out = str(threading.get_native_id()), {}
+    for task in glob.glob(TASKS):
+        if os.path.basename(task) == me:
+            continue
+        try:
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/schedstat") as f:
+                out[task] = (name, int(f.read().split()[0]) / 1e9)
+        except OSError:
+            pass  # the thread ended
+    return out
+
+
+def per_name(before, after, steps):
+    """ms per step each thread name ran between two :func:`other_threads` snapshots."""
+    ms = {}
+    for task, (name, ran) in after.items():
+        ms[name] = ms.get(name, 0.0) + 1e3 * (ran - before.get(task, (name, 0.0))[1]) / steps
+    return ms
 
 
 def split(start, end):
@@ -92,17 +122,23 @@ def main():
         while optimizer.scheduler is None or optimizer.scheduler.phase != "monitor":
             timed_steps(merged, optimizer, data, target, 1)
     rows = {name: [] for name in copies}
+    threads = {name: {} for name in copies}
     for _ in range(args.rounds):
         for name, (model, optimizer) in copies.items():
             timed_steps(model, optimizer, data, target, 5)  # settle
             dist.barrier()
+            before = other_threads()
             rows[name] += timed_steps(model, optimizer, data, target, args.steps)
+            for thread, ms in per_name(before, other_threads(), args.steps * args.rounds).items():
+                threads[name][thread] = threads[name].get(thread, 0.0) + ms
     means = {name: [1e3 * statistics.fmean(column) for column in zip(*r)] for name, r in rows.items()}
     lines = []
     for name, m in means.items():
         lines.append(f"rank {rank} {name:9s}: forward+backward wall {m[0]:6.1f} = cpu {m[1]:6.1f} + runq {m[2]:4.1f} "
                      f"+ blocked {m[3]:4.1f} | optimizer step wall {m[4]:5.1f} = cpu {m[5]:5.1f} + runq {m[6]:4.1f} "
                      f"+ blocked {m[7]:4.1f}")
+        busy = ", ".join(f"{thread} {ms:.1f}" for thread, ms in sorted(threads[name].items()) if ms >= 0.05)
+        lines.append(f"rank {rank} {name:9s}: other threads' cpu {busy or 'none'}")
     d = [a - b for a, b in zip(means["mergecomp"], means["single"])]
     lines.append(f"rank {rank} difference: forward+backward wall {d[0]:+6.1f} = cpu {d[1]:+6.1f} + runq {d[2]:+4.1f} "
                  f"+ blocked {d[3]:+4.1f} | optimizer step wall {d[4]:+5.1f}")
