@@ -178,17 +178,25 @@ class PowerSGDCompressor(Compressor):
         payload = torch.cat(qs) if qs else flat.new_empty(0)
         return (payload,), ctx._replace(ps=tuple(ps), raw_sum=flat[p_numel:])
 
-    def _reconstruct(self, q_flat: torch.Tensor, ctx: PowerSGDCtx,
-                     raw: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _reconstruct(self, q_flat: torch.Tensor, ctx: PowerSGDCtx, raw: Sequence[torch.Tensor],
+                     divisor: int = 1) -> torch.Tensor:
+        """``P @ Q^T / divisor`` for each matrix and ``raw / divisor`` for the raw runs, each
+        written once into a group-sized tensor (the division goes to the small ``Q``)."""
         if ctx.raw_sum is None:
             raise ValueError("powersgd decodes only the last round's payload")
         layout, work = ctx.layout, work_dtype(ctx.dtype)
         out = self.scratch(ctx.numel, ctx.dtype, q_flat.device)
-        qs = self._split(q_flat, layout, 2)
-        for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, qs):
-            out[offset:offset + m * n].view(m, n).copy_(p @ q.to(work).t())
+        q_flat = q_flat.to(work)
+        if divisor != 1:
+            q_flat = q_flat / divisor
+        for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, self._split(q_flat, layout, 2)):
+            view = out[offset:offset + m * n].view(m, n)
+            if work == ctx.dtype:
+                torch.mm(p, q.t(), out=view)  # no m x n temporary
+            else:
+                view.copy_(p @ q.t())
         for (offset, length), values in zip(layout.raw, raw):
-            out[offset:offset + length].copy_(values)
+            torch.div(values, divisor, out=out[offset:offset + length])
         return out
 
     def decompress(self, payload: Payload, ctx: PowerSGDCtx) -> torch.Tensor:
@@ -206,7 +214,7 @@ class PowerSGDCompressor(Compressor):
             if ctx.raw_sum is not None:
                 raw.append(ctx.raw_sum[start:start + length])
             start += length
-        out = self._reconstruct(q_sum, ctx, raw)
+        out = self._reconstruct(q_sum, ctx, raw, world_size if average else 1)
         if self.warm_start and layout.matrices:
             work = work_dtype(ctx.dtype)
             q = q_sum.to(work).clone()
@@ -214,8 +222,8 @@ class PowerSGDCompressor(Compressor):
                 norms = torch.linalg.vector_norm(qi, dim=0, keepdim=True)
                 qi.div_(norms.clamp_min(torch.finfo(work).tiny))
             self.group_state(ctx.name)["q"] = q
-        return out.div_(world_size) if average else out
+        return out
 
     def aggregate_passes(self, payloads: int, average: bool) -> float:
-        return self.decompress_passes + (1 if average else 0)
+        return self.decompress_passes  # the average is taken on Q and the raw runs as they are written
 
