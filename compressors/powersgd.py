@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp import codecs, native
 from mergecomp.compressor import Compressor, Payload
 from mergecomp.quantize import work_dtype
 from mergecomp.registry import register_compressor
@@ -186,13 +187,14 @@ class PowerSGDCompressor(Compressor):
             raise ValueError("powersgd decodes only the last round's payload")
         layout, work = ctx.layout, work_dtype(ctx.dtype)
         out = self.scratch(ctx.numel, ctx.dtype, q_flat.device)
+        stream = ctx.numel >= native.STREAM_MIN  # a large group's output is read only once it is whole
         q_flat = q_flat.to(work)
         if divisor != 1:
             q_flat = q_flat / divisor
         for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, self._split(q_flat, layout, 2)):
             view = out[offset:offset + m * n].view(m, n)
             if work == ctx.dtype:
-                torch.mm(p, q.t(), out=view)  # no m x n temporary
+                codecs.low_rank(p, q, view, stream=stream)  # no m x n temporary
             else:
                 view.copy_(p @ q.t())
         for (offset, length), values in zip(layout.raw, raw):
@@ -202,6 +204,22 @@ class PowerSGDCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: PowerSGDCtx) -> torch.Tensor:
         """This rank's own approximation: ``P @ Q_local^T`` and its own raw elements."""
         return self._reconstruct(payload[0], ctx, self._raw(ctx.tensor, ctx.layout))
+
+    def subtract_decoded(self, payload: Payload, ctx: PowerSGDCtx, minuend: torch.Tensor,
+                         out: Callable[[], torch.Tensor]) -> bool:
+        """``minuend - P @ Q_local^T`` for the matrices (each written once) and ``minuend`` less
+        its own raw elements (zeros where finite) for the raw runs; fp32 groups only."""
+        if ctx.raw_sum is None or work_dtype(ctx.dtype) != ctx.dtype or minuend.numel() != ctx.numel:
+            return False
+        layout, residual = ctx.layout, out()
+        stream = ctx.numel >= native.STREAM_MIN  # read at the next step
+        for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, self._split(payload[0], layout, 2)):
+            codecs.low_rank(p, q, residual[offset:offset + m * n].view(m, n), minuend[offset:offset + m * n].view(m, n),
+                            stream)
+        for offset, length in layout.raw:
+            sent = minuend[offset:offset + length]
+            torch.sub(sent, sent, out=residual[offset:offset + length])
+        return True
 
     def aggregate(self, payloads: Sequence[Payload], ctx: PowerSGDCtx, world_size: int,
                   average: bool) -> torch.Tensor:

@@ -96,6 +96,8 @@ class Compressor(GroupStateful, abc.ABC):
     compress_passes: float = 1
     decompress_passes: float = 1
     next_round_passes: float = 0
+    #: passes over the group :meth:`subtract_decoded` makes, where it does
+    subtract_decoded_passes: float = 1
     #: passes over the group :meth:`compress_fused`'s encode makes (counted as ``encode``, the
     #: compensation folded into it) and its ``update`` makes (counted as ``memory``)
     fused_compress_passes: float = 1
@@ -161,6 +163,15 @@ class Compressor(GroupStateful, abc.ABC):
         except ``decoded[indices] = values`` (int64 indices; a repeated index carries equal
         values), else None.  Lets the error-feedback memory skip the dense decode."""
         return None
+
+    def subtract_decoded(self, payload: Payload, ctx: Any, minuend: torch.Tensor,
+                         out: Callable[[], torch.Tensor]) -> bool:
+        """Write ``minuend - decompress(payload, ctx)`` (every element of the group) into the
+        tensor ``out()`` returns, with no full-size decode in between, where this codec can
+        (:attr:`subtract_decoded_passes` passes); returns whether it did, else the caller
+        decodes and subtracts.  Lets the residual memory keep what a dense decode left behind
+        in one pass.  This base class: never."""
+        return False
 
     def next_round(self, summed: Payload, ctx: Any) -> Tuple[Payload, Any]:
         """Multi-round compressors: build the next round's payload from the summed one."""

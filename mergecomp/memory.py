@@ -269,6 +269,15 @@ class ResidualMemory(Memory):
     def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
         torch.sub(compensated, transmitted, out=self._target(name, compensated))
 
+    def feed_parts(self, codec, compensated: torch.Tensor, name: str, parts) -> float:
+        """A codec that subtracts its decode as it writes it (:meth:`Compressor.subtract_decoded`)
+        writes the residual of a whole-group payload in its own pass; else as :class:`Memory`."""
+        if len(parts) == 1 and parts[0][2] == 0 and type(self).update is ResidualMemory.update:
+            payload, ctx, _ = parts[0]
+            if codec.subtract_decoded(payload, ctx, compensated, lambda: self._target(name, compensated)):
+                return codec.subtract_decoded_passes
+        return super().feed_parts(codec, compensated, name, parts)
+
     def sent_whole(self, name: str) -> bool:
         """The residual is zero: dropped, so the next :meth:`compensate` adds nothing (a kept
         group gets it back on :meth:`restore`).  Not where a subclass overrides :meth:`update`."""

@@ -44,7 +44,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 24
+_ABI_VERSION = 25
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -110,6 +110,7 @@ _SIGNATURES = {
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
+    "mc_low_rank": ([_P, _P, _I64, _I64, _I32, _P, _P, _I32, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
 }
 #: OpenMP runtimes torch may run its operators on (GNU, LLVM, Intel: each has GOMP_parallel)
@@ -565,4 +566,18 @@ def zero_fill(out: torch.Tensor) -> torch.Tensor:
     """``out`` (fp32) set to zeros with non-temporal stores: written without being read first."""
     n = out.numel()
     _library().mc_zero_fill(_buf("out", out, torch.float32, n), n, _threads())
+    return out
+
+
+def low_rank(p: torch.Tensor, qt: torch.Tensor, x: Optional[torch.Tensor], out: torch.Tensor,
+             stream: bool = False) -> torch.Tensor:
+    """``out = x - p @ qt`` (``x`` None: ``p @ qt``) in one pass: ``p`` (m, r), ``qt`` (r, n),
+    ``x`` and ``out`` (m, n; ``out`` may be ``x``), contiguous fp32 CPU.  ``stream``: ``out`` is
+    written past the cache (it is read only later).  Returns ``out``."""
+    if p.dim() != 2 or qt.dim() != 2 or p.shape[1] != qt.shape[0] or not 1 <= p.shape[1] <= 2 ** 31 - 1:
+        raise ValueError(f"native low_rank: need p (m, r) and qt (r, n), got {tuple(p.shape)} and {tuple(qt.shape)}")
+    (m, r), n = p.shape, qt.shape[1]
+    _library().mc_low_rank(_buf("p", p, torch.float32, m * r), _buf("qt", qt, torch.float32, r * n), m, n, r,
+                           None if x is None else _buf("x", x, torch.float32, m * n),
+                           _buf("out", out, torch.float32, m * n), int(stream), _threads())
     return out

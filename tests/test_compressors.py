@@ -6,6 +6,7 @@ them (packed into bytes by the pipeline's own packing, one row per rank, unpacke
 Every test runs twice: with the native fp32 CPU kernels (mergecomp.native) and on the eager
 torch path.
 """
+import contextlib
 import math
 
 import pytest
@@ -555,6 +556,40 @@ def test_powersgd_without_warm_start_draws_new_q():
     assert not torch.equal(p1, p2)
     (p3,), _ = make("powersgd", warm_start=False).compress(x, "g", shapes)
     assert torch.equal(p1, p3)  # the same draw on every rank
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("kernels", [True, False], ids=["native", "torch"])
+def test_powersgd_residual_written_in_one_pass_is_compensated_less_own_decode(rank, kernels):
+    """The residual memory lets PowerSGD subtract its own decode as it writes it: the residual is
+    the compensated group less ``decompress`` of this rank's payload, raw runs included, as the
+    decode-then-subtract path leaves it (bit for bit at rank 1)."""
+    from mergecomp.memory import Memory
+
+    shapes = [torch.Size([64, 48]), torch.Size([48]), torch.Size([32, 3, 3, 3]), torch.Size([7])]
+    x = torch.randn(sum(math.prod(s) for s in shapes))
+    c, fused, plain = make("powersgd", rank=rank), mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
+    with contextlib.ExitStack() as stack:
+        if not kernels:
+            stack.enter_context(native.disabled())
+        payload, ctx = c.next_round(*c.compress(x, "g", shapes))
+        assert fused.feed(c, x, "g", payload, ctx) == c.subtract_decoded_passes == 1
+        Memory.feed_parts(plain, c, x, "g", [(payload, ctx, 0)])  # decode, then subtract
+        expected = x - c.decompress(payload, ctx)
+    residual = fused.state["g"]["residual"]
+    if rank == 1:
+        assert torch.equal(residual, plain.state["g"]["residual"])
+    torch.testing.assert_close(residual, expected, rtol=1e-5, atol=1e-5)
+    assert not residual[64 * 48:64 * 48 + 48].any()  # a raw run goes out exactly
+
+
+def test_powersgd_low_precision_residual_takes_the_decode_then_subtract_path():
+    c, memory = make("powersgd"), mergecomp.get_memory("residual")
+    x = low_rank(16, 12, 1, torch.float32).to(torch.float16).view(-1)
+    payload, ctx = c.next_round(*c.compress(x, "g", [torch.Size([16, 12])]))
+    assert not c.subtract_decoded(payload, ctx, x, lambda: pytest.fail("no buffer asked for"))
+    assert memory.feed(c, x, "g", payload, ctx) == c.decompress_passes + memory.update_passes
+    assert torch.equal(memory.state["g"]["residual"], x - c.decompress(payload, ctx))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

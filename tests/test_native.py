@@ -695,3 +695,38 @@ def test_sign_sum_streamed_is_the_eager_sum_bit_for_bit(ranks, aligned):
     with native.disabled():
         want = sign_sum(packed, sides, n, torch.float32, divisor=ranks)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m, n", [(1, 1), (3, 17), (64, 1000), (33, 1025), (700, 2048)])
+@pytest.mark.parametrize("rank", [1, 2, 4])
+@pytest.mark.parametrize("subtract", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_low_rank_product_matches_torch(m, n, rank, subtract, stream):
+    """``x - p @ q^T`` (or the product alone) in one pass: bit for bit as torch's mm and sub at
+    rank 1, to fp32 rounding above it (torch's mm adds the r products in its own order)."""
+    from mergecomp.codecs import low_rank
+
+    r = min(rank, m, n)
+    p, q, x = torch.randn(m, r), torch.randn(n, r), torch.randn(m, n)
+    expected = x - p @ q.t() if subtract else p @ q.t()
+    out = low_rank(p, q, torch.empty(m, n), x if subtract else None, stream=stream)
+    with native.disabled():
+        eager = low_rank(p, q, torch.empty(m, n), x if subtract else None)
+    if r == 1:
+        assert torch.equal(out, eager)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    in_place = x.clone()
+    low_rank(p, q, in_place, in_place if subtract else None, stream=stream)
+    assert torch.equal(in_place, out)
+
+
+@needs_kernels
+def test_low_rank_takes_factors_of_any_layout_and_refuses_mismatched_ones():
+    from mergecomp.codecs import low_rank
+
+    p = torch.randn(3, 6).t()  # (6, 3), not contiguous: QR's factors come out so
+    q = torch.randn(5, 3)
+    torch.testing.assert_close(low_rank(p, q, torch.empty(6, 5)), p @ q.t())
+    with pytest.raises(ValueError, match="p \\(m, r\\) and qt \\(r, n\\)"):
+        native.low_rank(torch.randn(6, 3), torch.randn(2, 5), None, torch.empty(6, 5))

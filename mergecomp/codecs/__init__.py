@@ -12,9 +12,12 @@ the torch path.
 * :mod:`.sums`: the reductions a kernel computes in its pass (the sums of each sign, min, max,
   squared deviations from the mean), each reduced only when read on the torch path;
 * :mod:`.scans`: the gradient copy with its prescale and finite check, the cast to fp16 with
-  its finite check, and the indices above a threshold.
+  its finite check, and the indices above a threshold;
+* :mod:`.products`: a low-rank product written once, alone or subtracted from a matrix
+  (PowerSGD's decode and its residual).
 """
 from .levels import codes_sum, decode_codes, levels_sum, qsgd_encode, scale_levels, stochastic_codes
+from .products import low_rank
 from .scans import cast_finite, copy_finite, indices_above, zero_
 from .signs import (compensated_signs, decode_signs, majority_vote, momentum_signs, pack_signs, sign_remainder,
                     sign_sum)
@@ -22,4 +25,4 @@ from .sums import moments
 
 __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
            "sign_sum", "decode_codes", "codes_sum", "levels_sum", "stochastic_codes", "qsgd_encode", "scale_levels", "moments",
-           "cast_finite", "copy_finite", "indices_above", "zero_"]
+           "cast_finite", "copy_finite", "indices_above", "zero_", "low_rank"]
