@@ -253,7 +253,8 @@ def _grad_scaler_worker(rank, compression, uncompressed):
     return out
 
 
-@pytest.mark.parametrize("compression, uncompressed", [("none", ()), ("topk", ()), ("topk", ("*.bias",))])
+@pytest.mark.parametrize("compression, uncompressed", [("none", ()), ("topk", ()), ("topk", ("*.bias",)),
+                                                      ("powersgd", ())])
 def test_grad_scaler_skips_an_overflowing_step_on_every_rank_as_with_ddp(compression, uncompressed):
     """DDP's standard AMP recipe with the hook's defaults: one rank's gradients overflow at step 2,
     every rank's buckets come back NaN (also a bucket split around its exempt biases), so every
