@@ -56,6 +56,7 @@ def _resume_worker(rank, compression, who_loads, groups):
     ("topk", "every rank", True),        # every rank's own residuals: exact too
     ("onebit", "every rank", True),      # a residual carried by the sign codes' one pass: written out, exact
     ("signum", "every rank", True),      # a momentum stepped part by part into a second buffer: exact
+    ("powersgd", "every rank", True),    # a residual its decode wrote, and the warm-start Q: exact
     ("topk", "rank 0", False),           # rank 0's residuals alone: reset on every rank, said so
     ("topk", "rank 0's file on every rank", False),  # rank 0's residuals are not rank 1's: reset, said so
 ])
