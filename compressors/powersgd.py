@@ -185,21 +185,22 @@ class PowerSGDCompressor(Compressor):
         written once into a group-sized tensor (the division goes to the small ``Q``)."""
         if ctx.raw_sum is None:
             raise ValueError("powersgd decodes only the last round's payload")
-        layout, work = ctx.layout, work_dtype(ctx.dtype)
         out = self.scratch(ctx.numel, ctx.dtype, q_flat.device)
-        stream = ctx.numel >= native.STREAM_MIN  # a large group's output is read only once it is whole
-        q_flat = q_flat.to(work)
-        if divisor != 1:
-            q_flat = q_flat / divisor
-        for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, self._split(q_flat, layout, 2)):
-            view = out[offset:offset + m * n].view(m, n)
-            if work == ctx.dtype:
-                codecs.low_rank(p, q, view, stream=stream)  # no m x n temporary
-            else:
-                view.copy_(p @ q.t())
-        for (offset, length), values in zip(layout.raw, raw):
+        q_flat = q_flat.to(work_dtype(ctx.dtype))
+        self._write_products(q_flat if divisor == 1 else q_flat / divisor, ctx, out)
+        for (offset, length), values in zip(ctx.layout.raw, raw):
             torch.div(values, divisor, out=out[offset:offset + length])
         return out
+
+    def _write_products(self, q_flat: torch.Tensor, ctx: PowerSGDCtx, out: torch.Tensor,
+                        minuend: Optional[torch.Tensor] = None) -> None:
+        """Each matrix of ``out`` (group-sized) = ``P @ Q^T`` for the ``Q`` in ``q_flat``, or
+        ``minuend``'s matrix less it, written once (:func:`mergecomp.codecs.low_rank`; past the
+        cache for a large group, whose output is read only once it is whole)."""
+        stream = ctx.numel >= native.STREAM_MIN
+        for (offset, m, n), p, q in zip(ctx.layout.matrices, ctx.ps, self._split(q_flat, ctx.layout, 2)):
+            rows = slice(offset, offset + m * n)
+            codecs.low_rank(p, q, out[rows].view(m, n), None if minuend is None else minuend[rows].view(m, n), stream)
 
     def decompress(self, payload: Payload, ctx: PowerSGDCtx) -> torch.Tensor:
         """This rank's own approximation: ``P @ Q_local^T`` and its own raw elements."""
@@ -211,12 +212,9 @@ class PowerSGDCompressor(Compressor):
         its own raw elements (zeros where finite) for the raw runs; fp32 groups only."""
         if ctx.raw_sum is None or work_dtype(ctx.dtype) != ctx.dtype or minuend.numel() != ctx.numel:
             return False
-        layout, residual = ctx.layout, out()
-        stream = ctx.numel >= native.STREAM_MIN  # read at the next step
-        for (offset, m, n), p, q in zip(layout.matrices, ctx.ps, self._split(payload[0], layout, 2)):
-            codecs.low_rank(p, q, residual[offset:offset + m * n].view(m, n), minuend[offset:offset + m * n].view(m, n),
-                            stream)
-        for offset, length in layout.raw:
+        residual = out()
+        self._write_products(payload[0], ctx, residual, minuend)
+        for offset, length in ctx.layout.raw:
             sent = minuend[offset:offset + length]
             torch.sub(sent, sent, out=residual[offset:offset + length])
         return True

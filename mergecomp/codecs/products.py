@@ -16,9 +16,13 @@ def low_rank(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, minuend: Optio
     ``out`` and ``minuend`` (m, n; ``out`` may be ``minuend``).  The kernel writes ``out`` once,
     past the cache with ``stream`` (``out`` is part of a large output read only later), reading
     ``minuend`` once; the torch path writes the product, then subtracts.  With r = 1 both round
-    alike (each product, then the difference)."""
+    alike (each product, then the difference).  An ``out`` of another dtype than the factors
+    (fp16/bf16 groups, fp32 factors) gets the product rounded to its dtype."""
     operands = (out,) if minuend is None else (out, minuend)
     if native.usable(*operands) and p.dtype == q.dtype == torch.float32:
         return native.low_rank(p.contiguous(), q.t().contiguous(), minuend, out, stream)
-    torch.mm(p, q.t(), out=out)
+    if out.dtype == p.dtype:
+        torch.mm(p, q.t(), out=out)
+    else:
+        out.copy_(p @ q.t())
     return out if minuend is None else torch.sub(minuend, out, out=out)
