@@ -296,14 +296,15 @@ def remap_state(
 ) -> Dict[str, Dict[str, torch.Tensor]]:
     """Move per-element state fields from ``old`` groups' buffers into ``new`` groups' buffers.
 
-    A field whose numel equals its group's numel is per-element and follows its parameters;
-    any other field (e.g. low-rank factors) is dropped.  Parameters with no old state get zeros.
+    A flat (1-D) field as long as its group is per-element and follows its parameters; any
+    other field (low-rank factors, a 0-d counter, even in a group of one element) is dropped.
+    Parameters with no old state get zeros.
     """
     pieces: Dict[str, Dict[int, torch.Tensor]] = {}
     templates: Dict[str, torch.Tensor] = {}
     for group in old:
         for field, tensor in state.get(group.name, {}).items():
-            if tensor.numel() != group.numel:
+            if tensor.dim() != 1 or tensor.numel() != group.numel:
                 continue
             templates.setdefault(field, tensor)
             for i, offset, n in zip(group.indices, group.offsets, group.numels()):

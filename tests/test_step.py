@@ -496,3 +496,16 @@ def test_gradients_near_the_fp32_limit_are_finite_part_by_part(compression):
     out = step.finish().tensors(len(SIGN_SHAPES))
     size = torch.tensor(1.0 if compression == "signsgd" else 3e38)
     assert all(torch.isfinite(t).all() and torch.allclose(t.abs(), size) for t in out if t.numel())
+
+
+def test_a_counter_of_a_one_element_group_is_not_taken_for_per_element_state():
+    """rand-k keeps a 0-d step counter per group: in a group of one element it has the group's
+    numel, and the plan change after the first step (the observed order) must drop it, not cut it."""
+    step = MergedStep("randk", None, LocalCommunicator(), ["one", "w"], [(1,), (5,)], [torch.float32] * 2,
+                      torch.device("cpu"), groups="layerwise", nonfinite="raise")
+    for s in range(3):
+        g = grads(s)
+        step.add(0, g[0].reshape(-1)[:1])  # not the reverse order: the plan changes after step 0
+        step.add(1, g[1])
+        assert step.finish() is not None
+    assert step.step == 3
