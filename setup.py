@@ -2,16 +2,16 @@
 
 The source tree maps onto one installed package, ``mergecomp``:
 
-    mergecomp/            -> mergecomp               (core: interfaces, plans, engines)
+    mergecomp/            -> mergecomp               (core: folders by role, docs/architecture.md)
     mergecomp/bench/      -> mergecomp.bench         (benchmark tooling: runner, cluster, models)
-    compressors/          -> mergecomp.compressors   (one module per algorithm)
+    compressors/          -> mergecomp.compressors   (one module per algorithm; base/: what they build on)
     frameworks/torch/     -> mergecomp.torch         (PyTorch front end)
     frameworks/tensorflow/ -> mergecomp.tensorflow   (TensorFlow 2 / Keras 3 front end)
 
 Horovod is optional and built from source by scripts/install_horovod.sh (PyPI's 0.28.1 does
 not build against torch >= 2.1).
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="mergecomp",
@@ -22,9 +22,9 @@ setup(
     python_requires=">=3.9",
     packages=[
         "mergecomp",
-        "mergecomp.engines",
-        "mergecomp.bench",
+        *(f"mergecomp.{p}" for p in find_packages("mergecomp")),
         "mergecomp.compressors",
+        "mergecomp.compressors.base",
         "mergecomp.torch",
         "mergecomp.tensorflow",
         "mergecomp.tensorflow.keras",
@@ -36,7 +36,7 @@ setup(
         "mergecomp.tensorflow": "frameworks/tensorflow",
         "mergecomp.tensorflow.keras": "frameworks/tensorflow/keras",
     },
-    package_data={"mergecomp": ["csrc/*.cpp"]},  # compiled on first use by mergecomp.native
+    package_data={"mergecomp.kernels": ["csrc/*.cpp"]},  # compiled on first use by mergecomp.kernels.native
     install_requires=["torch>=2.1", "numpy"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],

@@ -1,7 +1,7 @@
 """bf16: cast to bfloat16 (fp32's range, 8-bit mantissa), 16 bits per element, summed by allreduce."""
 import torch
 
-from mergecomp.cast import CastCompressor
+from mergecomp.compressors.base.cast import CastCompressor
 from mergecomp.registry import register_compressor
 
 

@@ -6,9 +6,8 @@ is exactly k values + int32 indices so every rank sends the same bytes.
 """
 from __future__ import annotations
 
+from mergecomp.compressors.topk import TopKCompressor
 from mergecomp.registry import register_compressor
-
-from .topk import TopKCompressor
 
 
 @register_compressor("dgc")

@@ -1,7 +1,7 @@
 """fp16: cast to IEEE half precision, 16 bits per element, summed by allreduce."""
 import torch
 
-from mergecomp.cast import CastCompressor
+from mergecomp.compressors.base.cast import CastCompressor
 from mergecomp.registry import register_compressor
 
 

@@ -1,5 +1,5 @@
 """No compression: the gradient in its own dtype, summed by one fused allreduce (Horovod/DDP style)."""
-from mergecomp.cast import CastCompressor
+from mergecomp.compressors.base.cast import CastCompressor
 from mergecomp.registry import register_compressor
 
 

@@ -11,10 +11,10 @@ from typing import Tuple
 
 import torch
 
-from mergecomp.codecs.sums import SignStats
-from mergecomp.compressor import Payload
+from mergecomp.compressors.base.compressor import Payload
+from mergecomp.compressors.base.sign_value import SignValueCompressor
+from mergecomp.kernels.codecs.sums import SignStats
 from mergecomp.registry import register_compressor
-from mergecomp.signs import SignValueCompressor
 
 Ctx = Tuple[int, torch.dtype]
 

@@ -28,11 +28,11 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import codecs, native
-from mergecomp.compressor import Compressor, Payload
-from mergecomp.quantize import work_dtype
+from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.sparse import stable_seed
+from mergecomp.kernels import codecs, native
+from mergecomp.kernels.quantize import work_dtype
 from mergecomp.registry import register_compressor
-from mergecomp.sparse import stable_seed
 
 
 class Layout(NamedTuple):
@@ -195,7 +195,7 @@ class PowerSGDCompressor(Compressor):
     def _write_products(self, q_flat: torch.Tensor, ctx: PowerSGDCtx, out: torch.Tensor,
                         minuend: Optional[torch.Tensor] = None) -> None:
         """Each matrix of ``out`` (group-sized) = ``P @ Q^T`` for the ``Q`` in ``q_flat``, or
-        ``minuend``'s matrix less it, written once (:func:`mergecomp.codecs.low_rank`; past the
+        ``minuend``'s matrix less it, written once (:func:`mergecomp.kernels.codecs.low_rank`; past the
         cache for a large group, whose output is read only once it is whole)."""
         stream = ctx.numel >= native.STREAM_MIN
         for (offset, m, n), p, q in zip(ctx.layout.matrices, ctx.ps, self._split(q_flat, ctx.layout, 2)):

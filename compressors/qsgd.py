@@ -17,9 +17,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.codecs import levels_sum, qsgd_encode
-from mergecomp.compressor import Payload, SummedDecode
-from mergecomp.quantize import work_dtype
+from mergecomp.compressors.base.compressor import Payload, SummedDecode
+from mergecomp.kernels.codecs import levels_sum, qsgd_encode
+from mergecomp.kernels.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
@@ -54,7 +54,7 @@ class QSGDCompressor(SummedDecode):
         return payload, (numel, tensor.dtype)
 
     def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
-        """Every payload's levels times its own steps, in one pass (:func:`mergecomp.codecs.levels_sum`)."""
+        """Every payload's levels times its own steps, in one pass (:func:`mergecomp.kernels.codecs.levels_sum`)."""
         numel, dtype = ctx
         work = work_dtype(dtype)
         steps = [norms.to(work) / self.levels for _, norms in payloads]

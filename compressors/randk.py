@@ -17,10 +17,10 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.codecs import zero_
-from mergecomp.compressor import Compressor, Payload, check_ratio
+from mergecomp.compressors.base.compressor import Compressor, Payload, check_ratio
+from mergecomp.compressors.base.sparse import num_selected, shared_random_indices, stable_seed
+from mergecomp.kernels.codecs import zero_
 from mergecomp.registry import register_compressor
-from mergecomp.sparse import num_selected, shared_random_indices, stable_seed
 
 
 class RandKCtx(NamedTuple):

@@ -12,17 +12,17 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import native
-from mergecomp.codecs import decode_signs, majority_vote, pack_signs
-from mergecomp.compressor import Compressor, Payload
-from mergecomp.memory import Memory
+from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.compressors.base.sign_value import SignParts
+from mergecomp.kernels import native
+from mergecomp.kernels.codecs import decode_signs, majority_vote, pack_signs
 from mergecomp.registry import register_compressor
-from mergecomp.signs import SignParts
-from mergecomp.twophase import VoteCodec
+from mergecomp.schemes.two_phase import VoteCodec
 
 Ctx = Tuple[int, torch.dtype]
 #: what :meth:`SignSGDCompressor.part_code` returns: the factory of a group's part-by-part kernel
-#: (as :class:`~mergecomp.signs.SignParts` takes it) and what to do once every part was found finite
+#: (as :class:`~mergecomp.compressors.base.sign_value.SignParts` takes it) and what to do once every part was found finite
 PartCode = Tuple[Callable[[torch.Tensor, torch.Tensor], Tuple[Any, None]], Callable[[], None]]
 
 
@@ -44,7 +44,7 @@ class SignSGDCompressor(Compressor):
     def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
                              memory: Memory) -> Optional[SignParts]:
         """Without error feedback, where a kernel serves ``like``: the bits each gradient's own
-        pass writes as it arrives (:class:`~mergecomp.signs.SignParts` over :meth:`part_code`),
+        pass writes as it arrives (:class:`~mergecomp.compressors.base.sign_value.SignParts` over :meth:`part_code`),
         the payload :meth:`compress` gives the whole group."""
         code = self.part_code(like, name) if memory.passthrough and native.usable(like) else None
         if code is None:

@@ -12,11 +12,10 @@ from typing import Dict, Optional, Set, Tuple
 
 import torch
 
-from mergecomp import native
-from mergecomp.codecs import momentum_signs
+from mergecomp.compressors.signsgd import PartCode, SignSGDCompressor
+from mergecomp.kernels import native
+from mergecomp.kernels.codecs import momentum_signs
 from mergecomp.registry import register_compressor
-
-from .signsgd import PartCode, SignSGDCompressor
 
 
 @register_compressor("signum")
@@ -36,7 +35,7 @@ class SignumCompressor(SignSGDCompressor):
 
     def part_code(self, like: torch.Tensor, name: str) -> Optional[PartCode]:
         """Where a kernel serves the momentum: each gradient's pass steps its slice of the
-        momentum as it arrives (:class:`~mergecomp.native.MomentumSignParts`) into a second
+        momentum as it arrives (:class:`~mergecomp.kernels.native.MomentumSignParts`) into a second
         buffer, which becomes the group's state once every part was found finite (a part with
         NaN/Inf leaves the state for the whole-group route); the buffer it replaces is the next
         step's.  The same bits and momentum as :meth:`compress`."""

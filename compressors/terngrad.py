@@ -15,10 +15,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import bitpack
-from mergecomp.codecs import codes_sum, moments, stochastic_codes
-from mergecomp.compressor import Payload, SummedDecode
-from mergecomp.quantize import work_dtype
+from mergecomp.compressors.base.compressor import Payload, SummedDecode
+from mergecomp.kernels import bitpack
+from mergecomp.kernels.codecs import codes_sum, moments, stochastic_codes
+from mergecomp.kernels.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
@@ -62,7 +62,7 @@ class TernGradCompressor(SummedDecode):
 
     def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
         """Every payload's codes decoded to its own ``{-s, 0, s}``, in one pass
-        (:func:`mergecomp.codecs.codes_sum`)."""
+        (:func:`mergecomp.kernels.codecs.codes_sum`)."""
         numel, dtype = ctx
         values = []
         for _, scalar in payloads:

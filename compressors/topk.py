@@ -2,7 +2,7 @@
 
 ``selection="exact"`` uses ``torch.topk``; ``"threshold"`` (default) estimates the k-th largest
 magnitude from a sample and runs the exact top-k only among the candidates above it, which keeps
-a merged 25 M-element buffer fast (see :func:`mergecomp.sparse.topk_indices`).  Error feedback:
+a merged 25 M-element buffer fast (see :func:`mergecomp.compressors.base.sparse.topk_indices`).  Error feedback:
 residual memory by default, so what is not sent now is sent later.
 """
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp import native
-from mergecomp.compressor import Payload
-from mergecomp.memory import Memory
+from mergecomp.compressors.base.compressor import Payload
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.compressors.base.sparse import (SparseCompressor, candidate_capacity, num_selected, sample_stride,
+                                               sample_threshold, topk_abs_indices)
+from mergecomp.kernels import native
 from mergecomp.registry import register_compressor
-from mergecomp.sparse import (SparseCompressor, candidate_capacity, num_selected, sample_stride, sample_threshold,
-                              topk_abs_indices)
 
 _SELECTIONS = ("exact", "threshold")
 
@@ -43,10 +43,10 @@ class TopKCompressor(SparseCompressor):
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
                        memory: Memory) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
         """With the residual memory or DGC's (:meth:`Memory.fused_residual`) and the threshold
-        selection, where the kernel serves the tensors (:func:`mergecomp.native.compensated_above`):
+        selection, where the kernel serves the tensors (:func:`mergecomp.kernels.native.compensated_above`):
         one pass reads the gradient and the memory and writes the memory's new state, setting the
         candidates above the sampled threshold aside (and masking their momentum, with DGC's);
-        :func:`mergecomp.native.keep_largest` keeps the k largest and puts the others back.
+        :func:`mergecomp.kernels.native.keep_largest` keeps the k largest and puts the others back.
         Compensate, compress and feed make three passes with the residual (the add, the
         threshold scan, the residual's copy), six with DGC's memory (momentum, velocity, the
         copy out, the scan, the velocity's copy, the masking).  The same payload and state, bit

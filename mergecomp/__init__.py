@@ -4,18 +4,10 @@ Core (framework-agnostic, torch tensors): the :class:`Compressor` and :class:`Me
 interfaces and their registries, merge plans, communicators and the per-group exchange.
 Front ends: ``mergecomp.torch`` (Horovod-shaped API).
 """
-from . import memory as _memory  # noqa: F401  (registers the built-in memories)
-from .compressor import Compressor, Payload
-from .memory import Memory
-from .registry import (
-    compressor_class,
-    compressor_names,
-    get_compressor,
-    get_memory,
-    memory_names,
-    register_compressor,
-    register_memory,
-)
+from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.registry import (compressor_class, compressor_names, get_compressor, get_memory, memory_names,
+                                register_compressor, register_memory)
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """The ``mergecomp`` console script: parses the command line and dispatches.
 
-    mergecomp plan ...    the offline planner, :mod:`mergecomp.planner`
+    mergecomp plan ...    the offline planner, :mod:`mergecomp.scheduler.offline`
     mergecomp bench ...   the throughput benchmark, :mod:`mergecomp.bench.runner`
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ import json
 import sys
 from typing import List, Sequence
 
-from . import planner
-from .bench import zoo
-from .cmdline import keyword_args
-from .registry import compressor_names
+from mergecomp.bench import zoo
+from mergecomp.compressor_args import keyword_args
+from mergecomp.registry import compressor_names
+from mergecomp.scheduler import offline
 
 __all__ = ["main"]
 
@@ -53,7 +53,7 @@ def _cmd_plan(args) -> int:
     world_sizes = _positive_ints(args.world_sizes, "--world-sizes")
     host_sizes = _positive_ints(args.host_sizes, "--host-sizes")
     try:
-        rows = planner.plan_table(shapes, args.compressor, keyword_args(args.compressor_arg), world_sizes,
+        rows = offline.plan_table(shapes, args.compressor, keyword_args(args.compressor_arg), world_sizes,
                                   args.bandwidth, args.latency, args.backward_ms, args.max_groups, args.codec_gbps,
                                   host_sizes, args.intra_bandwidth, args.intra_latency)
     except (ValueError, TypeError) as err:
@@ -61,21 +61,21 @@ def _cmd_plan(args) -> int:
     if not rows:
         raise SystemExit("mergecomp: no world size is a multiple of a host size")
     source = args.sizes or args.model
-    print(f"# {source}: {len(shapes)} tensors, {sum(planner.gradient_bytes(shapes)) / 2**20:.1f} MB of fp32 "
+    print(f"# {source}: {len(shapes)} tensors, {sum(offline.gradient_bytes(shapes)) / 2**20:.1f} MB of fp32 "
           f"gradients; compressor {args.compressor}; link {args.bandwidth:g} Gbit/s, {args.latency:g} us per host; "
           f"inside a host {args.intra_bandwidth:g} Gbit/s, {args.intra_latency:g} us; backward {args.backward_ms:g} ms; "
           f"codecs {f'at {args.codec_gbps:g} Gbit/s' if args.codec_gbps else 'measured here'}")
-    print("\n".join(planner.markdown_table(rows)))
+    print("\n".join(offline.markdown_table(rows)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(planner.to_json(rows), f, indent=1)
+            json.dump(offline.to_json(rows), f, indent=1)
     return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mergecomp", description="mergecomp command-line tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="predict the best merge plan for 2..1024 workers", description=planner.__doc__,
+    plan = sub.add_parser("plan", help="predict the best merge plan for 2..1024 workers", description=offline.__doc__,
                           epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--model", default="resnet50", help=f"built-in model: {', '.join(zoo.MODELS)}")
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                                                  "on a bandwidth-limited namespace cluster (mergecomp bench --help)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # its options are mergecomp.bench.runner's own
-        from .bench.runner import main as bench_main
+        from mergecomp.bench.runner import main as bench_main
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)

@@ -14,16 +14,16 @@ plan.  A compressor with
 ``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
 round's payload to the next as if allreduced over one rank.  The error-feedback memory
 (``--memory``: a memory name, ``none``, or ``default``, each compressor's own) takes part as in
-the exchange (``mergecomp.probes.encode_alone``:
+the exchange (``mergecomp.scheduler.probes.encode_alone``:
 ``compensate`` before, the residual update after, or the compressor's fused encode); the
 gradients are then restored, untimed, before each run, since ``compensate`` writes into them.
-As in the pipeline on CPU, each run is one step of a :class:`mergecomp.workspace.Workspace`
+As in the pipeline on CPU, each run is one step of a :class:`mergecomp.kernels.workspace.Workspace`
 (outputs recycled; ``--no-workspace``: fresh allocations).  The gradient set is ResNet-50's 161
 tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order,
 cut into:
 
 * ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
-* ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.plan.build_plan`` with an
+* ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.pipeline.plan.build_plan`` with an
   int spec), each passed its members' shapes.
 
 Each case runs once to warm up (state, allocator), then ``--repeats`` times; the median is
@@ -53,9 +53,9 @@ import torch
 
 import mergecomp
 from mergecomp.bench import zoo
-from mergecomp.plan import build_plan, layout
-from mergecomp.probes import encode_alone
-from mergecomp.workspace import Workspace
+from mergecomp.kernels.workspace import Workspace
+from mergecomp.pipeline.plan import build_plan, layout
+from mergecomp.scheduler.probes import encode_alone
 
 # -- defaults ------------------------------------------------------------------------------------
 REPEATS = 5
@@ -93,7 +93,7 @@ parser.add_argument("--memory", default="default",
                          "'default' for each compressor's default_memory (the default)")
 parser.add_argument("--no-workspace", action="store_true",
                     help="allocate every output afresh instead of recycling it step by step as "
-                         "the pipeline does on CPU (mergecomp.workspace)")
+                         "the pipeline does on CPU (mergecomp.kernels.workspace)")
 args = parser.parse_args()
 STATISTICS = {"median": statistics.median, "min": min}
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import mergecomp
 import mergecomp.torch as mc
-from mergecomp.cmdline import keyword_args
+from mergecomp.compressor_args import keyword_args
 
 # -----------------------------------------------------------------------------
 # defaults

@@ -7,6 +7,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Build the native codec kernels once, before any multi-process test: ranks that first meet
 # them inside a collective would otherwise spend the compile time (seconds) there.
 import torch  # noqa: E402
-from mergecomp import native  # noqa: E402
+
+from mergecomp.kernels import native
 
 native.usable(torch.zeros(1))

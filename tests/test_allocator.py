@@ -1,4 +1,4 @@
-"""mergecomp.allocator: freed gradients stay in the process instead of being faulted in again."""
+"""mergecomp.horovod_api.allocator: freed gradients stay in the process instead of being faulted in again."""
 import os
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pytest
 #: free them, three times: the page faults of the last round
 CHURN = """
 import resource, sys, torch
-from mergecomp.allocator import hold_freed_memory
+from mergecomp.horovod_api.allocator import hold_freed_memory
 held = hold_freed_memory()
 for round in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -48,7 +48,7 @@ def test_the_users_own_malloc_settings_are_left_alone(setting):
 
 
 def test_init_holds_freed_memory():
-    code = ("import mergecomp.torch as mc, mergecomp.allocator as a; mc.init(engine='local'); "
+    code = ("import mergecomp.torch as mc, mergecomp.horovod_api.allocator as a; mc.init(engine='local'); "
             "print(a._done)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split()[-1] == "True"

@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-
 from distributed import run_workers
 from engine_train import check_alltoall, error_of
 
@@ -82,7 +81,7 @@ def test_alltoall_timeout_names_the_operation_and_rank_then_completes(tmp_path):
 
 
 def test_local_alltoall_is_the_identity():
-    from mergecomp.comm import LocalCommunicator
+    from mergecomp.engines.communicator import LocalCommunicator
 
     comm = LocalCommunicator()
     t = torch.arange(5, dtype=torch.bfloat16)

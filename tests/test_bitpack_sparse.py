@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from mergecomp import bitpack, native
-from mergecomp.codecs import majority_vote, pack_signs
-from mergecomp.codecs.scans import _flat_nonzero
-from mergecomp.quantize import stochastic_round_
-from mergecomp.sparse import SparseCompressor, num_selected, topk_abs_indices, topk_indices
+from mergecomp.compressors.base.sparse import SparseCompressor, num_selected, topk_abs_indices, topk_indices
+from mergecomp.kernels import bitpack, native
+from mergecomp.kernels.codecs import majority_vote, pack_signs
+from mergecomp.kernels.codecs.scans import _flat_nonzero
+from mergecomp.kernels.quantize import stochastic_round_
 
 
 def reference_pack(codes, bits):

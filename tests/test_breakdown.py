@@ -1,16 +1,15 @@
-"""Where a step's time goes (mergecomp.breakdown): the parts of a step add up to it and to the
+"""Where a step's time goes (mergecomp.pipeline.breakdown): the parts of a step add up to it and to the
 training loop's own clock, each group's passes over its elements per codec path, and every
 front end shows the same dict."""
 import time
 
 import pytest
 import torch
-
-from mergecomp.breakdown import GROUP_PARTS, PARTS, Breakdown, Stopwatch, combine
-from mergecomp.comm import LocalCommunicator
-
 from distributed import run_workers
 from test_step import NAMES, SHAPES, grads, local_step
+
+from mergecomp.engines.communicator import LocalCommunicator
+from mergecomp.pipeline.breakdown import GROUP_PARTS, PARTS, Breakdown, Stopwatch, combine
 
 #: The parts are exclusive slices of one step and ``compute`` is the rest, so they add up to the
 #: step up to float rounding.
@@ -107,7 +106,7 @@ def test_a_failed_step_is_no_sample():
 
 
 def test_an_uncompressed_group_sends_its_residual_once_and_then_skips_the_memory():
-    from mergecomp.plan import GroupPlan
+    from mergecomp.pipeline.plan import GroupPlan
 
     step = local_step(compression="topk", groups=GroupPlan(((3, 2, 1, 0),), ("compressed",)))
     total = applied = 0
@@ -177,7 +176,7 @@ UNFUSED = {**{(codec, None): {"copy-in": 1, "compensate": 1, "encode": 1, "memor
 
 def _optimizer_worker(rank, compression, scheme):
     import mergecomp.torch as mc
-    from mergecomp import native
+    from mergecomp.kernels import native
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))

@@ -57,8 +57,8 @@ def test_plan_prints_the_fp16_baseline_and_a_row_per_host_size(tmp_path):
 
 def test_exchange_codecs_follow_the_compressor_and_the_cluster():
     import mergecomp
-    from mergecomp.costmodel import Cluster
-    from mergecomp.planner import exchange_codecs
+    from mergecomp.scheduler.costmodel import Cluster
+    from mergecomp.scheduler.offline import exchange_codecs
 
     topk, randk = mergecomp.get_compressor("topk"), mergecomp.get_compressor("randk")
     assert exchange_codecs(topk, Cluster(2, 0.0, 1e9)) == ("compressed",)
@@ -70,8 +70,8 @@ def test_exchange_codecs_follow_the_compressor_and_the_cluster():
 
 
 def test_votes_compressors_never_get_fp16_or_none(monkeypatch):
-    from mergecomp import planner
     from mergecomp.bench.zoo import backward_shapes
+    from mergecomp.scheduler import offline as planner
 
     def plain_codecs(name):
         rows = planner.plan_table(backward_shapes("resnet18"), name, {}, [2, 64], 100.0, 50.0, 100.0, 2, 200.0,

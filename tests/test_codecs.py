@@ -1,10 +1,10 @@
-"""mergecomp.codecs: every operation gives the same result on its native and its torch path."""
+"""mergecomp.kernels.codecs: every operation gives the same result on its native and its torch path."""
 import contextlib
 
 import pytest
 import torch
 
-from mergecomp import bitpack, codecs, native
+from mergecomp.kernels import bitpack, codecs, native
 
 SIZES = [1, 9, 1000, 100_003]
 

@@ -2,7 +2,6 @@
 real gloo ranks.  Checks are grouped into few worker runs: each spawn costs seconds."""
 import pytest
 import torch
-
 from distributed import run_workers
 
 
@@ -193,7 +192,7 @@ def test_exported_from_mergecomp_torch():
 
 def _early_join_worker(rank):
     import mergecomp.torch as mc
-    from mergecomp.comm import CommunicationError
+    from mergecomp.engines.communicator import CommunicationError
 
     try:
         mc.join() if rank == 0 else mc.allreduce(torch.ones(3), name="late")  # rank 0 does not serve it

@@ -3,7 +3,7 @@
 Several ranks are simulated in-process: each fake rank has its own compressor instance (state is
 per rank), summable payloads are added elementwise, the others travel as an allgather delivers
 them (packed into bytes by the pipeline's own packing, one row per rank, unpacked in place).
-Every test runs twice: with the native fp32 CPU kernels (mergecomp.native) and on the eager
+Every test runs twice: with the native fp32 CPU kernels (mergecomp.kernels.native) and on the eager
 torch path.
 """
 import contextlib
@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mergecomp
-from mergecomp import bitpack, native
-from mergecomp.wire import pack_payload, unpack_payload
-from mergecomp.sparse import num_selected
+from mergecomp.compressors.base.sparse import num_selected
+from mergecomp.kernels import bitpack, native
+from mergecomp.kernels.wire import pack_payload, unpack_payload
 
 ALL = mergecomp.compressor_names()
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -188,7 +188,7 @@ def test_aggregate_of_three_ranks(name, n):
 def test_one_pass_aggregate_is_decode_add_divide_bit_for_bit(name, kwargs, average, codec_path):
     """The compressors that sum every rank's decode in one pass (no per-rank temporaries) give
     what decoding each payload, adding in rank order and dividing gives."""
-    from mergecomp.compressor import Compressor
+    from mergecomp.compressors.base.compressor import Compressor
 
     n, ranks = 70_001, 4
     c = make(name, **kwargs)
@@ -220,9 +220,9 @@ def test_state_is_per_group():
 @pytest.mark.parametrize("name", ALL)
 def test_through_the_exchange_pipeline(name):
     """Single rank through the real pipeline (LocalCommunicator, default memory), 3 steps."""
-    from mergecomp.comm import LocalCommunicator
-    from mergecomp.exchange import Exchange
-    from mergecomp.plan import GroupPlan, layout
+    from mergecomp.engines.communicator import LocalCommunicator
+    from mergecomp.pipeline.exchange import Exchange
+    from mergecomp.pipeline.plan import GroupPlan, layout
 
     shapes = [torch.Size([16, 12]), torch.Size([12]), torch.Size([3, 2, 2])]
     group = layout(GroupPlan(((0, 1, 2),)), shapes)[0]
@@ -564,7 +564,7 @@ def test_powersgd_residual_written_in_one_pass_is_compensated_less_own_decode(ra
     """The residual memory lets PowerSGD subtract its own decode as it writes it: the residual is
     the compensated group less ``decompress`` of this rank's payload, raw runs included, as the
     decode-then-subtract path leaves it (bit for bit at rank 1)."""
-    from mergecomp.memory import Memory
+    from mergecomp.compressors.base.memory import Memory
 
     shapes = [torch.Size([64, 48]), torch.Size([48]), torch.Size([32, 3, 3, 3]), torch.Size([7])]
     x = torch.randn(sum(math.prod(s) for s in shapes))
@@ -902,7 +902,7 @@ def test_a_carried_residual_reads_the_same_by_every_other_route(name, kept, code
 
 
 def test_fused_encode_only_with_the_plain_residual_and_dgc_memories():
-    from mergecomp.memory import DGCMemory, ResidualMemory
+    from mergecomp.compressors.base.memory import DGCMemory, ResidualMemory
 
     class Recording(ResidualMemory):
         def compensate(self, tensor, name):
@@ -932,12 +932,12 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
     a kept state for the propagate policy): parameters and residuals bit for bit the same with
     the fused encode of each whole group as with compensate, compress and feed (the encode of
     each gradient as it arrives: tests/test_step.py)."""
-    from mergecomp.comm import LocalCommunicator
-    from mergecomp.compressor import Compressor
-    from mergecomp.memory import DGCMemory, ResidualMemory
+    from mergecomp.compressors.base.compressor import Compressor
+    from mergecomp.compressors.base.memory import DGCMemory, ResidualMemory
+    from mergecomp.compressors.base.sign_value import SignValueCompressor
     from mergecomp.compressors.topk import TopKCompressor
-    from mergecomp.signs import SignValueCompressor
-    from mergecomp.step import MergedStep
+    from mergecomp.engines.communicator import LocalCommunicator
+    from mergecomp.pipeline.step import MergedStep
 
     def train():
         torch.manual_seed(0)

@@ -3,9 +3,10 @@ import itertools
 
 import pytest
 
-from mergecomp.costmodel import (TIE, Affine, Cluster, CodecCost, CodecFit, Profile, all_to_all, candidate_cuts,
-                                 cpu_taken, fit_affine, fit_span, flat_cost, hierarchical_cost, predict, ring_allgather,
-                                 ring_allreduce, search, two_phase_cost)
+from mergecomp.scheduler.costmodel import (TIE, Affine, Cluster, CodecCost, CodecFit, Profile, all_to_all,
+                                           candidate_cuts, cpu_taken, fit_affine, fit_span, flat_cost,
+                                           hierarchical_cost, predict, ring_allgather, ring_allreduce, search,
+                                           two_phase_cost)
 
 FREE = Affine()
 
@@ -87,7 +88,7 @@ def test_search_finds_the_brute_force_optimum(bandwidth):
 
 
 def test_search_fast_path_agrees_with_predict():
-    from mergecomp.costmodel import _total
+    from mergecomp.scheduler.costmodel import _total
 
     sizes = [4_000_000, 100, 2_000_000, 300, 8_000_000]
     ready = [0.003 * i for i in range(len(sizes))]
@@ -271,8 +272,8 @@ def test_time_codec_times_warm_runs_and_leaves_the_compressor_as_it_was():
     import torch
 
     import mergecomp
-    from mergecomp.probes import time_codec
-    from mergecomp.workspace import Workspace
+    from mergecomp.kernels.workspace import Workspace
+    from mergecomp.scheduler.probes import time_codec
 
     compressor = mergecomp.get_compressor("topk")
     pool = Workspace()
@@ -291,9 +292,9 @@ def test_time_codec_takes_the_fused_encode_as_the_exchange_does(monkeypatch):
     import torch
 
     import mergecomp
-    from mergecomp import native
-    from mergecomp.memory import ResidualMemory
-    from mergecomp.probes import time_codec
+    from mergecomp.compressors.base.memory import ResidualMemory
+    from mergecomp.kernels import native
+    from mergecomp.scheduler.probes import time_codec
 
     if not native.usable(torch.zeros(1)):
         pytest.skip("native kernels unavailable")
@@ -307,8 +308,8 @@ def test_time_codec_takes_the_fused_encode_as_the_exchange_does(monkeypatch):
 def test_measurements_travel_as_one_tensor_and_agree_on_the_slowest_rank():
     import torch
 
-    from mergecomp.comm import LocalCommunicator
-    from mergecomp.probes import CodecProbe, Measurements
+    from mergecomp.engines.communicator import LocalCommunicator
+    from mergecomp.scheduler.probes import CodecProbe, Measurements
 
     def record(scale):
         return Measurements([0.0, 0.3 * scale, 0.2], {

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from distributed import run_workers
 from test_optimizer_dist import flat_params, make_data, make_model, shard
 
@@ -166,7 +165,7 @@ def test_state_survives_save_and_load():
 
 # -- error feedback across DDP's bucket rebuild ---------------------------------------------------
 def _rebuild_worker(rank):
-    from mergecomp.memory import ResidualMemory
+    from mergecomp.compressors.base.memory import ResidualMemory
 
     class Recording(ResidualMemory):
         """Remembers the residual each group found when it was compensated."""

@@ -19,7 +19,7 @@ import time
 import pytest
 
 import mergecomp.torch as mc
-from mergecomp.runtime import detect_engine, launcher_mismatch
+from mergecomp.horovod_api.runtime import detect_engine, launcher_mismatch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "engine_train.py")

@@ -10,10 +10,9 @@ import sys
 
 import pytest
 import torch
-
 from distributed import run_workers
-from test_two_phase import ALLGATHERED, CONSERVING, CUTS, NAMES, STEPS, grads, make_step, mean_grads, residual_total, \
-    run
+from test_two_phase import (ALLGATHERED, CONSERVING, CUTS, NAMES, STEPS, grads, make_step, mean_grads, residual_total,
+                            run)
 
 HIER, HIER2 = "hierarchical", "hierarchical-two-phase"
 #: every tensor a group of its own: the empty and the 1-element tensors alone
@@ -22,7 +21,7 @@ LAYERWISE = tuple((i,) for i in reversed(range(len(NAMES))))
 
 def second_start(comm, step, group, codec):
     """Where this rank's second-stage residual of ``group`` (sent with ``codec``) starts."""
-    from mergecomp.twophase import shard_bounds
+    from mergecomp.schemes.two_phase import shard_bounds
 
     align, rank = step.exchange.compressor.shard_alignment, comm.rank
     if codec == HIER2:
@@ -56,7 +55,7 @@ def _worker(rank, light=False):
     """Everything on 2 hosts x 2; with ``light``, the two-phase scheme across hosts for
     :data:`THREE_HOSTS` only (the 3-host run)."""
     import mergecomp.torch as mc
-    from mergecomp.plan import GroupPlan
+    from mergecomp.pipeline.plan import GroupPlan
 
     comm = mc.communicator()
     size, local = comm.size, comm.local_size
@@ -212,7 +211,7 @@ def test_hierarchical_on_one_process_per_host_or_one_host_is_the_flat_scheme(env
 
 
 def test_a_single_process_runs_the_hierarchical_scheme_flat():
-    from mergecomp.comm import LocalCommunicator
+    from mergecomp.engines.communicator import LocalCommunicator
 
     comm = LocalCommunicator()
     for codec in (HIER, HIER2):
@@ -223,7 +222,7 @@ def test_a_single_process_runs_the_hierarchical_scheme_flat():
 
 # -- bad layouts ---------------------------------------------------------------------------------
 def test_host_layout_names_the_ranks_that_break_it():
-    from mergecomp.comm import host_layout
+    from mergecomp.engines.communicator import host_layout
 
     assert host_layout([(0, 2), (1, 2), (0, 2), (1, 2)], True) == 2
     assert host_layout([(0, 2), (0, 2), (1, 2), (1, 2)], False) == 2

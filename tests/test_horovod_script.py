@@ -7,12 +7,12 @@ import json
 import os
 import sys
 
+import horovod_style_train as script
 import pytest
 import torch
-
-import horovod_style_train as script
-from mergecomp.runtime import importable
 from test_engines import HOROVODRUN, launch
+
+from mergecomp.horovod_api.runtime import importable
 
 TIMEOUT = 120
 COMPRESSIONS = ("none", "fp16", "topk")

@@ -1,4 +1,4 @@
-"""The native fp32 CPU codec kernels (mergecomp.native) against the eager torch reference."""
+"""The native fp32 CPU codec kernels (mergecomp.kernels.native) against the eager torch reference."""
 import os
 import shutil
 import subprocess
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import mergecomp
-from mergecomp import bitpack, native
-from mergecomp.codecs import decode_signs, majority_vote, pack_signs
-from mergecomp.quantize import bucket_norms
+from mergecomp.kernels import bitpack, native
+from mergecomp.kernels.codecs import decode_signs, majority_vote, pack_signs
+from mergecomp.kernels.quantize import bucket_norms
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 # Sizes around the kernels' 32768-element blocks and the 2**18 elements per thread.
@@ -291,7 +291,7 @@ def test_kernels_give_the_same_bits_on_any_threads_torch_pool_or_their_own():
 
 def test_kernels_run_in_a_child_forked_after_torch_threads_ran():
     """torch's OpenMP workers do not exist in a forked child; the kernels must not wait for them."""
-    code = ("import os, torch\nfrom mergecomp import native\ntorch.set_num_threads(2)\n"
+    code = ("import os, torch\nfrom mergecomp.kernels import native\ntorch.set_num_threads(2)\n"
             "x = torch.randn(4_000_000)\nout = torch.empty(500_000, dtype=torch.uint8)\n"
             "x.mul(2)\nbits = native.pack_signs(x, out)[0].clone()\npid = os.fork()\n"
             "if pid == 0:  # no torch operator here: those would wait for the workers\n"
@@ -536,7 +536,7 @@ def test_stochastic_codecs_agree_on_both_paths(name, kwargs):
 # -- fallback --------------------------------------------------------------------------------
 def _probe(env):
     code = ("import warnings, torch\nwarnings.simplefilter('always')\n"
-            "from mergecomp import native\nimport mergecomp\n"
+            "from mergecomp.kernels import native\nimport mergecomp\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    ok = native.usable(torch.zeros(3))\n"
             "c = mergecomp.get_compressor('onebit')\n"
@@ -685,7 +685,7 @@ def test_sign_sum_streamed_is_the_eager_sum_bit_for_bit(ranks, aligned):
     """1-bit codes of 2**20 + 37 elements (an output written past the cache where 64-byte
     aligned): each rank's bits picking its two values, 16 at a time, summed and divided as the
     eager path does."""
-    from mergecomp.codecs import sign_sum
+    from mergecomp.kernels.codecs import sign_sum
 
     n = (1 << 20) + 37
     packed = [bitpack.pack(torch.randint(0, 2, (n,), dtype=torch.uint8), 1) for _ in range(ranks)]
@@ -705,7 +705,7 @@ def test_sign_sum_streamed_is_the_eager_sum_bit_for_bit(ranks, aligned):
 def test_low_rank_product_matches_torch(m, n, rank, subtract, stream):
     """``x - p @ q^T`` (or the product alone) in one pass: bit for bit as torch's mm and sub at
     rank 1, to fp32 rounding above it (torch's mm adds the r products in its own order)."""
-    from mergecomp.codecs import low_rank
+    from mergecomp.kernels.codecs import low_rank
 
     r = min(rank, m, n)
     p, q, x = torch.randn(m, r), torch.randn(n, r), torch.randn(m, n)
@@ -723,7 +723,7 @@ def test_low_rank_product_matches_torch(m, n, rank, subtract, stream):
 
 @needs_kernels
 def test_low_rank_takes_factors_of_any_layout_and_refuses_mismatched_ones():
-    from mergecomp.codecs import low_rank
+    from mergecomp.kernels.codecs import low_rank
 
     p = torch.randn(3, 6).t()  # (6, 3), not contiguous: QR's factors come out so
     q = torch.randn(5, 3)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from distributed import WorkerError, run_workers
 
 import mergecomp
-from distributed import WorkerError, run_workers
 
 STEPS = 20
 BATCH = 32
@@ -261,7 +261,7 @@ def _create_graph_worker(rank, compression, eager):
     import contextlib
 
     import mergecomp.torch as mc
-    from mergecomp import native
+    from mergecomp.kernels import native
 
     x, y = make_data()
     results = []

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-
 from distributed import free_port, run_workers
 from test_optimizer_dist import flat_params, make_data, make_model, shard, train
 
@@ -58,7 +57,7 @@ def _late_worker(rank):
     began = time.monotonic()
     try:
         train(model, opt, shard(x, rank, 2), shard(y, rank, 2), steps=1)
-    except mergecomp.comm.CommunicationError as err:
+    except mergecomp.engines.communicator.CommunicationError as err:
         return str(err), time.monotonic() - began
     return None, time.monotonic() - began
 
@@ -233,7 +232,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(compression):
 
 def _auto_resume_worker(rank):
     import mergecomp.torch as mc
-    from mergecomp.scheduler import SchedulerConfig
+    from mergecomp.scheduler.online import SchedulerConfig
 
     x, y = make_data()
     config = SchedulerConfig(warmup_steps=1, settle_steps=0, probe_steps=1, retune_window=1000)

@@ -4,11 +4,10 @@ import logging
 
 import pytest
 import torch
-
 from distributed import run_workers
 from test_optimizer_dist import flat_params, make_data, make_model, shard
 
-from mergecomp.scheduler import SchedulerConfig
+from mergecomp.scheduler.online import SchedulerConfig
 
 FAST = dict(warmup_steps=2, settle_steps=1, probe_steps=2, retune_window=1000)
 
@@ -95,7 +94,7 @@ def test_auto_on_two_hosts_of_two_searches_the_hierarchical_scheme_and_agrees():
 
 def _scheme_codecs(rank):
     import mergecomp
-    from mergecomp.scheduler import SEARCHED, searched_codecs
+    from mergecomp.scheduler.online import SEARCHED, searched_codecs
 
     get = mergecomp.get_compressor
     return {"qsgd@2": searched_codecs(SEARCHED, get("qsgd"), 2), "qsgd@3": searched_codecs(SEARCHED, get("qsgd"), 3),
@@ -215,9 +214,9 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
     """Drive a MergeScheduler over the real process group with step times from SCRIPTS.
     Rank 1 runs 1 % slower, so agreement (max over ranks) is exercised too."""
     import mergecomp.torch as mc
+    from mergecomp.pipeline.plan import GroupPlan
     from mergecomp.registry import get_compressor
-    from mergecomp.plan import GroupPlan
-    from mergecomp.scheduler import MergeScheduler
+    from mergecomp.scheduler.online import MergeScheduler
 
     n = 8
     order = list(range(n))

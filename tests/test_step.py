@@ -4,12 +4,11 @@ import contextlib
 
 import pytest
 import torch
-
-from mergecomp.comm import LocalCommunicator
-from mergecomp.plan import GroupPlan
-from mergecomp.step import MergedStep
-
 from distributed import run_workers
+
+from mergecomp.engines.communicator import LocalCommunicator
+from mergecomp.pipeline.plan import GroupPlan
+from mergecomp.pipeline.step import MergedStep
 
 NAMES = ["a", "b", "c", "d"]
 SHAPES = [(3, 2), (5,), (0,), (4, 1)]
@@ -84,7 +83,7 @@ def test_nonfinite_policies():
 
 @pytest.mark.parametrize("kernels", [True, False])
 def test_prescale_scales_each_gradient_once_and_flags_what_overflows(kernels):
-    from mergecomp import native
+    from mergecomp.kernels import native
 
     with contextlib.nullcontext() if kernels else native.disabled():
         step = local_step(prescale=0.5, postscale=4.0)
@@ -167,7 +166,7 @@ def test_a_compensated_gradient_overflowing_fp16_is_a_nonfinite_group_and_its_me
     (every later step NaN). The group counts as non-finite (the policy applies, naming the
     overflow) and its memory starts afresh; the steps after it are finite.  The native cast
     tells from its own pass; the torch cast is checked after it."""
-    from mergecomp import native
+    from mergecomp.kernels import native
 
     with contextlib.nullcontext() if kernels else native.disabled():
         _overflow_fp16_and_go_on(nonfinite)
@@ -198,7 +197,7 @@ def test_an_fp16_bucket_is_checked_by_its_cast_and_tells_nan_from_overflow(kerne
     """A caller's bucket sent as fp16 with no error feedback is checked for NaN/Inf by the cast's
     own pass (native) or on the fp16 payload (torch), not by a pass of its own over the fp32
     gradient; the policy still tells a NaN gradient from finite values beyond fp16's range."""
-    from mergecomp import native
+    from mergecomp.kernels import native
 
     def run(values, nonfinite="raise"):
         step = MergedStep("fp16", None, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"),
@@ -407,7 +406,7 @@ def test_sign_codes_encoded_as_gradients_arrive_give_what_the_whole_group_gives(
     """Each gradient encoded as it arrives (no copy into the group buffer) gives the results and
     the memory the whole group's encode gives: the same sign bits, the scales (sums added part
     by part) to fp32 rounding; signSGD's votes bit for bit."""
-    from mergecomp import native
+    from mergecomp.kernels import native
 
     if not native.usable(torch.zeros(1)):
         pytest.skip("the parts are encoded by the native kernels")
@@ -436,7 +435,7 @@ def test_a_nonfinite_gradient_met_part_by_part_leaves_the_memory_as_the_whole_gr
     as a whole: the group's memory after the step (rolled back, or advanced as by zeros) is, bit
     for bit, what the route without parts leaves, and the steps after it agree (signSGD: no
     memory, the same outcome and later steps)."""
-    from mergecomp import native
+    from mergecomp.kernels import native
 
     if not native.usable(torch.zeros(1)):
         pytest.skip("the parts are encoded by the native kernels")

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-
 from distributed import run_workers
 
 pytestmark = pytest.mark.skipif(
@@ -268,7 +267,7 @@ def _single_worker(rank):
     import tensorflow as tf
 
     import mergecomp.tensorflow as mct
-    from mergecomp.scheduler import SchedulerConfig
+    from mergecomp.scheduler.online import SchedulerConfig
 
     _setup()
     x, y = make_data()

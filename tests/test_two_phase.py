@@ -3,9 +3,9 @@ the engine's all-to-all and allgather: groups whose sizes do not divide by the r
 tiny tensors.  One launch per world size; the tests below read its results."""
 import pytest
 import torch
+from distributed import run_workers
 
 import mergecomp
-from distributed import run_workers
 
 NAMES = ["empty", "one", "w", "odd", "b"]
 SHAPES = [(0,), (1,), (13, 7), (29,), (3,)]
@@ -27,8 +27,8 @@ def grads(rank, step, integers=False):
 
 
 def make_step(comm, compression, codec, memory=None, groups=CUTS, **options):
-    from mergecomp.plan import GroupPlan
-    from mergecomp.step import MergedStep
+    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.pipeline.step import MergedStep
 
     plan = GroupPlan(groups, (codec,) * len(groups))
     return MergedStep(compression, memory, comm, NAMES, SHAPES, DTYPES, torch.device("cpu"), groups=plan,
@@ -46,7 +46,7 @@ def run(step, rank, steps, integers=False):
 
 def two_phase_start(comm, step, group, codec):
     """Where this rank's second-stage residual of ``group`` starts."""
-    from mergecomp.twophase import shard_bounds
+    from mergecomp.schemes.two_phase import shard_bounds
 
     return shard_bounds(group.numel, comm.size, step.exchange.compressor.shard_alignment)[comm.rank][0]
 
@@ -130,7 +130,7 @@ def _worker(rank):
     resumed.load_state_dict(state)
     out["resume"] = [torch.equal(a, b) for a, b in zip(cont, run(resumed, rank, range(2, 4)))]
     # plan switches between schemes and cuts keep every residual (conservation across them)
-    from mergecomp.plan import GroupPlan
+    from mergecomp.pipeline.plan import GroupPlan
 
     step = make_step(comm, "topk", "two-phase")
     applied = sum(run(step, rank, range(2)))
@@ -186,9 +186,10 @@ def test_plan_switches_between_schemes_keep_the_residuals(results):
 
 # -- the front ends' scheme option -------------------------------------------------------------
 def _front_end_worker(rank, world):
-    import mergecomp.torch as mc
     from test_ddp_hook import ddp
     from test_optimizer_dist import flat_params, make_data, make_model, shard, train
+
+    import mergecomp.torch as mc
 
     x, y = make_data()
     xs, ys = shard(x, rank, world), shard(y, rank, world)

@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-
 from distributed import run_workers
 from test_ddp_hook import ddp
 from test_optimizer_dist import flat_params, make_data, make_model, shard, train
@@ -49,8 +48,8 @@ def exact_grads(model, opt, x, y, rank, steps):
 def _core(rank):
     """MergedStep with DGC (momentum in the memory): K warm-up steps, then the compressor."""
     import mergecomp.torch as mc
-    from mergecomp.plan import GroupPlan
-    from mergecomp.step import MergedStep
+    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.pipeline.step import MergedStep
 
     comm = mc.communicator()
 
@@ -79,7 +78,7 @@ def _core(rank):
 
 def _optimizer(rank):
     import mergecomp.torch as mc
-    from mergecomp.scheduler import SchedulerConfig
+    from mergecomp.scheduler.online import SchedulerConfig
 
     x, y = make_data()
     out = {}

@@ -1,7 +1,7 @@
 """Payloads as bytes on the wire: packing, unpacking, and sending a payload as it lies."""
 import torch
 
-from mergecomp.wire import pack_payload, unpack_payload
+from mergecomp.kernels.wire import pack_payload, unpack_payload
 
 
 def test_a_payload_of_several_tensors_is_packed_on_8_byte_boundaries_and_viewed_back():

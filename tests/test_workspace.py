@@ -3,10 +3,10 @@ import pytest
 import torch
 
 import mergecomp
-from mergecomp.comm import LocalCommunicator
-from mergecomp.exchange import Exchange
-from mergecomp.plan import build_plan, layout
-from mergecomp.workspace import Workspace
+from mergecomp.engines.communicator import LocalCommunicator
+from mergecomp.kernels.workspace import Workspace
+from mergecomp.pipeline.exchange import Exchange
+from mergecomp.pipeline.plan import build_plan, layout
 
 CPU = torch.device("cpu")
 

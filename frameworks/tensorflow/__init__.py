@@ -19,11 +19,11 @@ Custom loops: ``tape = mct.DistributedGradientTape(tape, compression=mct.Compres
 Horovod's ``horovod.tensorflow`` names are here with Horovod's arguments (``allreduce``,
 ``broadcast``, ``broadcast_object``, ``PartialDistributedGradientTape`` ...).
 """
-from mergecomp.collectives import (cross_rank, cross_size, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
-                                  mpi_threads_supported, nccl_built)
-from mergecomp.horovod_args import Adasum, Average, Sum, global_process_set
+from mergecomp.horovod_api.arguments import Adasum, Average, Sum, global_process_set
+from mergecomp.horovod_api.collectives import (cross_rank, cross_size, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                                               mpi_threads_supported, nccl_built)
+from mergecomp.horovod_api.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 from mergecomp.registry import Compression
-from mergecomp.runtime import init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 from .collectives import allgather, allgather_object, allreduce, barrier, broadcast, broadcast_object, join
 from .functions import broadcast_variables

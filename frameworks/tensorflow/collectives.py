@@ -1,10 +1,10 @@
 """``horovod.tensorflow``'s tensor collectives (``allreduce``, ``allgather``, ``broadcast``,
-``broadcast_object`` ...) on TF tensors: :mod:`mergecomp.collectives` run on DLPack views.
+``broadcast_object`` ...) on TF tensors: :mod:`mergecomp.horovod_api.collectives` run on DLPack views.
 
 Eagerly the tensors cross into torch without a copy; inside ``tf.function`` each call is one
 ``tf.py_function`` op (not XLA-compilable).  Every rank must call the same collectives in the
 same order; each wait is bounded by ``MERGECOMP_TIMEOUT`` and raises
-:class:`~mergecomp.comm.CommunicationError` naming the operation.  Like the torch front end's,
+:class:`~mergecomp.engines.communicator.CommunicationError` naming the operation.  Like the torch front end's,
 these are not differentiable: no gradient flows through them.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Callable, List, Optional
 import tensorflow as tf
 import torch
 
-from mergecomp import collectives
-from mergecomp.horovod_args import check_process_set
+from mergecomp.horovod_api import collectives
+from mergecomp.horovod_api.arguments import check_process_set
 from mergecomp.registry import Compression
 
 from .bridge import to_tf, to_torch

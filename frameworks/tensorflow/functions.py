@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from mergecomp.runtime import communicator
+from mergecomp.horovod_api.runtime import communicator
 
 __all__ = ["broadcast_variables"]
 

@@ -1,7 +1,7 @@
 """Merged, compressed averaging of a fixed list of gradients: the TF front end's torch side.
 
 :class:`GradientReducer` adapts TensorFlow's gradients (DLPack views, one torch tensor per
-variable) to a :class:`mergecomp.step.MergedStep`, which copies them into its groups,
+variable) to a :class:`mergecomp.pipeline.step.MergedStep`, which copies them into its groups,
 compresses and communicates each group and returns per-variable views of the results.  Nothing
 here imports TensorFlow.  The TF front end calls :meth:`GradientReducer.reduce` once per step,
 after the whole backward pass (TF has no per-gradient hook), so groups overlap one another's
@@ -18,12 +18,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from mergecomp.comm import Communicator
-from mergecomp.exchange import Exchange, resolve
-from mergecomp.horovod_args import Average, check_horovod_args, scaling
-from mergecomp.plan import Group, GroupPlan
-from mergecomp.scheduler import MergeScheduler, SchedulerConfig
-from mergecomp.step import MergedStep, check_safety_options, check_scheme
+from mergecomp.engines.communicator import Communicator
+from mergecomp.horovod_api.arguments import Average, check_horovod_args, scaling
+from mergecomp.pipeline.exchange import Exchange, resolve
+from mergecomp.pipeline.plan import Group, GroupPlan
+from mergecomp.pipeline.step import MergedStep, check_safety_options, check_scheme
+from mergecomp.scheduler.online import MergeScheduler, SchedulerConfig
 
 __all__ = ["GradientReducer"]
 
@@ -37,16 +37,16 @@ class GradientReducer:
         compression: compressor name or :class:`mergecomp.Compressor` (default ``"none"``:
             lossless).
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
-        groups: ``"auto"`` (the online :class:`~mergecomp.scheduler.MergeScheduler`),
+        groups: ``"auto"`` (the online :class:`~mergecomp.scheduler.online.MergeScheduler`),
             ``"layerwise"``, an int ``k``, a list of lists of variable names, a
-            :class:`~mergecomp.plan.GroupPlan`, or ``None`` (about 25 MB per group, at most 4).
+            :class:`~mergecomp.pipeline.plan.GroupPlan`, or ``None`` (about 25 MB per group, at most 4).
         op: ``"average"`` or ``"sum"`` over ranks.
         nonfinite: ``"raise"`` (FloatingPointError on every rank naming the rank and the
             variables), ``"propagate"`` (every rank's gradients come back NaN, the
             error-feedback memory is put back: a ``LossScaleOptimizer`` then skips the step on
             every rank) or ``"ignore"``.
-        scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``.
-        comm: the communicator (default: the one :func:`mergecomp.runtime.init` set up).
+        scheduler: :class:`~mergecomp.scheduler.online.SchedulerConfig` for ``groups="auto"``.
+        comm: the communicator (default: the one :func:`mergecomp.horovod_api.runtime.init` set up).
         gradient_predivide_factor: with ``op="average"``, each rank's gradient is divided by
             this factor before the sum and the sum multiplied by ``factor / size`` (Horovod's).
         backward_passes_per_step: exchange once every this many :meth:`reduce` calls, the sum
@@ -58,9 +58,9 @@ class GradientReducer:
             exchanges send the plain average, compression starting clean after them; variables
             whose name (Keras: ``path``, e.g. ``"dense/bias"``) matches one of the patterns, or
             with fewer elements, are always sent uncompressed
-            (:class:`~mergecomp.step.MergedStep`).
+            (:class:`~mergecomp.pipeline.step.MergedStep`).
         scheme: ``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"``,
-            ``"allgather"`` or None (:class:`~mergecomp.step.MergedStep`).
+            ``"allgather"`` or None (:class:`~mergecomp.pipeline.step.MergedStep`).
     """
 
     def __init__(self, compression="none", memory=None, groups="auto", op: str = Average,
@@ -76,7 +76,7 @@ class GradientReducer:
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite must be one of {_NONFINITE} in the TensorFlow front end, got {nonfinite!r}")
         if comm is None:
-            from mergecomp.runtime import communicator
+            from mergecomp.horovod_api.runtime import communicator
 
             comm = communicator()
         self.comm = comm

@@ -11,14 +11,15 @@ Example::
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
 """
-from mergecomp.collectives import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
-                                  allreduce_async, allreduce_async_, alltoall, barrier, broadcast, broadcast_,
-                                  broadcast_object, cross_rank, cross_size, cuda_built, gloo_built, gloo_enabled, join,
-                                  mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rocm_built,
-                                  synchronize)
-from mergecomp.horovod_args import Adasum, Average, Sum, global_process_set
+from mergecomp.horovod_api.arguments import Adasum, Average, Sum, global_process_set
+from mergecomp.horovod_api.collectives import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
+                                               allreduce_async, allreduce_async_, alltoall, barrier, broadcast,
+                                               broadcast_, broadcast_object, cross_rank, cross_size, cuda_built,
+                                               gloo_built, gloo_enabled, join, mpi_built, mpi_enabled,
+                                               mpi_threads_supported, nccl_built, poll, rocm_built, synchronize)
+from mergecomp.horovod_api.runtime import (communicator, init, is_initialized, local_rank, local_size, rank, shutdown,
+                                           size)
 from mergecomp.registry import Compression
-from mergecomp.runtime import communicator, init, is_initialized, local_rank, local_size, rank, shutdown, size
 
 from .ddp_hook import ddp_comm_hook
 from .functions import broadcast_optimizer_state, broadcast_parameters

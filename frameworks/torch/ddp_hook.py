@@ -9,7 +9,7 @@ Example::
     ...
     torch.save({"model": ddp.state_dict(), "hook": state.state_dict()}, path)   # per rank
 
-Each bucket is one merged group of a :class:`mergecomp.step.MergedStep` whose groups DDP
+Each bucket is one merged group of a :class:`mergecomp.pipeline.step.MergedStep` whose groups DDP
 defines (check finite -> error feedback -> compress -> collective -> decode); nothing is
 re-implemented here.
 
@@ -23,10 +23,10 @@ rounds from completion callbacks on gloo's thread while the next bucket starts f
 thread, and crashed in 10 of 10 runs on gloo (docs/frontends.md).
 
 Error feedback across bucket rebuilds.  A bucket's state (residuals, momenta) is keyed by the
-parameters it holds (a :class:`~mergecomp.plan.Group` with their offsets), not by the bucket's
+parameters it holds (a :class:`~mergecomp.pipeline.plan.Group` with their offsets), not by the bucket's
 index.  When DDP rebuilds its buckets after the first iteration (or after a restart), each new
 bucket's per-element state is assembled from the old buckets' pieces
-(:meth:`mergecomp.step.MergedStep.start_group`); low-rank state (PowerSGD's Q) is re-drawn.
+(:meth:`mergecomp.pipeline.step.MergedStep.start_group`); low-rank state (PowerSGD's Q) is re-drawn.
 """
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real types.
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -34,10 +34,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from mergecomp.compressor import Compressor
-from mergecomp.memory import Memory
-from mergecomp.plan import Group
-from mergecomp.step import HoldsMergedStep, MergedStep
+from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.pipeline.plan import Group
+from mergecomp.pipeline.step import HoldsMergedStep, MergedStep
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook"]
 
@@ -45,7 +45,7 @@ _NONFINITE = ("propagate", "raise", "ignore")
 
 
 class DDPHookState(HoldsMergedStep):
-    """Settings and state of :func:`mergecomp_hook`: a :class:`~mergecomp.step.MergedStep` whose
+    """Settings and state of :func:`mergecomp_hook`: a :class:`~mergecomp.pipeline.step.MergedStep` whose
     groups are DDP's buckets, and the futures of the step's buckets.
 
     Args:

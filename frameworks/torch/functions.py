@@ -5,8 +5,8 @@ from typing import Iterable, Mapping, Tuple, Union
 
 import torch
 
-from mergecomp.collectives import broadcast_object
-from mergecomp.runtime import communicator
+from mergecomp.horovod_api.collectives import broadcast_object
+from mergecomp.horovod_api.runtime import communicator
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -40,7 +40,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Make every rank's optimizer state (hyperparameters, momenta) equal to rank ``root_rank``'s.
 
     For a :class:`~mergecomp.torch.DistributedOptimizer` the merge plan, step counter and
-    scheduler state come from ``root_rank`` too (:meth:`mergecomp.step.MergedStep.agree_with`),
+    scheduler state come from ``root_rank`` too (:meth:`mergecomp.pipeline.step.MergedStep.agree_with`),
     so a checkpoint loaded on ``root_rank`` alone resumes on every rank.  Error-feedback
     residuals are per rank by design: they stay where every rank loaded its own at the same
     step, and are reset on every rank otherwise.

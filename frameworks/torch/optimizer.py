@@ -26,7 +26,7 @@ private attribute of torch's.
 
 Like DDP's ``gradient_as_bucket_view=True``, ``p.grad`` aliases the merged buffer after a step
 (``zero_grad(set_to_none=False)``: the next backward accumulates straight into it).  Plans, the
-backward order, the scheduler and checkpoints are :class:`mergecomp.step.MergedStep`'s.
+backward order, the scheduler and checkpoints are :class:`mergecomp.pipeline.step.MergedStep`'s.
 """
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from mergecomp.compressor import Compressor
-from mergecomp.horovod_args import Average, check_horovod_args, resolve_groups, scaling
-from mergecomp.memory import Memory, warn_double_momentum
+from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.compressors.base.memory import Memory, warn_double_momentum
+from mergecomp.horovod_api.arguments import Average, check_horovod_args, resolve_groups, scaling
+from mergecomp.horovod_api.runtime import communicator
+from mergecomp.pipeline.step import HoldsMergedStep, MergedStep
 from mergecomp.registry import Compression
-from mergecomp.runtime import communicator
-from mergecomp.scheduler import SchedulerConfig
-from mergecomp.step import HoldsMergedStep, MergedStep
+from mergecomp.scheduler.online import SchedulerConfig
 
 from .named_parameters import collect_parameters
 
@@ -83,9 +83,9 @@ class DistributedOptimizer(HoldsMergedStep):
             before the sum and the sum is multiplied by ``factor / size``.
         num_groups: Horovod's older spelling of ``groups=<int>``.
         groups: merge plan: ``"auto"`` (default: the online scheduler searches the partition
-            and each group's codec, see :mod:`mergecomp.scheduler`), ``"layerwise"``, an int
+            and each group's codec, see :mod:`mergecomp.scheduler.online`), ``"layerwise"``, an int
             ``k`` (k groups of about equal bytes), a list of lists of parameters or of their
-            names, a :class:`~mergecomp.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
+            names, a :class:`~mergecomp.pipeline.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
             at most 4).
         sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
         process_set: None or ``mc.global_process_set`` (all ranks; others are not implemented).
@@ -95,7 +95,7 @@ class DistributedOptimizer(HoldsMergedStep):
             everywhere, and error-feedback and compressor state are left as before the step;
             ``"raise"`` FloatingPointError on every rank naming the rank and group; ``"skip"``
             the step on all ranks (counted in :attr:`skipped_steps`); ``"ignore"`` (no check).
-        scheduler: :class:`~mergecomp.scheduler.SchedulerConfig` for ``groups="auto"``.
+        scheduler: :class:`~mergecomp.scheduler.online.SchedulerConfig` for ``groups="auto"``.
         compression_warmup_steps: the first this many steps exchange the plain average (merged,
             uncompressed); compression, its error feedback and compressor state start clean
             after them, and so does the scheduler's search (docs/compressors.md).
@@ -186,7 +186,7 @@ class DistributedOptimizer(HoldsMergedStep):
 
     # -- the merged step (exchange, compressor, memory, plan, groups, scheduler, skipped_steps) --
     def set_plan(self, plan) -> None:
-        """Replace the merge plan between steps (a :class:`~mergecomp.plan.GroupPlan` or any
+        """Replace the merge plan between steps (a :class:`~mergecomp.pipeline.plan.GroupPlan` or any
         ``groups`` spec); error-feedback and per-element compressor state move to the new
         groups.  Every rank must call it with the same plan at the same step."""
         self.merged.set_plan(plan)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mergecomp.collectives import allreduce
-from mergecomp.horovod_args import Sum
-from mergecomp.runtime import communicator, is_initialized
+from mergecomp.horovod_api.arguments import Sum
+from mergecomp.horovod_api.collectives import allreduce
+from mergecomp.horovod_api.runtime import communicator, is_initialized
 
 __all__ = ["SyncBatchNorm"]
 

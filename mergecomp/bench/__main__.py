@@ -1,6 +1,6 @@
 """``python -m mergecomp.bench``: the throughput benchmark, :mod:`mergecomp.bench.runner`."""
 import sys
 
-from .runner import main
+from mergecomp.bench.runner import main
 
 sys.exit(main())

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import zoo
+from mergecomp.bench import zoo
 
 __all__ = ["VGG16", "build_model", "loss", "MODELS", "DEFAULT_INPUT"]
 

@@ -27,7 +27,7 @@ Measurement: ``--warmup`` untimed steps; ``auto`` first runs the scheduler's sea
 steps is reported) and freezes its choice; then ``--rounds`` rounds each time ``--steps`` steps of
 every plan in turn (1 settle step after each switch), so slow drifts of a shared machine hit
 every plan alike.  A plan's step time is the median of its timed steps, max over ranks; its
-breakdown (where rank 0's step time goes, ``mergecomp.breakdown``) averages its timed steps.
+breakdown (where rank 0's step time goes, ``mergecomp.pipeline.breakdown``) averages its timed steps.
 Weights are updated with ``--lr`` (default 0: every step does the same work and long runs cannot
 diverge; the optimizer step itself still runs).  With ``--hosts`` the run is repeated
 ``--repeats`` times (each in a fresh cluster) and the median reported; a run that crashes or
@@ -49,10 +49,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..allocator import hold_freed_memory
-from ..breakdown import GROUP_PARTS, PARTS, combine
-from ..cmdline import keyword_args
-from ..exchange import NONFINITE_POLICIES
+from mergecomp.compressor_args import keyword_args
+from mergecomp.horovod_api.allocator import hold_freed_memory
+from mergecomp.pipeline.breakdown import GROUP_PARTS, PARTS, combine
+from mergecomp.pipeline.exchange import NONFINITE_POLICIES
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd-serial", "local")
 
@@ -148,7 +148,7 @@ class _Worker:
     """One rank's benchmark: the model, one fixed batch, a train step and a step timer."""
 
     def __init__(self, args) -> None:
-        from .models import build_model, loss
+        from mergecomp.bench.models import build_model, loss
 
         torch.set_num_threads(args.threads)
         torch.set_flush_denormal(True)
@@ -178,7 +178,7 @@ def make_optimizer(w: _Worker, args, groups, scheduler=None):
     applies momentum itself) for the worker's model; parameters broadcast from rank 0."""
     import mergecomp
     import mergecomp.torch as mc
-    from mergecomp.scheduler import SchedulerConfig
+    from mergecomp.scheduler.online import SchedulerConfig
 
     mc.init()
     compressor = mergecomp.get_compressor(args.compressor, **keyword_args(args.compressor_arg))
@@ -213,7 +213,7 @@ def fixed_plan(opt, label: str):
     an int, ``default`` (25 MB groups, at most 4), ``fp32``/``fp16`` (one fused group, codec
     ``none``/``fp16``: plain fused allreduce); with a suffix ``@<scheme>`` (e.g.
     ``default@two-phase``) its compressed groups use that scheme."""
-    from mergecomp.plan import GroupPlan
+    from mergecomp.pipeline.plan import GroupPlan
 
     order = opt.plan.order
     if label in ("fp32", "fp16"):
@@ -349,7 +349,7 @@ def _run_local(w: _Worker, args) -> List[Dict]:
 
 def run_worker(args) -> List[Dict]:
     """Run the benchmark on this rank; every rank returns the same records.  Every mode runs
-    with the malloc settings ``mergecomp.init`` makes (:func:`mergecomp.allocator.hold_freed_memory`),
+    with the malloc settings ``mergecomp.init`` makes (:func:`mergecomp.horovod_api.allocator.hold_freed_memory`),
     so the DDP anchors and the single worker are measured under the same allocator."""
     hold_freed_memory()
     w = _Worker(args)
@@ -429,7 +429,7 @@ def _print_breakdowns(records: List[Dict]) -> None:
 # -- launcher ------------------------------------------------------------------------------------
 
 def _launch_cluster(args, argv: List[str]) -> List[Dict]:
-    from .cluster import Cluster, ClusterError, install_signal_handlers
+    from mergecomp.bench.cluster import Cluster, ClusterError, install_signal_handlers
 
     install_signal_handlers()
     rate = None if str(args.rate).lower() in ("none", "unlimited", "0") else args.rate

@@ -17,7 +17,7 @@ e.g. with ``horovodrun --fusion-threshold-mb``, is kept, with a warning):
   could only cut latency, but the background thread negotiates every cycle, busy or not; on
   2 cores 0.5 ms measured no better (docs/engines.md).
 
-Contracts, beyond :mod:`mergecomp.comm`:
+Contracts, beyond :mod:`mergecomp.engines.communicator`:
 
 * Names are unique per collective and issued in the same order on every rank (the caller's
   guarantee), so Horovod never matches the wrong tensors.
@@ -27,7 +27,7 @@ Contracts, beyond :mod:`mergecomp.comm`:
 * CUDA tensors are staged through host memory unless Horovod was built with CUDA.
 * Every wait polls ``hvd.poll`` until a deadline (sleeping ``POLL_SLEEP`` between polls after a
   first busy millisecond), then ``hvd.synchronize``; expiry raises naming rank and operation.
-* :meth:`~mergecomp.comm.Communicator.split_hosts` (the hierarchical exchange) registers one
+* :meth:`~mergecomp.engines.communicator.Communicator.split_hosts` (the hierarchical exchange) registers one
   Horovod process set per host and one per local rank, which Horovod allows after ``hvd.init()``
   only with ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment (``horovodrun`` passes it on);
   without it the split raises, naming the variable.
@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..comm import Communicator, Handle
+from mergecomp.engines.communicator import Communicator, Handle
 
 __all__ = ["HorovodCommunicator", "init_horovod", "HOROVOD_SETTINGS", "POLL_SLEEP"]
 

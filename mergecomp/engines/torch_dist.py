@@ -8,7 +8,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..comm import Communicator, Handle
+from mergecomp.engines.communicator import Communicator, Handle
 
 __all__ = ["TorchCommunicator", "init_process_group"]
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mergecomp.horovod_args import Average
+from mergecomp.horovod_api.arguments import Average
 from mergecomp.registry import Compression
 from mergecomp.tensorflow import *  # noqa: F401,F403 - the same API, re-exported
 from mergecomp.tensorflow import __all__ as _api

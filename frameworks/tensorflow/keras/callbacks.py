@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import torch
 
-from mergecomp.runtime import communicator, rank, size
+from mergecomp.horovod_api.runtime import communicator, rank, size
 
 from ..functions import broadcast_variables
 

@@ -1,0 +1,176 @@
+"""Sparse payloads (values + int32 indices), written once for every sparsifier.
+
+Wire format of a :class:`SparseCompressor` payload: ``(values, indices)``, ``values`` in the
+gradient's dtype and ``indices`` int32, both of length ``k = max(1, ceil(ratio * numel))``
+(:func:`num_selected`, exact) — a function of numel and ratio only, so every rank sends the same
+number of bytes.
+
+Also here: a fast top-k selection for large merged buffers (a threshold estimated from a strided
+sample, then an exact top-k among the candidates above it, found by
+:func:`mergecomp.kernels.codecs.indices_above` without a full-size ``abs()`` or slow ``nonzero`` pass)
+and the shared-seed index trick used by rand-k.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from fractions import Fraction
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from mergecomp.compressors.base.compressor import Compressor, Payload, check_ratio
+from mergecomp.kernels import native
+from mergecomp.kernels.codecs import indices_above, zero_
+
+__all__ = [
+    "SparseCompressor",
+    "num_selected",
+    "topk_indices",
+    "topk_abs_indices",
+    "sample_stride",
+    "sample_threshold",
+    "candidate_capacity",
+    "shared_random_indices",
+    "stable_seed",
+]
+
+#: Candidates kept above the sampled threshold, relative to k: enough to rarely fall back to an
+#: exact top-k over the whole buffer, few enough that the final top-k among them is cheap.
+_OVERSAMPLE = 1.3
+_MIN_SAMPLE = 16384
+
+
+def num_selected(numel: int, ratio: float) -> int:
+    """How many elements a sparsifier with ``ratio`` keeps out of ``numel``:
+    ``min(numel, max(1, ceil(ratio * numel)))``, the product taken exactly in integers with
+    ``ratio`` read as the shortest decimal that gives the float (its ``repr``: 0.07 is 7/100,
+    so 200 elements keep 14, where the float product 14.000000000000002 would round up)."""
+    numerator, denominator = _as_decimal(float(ratio))
+    return min(numel, max(1, -(-numerator * numel // denominator)))
+
+
+@functools.lru_cache(maxsize=64)
+def _as_decimal(ratio: float) -> Tuple[int, int]:
+    """``ratio`` as the fraction ``(numerator, denominator)`` of its ``repr`` (parsed once)."""
+    exact = Fraction(repr(ratio))
+    return exact.numerator, exact.denominator
+
+
+def topk_indices(magnitude: torch.Tensor, k: int, method: str = "exact") -> torch.Tensor:
+    """Indices (int64) of the ``k`` largest entries of the non-negative 1-D ``magnitude``.
+
+    ``method="exact"`` is ``torch.topk``.  ``method="threshold"`` returns the same set (ties
+    aside) faster on large buffers: it estimates the k-th largest value from a strided sample,
+    keeps the candidates above it and runs the exact top-k only among those (on fp32 CPU
+    tensors by :func:`mergecomp.kernels.native.keep_largest`: ascending, of equal values the first),
+    falling back to the full top-k when the estimate kept fewer than ``k``.
+    """
+    return _topk(magnitude, k, method, absolute=False)
+
+
+def topk_abs_indices(tensor: torch.Tensor, k: int, method: str = "exact") -> torch.Tensor:
+    """Indices (int64) of the ``k`` entries of the 1-D ``tensor`` largest in magnitude.
+
+    The same as ``topk_indices(tensor.abs(), k, method)``, but the threshold method never
+    materializes ``|tensor|``: the magnitudes are taken chunk by chunk, while still in cache.
+    """
+    return _topk(tensor, k, method, absolute=True)
+
+
+def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Tensor:
+    n = values.numel()
+    if k >= n:
+        return torch.arange(n, device=values.device)
+    if method not in ("exact", "threshold"):
+        raise ValueError(f"top-k selection must be 'exact' or 'threshold', got {method!r}")
+    if method == "threshold":
+        sample = values[::sample_stride(n, k)]
+        threshold = sample_threshold(sample.abs() if absolute else sample, k, n)
+        candidates = indices_above(values, threshold, absolute, candidate_capacity(k))
+        if candidates.numel() >= k:
+            magnitude = values.index_select(0, candidates)
+            if native.usable(magnitude):  # the k largest in ascending order, as the fused encode finds them
+                return native.keep_largest(candidates, magnitude, k)[0]
+            if absolute:
+                magnitude.abs_()
+            best = magnitude.topk(k, sorted=False).indices
+            return candidates.index_select(0, best)
+    magnitude = values.abs() if absolute else values
+    return magnitude.topk(k, sorted=False).indices
+
+
+def sample_stride(n: int, k: int) -> int:
+    """The stride of the sample that estimates the top-``k`` threshold of ``n`` elements."""
+    return max(1, n // min(n, max(_MIN_SAMPLE, math.ceil(200 * n / k))))
+
+
+def sample_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """0-d: the value that about ``_OVERSAMPLE * k`` of the ``n`` elements reach, estimated
+    from the (magnitude) ``sample`` of them taken every :func:`sample_stride` elements."""
+    rank_in_sample = min(sample.numel(), math.ceil(_OVERSAMPLE * k * sample.numel() / n))
+    return sample.topk(rank_in_sample, sorted=False).values.min()
+
+
+def candidate_capacity(k: int) -> int:
+    """How many elements above the sampled threshold a scan makes room for at first."""
+    return int(2 * _OVERSAMPLE * k + 1024)
+
+
+def stable_seed(name: str, step: int) -> int:
+    """A seed that is the same on every rank and process for group ``name`` at ``step``."""
+    return (zlib.crc32(name.encode()) * 1_000_003 + step) % (2**63 - 1)
+
+
+def shared_random_indices(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``k`` indices drawn uniformly with replacement from ``[0, numel)``, identical on all ranks
+    for the same seed (CPU generator, then moved to ``device``)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(numel, (k,), generator=generator).to(device)
+
+
+class SparseCompressor(Compressor):
+    """Keeps ``k`` elements chosen by :meth:`select`; payload ``(values, int32 indices)``."""
+
+    default_memory = "residual"
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        super().__init__()
+        self.ratio = check_ratio(ratio)
+
+    def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
+        """Indices of the ``k`` elements of ``tensor`` to send."""
+        raise NotImplementedError
+
+    def compress(
+        self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]] = None
+    ) -> Tuple[Payload, Tuple[int, torch.dtype]]:
+        indices = self.select(tensor, num_selected(tensor.numel(), self.ratio), name)
+        values = tensor.index_select(0, indices)
+        return (values, indices.to(torch.int32)), (tensor.numel(), tensor.dtype)
+
+    #: zeroing the dense output (the scatter touches k entries)
+    decompress_passes = 1
+
+    def decompress(self, payload: Payload, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
+        values, indices = payload
+        numel, dtype = ctx
+        dense = zero_(self.scratch(numel, dtype, values.device))
+        # scatter_add_ accumulates repeated indices like index_add_, and is faster on CPU.
+        return dense.scatter_add_(0, indices.long(), values.to(dtype))
+
+    def sent_entries(self, payload: Payload, ctx: Tuple[int, torch.dtype]):
+        values, indices = payload  # one rank's selection: the indices are distinct
+        return indices.long(), values.to(ctx[1])
+
+    def aggregate(self, payloads, ctx, world_size, average):
+        # One scatter-add over all ranks' entries instead of one dense decode per rank.
+        values = torch.cat([p[0] for p in payloads])
+        indices = torch.cat([p[1] for p in payloads])
+        if average:  # k values per rank, not the dense buffer
+            values = values.div_(world_size)
+        return self.decompress((values, indices), ctx)
+
+    def aggregate_passes(self, payloads: int, average: bool) -> float:
+        return self.decompress_passes

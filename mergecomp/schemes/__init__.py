@@ -1,0 +1,1 @@
+"""Exchange schemes: how a merged group's payload travels between the ranks."""
