@@ -15,15 +15,34 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.base.sign_value import SignParts
-from mergecomp.kernels import native
-from mergecomp.kernels.codecs import decode_signs, majority_vote, pack_signs
+from mergecomp.kernels import bitpack, native
+from mergecomp.kernels.codecs import decode_codes, decode_signs, majority_vote, pack_signs
 from mergecomp.registry import register_compressor
-from mergecomp.schemes.two_phase import VoteCodec
 
 Ctx = Tuple[int, torch.dtype]
 #: what :meth:`SignSGDCompressor.part_code` returns: the factory of a group's part-by-part kernel
-#: (as :class:`~mergecomp.compressors.base.sign_value.SignParts` takes it) and what to do once every part was found finite
+#: (as :class:`~mergecomp.compressors.base.sign_value.SignParts` takes it) and what to do once
+#: every part was found finite
 PartCode = Tuple[Callable[[torch.Tensor, torch.Tensor], Tuple[Any, None]], Callable[[], None]]
+
+
+class VoteCodec(Compressor):
+    """The phase-2 codec of the majority-vote compressors (two-phase scheme): the vote (``-1``,
+    ``0``, ``+1``) sent exactly as 2-bit codes ``vote + 1`` packed 4 per byte.  Summing is not
+    needed: each rank sends the vote of its own shard."""
+
+    name = "vote"
+    lossless = True  # no second-stage residual to keep
+    compress_passes = 3  # the int8 cast, the shift by 1, the packing
+
+    def compress(self, tensor: torch.Tensor, name: str, shapes=None) -> Tuple[Payload, Ctx]:
+        codes = tensor.to(torch.int8).add_(1).view(torch.uint8)
+        return (bitpack.pack(codes, 2),), (tensor.numel(), tensor.dtype)
+
+    def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
+        numel, dtype = ctx
+        values = torch.tensor([-1, 0, 1, 0], dtype=dtype, device=payload[0].device)
+        return decode_codes(payload[0], 2, numel, values, self.scratch(numel, dtype, payload[0].device))
 
 
 @register_compressor("signsgd")

@@ -71,7 +71,7 @@ def _worker(rank, light=False):
             torch.manual_seed(rank)  # the stochastic codecs draw on each rank
             step = make_step(comm, name, codec)
             out[(codec, name)] = {"identical": identical(comm, run(step, rank, range(STEPS))),
-                                  "second_stage": sorted({f for fields in step.exchange.shard_memory.state.values()
+                                  "second_stage": sorted({f for fields in step.exchange.schemes["two-phase"].memory.state.values()
                                                           for f in fields})}
             if name in CONSERVING:
                 # what was applied plus every residual of both stages is the sum of the mean gradients

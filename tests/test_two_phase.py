@@ -67,7 +67,7 @@ def residual_total(comm, step, start_of=two_phase_start):
         field = first.get("residual", first.get("velocity"))
         if field is not None:
             mine += field / size
-        second = exchange.shard_memory.state.get(group.name, {})
+        second = exchange.schemes["two-phase"].memory.state.get(group.name, {})
         if "residual" in second:
             a = start_of(comm, step, group, codec)
             mine[a:a + second["residual"].numel()] += second["residual"]
@@ -98,7 +98,7 @@ def _worker(rank):
         step = make_step(comm, name, "two-phase")
         rows = comm.allgather(torch.cat(run(step, rank, range(STEPS))))
         out[name] = {"identical": bool((rows == rows[0]).all()),
-                     "second_stage": sorted({f for fields in step.exchange.shard_memory.state.values()
+                     "second_stage": sorted({f for fields in step.exchange.schemes["two-phase"].memory.state.values()
                                              for f in fields})}
         if name in CONSERVING:
             # what was applied plus every residual of both stages is the sum of the mean gradients

@@ -45,12 +45,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 import torch
 
 from mergecomp.compressors.base.stateful import GroupStateful
+from mergecomp.kernels.wire import Payload
 from mergecomp.kernels.workspace import Workspace, fresh
 
 if TYPE_CHECKING:
     from mergecomp.compressors.base.memory import Memory
-
-Payload = Tuple[torch.Tensor, ...]
 
 __all__ = ["Compressor", "FusedParts", "SummedDecode", "Payload", "check_ratio"]
 

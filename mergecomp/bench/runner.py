@@ -52,7 +52,7 @@ import torch
 from mergecomp.compressor_args import keyword_args
 from mergecomp.horovod_api.allocator import hold_freed_memory
 from mergecomp.pipeline.breakdown import GROUP_PARTS, PARTS, combine
-from mergecomp.pipeline.exchange import NONFINITE_POLICIES
+from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd-serial", "local")
 

@@ -9,10 +9,10 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressors.base.compressor import Payload
+__all__ = ["Payload", "Spec", "pack_payload", "specs_of", "unpack_payload", "pack_rows", "word_padded"]
 
-__all__ = ["Spec", "pack_payload", "unpack_payload", "pack_rows", "word_padded"]
-
+#: what a codec sends: a tuple of tensors
+Payload = Tuple[torch.Tensor, ...]
 #: what :func:`unpack_payload` needs of each payload tensor: its dtype and shape
 Spec = Tuple[torch.dtype, torch.Size]
 
@@ -22,6 +22,11 @@ _ALIGN = 8
 def word_padded(nbytes: int) -> int:
     """``nbytes`` rounded up to the 8-byte boundary each payload tensor's bytes start on."""
     return nbytes + (-nbytes) % _ALIGN
+
+
+def specs_of(payload: Payload) -> List[Spec]:
+    """What :func:`unpack_payload` needs to read ``payload``'s packed bytes back."""
+    return [(tensor.dtype, tensor.shape) for tensor in payload]
 
 
 def pack_payload(payload: Payload, borrow: bool = False) -> Tuple[torch.Tensor, List[Spec]]:
@@ -36,16 +41,15 @@ def pack_payload(payload: Payload, borrow: bool = False) -> Tuple[torch.Tensor, 
         storage = tensor.untyped_storage()
         if start % _ALIGN == 0 and start + padded <= storage.nbytes():
             raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, start, (padded,))
-            return raw, [(tensor.dtype, tensor.shape)]
-    parts, specs = [], []
+            return raw, specs_of(payload)
+    parts = []
     for tensor in payload:
         raw = tensor.contiguous().reshape(-1).view(torch.uint8)
         parts.append(raw)
         pad = word_padded(raw.numel()) - raw.numel()
         if pad:
             parts.append(raw.new_zeros(pad))
-        specs.append((tensor.dtype, tensor.shape))
-    return torch.cat(parts), specs
+    return torch.cat(parts), specs_of(payload)
 
 
 def unpack_payload(raw: torch.Tensor, specs: Sequence[Spec]) -> Payload:

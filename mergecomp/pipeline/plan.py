@@ -22,34 +22,27 @@ import torch
 if TYPE_CHECKING:
     from mergecomp.compressors.base.compressor import Compressor
 
-__all__ = ["CODECS", "EXEMPT", "TWO_PHASE", "HIERARCHICAL", "HIERARCHICAL_TWO_PHASE", "Exemptions", "GroupPlan",
-           "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
+__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "Exemptions", "GroupPlan", "Group", "has_codec_choice", "layout",
+           "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
-#: codec names a group may use: the configured compressor, a cast to fp16, or nothing
-CODECS = ("compressed", "fp16", "none")
+#: the configured compressor, sent by allreduce where its payloads add up, else by allgather
+COMPRESSED = "compressed"
+#: codec names a group may use besides the sharded schemes' (:data:`mergecomp.schemes.SHARDED`):
+#: the configured compressor, a cast to fp16, or nothing
+CODECS = (COMPRESSED, "fp16", "none")
 #: codec of the groups of exempt tensors (:class:`Exemptions`), and of every group during the
 #: compression warm-up: a plain allreduce of the gradient as it is, outside error feedback and
 #: compressor state (the scheduler never picks it)
 EXEMPT = "exempt"
-#: codec of a group sent with the configured (non-summable) compressor by the two-phase scheme:
-#: compressed shards by all-to-all, then each rank's compressed aggregate of its shard by
-#: allgather (:mod:`mergecomp.schemes.two_phase`); ``"compressed"`` sends such a compressor's payload
-#: whole by allgather
-TWO_PHASE = "two-phase"
-#: codecs of a group sent with the configured (non-summable) compressor across hosts only: a
-#: reduce-scatter inside each host, each rank's shard compressed and exchanged with the ranks of
-#: the same local rank on the other hosts (by allgather, or by the two-phase scheme), an allgather
-#: inside the host; modelled by the offline planner (:mod:`mergecomp.scheduler.offline`)
-HIERARCHICAL = "hierarchical"
-HIERARCHICAL_TWO_PHASE = "hierarchical-two-phase"
 
 
 def has_codec_choice(compressor: "Compressor") -> bool:
     """Whether groups may be sent with another codec of :data:`CODECS` than ``compressor``:
     not when it is ``none`` (exact gradients, which fp16 would not keep), nor when it
-    :attr:`~mergecomp.compressors.base.compressor.Compressor.votes` (every group must then take part in the vote)."""
+    :attr:`~mergecomp.compressors.base.compressor.Compressor.votes` (every group must then take
+    part in the vote)."""
     return compressor.name != "none" and not compressor.votes
 
 
@@ -89,10 +82,11 @@ class Exemptions:
 class GroupPlan:
     """Groups of parameter indices; concatenating the groups gives the backward order.
 
-    ``codecs`` optionally names each group's codec (one of :data:`CODECS`, :data:`TWO_PHASE`,
-    :data:`HIERARCHICAL`, :data:`HIERARCHICAL_TWO_PHASE` or :data:`EXEMPT`);
-    empty means every group uses the configured compressor, and all-``"compressed"`` is stored
-    as empty, so plans that send the same groups the same way compare equal.
+    ``codecs`` optionally names what each group is sent with: one of :data:`CODECS`, the name
+    of a sharded scheme (the configured compressor by that scheme,
+    :data:`mergecomp.schemes.SHARDED`) or :data:`EXEMPT`; empty means every group uses the
+    configured compressor, and all-``"compressed"`` is stored as empty, so plans that send the
+    same groups the same way compare equal.
     """
 
     groups: Tuple[Tuple[int, ...], ...]
@@ -103,11 +97,11 @@ class GroupPlan:
             raise ValueError("a merge plan cannot contain an empty group")
         if self.codecs and len(self.codecs) != len(self.groups):
             raise ValueError(f"a merge plan with {len(self.groups)} groups needs as many codecs, got {len(self.codecs)}")
-        if all(c == "compressed" for c in self.codecs):
+        if all(c == COMPRESSED for c in self.codecs):
             object.__setattr__(self, "codecs", ())
 
     def codec(self, g: int) -> str:
-        return self.codecs[g] if self.codecs else "compressed"
+        return self.codecs[g] if self.codecs else COMPRESSED
 
     def codec_names(self) -> Tuple[str, ...]:
         """The codec of every group, in order."""
@@ -233,7 +227,7 @@ def build_plan(
         groups = _groups_from_names(spec, order, names)
     held = [i for i in order if exempt[i]]
     runs = [[i for i in g if not exempt[i]] for g in groups]
-    codecs = ["compressed" if c == EXEMPT else c for c, run in zip(codecs, runs) if run]
+    codecs = [COMPRESSED if c == EXEMPT else c for c, run in zip(codecs, runs) if run]
     groups = [run for run in runs if run]
     if kinds:
         runs = [_split_kinds(g, kinds) for g in groups]
@@ -242,7 +236,7 @@ def build_plan(
         groups = [run for split in runs for run in split]
     if held:
         tail = _split_kinds(held, kinds) if kinds else [held]
-        codecs = (codecs or ["compressed"] * len(groups)) + [EXEMPT] * len(tail)
+        codecs = (codecs or [COMPRESSED] * len(groups)) + [EXEMPT] * len(tail)
         groups += tail
     plan = GroupPlan(tuple(tuple(g) for g in groups), tuple(codecs))
     _check_covers(plan, order, names)

@@ -40,12 +40,16 @@ from mergecomp.engines.communicator import Communicator
 from mergecomp.kernels import codecs, native
 from mergecomp.pipeline.agreement import check_ranks_agree
 from mergecomp.pipeline.breakdown import DECODE, ENCODE, SCHEDULER, WAIT, Breakdown
-from mergecomp.pipeline.exchange import NONFINITE_POLICIES, OVERFLOWED, SHARDED, Exchange, InFlight, NonfiniteCheck
-from mergecomp.pipeline.plan import EXEMPT, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout, remap_state
+from mergecomp.pipeline.exchange import Exchange
+from mergecomp.pipeline.job import Job
+from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES, OVERFLOWED, NonfiniteCheck
+from mergecomp.pipeline.plan import (COMPRESSED, EXEMPT, Exemptions, Group, GroupPlan, PlanSpec, build_plan, layout,
+                                     remap_state)
 from mergecomp.scheduler.online import MergeScheduler, SchedulerConfig, exchange_scheduler
+from mergecomp.schemes import OPTIONS, SHARDED
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS",
-           "SCHEMES", "check_safety_options", "check_scheme"]
+           "check_safety_options", "check_scheme"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -65,14 +69,10 @@ def check_safety_options(compression_warmup_steps: int, uncompressed: Sequence[s
     return Exemptions.create(uncompressed, min_compress_numel)
 
 
-#: values of the ``scheme`` option (None: the default, see :class:`MergedStep`)
-SCHEMES = ("allgather", *SHARDED)
-
-
 def check_scheme(scheme: Optional[str], compressor: Compressor) -> Optional[str]:
     """Validate the ``scheme`` option against ``compressor`` (ValueError naming both)."""
-    if scheme is not None and scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES} or None, got {scheme!r}")
+    if scheme is not None and scheme not in OPTIONS:
+        raise ValueError(f"scheme must be one of {OPTIONS} or None, got {scheme!r}")
     if scheme in SHARDED and compressor.rounds > 1:
         raise ValueError(f"scheme={scheme!r} needs a single-round compressor; {compressor.name!r} "
                          f"takes {compressor.rounds} rounds")
@@ -357,12 +357,11 @@ class MergedStep:
 
     def _fold(self) -> None:
         """Turn the current groups' second-stage residuals into per-element carries."""
-        self.exchange.fold_shards(self._groups, [self._sent_as(codec) for codec in self._plan.codec_names()])
+        self.exchange.fold(self._groups, [self._sent_as(codec) for codec in self._plan.codec_names()])
 
     def _holders(self) -> tuple:
         """What holds per-group state that follows the tensors when groups change."""
-        exchange = self.exchange
-        return exchange.memory, exchange.compressor, exchange.shard_memory
+        return tuple(self.exchange.holders().values())
 
     def _buffer(self, g: int) -> torch.Tensor:
         flat = self._buffers[g]
@@ -378,7 +377,7 @@ class MergedStep:
         #: per group: True while every gradient copied in was found finite, False once one was
         #: not, None when one was copied without a check (the exchange then checks the group)
         self._finite: List[Optional[bool]] = [True] * len(self._groups)
-        self._started: List[InFlight] = []
+        self._started: List[Job] = []
         self._outs: List[torch.Tensor] = []
         self._given: List[Group] = []  # caller-given groups started this step
         self._given_codecs: List[str] = []
@@ -513,7 +512,7 @@ class MergedStep:
     def _sent_as(self, codec: str) -> str:
         """The codec a group of the plan's ``codec`` is started with: ``"compressed"`` travels by
         the ``scheme`` option's scheme."""
-        return self.scheme if codec == "compressed" and self.scheme in SHARDED else codec
+        return self.scheme if codec == COMPRESSED and self.scheme in SHARDED else codec
 
     def start_group(self, indices: Sequence[int], flat: torch.Tensor) -> None:
         """Start a group the caller defines (DDP's bucket): tensors ``indices`` laid out in
@@ -533,14 +532,14 @@ class MergedStep:
                                f"{self.tensor_names(group)[:4]} of {group.numel} elements in all")
         exempt = [self._exempt[i] for i in group.indices]
         if not any(exempt):
-            self._start_given(group, flat, "compressed", 0)
+            self._start_given(group, flat, COMPRESSED, 0)
             return
         bounds = [*group.offsets, group.numel]
         slices: Dict[bool, List[torch.Tensor]] = {False: [], True: []}
         for part, run in itertools.groupby(range(len(exempt)), key=exempt.__getitem__):
             run = list(run)  # neighbouring tensors of one kind: one copy each way
             slices[part].append(flat[bounds[run[0]]:bounds[run[-1] + 1]])
-        for part, codec in ((False, "compressed"), (True, EXEMPT)):
+        for part, codec in ((False, COMPRESSED), (True, EXEMPT)):
             if slices[part]:
                 sub = layout(GroupPlan((tuple(i for i, e in zip(group.indices, exempt) if e == part),)),
                              self.shapes)[0]
@@ -610,8 +609,7 @@ class MergedStep:
             for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
                 dst.copy_(src)
             jobs[j].count("copy-out", 1)
-        step = self.exchange.step
-        self.exchange.step += 1
+        step = self.exchange.end_step()
         if self.step == self.warmup_steps > 0:
             logger.info("%s: compression warm-up over after %d steps; %r compresses from now on",
                         self._who, self.step, self.exchange.compressor)
@@ -807,12 +805,12 @@ class MergedStep:
             logger.warning("%s: the checkpoint was saved with %d ranks and runs on %d: error-feedback "
                            "residuals and compressor state start afresh, and the scheduler searches again",
                            self._who, saved_size, self.comm.size)
-            state = {**state, "memory": {}, "compressor": {}, "shard_memory": {}, "scheduler": None}
+            state = {**state, **self._fresh_state(), "scheduler": None}
         elif state.get("rank", self.comm.rank) != self.comm.rank:  # another rank's residuals
             logger.warning("%s: the checkpoint holds rank %d's error-feedback residuals and compressor state, "
                            "which start afresh here (save and load one checkpoint per rank to keep them)",
                            self._who, state["rank"])
-            state = {**state, "memory": {}, "compressor": {}, "shard_memory": {}}
+            state = {**state, **self._fresh_state()}
         self.exchange.load_state_dict(state)
         self._last_end = None
         self.timings.forget()
@@ -829,20 +827,23 @@ class MergedStep:
         and holds such state or none does; otherwise they start afresh on every rank (logged)."""
         if self.in_flight:
             raise RuntimeError(f"{self._who}: ranks can only agree between steps")
-        exchange = self.exchange
-        has_state = any(holder.state for holder in self._holders())
+        holders = self.exchange.holders()
+        has_state = any(holder.state for holder in holders.values())
         seen = self.comm.allgather(torch.tensor([self.step, int(has_state)], dtype=torch.int64,
                                                 device=self.comm.device), "the resume agreement").cpu()
         shared = self.comm.broadcast_object(
-            {k: v for k, v in self.state_dict().items() if k not in ("memory", "compressor", "shard_memory")}, root)
+            {k: v for k, v in self.state_dict().items() if k not in holders}, root)
         keep = bool((seen == seen[root]).all())
         if not keep and seen[:, 1].any():
             logger.warning("%s: ranks resumed from different steps or not all of them loaded a checkpoint "
                            "(steps %s): error-feedback residuals and compressor state start afresh on every "
                            "rank", self._who, seen[:, 0].tolist())
-        self.load_state_dict({**shared, "rank": self.comm.rank, "memory": exchange.memory.state_dict() if keep else {},
-                              "compressor": exchange.compressor.state_dict() if keep else {},
-                              "shard_memory": exchange.shard_memory.state_dict() if keep else {}})
+        self.load_state_dict({**shared, "rank": self.comm.rank,
+                              **{key: holder.state_dict() if keep else {} for key, holder in holders.items()}})
+
+    def _fresh_state(self) -> Dict[str, Dict]:
+        """Checkpoint fields that leave every per-group state holder empty."""
+        return {key: {} for key in self.exchange.holders()}
 
     def __repr__(self) -> str:
         return (f"MergedStep(compressor={self.exchange.compressor!r}, memory={self.exchange.memory!r}, "

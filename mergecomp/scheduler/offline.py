@@ -32,11 +32,12 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.pipeline.plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, has_codec_choice
+from mergecomp.pipeline.plan import CODECS, COMPRESSED, has_codec_choice
 from mergecomp.registry import get_compressor, get_memory
 from mergecomp.scheduler.costmodel import (PLAIN, Affine, Cluster, CodecFit, Prediction, Profile, fit_span, flat_cost,
                                            hierarchical_cost, predict, search, search_by_scheme, two_phase_cost)
 from mergecomp.scheduler.probes import probe_sizes, time_codec
+from mergecomp.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
 
 __all__ = ["exchange_codecs", "gradient_bytes", "plan_table", "markdown_table", "to_json"]
 
@@ -50,8 +51,8 @@ def gradient_bytes(shapes: Sequence[Sequence[int]]) -> List[int]:
 
 
 #: the cost of each codec of the configured compressor (a plan codec name) on a cluster
-SCHEMES = {
-    "compressed": flat_cost,
+SCHEME_COSTS = {
+    COMPRESSED: flat_cost,
     TWO_PHASE: two_phase_cost,
     HIERARCHICAL: hierarchical_cost,
     HIERARCHICAL_TWO_PHASE: functools.partial(hierarchical_cost, across=two_phase_cost),
@@ -65,7 +66,7 @@ def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[
     payloads), or assumed from ``codec_gbps``.  Measured encodes include the configured
     compressor's default error-feedback memory, which every codec's groups go through."""
     samples = probe_sizes(gradient_bytes(shapes))
-    memory = get_memory(compressors["compressed"].default_memory)
+    memory = get_memory(compressors[COMPRESSED].default_memory)
     nbytes = [b for b, _ in samples]
     torch_shapes = [torch.Size(s) for s in shapes]
     out = {}
@@ -90,8 +91,8 @@ def exchange_codecs(compressor: Compressor, cluster: Cluster) -> Tuple[str, ...]
     for a non-summable single-round compressor also ``two-phase`` (N >= 3) and, with several
     ranks per host, ``hierarchical`` and ``hierarchical-two-phase`` (3 hosts or more)."""
     if compressor.summable or compressor.rounds > 1:
-        return ("compressed",)
-    wanted = {"compressed": True, TWO_PHASE: cluster.world_size >= 3,
+        return (COMPRESSED,)
+    wanted = {COMPRESSED: True, TWO_PHASE: cluster.world_size >= 3,
               HIERARCHICAL: cluster.host_size > 1,
               HIERARCHICAL_TWO_PHASE: cluster.host_size > 1 and cluster.hosts >= 3}
     return tuple(name for name, ok in wanted.items() if ok)
@@ -107,8 +108,8 @@ def _predictions(profile: Profile, schemes: Sequence[str], plain: Sequence[str],
     return {"best": search_by_scheme(profile, max_groups, (*schemes, *plain), top=1)[0],
             "fp16": search(profile, max_groups, PLAIN, top=1)[0],
             "fp32_fused": search(profile, max_groups, ("none",), top=1)[0],
-            "layerwise": predict(profile, list(range(1, n)), ["compressed"] * n),
-            "one_group": predict(profile, [], ["compressed"])}
+            "layerwise": predict(profile, list(range(1, n)), [COMPRESSED] * n),
+            "one_group": predict(profile, [], [COMPRESSED])}
 
 
 def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Sequence[int],
@@ -132,7 +133,7 @@ def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Seque
         prefix += size
         ready.append(backward_ms / 1e3 * prefix / total)
     compressor = get_compressor(compressor_name, **compressor_args)
-    compressors = {name: compressor if name == "compressed" else get_compressor(name) for name in CODECS}
+    compressors = {name: compressor if name == COMPRESSED else get_compressor(name) for name in CODECS}
     fits = _codec_fits(compressors, shapes, codec_gbps)
     plain = PLAIN if has_codec_choice(compressor) else ()
     rows = []
@@ -144,7 +145,7 @@ def plan_table(shapes, compressor_name: str, compressor_args, world_sizes: Seque
                                   intra_latency_us * 1e-6, intra_gbit * 1e9 / 8, two_level)
                 schemes = exchange_codecs(compressor, cluster)
                 codecs = {name: flat_cost(fits[name], cluster) for name in PLAIN}
-                codecs.update((name, SCHEMES[name](fits["compressed"], cluster)) for name in schemes)
+                codecs.update((name, SCHEME_COSTS[name](fits[COMPRESSED], cluster)) for name in schemes)
                 found.append(_predictions(Profile(sizes, ready, codecs), schemes, plain, max_groups))
             rows.append({"world_size": n, "host_size": host_size,
                          **{key: _fastest([f[key] for f in found]) for key in found[0]}})

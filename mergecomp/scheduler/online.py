@@ -40,9 +40,10 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.communicator import Communicator
-from mergecomp.pipeline.plan import CODECS, HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE, GroupPlan, has_codec_choice
+from mergecomp.pipeline.plan import CODECS, COMPRESSED, GroupPlan, has_codec_choice
 from mergecomp.scheduler.costmodel import Prediction, Profile, predict, search, search_by_scheme
 from mergecomp.scheduler.probes import measure, probe_sizes
+from mergecomp.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, SHARDED, TWO_PHASE
 
 if TYPE_CHECKING:
     from mergecomp.pipeline.exchange import Exchange
@@ -55,9 +56,7 @@ MakePlan = Callable[[Sequence[int], Sequence[str]], GroupPlan]
 
 #: the codecs a group may get from the search: the configured compressor by allgather (or
 #: allreduce), by the two-phase scheme or by a hierarchical scheme, fp16, or plain
-SEARCHED = (*CODECS, TWO_PHASE, HIERARCHICAL, HIERARCHICAL_TWO_PHASE)
-#: the codecs that send the compressor's payloads in shards
-_SHARDED = (TWO_PHASE, HIERARCHICAL, HIERARCHICAL_TWO_PHASE)
+SEARCHED = (*CODECS, *SHARDED)
 
 
 @dataclass
@@ -103,15 +102,15 @@ def searched_codecs(codecs: Sequence[str], compressor: Compressor, world_size: i
     allgather only; a sharded ``scheme`` (two-phase or hierarchical) sends every compressed
     group by it."""
     if not has_codec_choice(compressor):
-        codecs = [c for c in codecs if c in ("compressed", *_SHARDED)]
-    if scheme in _SHARDED:
-        return tuple(dict.fromkeys(scheme if c == "compressed" else c for c in codecs if c not in _SHARDED))
+        codecs = [c for c in codecs if c in (COMPRESSED, *SHARDED)]
+    if scheme in SHARDED:
+        return tuple(dict.fromkeys(scheme if c == COMPRESSED else c for c in codecs if c not in SHARDED))
     hosts = world_size // per_host
     offered = {TWO_PHASE: world_size >= 3, HIERARCHICAL: per_host > 1 and hosts > 1,
                HIERARCHICAL_TWO_PHASE: per_host > 1 and hosts >= 3}
     if scheme == "allgather" or compressor.summable or compressor.rounds > 1:
         offered = {}
-    return tuple(dict.fromkeys(c for c in codecs if c not in _SHARDED or offered.get(c)))
+    return tuple(dict.fromkeys(c for c in codecs if c not in SHARDED or offered.get(c)))
 
 
 def _processes_per_host(comm: Communicator, compressor: Compressor, scheme: Optional[str]) -> int:
@@ -271,7 +270,7 @@ class MergeScheduler:
         budget = self.config.candidates
         predictions = search_by_scheme(profile, self.config.max_groups, self.config.codecs, budget)
         pure = []
-        schemes = [c for c in ("compressed", *_SHARDED) if c in self.config.codecs]
+        schemes = [c for c in (COMPRESSED, *SHARDED) if c in self.config.codecs]
         if schemes and len(self.config.codecs) > 1:
             # Always verify the two best plans that use only the configured compressor (two
             # group counts; with several schemes, the best of each, fastest predicted first), in

@@ -25,10 +25,10 @@ from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.communicator import Communicator
 from mergecomp.kernels.workspace import Workspace
-from mergecomp.pipeline.plan import TWO_PHASE
 from mergecomp.scheduler.costmodel import CodecCost, Profile, fit_affine
-from mergecomp.schemes.hierarchical import FLAT, across_hosts_of
-from mergecomp.schemes.two_phase import ShardMemory, VoteCodec, shard_bounds
+from mergecomp.schemes import SCHEMES, TWO_PHASE
+from mergecomp.schemes.hierarchical import across_hosts_of
+from mergecomp.schemes.two_phase import ShardMemory, shard_bounds
 
 __all__ = ["CodecProbe", "Measurements", "encode_alone", "measure", "probe_sizes", "time_codec", "time_in_host",
            "time_network", "time_two_phase", "time_two_phase_network"]
@@ -137,7 +137,7 @@ def time_two_phase(compressor: Compressor, samples: Sequence[Tuple[int, int]], d
     generator = torch.Generator(device="cpu").manual_seed(0)
     name = "__scheduler_probe__"
     second = compressor.second_phase()
-    shard_memory = ShardMemory() if memory is not None and memory.feeds_back and not isinstance(second, VoteCodec) \
+    shard_memory = ShardMemory() if memory is not None and memory.feeds_back and not second.lossless \
         else None
     attached = compressor.workspace
     runs = 0
@@ -362,13 +362,14 @@ def _levels(comm: Communicator, name: str) -> Tuple[str, Communicator, Optional[
     """Where codec ``name`` compresses: ``(flat scheme, its communicator, the host's
     communicator)``, the last None unless a hierarchical codec runs on several hosts of several
     processes (elsewhere it is its flat scheme, as the exchange sends it)."""
-    if name not in FLAT:
+    fallback = SCHEMES[name].fallback if name in SCHEMES else None
+    if fallback is None:
         return name, comm, None
     hosts = across_hosts_of(comm)
     if hosts is None:
-        return FLAT[name], comm, None
+        return fallback, comm, None
     local, cross = hosts
-    return FLAT[name], cross, local
+    return fallback, cross, local
 
 
 def measure(comm: Communicator, codecs: Mapping[str, Compressor], samples: Sequence[Tuple[int, int]],

@@ -1,18 +1,18 @@
-"""The hierarchical exchange of a group: sum inside each host, compress across hosts.
+"""Hierarchical: sum inside each host, compress across hosts.
 
-A group sent with :data:`~mergecomp.pipeline.plan.HIERARCHICAL` (or
-:data:`~mergecomp.pipeline.plan.HIERARCHICAL_TWO_PHASE`) on H hosts of L processes each
-(:meth:`~mergecomp.engines.communicator.Communicator.split_hosts`: ``local`` inside this host, ``cross`` over
-the processes with this local rank on every host) travels in three collectives::
+A group sent with ``"hierarchical"`` (or ``"hierarchical-two-phase"``) on H hosts of L
+processes each (:meth:`~mergecomp.engines.communicator.Communicator.split_hosts`: ``local``
+inside this host, ``cross`` over the processes with this local rank on every host) travels in
+three collectives::
 
     in the host    the error-compensated group, uncompressed, zero-padded to L blocks of
                    :attr:`Hosts.chunk` elements (:func:`~mergecomp.schemes.two_phase.shard_bounds`);
                    one all-to-all on ``local`` sends block j to local rank j, which sums the L
                    blocks: its shard of the host's sum
-    across hosts   local rank j compresses its shard and exchanges it on ``cross`` by the flat
-                   scheme (the compressor's allgather, or allreduce where payloads sum) or, for
-                   ``hierarchical-two-phase``, by the two-phase scheme (:mod:`mergecomp.schemes.two_phase`),
-                   and aggregates the H hosts' payloads of its shard
+    across hosts   local rank j compresses its shard and exchanges it on ``cross`` by the scheme
+                   of the group's fallback (:mod:`.allgather` or :mod:`.allreduce` as the
+                   compressor's payloads require, or :mod:`.two_phase` for
+                   ``hierarchical-two-phase``), and aggregates the H hosts' payloads of its shard
     in the host    one allgather on ``local`` of each rank's aggregated shard, uncompressed and
                    padded to ``chunk``; every rank copies the L shards into the group's result
 
@@ -20,51 +20,44 @@ On the wire, per rank: ``(L-1)/L`` of the group's uncompressed bytes out and in 
 the two collectives inside the host; across hosts, what the scheme sends for a 1/L shard.
 The error-feedback memory compensates the whole group before the all-to-all and is fed what
 this rank compresses: its shard of the host's sum (the group, zero elsewhere).  On one host, or
-on hosts of one process, a hierarchical codec is sent as its flat counterpart (:data:`FLAT`).
-
-:class:`HostLevel` holds these stages as methods of :class:`~mergecomp.pipeline.exchange.Exchange`, which
-it is mixed into and whose waits, compression and flat or two-phase scheme it uses across hosts:
-``_reduce_in_host`` starts a group and queues ``_across_hosts``, the two-phase allgather where it
-applies and ``_gather_in_host`` as its stages (:meth:`~mergecomp.pipeline.exchange.Exchange.advance`);
-``_gather_hosts`` ends it.
+on hosts of one process, a group of these schemes is sent by its fallback (:meth:`Hierarchical.applies`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.engines.communicator import Communicator
 from mergecomp.pipeline.breakdown import ENCODE
-from mergecomp.pipeline.plan import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
+from mergecomp.pipeline.plan import Group
+from mergecomp.schemes.base import Scheme
 from mergecomp.schemes.two_phase import Bounds, pad_to, shard_bounds, shard_size, zero_outside
 
-__all__ = ["FLAT", "Hosts", "HostLevel", "across_hosts_of"]
+if TYPE_CHECKING:
+    from mergecomp.pipeline.job import Job
 
-#: the flat scheme each hierarchical codec becomes on one host or on hosts of one process
-FLAT = {HIERARCHICAL: "compressed", HIERARCHICAL_TWO_PHASE: TWO_PHASE}
-
+__all__ = ["Hierarchical", "HierarchicalTwoPhase", "Hosts", "across_hosts_of"]
 
 def across_hosts_of(comm: Communicator) -> Optional[Tuple[Communicator, Communicator]]:
-    """``(local, cross)`` (:meth:`~mergecomp.engines.communicator.Communicator.split_hosts`, a collective the
-    first time) where ``comm`` has several processes on each of several hosts; None where a
-    hierarchical codec is its flat counterpart (:data:`FLAT`): one host, or one process per host."""
+    """``(local, cross)`` (:meth:`~mergecomp.engines.communicator.Communicator.split_hosts`, a
+    collective the first time) where ``comm`` has several processes on each of several hosts;
+    None where the hierarchical schemes fall back: one host, or one process per host."""
     local, cross = comm.split_hosts()
     return None if local.size == 1 or cross.size == 1 else (local, cross)
 
 
 @dataclass
 class Hosts:
-    """A group in the hierarchical scheme: the communicators inside this host and across
-    hosts, the group's ``bounds`` cut in one shard per local rank (each at most ``chunk``
-    elements), and whether the shards cross hosts by the two-phase scheme."""
+    """A group in the hierarchical scheme: the communicators inside this host and across hosts,
+    and the group's ``bounds`` cut in one shard per local rank (each at most ``chunk`` elements)."""
 
     local: Communicator
     cross: Communicator
     bounds: Bounds
     chunk: int
-    two_phase: bool = False
 
     @property
     def span(self) -> Tuple[int, int]:
@@ -72,64 +65,91 @@ class Hosts:
         return self.bounds[self.local.rank]
 
 
-class HostLevel:
-    """The hierarchical scheme's stages, mixed into :class:`~mergecomp.pipeline.exchange.Exchange` (they
-    use its ``comm``, ``compressor``, ``clock``, ``_collected``, ``_compress``, ``_scatter_shards``,
-    ``_second_phase`` and ``_reduce``); ``job`` is the group's
-    :class:`~mergecomp.pipeline.exchange.InFlight`."""
+@dataclass
+class InHost:
+    """A group in flight in the hierarchical scheme: its hosts' layout, and the job of this
+    rank's shard across hosts once that exchange has started."""
 
-    def _host_level(self, numel: int, two_phase: bool = False) -> Hosts:
-        """The host level of a group of ``numel`` elements in the hierarchical scheme."""
+    hosts: Hosts
+    across: Optional["Job"] = None
+
+
+class Hierarchical(Scheme):
+    """See the module docstring: across hosts, the flat scheme of the compressor."""
+
+    name = "hierarchical"
+    sharded = True
+    fallback = "compressed"
+
+    @classmethod
+    def applies(cls, comm: Communicator) -> bool:
+        return across_hosts_of(comm) is not None
+
+    def across(self, compressor: Compressor) -> Scheme:
+        """The scheme across hosts (the fallback's)."""
+        return self.route(self.fallback, compressor)
+
+    def hosts(self, numel: int) -> Hosts:
+        """The host level of a group of ``numel`` elements."""
         local, cross = self.comm.split_hosts()
-        align = self.compressor.shard_alignment
-        return Hosts(local, cross, shard_bounds(numel, local.size, align), shard_size(numel, local.size, align),
-                     two_phase)
+        align = self.encoder.compressor.shard_alignment
+        return Hosts(local, cross, shard_bounds(numel, local.size, align), shard_size(numel, local.size, align))
 
-    def _reduce_in_host(self, job, two_phase: bool) -> None:
-        """The scheme's first collective: the compensated group, cut in one shard per local rank
-        (padded to equal blocks), by all-to-all inside the host; queue the stages that follow."""
-        hosts = job.hosts = self._host_level(job.compensated.numel(), two_phase)
-        job.comm, job.span = hosts.local, hosts.span
+    def start(self, job: "Job") -> None:
+        """The compensated group, cut in one shard per local rank (padded to equal blocks), by
+        all-to-all inside the host."""
+        hosts = self.hosts(job.group.numel)
+        job.flight = InHost(hosts)
         job.handle = hosts.local.alltoall_async(_padded(job, job.compensated, hosts.local.size * hosts.chunk))
-        job.stages = [self._across_hosts, *([self._second_phase] if two_phase else []), self._gather_in_host]
+        job.stages = [lambda: self._across_hosts(job)]
 
-    def _across_hosts(self, job) -> None:
+    def _across_hosts(self, job: "Job") -> None:
         """Sum this rank's shard over the host into ``job.compensated`` (zero elsewhere: what
         this rank now holds of the host's gradients, for the memory) and start its compressed
-        exchange across hosts: the flat scheme, or the two-phase scheme."""
-        rows = self._collected(job, "reduce-scatter in the host")
-        (start, stop), compensated = job.span, job.compensated
+        exchange across hosts, whose stages become this group's next ones."""
+        rows = self.wait(job, "the reduce-scatter in the host")
+        hosts, compensated = job.flight.hosts, job.compensated
+        start, stop = hosts.span
         torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
         zero_outside(compensated, start, stop)
         job.count("decode", 1)  # reads every local rank's shard, writes this one, zeroes the rest
-        job.comm = job.hosts.cross
+        across = job.flight.across = job.within(hosts.cross, hosts.span)
         with self.clock(ENCODE, job.group.name):
-            if job.hosts.two_phase:
-                self._scatter_shards(job)
-            else:
-                self._compress(job)
+            self.across(job.compressor).start(across)
+        job.overflowed = across.overflowed
+        job.stages = [*across.stages, lambda: self._gather_in_host(job)]
+        across.stages = []
 
-    def _gather_in_host(self, job) -> None:
+    def _gather_in_host(self, job: "Job") -> None:
         """Aggregate this rank's shard across hosts and start its allgather inside the host."""
-        shard = self._reduce(job, None)
-        job.comm = job.hosts.local
+        hosts, across = job.flight.hosts, job.flight.across
+        shard = self.across(job.compressor).finish(across, None)
         with self.clock(ENCODE, job.group.name):
-            job.handle = job.comm.allgather_async(_padded(job, shard, job.hosts.chunk))
+            job.handle = hosts.local.allgather_async(_padded(job, shard, hosts.chunk))
 
-    def _gather_hosts(self, job, out: Optional[torch.Tensor]) -> torch.Tensor:
-        """The scheme's end: every local rank's aggregated shard into the group's result
-        (``out`` when given)."""
-        rows = self._collected(job, "allgather in the host")
+    def finish(self, job: "Job", out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Every local rank's aggregated shard into the group's result."""
+        rows = self.wait(job, "the allgather in the host")
         like = job.compensated
         result = out if out is not None else job.compressor.scratch(like.numel(), like.dtype, like.device)
-        for row, (start, stop) in zip(rows, job.hosts.bounds):
+        for row, (start, stop) in zip(rows, job.flight.hosts.bounds):
             result[start:stop] = row[:stop - start]
         job.count("decode", 1)
-        job.hosts = None
         return result
 
+    def fold(self, group: Group, comm: Communicator, span: Tuple[int, int]) -> None:
+        hosts = self.hosts(group.numel)
+        self.across(self.encoder.compressor).fold(group, hosts.cross, hosts.span)
 
-def _padded(job, tensor: torch.Tensor, numel: int) -> torch.Tensor:
+
+class HierarchicalTwoPhase(Hierarchical):
+    """The hierarchical scheme with the two-phase scheme across hosts."""
+
+    name = "hierarchical-two-phase"
+    fallback = "two-phase"
+
+
+def _padded(job: "Job", tensor: torch.Tensor, numel: int) -> torch.Tensor:
     """:func:`~mergecomp.schemes.two_phase.pad_to`, its copy counted as an ``encode`` pass."""
     padded = pad_to(tensor, numel)
     if padded is not tensor:

@@ -1,4 +1,5 @@
-"""The two-phase exchange of a group whose compressor's payloads cannot be summed.
+"""Two-phase: a compressed reduce-scatter by all-to-all, then an allgather of each rank's
+compressed aggregate of its shard.
 
 With ``allgather`` every rank receives the N-1 other payloads of the whole group and decodes
 N of them: bytes and decode work per rank grow with N.  Two-phase keeps both flat in N::
@@ -18,28 +19,37 @@ all-to-all, the same again by the allgather.  Payloads travel packed into bytes
 (:func:`mergecomp.kernels.wire.pack_rows`), each shard's padded to the largest shard's, so every
 rank sends equal blocks; a shard's payload size depends only on its numel, so all ranks agree.
 
-Second-stage residual: kept only when the exchange's memory does error feedback, and not for
-the majority vote (sent exactly, as 2-bit codes).  It lives in :class:`ShardMemory` per group,
-one shard long.  When the merge plan changes, each rank's residual is put back at its elements,
-scaled to a gradient of its own (times N when averaging), as a one-off ``carry`` that the next
-exchange of the new group adds to the compensated gradient; the first-stage memory keeps
-whatever of it is not sent, so applied updates plus both stages' residuals still sum to the
-gradients.
+Second-stage residual: kept only when the exchange's memory does error feedback, and not where
+the phase-2 codec is lossless (the majority vote, sent exactly as 2-bit codes).  It lives in
+:class:`ShardMemory` per group, one shard long.  When the merge plan changes, each rank's
+residual is put back at its elements, scaled to a gradient of its own (times N when averaging),
+as a one-off ``carry`` that the next exchange of the new group adds to the compensated
+gradient; the first-stage memory keeps whatever of it is not sent, so applied updates plus
+both stages' residuals still sum to the gradients.
+
+On one rank the group is sent whole (:meth:`TwoPhase.applies`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
-from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import ResidualMemory
-from mergecomp.kernels import bitpack
-from mergecomp.kernels.codecs import decode_codes
-from mergecomp.kernels.wire import Spec, pack_payload
+from mergecomp.compressors.base.stateful import GroupStateful
+from mergecomp.engines.communicator import Communicator
+from mergecomp.kernels.wire import Spec, pack_payload, pack_rows, unpack_payload
+from mergecomp.pipeline.breakdown import ENCODE, MEMORY
+from mergecomp.pipeline.plan import Group
+from mergecomp.schemes.base import Route, Scheme
 
-__all__ = ["shard_size", "shard_bounds", "pad_to", "zero_outside", "Sharded", "ShardLayouts", "VoteCodec",
+if TYPE_CHECKING:
+    from mergecomp.pipeline.encoder import Encoder
+    from mergecomp.pipeline.job import Job
+
+__all__ = ["TwoPhase", "shard_size", "shard_bounds", "pad_to", "zero_outside", "Sharded", "ShardLayouts",
            "ShardMemory"]
 
 Bounds = List[Tuple[int, int]]
@@ -82,8 +92,8 @@ def zero_outside(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 class ShardLayouts:
     """The phase-2 codec's ``ctx``, payload specs and packed bytes for a shard of a given numel
     and dtype, found once by encoding zeros (they depend on nothing else, by the
-    :class:`~mergecomp.compressors.base.compressor.Compressor` contract), so every rank can read every rank's
-    aggregated shard."""
+    :class:`~mergecomp.compressors.base.compressor.Compressor` contract), so every rank can read
+    every rank's aggregated shard."""
 
     def __init__(self, codec: Compressor) -> None:
         self.codec = codec
@@ -101,10 +111,10 @@ class ShardLayouts:
 
 @dataclass
 class Sharded:
-    """A group in the two-phase scheme: its shards' ``bounds``, this rank's shard's phase-1
-    ``ctx`` and payload ``specs`` (every rank's payload of that shard has them), every shard's
-    phase-2 ``layouts`` and the phase-2 row ``width`` in bytes.  The bounds are the group's
-    elements (a hierarchical group's shards cover this rank's shard of the host's sum)."""
+    """A group in flight in the two-phase scheme: its shards' ``bounds``, this rank's shard's
+    phase-1 ``ctx`` and payload ``specs`` (every rank's payload of that shard has them), every
+    shard's phase-2 ``layouts`` and the phase-2 row ``width`` in bytes.  The bounds are the
+    group's elements (a hierarchical group's shards cover this rank's shard of the host's sum)."""
 
     bounds: Bounds
     ctx: Any
@@ -121,24 +131,6 @@ class Sharded:
     def pad(self, raw: torch.Tensor) -> torch.Tensor:
         """This rank's packed phase-2 payload, zero-padded to :attr:`width` bytes."""
         return pad_to(raw, self.width)
-
-
-class VoteCodec(Compressor):
-    """The phase-2 codec of the majority-vote compressors: the vote (``-1``, ``0``, ``+1``) sent
-    exactly as 2-bit codes ``vote + 1`` packed 4 per byte.  Summing is not needed: each rank
-    sends the vote of its own shard."""
-
-    name = "vote"
-    compress_passes = 3  # the int8 cast, the shift by 1, the packing
-
-    def compress(self, tensor: torch.Tensor, name: str, shapes=None) -> Tuple[Payload, Any]:
-        codes = tensor.to(torch.int8).add_(1).view(torch.uint8)
-        return (bitpack.pack(codes, 2),), (tensor.numel(), tensor.dtype)
-
-    def decompress(self, payload: Payload, ctx: Any) -> torch.Tensor:
-        numel, dtype = ctx
-        values = torch.tensor([-1, 0, 1, 0], dtype=dtype, device=payload[0].device)
-        return decode_codes(payload[0], 2, numel, values, self.scratch(numel, dtype, payload[0].device))
 
 
 class ShardMemory(ResidualMemory):
@@ -166,3 +158,93 @@ class ShardMemory(ResidualMemory):
         """Group ``name``'s carry, removed (None if there is none)."""
         fields = self.state.get(name)
         return fields.pop("carry", None) if fields else None
+
+
+class TwoPhase(Scheme):
+    """See the module docstring.  ``holders``: the second-stage memory, as ``"shard_memory"``."""
+
+    name = "two-phase"
+    sharded = True
+
+    def __init__(self, comm: Communicator, encoder: "Encoder", route: Route) -> None:
+        super().__init__(comm, encoder, route)
+        #: the codec of each rank's aggregated shard
+        self.second = encoder.compressor.second_phase()
+        self.second.workspace = encoder.workspace
+        self.layouts = ShardLayouts(self.second)
+        #: the second-stage residuals, and the carries a plan change leaves
+        self.memory = ShardMemory()
+
+    @classmethod
+    def applies(cls, comm: Communicator) -> bool:
+        return comm.size > 1
+
+    @property
+    def holders(self) -> Dict[str, GroupStateful]:
+        return {"shard_memory": self.memory}
+
+    def bounds(self, comm: Communicator, span: Tuple[int, int]) -> Bounds:
+        """The shards of the elements ``span``, one per rank of ``comm``."""
+        start, stop = span
+        return shard_bounds(stop - start, comm.size, self.encoder.compressor.shard_alignment, start)
+
+    def start(self, job: "Job") -> None:
+        """Phase 1: compress each shard of ``job.span``, start the all-to-all, feed the
+        first-stage memory."""
+        comm, encoder = job.comm, self.encoder
+        bounds = self.bounds(comm, job.span)
+        shards = encoder.encode_shards(job, bounds)
+        rows, specs = pack_rows([payload for payload, _ in shards])
+        job.flight = Sharded.create(bounds, shards[comm.rank][1], specs[comm.rank], self.layouts, job.compensated)
+        job.handle = comm.alltoall_async(rows.reshape(-1))
+        encoder.feed_shards(job, shards, bounds)
+        job.stages = [lambda: self._second_phase(job)]
+
+    def _second_phase(self, job: "Job") -> None:
+        """Phase 2: wait for the all-to-all, aggregate this rank's shard, feed the second-stage
+        memory and start the allgather of its compressed aggregate."""
+        sharded, compressor, name, second, encoder = job.flight, job.compressor, job.group.name, self.second, \
+            self.encoder
+        rows = self.wait(job, "the all-to-all")
+        arrived = [unpack_payload(row, sharded.specs) for row in rows]
+        total = compressor.aggregate(arrived, sharded.ctx, self.comm.size, encoder.average)
+        shard = total.numel()
+        job.count("decode", compressor.aggregate_passes(len(arrived), encoder.average), shard)
+        feedback = job.feedback and encoder.memory.feeds_back and not second.lossless
+        compensated = total
+        if feedback:
+            with self.clock(MEMORY, name):
+                compensated = self.memory.compensate(total, name)
+                job.count("compensate", self.memory.compensate_passes, shard)
+        with self.clock(ENCODE, name):
+            payload, ctx = second.compress(compensated, name)
+            job.count("encode", second.compress_passes, shard)
+            raw, _ = pack_payload(payload)
+            job.handle = job.comm.allgather_async(sharded.pad(raw))
+        if feedback:
+            with self.clock(MEMORY, name):
+                job.count("memory", self.memory.feed(second, compensated, name, payload, ctx), shard)
+
+    def finish(self, job: "Job", out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Phase 2's end: decode every rank's aggregated shard into the aggregate of ``job.span``."""
+        rows = self.wait(job, "the allgather")
+        sharded, second, like, encoder = job.flight, self.second, job.compensated, self.encoder
+        offset, end = job.span
+        result = out if out is not None else job.compressor.scratch(end - offset, like.dtype, like.device)
+        for row, (start, stop), (ctx, specs) in zip(rows, sharded.bounds, sharded.layouts):
+            job.count("decode", second.decompress_passes, stop - start)
+            encoder.decode_into(job, result[start - offset:stop - offset], second.decompress,
+                                unpack_payload(row, specs), ctx)
+        return result
+
+    def take_carry(self, name: str) -> Optional[torch.Tensor]:
+        return self.memory.take_carry(name)
+
+    def has_carry(self, name: str) -> bool:
+        return self.memory.has_carry(name)
+
+    def fold(self, group: Group, comm: Communicator, span: Tuple[int, int]) -> None:
+        """This rank's second-stage residual of ``group`` becomes a carry at its elements, scaled
+        to a gradient of its own (times the number of ranks when averaging)."""
+        start, _ = self.bounds(comm, span)[comm.rank]
+        self.memory.fold(group.name, group.numel, start, self.comm.size if self.encoder.average else 1)

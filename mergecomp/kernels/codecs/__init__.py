@@ -11,19 +11,19 @@ the torch path.
   packed codes through a table);
 * :mod:`.sums`: the reductions a kernel computes in its pass (the sums of each sign, min, max,
   squared deviations from the mean), each reduced only when read on the torch path;
-* :mod:`.scans`: the gradient copy with its prescale and finite check, the cast to fp16 with
-  its finite check, and the indices above a threshold;
+* :mod:`.scans`: the finite check, the gradient copy with its prescale and finite check, the
+  cast to fp16 with its finite check, and the indices above a threshold;
 * :mod:`.products`: a low-rank product written once, alone or subtracted from a matrix
   (PowerSGD's decode and its residual).
 """
 from mergecomp.kernels.codecs.levels import (codes_sum, decode_codes, levels_sum, qsgd_encode, scale_levels,
                                              stochastic_codes)
 from mergecomp.kernels.codecs.products import low_rank
-from mergecomp.kernels.codecs.scans import cast_finite, copy_finite, indices_above, zero_
+from mergecomp.kernels.codecs.scans import all_finite, cast_finite, copy_finite, indices_above, zero_
 from mergecomp.kernels.codecs.signs import (compensated_signs, decode_signs, majority_vote, momentum_signs, pack_signs,
                                             sign_remainder, sign_sum)
 from mergecomp.kernels.codecs.sums import moments
 
 __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
-           "sign_sum", "decode_codes", "codes_sum", "levels_sum", "stochastic_codes", "qsgd_encode", "scale_levels", "moments",
-           "cast_finite", "copy_finite", "indices_above", "zero_", "low_rank"]
+           "sign_sum", "decode_codes", "codes_sum", "levels_sum", "stochastic_codes", "qsgd_encode", "scale_levels",
+           "moments", "all_finite", "cast_finite", "copy_finite", "indices_above", "zero_", "low_rank"]

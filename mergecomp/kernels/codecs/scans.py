@@ -1,5 +1,6 @@
-"""Scans of a flat buffer: the gradient copy with its prescale and finite check, the cast to fp16
-with its finite check, the indices of the elements above a threshold, and zeroing a dense output."""
+"""Scans of a flat buffer: the finite check, the gradient copy with its prescale and finite check,
+the cast to fp16 with its finite check, the indices of the elements above a threshold, and zeroing
+a dense output."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,10 +9,20 @@ import torch
 
 from mergecomp.kernels import native
 
-__all__ = ["cast_finite", "copy_finite", "indices_above", "zero_"]
+__all__ = ["all_finite", "cast_finite", "copy_finite", "indices_above", "zero_"]
 
 #: elements per chunk when the torch path takes magnitudes (4 MiB of fp32)
 _CHUNK = 1 << 20
+
+
+def all_finite(flat: torch.Tensor) -> torch.Tensor:
+    """0-d bool: no NaN/Inf in ``flat``.  NaN propagates through min and max and an Inf is an
+    extreme, so one fused min/max pass decides (many times faster than ``isfinite(flat).all()``,
+    which writes a mask)."""
+    if flat.numel() == 0:
+        return flat.new_ones((), dtype=torch.bool)
+    low, high = torch.aminmax(flat)
+    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def copy_finite(src: torch.Tensor, dst: torch.Tensor, scale: float = 1.0, stream: bool = False) -> Optional[bool]:
