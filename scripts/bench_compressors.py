@@ -8,16 +8,17 @@ Run (the full run takes a few minutes on 2 CPU cores)::
     python scripts/bench_compressors.py --compressors fp16,topk --repeats 3 --threads 2
     python scripts/bench_compressors.py --memory none           # the codecs without their memory
 
-What is timed, per compressor with its default settings and its default error-feedback memory
-(world size 1): ``compress`` then ``decompress`` of this rank's payload, for every group of a
-plan.  A compressor with
-``rounds > 1`` (PowerSGD) runs ``compress -> next_round -> ... -> decompress``, feeding each
-round's payload to the next as if allreduced over one rank.  The error-feedback memory
-(``--memory``: a memory name, ``none``, or ``default``, each compressor's own) takes part as in
-the exchange (``mergecomp.scheduler.probes.encode_alone``:
-``compensate`` before, the residual update after, or the compressor's fused encode); the
-gradients are then restored, untimed, before each run, since ``compensate`` writes into them.
-As in the pipeline on CPU, each run is one step of a :class:`mergecomp.kernels.workspace.Workspace`
+What is timed, per compressor with its default settings and its default error-feedback memory:
+one step of the exchange itself (``mergecomp.pipeline.exchange.Exchange``) on one rank, for every
+group of a plan: its encode, the memory's work and the decode of this rank's payload (the sum
+over one rank: no division).  The communicator is a one-rank
+``mergecomp.scheduler.probes.Rehearsal``, which answers every collective at once, so only the
+codec's and the memory's work (and packing the payload into bytes) is timed.  A compressor with
+``rounds > 1`` (PowerSGD) runs every round.  The error-feedback memory (``--memory``: a memory
+name, ``none``, or ``default``, each compressor's own) takes part as in training (compensate
+before, the residual update after, or the compressor's fused encode); the gradients are then
+restored, untimed, before each run, since the exchange writes into them.  As in the pipeline on
+CPU, each run is one step of the exchange's :class:`mergecomp.kernels.workspace.Workspace`
 (outputs recycled; ``--no-workspace``: fresh allocations).  The gradient set is ResNet-50's 161
 tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order,
 cut into:
@@ -53,9 +54,9 @@ import torch
 
 import mergecomp
 from mergecomp.bench import zoo
-from mergecomp.kernels.workspace import Workspace
+from mergecomp.pipeline.exchange import Exchange
 from mergecomp.pipeline.plan import build_plan, layout
-from mergecomp.scheduler.probes import encode_alone
+from mergecomp.scheduler.probes import Rehearsal
 
 # -- defaults ------------------------------------------------------------------------------------
 REPEATS = 5
@@ -138,27 +139,21 @@ for case, plan in plans.items():
     start = 0
     cases[case] = []
     for g in groups:
-        cases[case].append((g.name, work[start:start + g.numel], list(g.shapes)))
+        cases[case].append((g, work[start:start + g.numel]))
         start += g.numel
     assert start == RESNET50_NUMEL
 print(f"gradients: resnet50, {len(shapes)} tensors, {RESNET50_NUMEL:,} fp32 elements; "
       + ", ".join(f"{case}: {len(groups)} groups" for case, groups in cases.items()))
 
 
-def nbytes(payload):
-    return sum(t.numel() * t.element_size() for t in payload)
-
-
-def run_case(compressor, memory, groups):
-    """Encode + decode every group once (one step); returns the payload bytes over all rounds."""
-    if compressor.workspace is not None:
-        compressor.workspace.advance(compressor.workspace.step + 1)
-    wire = 0
-    for name, flat, group_shapes in groups:
-        rounds = encode_alone(compressor, memory, flat, name, group_shapes)
-        wire += sum(nbytes(payload) for payload, _ in rounds)
-        compressor.decompress(*rounds[-1])
-    return wire
+def run_case(exchange, groups):
+    """Exchange every group once (one step); returns the bytes put on the wire over all rounds."""
+    calls = exchange.comm.calls
+    del calls[:]
+    for group, flat in groups:
+        exchange.finish(exchange.start(group, flat, finite=True))
+    exchange.end_step()
+    return sum(call.nbytes for call in calls)
 
 
 def time_ms(fn, repeats, warmup, budget, setup=None, baseline=None):
@@ -211,8 +206,8 @@ for name in names:
     compressor = mergecomp.get_compressor(name)
     memory = mergecomp.get_memory(compressor.default_memory if args.memory == "default" else args.memory)
     restore = (lambda: work.copy_(grads)) if memory.feeds_back else None
-    if not args.no_workspace:
-        compressor.workspace = Workspace()  # as the pipeline attaches on CPU
+    exchange = Exchange(compressor, memory, Rehearsal(1, torch.device("cpu")), average=False,
+                        recycle=not args.no_workspace)
     # The baseline runs right before every timed run of the compressor, so that the ratios
     # compare numbers taken under the same conditions on a machine shared with other jobs.
     row = {"compressor": name, "memory": memory.name, "settings": {k: repr(v) for k, v in compressor.settings().items()},
@@ -222,7 +217,7 @@ for name in names:
         compressor.state.clear()
         memory.state.clear()
         (row["ms"][case], row["runs_ms"][case], row["page_faults"][case], wire,
-         row["memcpy_runs_ms"][case]) = time_ms(lambda: run_case(compressor, memory, groups), args.repeats,
+         row["memcpy_runs_ms"][case]) = time_ms(lambda: run_case(exchange, groups), args.repeats,
                                                 args.warmup, args.budget, restore, memcpy)
         row["repeats"][case] = len(row["runs_ms"][case])
         row["bits_per_element" if case == "merged1" else f"bits_{case}"] = 8 * wire / RESNET50_NUMEL

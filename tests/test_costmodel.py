@@ -268,41 +268,66 @@ def test_candidate_grid_and_bad_input():
         search(profile([1], [0.0], none=CodecCost(1.0, FREE, FREE, FREE)), codecs=("fp16",))
 
 
-def test_time_codec_times_warm_runs_and_leaves_the_compressor_as_it_was():
+def test_rehearse_times_warm_runs_of_the_exchange_and_leaves_the_compressor_as_it_was():
     import torch
 
     import mergecomp
     from mergecomp.kernels.workspace import Workspace
-    from mergecomp.scheduler.probes import time_codec
+    from mergecomp.scheduler.probes import Call, rehearse
 
     compressor = mergecomp.get_compressor("topk")
     pool = Workspace()
     compressor.workspace = pool
     shapes = [torch.Size([1000]), torch.Size([100_000])]
-    encode, decode, ratio = time_codec(compressor, [(4000, 1), (404_000, 2)], shapes, torch.float32,
-                                       torch.device("cpu"), 2)
-    assert len(encode) == len(decode) == 2 and min(encode + decode) > 0
-    assert 0 < ratio < 0.1  # top-k keeps 1 %: values and indices
+    run = rehearse(compressor, None, "compressed", [(4000, 1), (404_000, 2)], shapes, torch.float32,
+                   torch.device("cpu"), 2)
+    assert len(run.encode) == len(run.middle) == len(run.decode) == 2 and min(run.encode + run.decode) > 0
+    assert 0 < run.ratio < 0.1  # top-k keeps 1 %: values and indices
+    # one allgather of the packed payload per size: what the exchange sends for a group of top-k
+    assert [[(c.level, c.op, c.dtype) for c in calls] for calls in run.calls] == [[("world", "allgather", torch.uint8)]] * 2
+    assert isinstance(run.calls[0][0], Call) and run.calls[1][0].nbytes == run.ratio * 404_000
     # The probe used a private pool and cleaned up after itself.
     assert compressor.workspace is pool and pool.step == 0
     assert "__scheduler_probe__" not in compressor.state
 
 
-def test_time_codec_takes_the_fused_encode_as_the_exchange_does(monkeypatch):
+def test_rehearse_takes_the_fused_encode_as_the_exchange_does(monkeypatch):
     import torch
 
     import mergecomp
     from mergecomp.compressors.base.memory import ResidualMemory
     from mergecomp.kernels import native
-    from mergecomp.scheduler.probes import time_codec
+    from mergecomp.scheduler.probes import rehearse
 
     if not native.usable(torch.zeros(1)):
         pytest.skip("native kernels unavailable")
     monkeypatch.setattr(ResidualMemory, "feed", None)  # the fused encode's update stands in for it
     memory = mergecomp.get_memory("residual")
-    encode, decode, _ = time_codec(mergecomp.get_compressor("onebit"), [(4000, 1)], [torch.Size([1000])],
-                                   torch.float32, torch.device("cpu"), 2, memory)
-    assert min(encode + decode) > 0 and "__scheduler_probe__" not in memory.state
+    run = rehearse(mergecomp.get_compressor("onebit"), memory, "compressed", [(4000, 1)], [torch.Size([1000])],
+                   torch.float32, torch.device("cpu"), 2)
+    assert min(run.encode + run.decode) > 0 and "__scheduler_probe__" not in memory.state
+
+
+@pytest.mark.parametrize("codec, per_host, calls", [
+    ("two-phase", 1, [("world", "alltoall", "uint8"), ("world", "allgather", "uint8")]),
+    ("hierarchical", 2, [("local", "alltoall", "float32"), ("cross", "allgather", "uint8"),
+                         ("local", "allgather", "float32")]),
+    ("hierarchical-two-phase", 2, [("local", "alltoall", "float32"), ("cross", "alltoall", "uint8"),
+                                   ("cross", "allgather", "uint8"), ("local", "allgather", "float32")]),
+    ("hierarchical", 1, [("world", "allgather", "uint8")]),  # one process per host: the flat scheme
+])
+def test_rehearse_records_the_collectives_of_each_scheme_in_their_order(codec, per_host, calls):
+    """A group of a scheme that does not apply on this layout goes by its fallback, as the
+    exchange sends it."""
+    import torch
+
+    import mergecomp
+    from mergecomp.scheduler.probes import rehearse
+
+    world = 6 if codec == "hierarchical-two-phase" else 4 if per_host == 2 else 3
+    run = rehearse(mergecomp.get_compressor("qsgd"), mergecomp.get_memory("residual"), codec, [(40_000, 1)],
+                   [torch.Size([10_000])], torch.float32, torch.device("cpu"), world, per_host)
+    assert [(c.level, c.op, str(c.dtype).removeprefix("torch.")) for c in run.calls[0]] == calls
 
 
 def test_measurements_travel_as_one_tensor_and_agree_on_the_slowest_rank():

@@ -87,8 +87,10 @@ def test_auto_on_two_hosts_of_two_searches_the_hierarchical_scheme_and_agrees():
     assert all(r["plans"] == r0["plans"] and torch.equal(r["params"], r0["params"]) for r in results[1:])
     assert r0["report"]["phase"] == "monitor"
     assert r0["profiled"][1] == ["compressed", "fp16", "hierarchical", "none", "two-phase"]
-    # the hierarchical probe sends 1/2 of each group across hosts: half the compressed bytes
-    assert r0["ratios"]["hierarchical"] == pytest.approx(r0["ratios"]["compressed"] / 2, rel=0.05)
+    # across hosts, the hierarchical probe sends this local rank's shard of each group (whole
+    # QSGD buckets, so at least half) compressed: less than the whole group's compressed bytes
+    ratios = r0["ratios"]
+    assert ratios["compressed"] / 2 <= ratios["hierarchical"] < ratios["compressed"] < 0.3
     assert r0["diff"] < 0.5  # it trains: close to the single-process reference
 
 
@@ -222,7 +224,7 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
     order = list(range(n))
     config = SchedulerConfig(warmup_steps=1, settle_steps=1, probe_steps=2, codecs=("compressed",),
                              runoff_rounds=runoff_rounds, runoff_margin=runoff_margin, retune_window=1000)
-    scheduler = MergeScheduler(mc.communicator(), {"compressed": get_compressor("none")}, order,
+    scheduler = MergeScheduler(mc.communicator(), get_compressor("none"), order,
                                [4096] * n, [torch.Size([1024])] * n, torch.float32, torch.device("cpu"),
                                lambda cuts, codecs: GroupPlan.from_cuts(order, cuts, codecs), "scripted", config)
     plan = GroupPlan.from_cuts(order, range(1, n))  # layer-wise: never a candidate (max_groups 4)

@@ -36,7 +36,7 @@ from mergecomp.pipeline.plan import CODECS, COMPRESSED, has_codec_choice
 from mergecomp.registry import get_compressor, get_memory
 from mergecomp.scheduler.costmodel import (PLAIN, Affine, Cluster, CodecFit, Prediction, Profile, fit_span, flat_cost,
                                            hierarchical_cost, predict, search, search_by_scheme, two_phase_cost)
-from mergecomp.scheduler.probes import probe_sizes, time_codec
+from mergecomp.scheduler.probes import probe_sizes, rehearse
 from mergecomp.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
 
 __all__ = ["exchange_codecs", "gradient_bytes", "plan_table", "markdown_table", "to_json"]
@@ -72,16 +72,17 @@ def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[
     out = {}
     for name, compressor in compressors.items():
         second = 2.0 if compressor.votes else 1.0
+        exchanged = functools.partial(rehearse, compressor, codec=COMPRESSED, shapes=torch_shapes,
+                                      dtype=torch.float32, device=torch.device("cpu"))
         if codec_gbps:
             rate = Affine(0.0, 8 / (codec_gbps * 1e9) if name != "none" else 0.0)
-            _, _, ratio = time_codec(compressor, samples[:1], torch_shapes, torch.float32, torch.device("cpu"), 1)
+            ratio = exchanged(None, samples=samples[:1], world_size=1).ratio
             out[name] = CodecFit(ratio, rate, rate, rate, compressor.summable, second)
             continue
-        encode, decode1, ratio = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 1,
-                                            memory)
-        _, decode2, _ = time_codec(compressor, samples, torch_shapes, torch.float32, torch.device("cpu"), 2)
-        extra = [max(0.0, b - a) for a, b in zip(decode1, decode2)]
-        out[name] = CodecFit(ratio, fit_span(nbytes, encode), fit_span(nbytes, decode1),
+        one = exchanged(memory, samples=samples, world_size=1)
+        two = exchanged(None, samples=samples, world_size=2)
+        extra = [max(0.0, b - a) for a, b in zip(one.decode, two.decode)]
+        out[name] = CodecFit(one.ratio, fit_span(nbytes, one.encode), fit_span(nbytes, one.decode),
                              fit_span(nbytes, extra), compressor.summable, second)
     return out
 

@@ -147,8 +147,7 @@ def exchange_scheduler(exchange: "Exchange", config: "SchedulerConfig", order: S
     parts = [*model, repr(compressor), repr(exchange.memory), str(exchange.comm.size), exchange.comm.engine,
              *config.codecs]
     signature = hashlib.sha256("|".join(parts).encode()).hexdigest()
-    codecs = {name: exchange.codec(name) for name in config.codecs}
-    return MergeScheduler(exchange.comm, codecs, order, sizes, shapes, dtype, device,
+    return MergeScheduler(exchange.comm, compressor, order, sizes, shapes, dtype, device,
                           lambda cuts, names: build(GroupPlan.from_cuts(order, cuts, names)), signature, config,
                           exchange.memory)
 
@@ -167,7 +166,7 @@ class MergeScheduler:
 
     Args:
         comm: the engine (used for the profile's micro-benchmarks and for agreement).
-        codecs: codec name -> compressor, as the exchange uses them.
+        compressor: the configured compressor (each codec of the config is probed with it).
         order: parameter indices in backward order.
         sizes: gradient bytes by parameter index.
         shapes: parameter shapes by parameter index (for realistic encode benchmarks).
@@ -177,13 +176,13 @@ class MergeScheduler:
         memory: the exchange's error-feedback memory, whose work the codec probes include.
     """
 
-    def __init__(self, comm: Communicator, codecs: Dict[str, Compressor], order: Sequence[int],
+    def __init__(self, comm: Communicator, compressor: Compressor, order: Sequence[int],
                  sizes: Sequence[int], shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device,
                  make_plan: MakePlan, signature: str, config: Optional[SchedulerConfig] = None,
                  memory: Optional[Memory] = None) -> None:
         self.config = config or SchedulerConfig()
         self.comm = comm
-        self.codecs = codecs
+        self.compressor = compressor
         self._size_of = dict(enumerate(sizes))
         self.sizes = [sizes[i] for i in order]
         self.shapes = [shapes[i] for i in order]
@@ -391,9 +390,8 @@ class MergeScheduler:
     def _build_profile(self, ready: Sequence[float], step_seconds: float) -> Tuple[Profile, float]:
         """Measure codec and network costs; agree on everything by taking the max over ranks."""
         samples = probe_sizes(self.sizes)
-        codecs = {name: self.codecs[name] for name in self.config.codecs}
-        local = measure(self.comm, codecs, samples, self.shapes, self.dtype, self.device, ready, step_seconds,
-                        self.memory)
+        local = measure(self.comm, self.compressor, self.config.codecs, samples, self.shapes, self.dtype,
+                        self.device, ready, step_seconds, self.memory)
         agreed = local.agree(self.comm, self.device)
         profile = agreed.cost_profile(self.sizes, [nbytes for nbytes, _ in samples])
         # What the timeline does not model (forward, optimizer, data) is the same for every plan:
