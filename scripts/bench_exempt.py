@@ -8,7 +8,7 @@ ResNet-50's gradient shapes (random values) and 2 gloo ranks.  Two tables:
   encode + decode time of those tensors merged in one group (``compress`` + ``decompress`` of
   their concatenation; an upper bound of what exempting them saves, since inside a large group
   they cost only their bytes).  Medians of ``--repeats`` runs, max over ranks.
-* exchange, unless ``--rounds 0``: the whole exchange (every tensor added to a MergedStep with
+* exchange, unless ``--rounds 0``: the whole exchange (every tensor added to a PlannedStep with
   2 groups, then ``finish``) per compressor and threshold, the thresholds round-robin one step
   each so that a drift of the machine weighs on all alike; median of the rounds, max over ranks.
 
@@ -56,8 +56,9 @@ def worker(rank, args, port, results):
     import mergecomp.torch as mc
     from mergecomp.bench import zoo
     from mergecomp.pipeline.exchange import Exchange
+    from mergecomp.pipeline.options import FrontEnd, StepOptions
     from mergecomp.pipeline.plan import EXEMPT, GroupPlan, layout
-    from mergecomp.pipeline.step import MergedStep
+    from mergecomp.pipeline.planned import PlannedStep
 
     mc.init(engine="torch")
     comm = mc.communicator()
@@ -92,8 +93,9 @@ def worker(rank, args, port, results):
 
     exchange = []
     for name in compressors if args.rounds else ():
-        steps = {t: MergedStep(name, None, comm, names, shapes, [torch.float32] * len(names), torch.device("cpu"),
-                               groups=2, observe_order=False, min_compress_numel=t) for t in thresholds}
+        steps = {t: PlannedStep(name, None, comm, names, shapes, [torch.float32] * len(names), torch.device("cpu"),
+                                StepOptions(groups=2, min_compress_numel=t), FrontEnd(observe_order=False))
+                 for t in thresholds}
         times = {t: [] for t in thresholds}
         for r in range(args.warmup + args.rounds):
             for t, step in steps.items():

@@ -3,7 +3,7 @@ schemes for the compressors whose payloads cannot be summed.
 
 For each N, N gloo ranks run inside a network namespace of their own (``unshare -n``, so its
 loopback carries nothing but their traffic; needs root).  Every rank feeds the same random
-gradients with a model's shapes (default ResNet-50) to a :class:`mergecomp.pipeline.step.MergedStep`
+gradients with a model's shapes (default ResNet-50) to a :class:`mergecomp.pipeline.planned.PlannedStep`
 (``groups=None``: about 25 MB per group) and exchanges them with each compressor, its two
 schemes in turn, round after round (one compressor at a time, which bounds the memory).  Reported per configuration: the median exchange time (``add`` every
 tensor + ``finish``; max over ranks), and the bytes one rank sent per step, measured as the
@@ -57,7 +57,8 @@ def _rank(rank, args, port, out):
     torch.set_num_threads(1)
     import mergecomp.torch as mc
     from mergecomp.bench.zoo import named_shapes
-    from mergecomp.pipeline.step import MergedStep
+    from mergecomp.pipeline.options import FrontEnd, StepOptions
+    from mergecomp.pipeline.planned import PlannedStep
 
     mc.init(engine="torch")
     comm = mc.communicator()
@@ -72,8 +73,9 @@ def _rank(rank, args, port, out):
 
     records = []
     for compressor in args.compressors.split(","):
-        steps = {s: MergedStep(compressor, None, comm, names, shapes, [torch.float32] * len(names),
-                               torch.device("cpu"), groups=None, observe_order=False, scheme=s) for s in SCHEMES}
+        steps = {s: PlannedStep(compressor, None, comm, names, shapes, [torch.float32] * len(names),
+                                torch.device("cpu"), StepOptions(groups=None, scheme=s), FrontEnd(observe_order=False))
+                 for s in SCHEMES}
         times = {s: [] for s in SCHEMES}
         sent = {s: 0 for s in SCHEMES}
         for step in steps.values():  # warm-up: buffers, workspace

@@ -937,14 +937,14 @@ def test_training_through_merged_step_with_the_fused_encode_equals_the_plain_rou
     from mergecomp.compressors.base.sign_value import SignValueCompressor
     from mergecomp.compressors.topk import TopKCompressor
     from mergecomp.engines.communicator import LocalCommunicator
-    from mergecomp.pipeline.step import MergedStep
+    from steps import planned
 
     def train():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
         names, params = zip(*model.named_parameters())
-        step = MergedStep(name, memory_name, LocalCommunicator(), names, [p.shape for p in params],
-                          [p.dtype for p in params], torch.device("cpu"), groups=2, nonfinite="propagate")
+        step = planned(name, memory_name, LocalCommunicator(), names, [p.shape for p in params],
+                       [p.dtype for p in params], groups=2, nonfinite="propagate")
         x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
         for _ in range(4):
             torch.nn.functional.cross_entropy(model(x), y).backward()

@@ -5,20 +5,20 @@ import contextlib
 import pytest
 import torch
 from distributed import run_workers
+from steps import buckets, planned
 
 from mergecomp.engines.communicator import LocalCommunicator
 from mergecomp.pipeline.plan import GroupPlan
-from mergecomp.pipeline.step import MergedStep
+from mergecomp.pipeline.planned import PlannedStep
 
 NAMES = ["a", "b", "c", "d"]
 SHAPES = [(3, 2), (5,), (0,), (4, 1)]
 
 
-def local_step(compression="none", **kwargs) -> MergedStep:
+def local_step(compression="none", **kwargs) -> PlannedStep:
     settings = dict(groups=GroupPlan(((3, 2), (1, 0))), nonfinite="raise")
     settings.update(kwargs)
-    return MergedStep(compression, None, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4,
-                      torch.device("cpu"), **settings)
+    return planned(compression, None, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4, **settings)
 
 
 def grads(seed: int):
@@ -200,8 +200,7 @@ def test_an_fp16_bucket_is_checked_by_its_cast_and_tells_nan_from_overflow(kerne
     from mergecomp.kernels import native
 
     def run(values, nonfinite="raise"):
-        step = MergedStep("fp16", None, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"),
-                          caller_groups=True, nonfinite=nonfinite)
+        step = buckets("fp16", None, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4, nonfinite=nonfinite)
         step.start_group((3, 2, 1, 0), torch.cat([v.reshape(-1) for v in reversed(values)]))
         return step, step._started[0]
 
@@ -224,8 +223,8 @@ def test_an_fp16_bucket_is_checked_by_its_cast_and_tells_nan_from_overflow(kerne
 def _one_rank_overflows_worker(rank):
     import mergecomp.torch as mc
 
-    step = MergedStep("onebit", None, mc.communicator(), NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"),
-                      groups=GroupPlan(((3, 2), (1, 0))), nonfinite="propagate")
+    step = planned("onebit", None, mc.communicator(), NAMES, SHAPES, [torch.float32] * 4,
+                   groups=GroupPlan(((3, 2), (1, 0))), nonfinite="propagate")
     _residual_beyond_fp16(step, rank=1)
     before = memory_state(step)
     for i, t in enumerate(grads(12)):
@@ -267,7 +266,7 @@ def test_plan_switch_only_between_steps_and_checkpoint_round_trip():
     restored = local_step(compression="topk", groups=2)
     restored.load_state_dict(saved)
     assert restored.step == step.step and restored.plan == GroupPlan.from_json(saved["plan"])
-    other = MergedStep("none", None, LocalCommunicator(), ["x"], [(7,)], [torch.float32], torch.device("cpu"))
+    other = planned("none", None, LocalCommunicator(), ["x"], [(7,)], [torch.float32])
     with pytest.raises(ValueError, match="saved for another model"):
         other.load_state_dict(saved)
 
@@ -317,7 +316,7 @@ def _two_rank_worker(rank):
     comm = mc.communicator()
     out = {}
     # averaging over ranks, with the first step's arrival order adopted (rank 0's)
-    step = MergedStep("none", None, comm, NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"), groups=2)
+    step = planned("none", None, comm, NAMES, SHAPES, [torch.float32] * 4, groups=2)
     g = [t * (rank + 1) for t in grads(5)]
     for i in (0, 1, 2, 3):
         step.add(i, g[i])
@@ -337,8 +336,7 @@ def _two_rank_worker(rank):
         out["raised"] = str(err)
     # caller-given groups (DDP's buckets) that change between steps keep their residuals: the
     # second step sends zeros, so all its merged group holds is what the first step left
-    caller = MergedStep("topk", "residual", comm, NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"),
-                        caller_groups=True)
+    caller = buckets("topk", "residual", comm, NAMES, SHAPES, [torch.float32] * 4)
     for layout, values in (([(3, 2), (1, 0)], grads(7)), ([(3, 2, 1, 0)], [torch.zeros(s) for s in SHAPES])):
         for members in layout:
             caller.start_group(members, torch.cat([values[i].reshape(-1) for i in members]))
@@ -364,12 +362,12 @@ def test_two_ranks_average_agree_on_nonfinite_and_take_caller_groups():
 SIGN_SHAPES = [(33, 7), (5,), (0,), (1000, 3), (17,), (1,)]  # part starts of every alignment
 
 
-def sign_step(compression, parts=True, **kwargs) -> MergedStep:
-    """A one-rank MergedStep of SIGN_SHAPES in 2 groups; ``parts`` False: the gradients are
+def sign_step(compression, parts=True, **kwargs) -> PlannedStep:
+    """A one-rank PlannedStep of SIGN_SHAPES in 2 groups; ``parts`` False: the gradients are
     copied into the group buffers and the whole group is encoded at once."""
     names = [f"t{i}" for i in range(len(SIGN_SHAPES))]
-    step = MergedStep(compression, None, LocalCommunicator(), names, SIGN_SHAPES, [torch.float32] * len(names),
-                      torch.device("cpu"), groups=GroupPlan(((5, 4, 3), (2, 1, 0))), **kwargs)
+    step = planned(compression, None, LocalCommunicator(), names, SIGN_SHAPES, [torch.float32] * len(names),
+                   groups=GroupPlan(((5, 4, 3), (2, 1, 0))), **kwargs)
     if not parts:
         step.exchange.begin = lambda *args: None
     return step
@@ -500,8 +498,8 @@ def test_gradients_near_the_fp32_limit_are_finite_part_by_part(compression):
 def test_a_counter_of_a_one_element_group_is_not_taken_for_per_element_state():
     """rand-k keeps a 0-d step counter per group: in a group of one element it has the group's
     numel, and the plan change after the first step (the observed order) must drop it, not cut it."""
-    step = MergedStep("randk", None, LocalCommunicator(), ["one", "w"], [(1,), (5,)], [torch.float32] * 2,
-                      torch.device("cpu"), groups="layerwise", nonfinite="raise")
+    step = planned("randk", None, LocalCommunicator(), ["one", "w"], [(1,), (5,)], [torch.float32] * 2,
+                   groups="layerwise", nonfinite="raise")
     for s in range(3):
         g = grads(s)
         step.add(0, g[0].reshape(-1)[:1])  # not the reverse order: the plan changes after step 0

@@ -28,11 +28,10 @@ def grads(rank, step, integers=False):
 
 def make_step(comm, compression, codec, memory=None, groups=CUTS, **options):
     from mergecomp.pipeline.plan import GroupPlan
-    from mergecomp.pipeline.step import MergedStep
+    from steps import planned
 
     plan = GroupPlan(groups, (codec,) * len(groups))
-    return MergedStep(compression, memory, comm, NAMES, SHAPES, DTYPES, torch.device("cpu"), groups=plan,
-                      observe_order=False, **options)
+    return planned(compression, memory, comm, NAMES, SHAPES, DTYPES, groups=plan, observe_order=False, **options)
 
 
 def run(step, rank, steps, integers=False):

@@ -49,13 +49,13 @@ def _core(rank):
     """MergedStep with DGC (momentum in the memory): K warm-up steps, then the compressor."""
     import mergecomp.torch as mc
     from mergecomp.pipeline.plan import GroupPlan
-    from mergecomp.pipeline.step import MergedStep
+    from steps import planned
 
     comm = mc.communicator()
 
     def merged(compression, **options):
-        return MergedStep(compression, None, comm, NAMES, SHAPES, [torch.float32] * 4, torch.device("cpu"),
-                          groups=GroupPlan(((3, 2), (1, 0))), **options)
+        return planned(compression, None, comm, NAMES, SHAPES, [torch.float32] * 4,
+                       groups=GroupPlan(((3, 2), (1, 0))), **options)
 
     def run(step, steps):
         out = []

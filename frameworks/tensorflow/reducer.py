@@ -1,7 +1,7 @@
 """Merged, compressed averaging of a fixed list of gradients: the TF front end's torch side.
 
 :class:`GradientReducer` adapts TensorFlow's gradients (DLPack views, one torch tensor per
-variable) to a :class:`mergecomp.pipeline.step.MergedStep`, which copies them into its groups,
+variable) to a :class:`mergecomp.pipeline.planned.PlannedStep`, which copies them into its groups,
 compresses and communicates each group and returns per-variable views of the results.  Nothing
 here imports TensorFlow.  The TF front end calls :meth:`GradientReducer.reduce` once per step,
 after the whole backward pass (TF has no per-gradient hook), so groups overlap one another's
@@ -21,9 +21,10 @@ import torch
 from mergecomp.engines.communicator import Communicator
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, scaling
 from mergecomp.pipeline.exchange import Exchange, resolve
+from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.plan import Group, GroupPlan
-from mergecomp.pipeline.step import MergedStep, check_safety_options, check_scheme
-from mergecomp.scheduler.online import MergeScheduler, SchedulerConfig
+from mergecomp.pipeline.planned import PlannedStep
+from mergecomp.scheduler.online import MergeScheduler
 
 __all__ = ["GradientReducer"]
 
@@ -41,11 +42,6 @@ class GradientReducer:
             ``"layerwise"``, an int ``k``, a list of lists of variable names, a
             :class:`~mergecomp.pipeline.plan.GroupPlan`, or ``None`` (about 25 MB per group, at most 4).
         op: ``"average"`` or ``"sum"`` over ranks.
-        nonfinite: ``"raise"`` (FloatingPointError on every rank naming the rank and the
-            variables), ``"propagate"`` (every rank's gradients come back NaN, the
-            error-feedback memory is put back: a ``LossScaleOptimizer`` then skips the step on
-            every rank) or ``"ignore"``.
-        scheduler: :class:`~mergecomp.scheduler.online.SchedulerConfig` for ``groups="auto"``.
         comm: the communicator (default: the one :func:`mergecomp.horovod_api.runtime.init` set up).
         gradient_predivide_factor: with ``op="average"``, each rank's gradient is divided by
             this factor before the sum and the sum multiplied by ``factor / size`` (Horovod's).
@@ -54,43 +50,39 @@ class GradientReducer:
         average_aggregated_gradients: divide that sum by ``backward_passes_per_step``.
         scale_local_gradients: divide local variables' gradients by the number of ranks (as
             the exchanged ones are averaged).
-        compression_warmup_steps, uncompressed, min_compress_numel: the first this many
-            exchanges send the plain average, compression starting clean after them; variables
-            whose name (Keras: ``path``, e.g. ``"dense/bias"``) matches one of the patterns, or
-            with fewer elements, are always sent uncompressed
-            (:class:`~mergecomp.pipeline.step.MergedStep`).
-        scheme: ``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"``,
-            ``"allgather"`` or None (:class:`~mergecomp.pipeline.step.MergedStep`).
+        options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`):
+            ``nonfinite`` (default ``"raise"``: FloatingPointError on every rank naming the rank
+            and the variables; ``"propagate"``: every rank's gradients come back NaN and the
+            error-feedback memory is put back, so a ``LossScaleOptimizer`` skips the step on
+            every rank; ``"ignore"``), ``scheduler``, ``compression_warmup_steps``,
+            ``uncompressed`` (Keras: names are variables' ``path``, e.g. ``"dense/bias"``),
+            ``min_compress_numel``, ``scheme``.
     """
 
     def __init__(self, compression="none", memory=None, groups="auto", op: str = Average,
-                 nonfinite: str = "raise", scheduler: Optional[SchedulerConfig] = None,
                  comm: Optional[Communicator] = None, *, gradient_predivide_factor: float = 1.0,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                 scale_local_gradients: bool = True, compression_warmup_steps: int = 0,
-                 uncompressed: Sequence[str] = (), min_compress_numel: int = 0,
-                 scheme: Optional[str] = None) -> None:
+                 scale_local_gradients: bool = True, **options) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor, None)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
-        if nonfinite not in _NONFINITE:
-            raise ValueError(f"nonfinite must be one of {_NONFINITE} in the TensorFlow front end, got {nonfinite!r}")
         if comm is None:
             from mergecomp.horovod_api.runtime import communicator
 
             comm = communicator()
         self.comm = comm
         self.compressor, self.memory = resolve(compression, memory)
-        check_safety_options(compression_warmup_steps, uncompressed, min_compress_numel)
-        check_scheme(scheme, self.compressor)
-        self._settings = dict(groups=groups, nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size),
-                              compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
-                              min_compress_numel=min_compress_numel, scheme=scheme)
+        self.options = StepOptions.create("GradientReducer", options, defaults={"nonfinite": "raise"},
+                                          fixed={"groups": groups, **scaling(op, factor, comm.size)})
+        if self.options.nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {_NONFINITE} in the TensorFlow front end, "
+                             f"got {self.options.nonfinite!r}")
+        self.options.check(self.compressor)
         self.passes = backward_passes_per_step
         self._average_passes = average_aggregated_gradients
         self._scale_local = scale_local_gradients
         self.warn_sparse = True  # a tf.IndexedSlices gradient warns that it is exchanged densely
-        self.merged: Optional[MergedStep] = None
+        self.merged: Optional[PlannedStep] = None
         self._local: List[bool] = []  # per bound variable: keeps its own rank's gradient
         self._sums: Optional[List[torch.Tensor]] = None  # gradients summed over passes so far
         self._count = 0
@@ -116,7 +108,7 @@ class GradientReducer:
     def scheduler(self) -> Optional[MergeScheduler]:
         return self._bound().scheduler
 
-    def _bound(self) -> MergedStep:
+    def _bound(self) -> PlannedStep:
         if self.merged is None:
             raise RuntimeError("the GradientReducer has no variables yet: call bind() or reduce() first")
         return self.merged
@@ -134,11 +126,11 @@ class GradientReducer:
             raise ValueError("every variable is local: there is no gradient to exchange")
         self._bound_as = (list(names), [torch.Size(s) for s in shapes], list(dtypes), local)
         self._local, self._exchanged = local, exchanged
-        self.merged = MergedStep(self.compressor, self.memory, self.comm, [names[i] for i in exchanged],
-                                 [shapes[i] for i in exchanged], [dtypes[i] for i in exchanged],
-                                 torch.device("cpu"), observe_order=False, timed=False, hand_out=True,
-                                 who="GradientReducer", tensor_kind="variables", cache_tag=["tf"],
-                                 **self._settings)
+        self.merged = PlannedStep(self.compressor, self.memory, self.comm, [names[i] for i in exchanged],
+                                  [shapes[i] for i in exchanged], [dtypes[i] for i in exchanged],
+                                  torch.device("cpu"), self.options,
+                                  FrontEnd("GradientReducer", "variables", observe_order=False, timed=False,
+                                           hand_out=True, cache_tag=("tf",)))
 
     def _check_same(self, names, shapes, dtypes, local) -> None:
         mine = list(zip(*self._bound_as))
@@ -202,7 +194,7 @@ class GradientReducer:
         return self._bound().schedule_report()
 
     def step_breakdown(self, steps: Optional[int] = None) -> Dict[str, Any]:
-        """Where the last ``steps`` exchanges' time went (:meth:`MergedStep.step_breakdown`;
+        """Where the last ``steps`` exchanges' time went (:meth:`~mergecomp.pipeline.step.MergedStep.step_breakdown`;
         the update is not timed: it counts as compute)."""
         return self._bound().step_breakdown(steps)
 

@@ -9,9 +9,9 @@ Example::
     ...
     torch.save({"model": ddp.state_dict(), "hook": state.state_dict()}, path)   # per rank
 
-Each bucket is one merged group of a :class:`mergecomp.pipeline.step.MergedStep` whose groups DDP
-defines (check finite -> error feedback -> compress -> collective -> decode); nothing is
-re-implemented here.
+Each bucket is one merged group of a :class:`mergecomp.pipeline.buckets.BucketStep`, the merged
+step whose groups DDP defines (check finite -> error feedback -> compress -> collective ->
+decode); nothing is re-implemented here.
 
 When collectives are issued.  DDP calls the hook once per bucket, in bucket order, from the
 backward pass.  The hook starts the bucket's first round (async) and returns a pending
@@ -26,18 +26,20 @@ Error feedback across bucket rebuilds.  A bucket's state (residuals, momenta) is
 parameters it holds (a :class:`~mergecomp.pipeline.plan.Group` with their offsets), not by the bucket's
 index.  When DDP rebuilds its buckets after the first iteration (or after a restart), each new
 bucket's per-element state is assembled from the old buckets' pieces
-(:meth:`mergecomp.pipeline.step.MergedStep.start_group`); low-rank state (PowerSGD's Q) is re-drawn.
+(:class:`mergecomp.pipeline.buckets.BucketStep`); low-rank state (PowerSGD's Q) is re-drawn.
 """
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real types.
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
+from mergecomp.pipeline.buckets import BucketStep
+from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.plan import Group
-from mergecomp.pipeline.step import HoldsMergedStep, MergedStep
+from mergecomp.pipeline.step import HoldsMergedStep
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook"]
 
@@ -45,8 +47,8 @@ _NONFINITE = ("propagate", "raise", "ignore")
 
 
 class DDPHookState(HoldsMergedStep):
-    """Settings and state of :func:`mergecomp_hook`: a :class:`~mergecomp.pipeline.step.MergedStep` whose
-    groups are DDP's buckets, and the futures of the step's buckets.
+    """Settings and state of :func:`mergecomp_hook`: a :class:`~mergecomp.pipeline.buckets.BucketStep`
+    whose groups are DDP's buckets, and the futures of the step's buckets.
 
     Args:
         merged: compresses and communicates each bucket (average over ranks).
@@ -56,7 +58,7 @@ class DDPHookState(HoldsMergedStep):
             the first backward pass.
     """
 
-    def __init__(self, merged: MergedStep, params: Optional[Dict[int, int]] = None) -> None:
+    def __init__(self, merged: BucketStep, params: Optional[Dict[int, int]] = None) -> None:
         self.merged = merged
         self._index: Dict[int, int] = dict(params or {})
         self._named = params is not None
@@ -151,12 +153,8 @@ def ddp_comm_hook(
     memory: Union[str, Memory, None] = None,
     process_group: Optional[dist.ProcessGroup] = None,
     named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-    nonfinite: str = "propagate",
     timeout: Optional[float] = None,
-    compression_warmup_steps: int = 0,
-    uncompressed: Sequence[str] = (),
-    min_compress_numel: int = 0,
-    scheme: Optional[str] = None,
+    **options,
 ) -> Tuple[DDPHookState, Any]:
     """Make ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
@@ -169,36 +167,33 @@ def ddp_comm_hook(
             collectives run on it through :class:`~mergecomp.engines.torch_dist.TorchCommunicator`.
         named_parameters: ``model.named_parameters()`` (recommended: stable indices across
             restarts, names in errors).
-        nonfinite: what NaN/Inf in any rank's gradients does; one small allreduce per step
-            agrees on it, and it never enters the error-feedback memory.  ``"propagate"``
-            (default): every bucket's result is NaN on every rank, so a ``GradScaler`` skips the
-            step everywhere and lowers its scale, as with DDP's own allreduce; the memory and
-            compressor state are put back as before the step.  ``"raise"``: every rank's backward
-            raises FloatingPointError naming the rank and bucket.  ``"ignore"``: no check (NaN
-            flows into the memory).  A hook cannot skip the optimizer step (no ``"skip"``).
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
-        compression_warmup_steps, uncompressed, min_compress_numel, scheme: as for
-            :class:`~mergecomp.torch.DistributedOptimizer`; ``uncompressed`` needs
-            ``named_parameters``.  A bucket holding exempt parameters is split in two groups
-            (its exempt parameters, the others), copied out of the bucket and back.
+        options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`,
+            as for :class:`~mergecomp.torch.DistributedOptimizer`; DDP's buckets are the
+            groups): ``nonfinite`` (default ``"propagate"``: every bucket's result is NaN on
+            every rank, so a ``GradScaler`` skips the step everywhere and lowers its scale, as
+            with DDP's own allreduce; a hook cannot skip the optimizer step, so no ``"skip"``),
+            ``compression_warmup_steps``, ``uncompressed`` (needs ``named_parameters``),
+            ``min_compress_numel``, ``scheme``.  A bucket holding exempt parameters is split in
+            two groups (its exempt parameters, the others), copied out of the bucket and back.
 
     The hook returns each bucket's gradient averaged over ranks, in the bucket's dtype.
     """
     from mergecomp.engines.torch_dist import TorchCommunicator
 
-    if nonfinite not in _NONFINITE:
+    step_options = StepOptions.create("ddp_comm_hook", options, defaults={"nonfinite": "propagate"},
+                                      without=("groups", "scheduler", "average", "prescale", "postscale"))
+    if step_options.nonfinite not in _NONFINITE:
         raise ValueError(f"nonfinite must be one of {_NONFINITE} for a DDP hook (a hook cannot skip the "
-                         f"optimizer step), got {nonfinite!r}")
+                         f"optimizer step), got {step_options.nonfinite!r}")
     if not dist.is_initialized():
         raise RuntimeError("ddp_comm_hook needs torch.distributed to be initialized (as DDP does)")
-    if uncompressed and named_parameters is None:
+    if step_options.uncompressed and named_parameters is None:
         raise ValueError("ddp_comm_hook: uncompressed matches parameter names: pass named_parameters too")
     comm = TorchCommunicator(process_group, timeout=timeout)
     named = None if named_parameters is None else [(n, p) for n, p in named_parameters if p.requires_grad]
-    merged = MergedStep(compression, memory, comm, [n for n, _ in named or ()],
-                        [p.shape for _, p in named or ()], [p.dtype for _, p in named or ()], comm.device,
-                        nonfinite=nonfinite, caller_groups=True, who="ddp_comm_hook", tensor_kind="parameters",
-                        compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
-                        min_compress_numel=min_compress_numel, scheme=scheme)
+    merged = BucketStep(compression, memory, comm, [n for n, _ in named or ()], [p.shape for _, p in named or ()],
+                        [p.dtype for _, p in named or ()], comm.device, step_options,
+                        FrontEnd("ddp_comm_hook", "parameters"))
     return DDPHookState(merged, None if named is None else {id(p): i for i, (_, p) in enumerate(named)}), \
         mergecomp_hook

@@ -4,13 +4,13 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
 
     loss.backward()
       └─ per parameter, when its gradient is accumulated (post-accumulate-grad hook):
-         MergedStep.add: copy it into its group's flat buffer (fp32 on CPU: checked for NaN/Inf
+         PlannedStep.add: copy it into its group's flat buffer (fp32 on CPU: checked for NaN/Inf
          in the same pass); a group whose last gradient arrived starts, in plan order:
          compensate -> compress -> async collective
       └─ the last parameter's hook: the exchange finishes (below), so when backward() returns
          p.grad holds the averaged gradients, as under DDP (clipping, logging, GradScaler)
     optimizer.step()
-      └─ synchronize(), unless backward() finished the exchange: MergedStep.finish (parameters
+      └─ synchronize(), unless backward() finished the exchange: PlannedStep.finish (parameters
          without a gradient count as zeros; the ranks agree on non-finite gradients; each group
          is decoded and averaged into its buffer); each p.grad becomes a view of its slot there
       └─ the wrapped optimizer class's own step() (timed: ``step_breakdown()``)
@@ -26,13 +26,13 @@ private attribute of torch's.
 
 Like DDP's ``gradient_as_bucket_view=True``, ``p.grad`` aliases the merged buffer after a step
 (``zero_grad(set_to_none=False)``: the next backward accumulates straight into it).  Plans, the
-backward order, the scheduler and checkpoints are :class:`mergecomp.pipeline.step.MergedStep`'s.
+backward order, the scheduler and checkpoints are :class:`mergecomp.pipeline.planned.PlannedStep`'s.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -40,9 +40,10 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory, warn_double_momentum
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, resolve_groups, scaling
 from mergecomp.horovod_api.runtime import communicator
-from mergecomp.pipeline.step import HoldsMergedStep, MergedStep
+from mergecomp.pipeline.options import FrontEnd, StepOptions
+from mergecomp.pipeline.planned import PlannedStep
+from mergecomp.pipeline.step import HoldsMergedStep
 from mergecomp.registry import Compression
-from mergecomp.scheduler.online import SchedulerConfig
 
 from .named_parameters import collect_parameters
 
@@ -90,25 +91,13 @@ class DistributedOptimizer(HoldsMergedStep):
         sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
         process_set: None or ``mc.global_process_set`` (all ranks; others are not implemented).
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
-        nonfinite: what a NaN/Inf gradient on any rank does: ``"propagate"`` (default) every
-            rank's averaged gradients become NaN, so ``torch.amp.GradScaler`` skips the same step
-            everywhere, and error-feedback and compressor state are left as before the step;
-            ``"raise"`` FloatingPointError on every rank naming the rank and group; ``"skip"``
-            the step on all ranks (counted in :attr:`skipped_steps`); ``"ignore"`` (no check).
-        scheduler: :class:`~mergecomp.scheduler.online.SchedulerConfig` for ``groups="auto"``.
-        compression_warmup_steps: the first this many steps exchange the plain average (merged,
-            uncompressed); compression, its error feedback and compressor state start clean
-            after them, and so does the scheduler's search (docs/compressors.md).
-        uncompressed: parameter-name patterns (fnmatch: ``"*.bias"``, ``"*norm*"``) whose
-            gradients are sent uncompressed, in a group of their own (default: none).
-        min_compress_numel: parameters with fewer elements are sent uncompressed too
-            (default 0: none).
-        scheme: how groups sent with a compressor travel: ``"two-phase"`` (compressed shards
-            by all-to-all, then compressed aggregates by allgather: bytes per rank flat in the
-            number of ranks), ``"hierarchical"`` or ``"hierarchical-two-phase"`` (summed
-            uncompressed inside each host, compressed across hosts only, by allgather or by
-            two-phase), ``"allgather"``, or None (default: allgather unless the scheduler
-            picks two-phase or a hierarchical scheme for a group); see docs/compressors.md.
+        options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`):
+            ``nonfinite`` (default ``"propagate"``: when any rank's gradient holds NaN/Inf, every
+            rank's averaged gradients become NaN, so ``torch.amp.GradScaler`` skips the same
+            step everywhere, and error-feedback and compressor state are left as before the
+            step; ``"skip"`` skips the step on every rank, counted in :attr:`skipped_steps`),
+            ``scheduler``, ``compression_warmup_steps``, ``uncompressed``,
+            ``min_compress_numel``, ``scheme`` (see docs/compressors.md).
 
     After ``loss.backward()`` in which every parameter got its gradient, ``p.grad`` holds the
     averaged gradients (clip them, log them, or hand them to a ``GradScaler``'s plain recipe).
@@ -138,12 +127,7 @@ class DistributedOptimizer(HoldsMergedStep):
         process_set: Any = None,
         *,
         memory: Union[str, Memory, None] = None,
-        nonfinite: str = "propagate",
-        scheduler: Optional[SchedulerConfig] = None,
-        compression_warmup_steps: int = 0,
-        uncompressed: Sequence[str] = (),
-        min_compress_numel: int = 0,
-        scheme: Optional[str] = None,
+        **options,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor, process_set)
         self._check_passes(backward_passes_per_step)
@@ -154,14 +138,13 @@ class DistributedOptimizer(HoldsMergedStep):
         name_by_id = {id(p): n for p, n in zip(self._exchanged, self.param_names)}
         groups = resolve_groups(groups, num_groups, lambda t: name_by_id[id(t)])
         comm = communicator()
-        self.merged = MergedStep(
+        step_options = StepOptions.create("DistributedOptimizer", options, defaults={"nonfinite": "propagate"},
+                                          fixed={"groups": groups, **scaling(op, factor, comm.size)})
+        self.merged = PlannedStep(
             compression, memory, comm, self.param_names, [p.shape for p in self._exchanged],
-            [p.dtype for p in self._exchanged], self._exchanged[0].device, groups=groups,
-            nonfinite=nonfinite, scheduler=scheduler, **scaling(op, factor, comm.size),
-            who="DistributedOptimizer", tensor_kind="parameters",
-            agree={"backward_passes_per_step": backward_passes_per_step},
-            compression_warmup_steps=compression_warmup_steps, uncompressed=uncompressed,
-            min_compress_numel=min_compress_numel, scheme=scheme)
+            [p.dtype for p in self._exchanged], self._exchanged[0].device, step_options,
+            FrontEnd("DistributedOptimizer", "parameters",
+                     agree=(("backward_passes_per_step", backward_passes_per_step),)))
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
