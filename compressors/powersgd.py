@@ -28,9 +28,11 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
-from mergecomp.kernels import codecs, native
+from mergecomp.kernels import codecs
 from mergecomp.kernels.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
@@ -91,12 +93,13 @@ def _orthogonalize(ps: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 @register_compressor("powersgd")
-class PowerSGDCompressor(Compressor):
+class PowerSGDCompressor(Compressor, SubtractsDecode):
     summable = True
     rounds = 2
     default_memory = "residual"
-    #: ``M @ Q`` and ``M^T @ P`` read the group once each; decoding writes it once
-    compress_passes = next_round_passes = decompress_passes = 1
+    #: ``M @ Q`` and ``M^T @ P`` read the group once each; decoding writes it once (the average
+    #: is taken on Q and the raw runs as they are written)
+    passes = CodecPasses(compress=1, next_round=1, decompress=1, aggregate=1)
 
     def __init__(self, rank: int = 1, warm_start: bool = True,
                  min_compression_rate: float = 2.0) -> None:
@@ -197,7 +200,7 @@ class PowerSGDCompressor(Compressor):
         """Each matrix of ``out`` (group-sized) = ``P @ Q^T`` for the ``Q`` in ``q_flat``, or
         ``minuend``'s matrix less it, written once (:func:`mergecomp.kernels.codecs.low_rank`; past the
         cache for a large group, whose output is read only once it is whole)."""
-        stream = ctx.numel >= native.STREAM_MIN
+        stream = codecs.streamed(ctx.numel)
         for (offset, m, n), p, q in zip(ctx.layout.matrices, ctx.ps, self._split(q_flat, ctx.layout, 2)):
             rows = slice(offset, offset + m * n)
             codecs.low_rank(p, q, out[rows].view(m, n), None if minuend is None else minuend[rows].view(m, n), stream)
@@ -239,7 +242,3 @@ class PowerSGDCompressor(Compressor):
                 qi.div_(norms.clamp_min(torch.finfo(work).tiny))
             self.group_state(ctx.name)["q"] = q
         return out
-
-    def aggregate_passes(self, payloads: int, average: bool) -> float:
-        return self.decompress_passes  # the average is taken on Q and the raw runs as they are written
-

@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import ShardedEncode
 from mergecomp.compressors.base.compressor import Payload, SummedDecode
 from mergecomp.kernels.codecs import levels_sum, qsgd_encode
 from mergecomp.kernels.quantize import work_dtype
@@ -26,7 +27,7 @@ Ctx = Tuple[int, torch.dtype]
 
 
 @register_compressor("qsgd")
-class QSGDCompressor(SummedDecode):
+class QSGDCompressor(SummedDecode, ShardedEncode):
     def __init__(self, levels: int = 64, bucket_size: Optional[int] = 512) -> None:
         super().__init__()
         if isinstance(levels, bool) or int(levels) != levels or not 1 <= levels <= 127:

@@ -17,7 +17,9 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import SparseEntries
 from mergecomp.compressors.base.compressor import Compressor, Payload, check_ratio
+from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import num_selected, shared_random_indices, stable_seed
 from mergecomp.kernels.codecs import zero_
 from mergecomp.registry import register_compressor
@@ -30,7 +32,7 @@ class RandKCtx(NamedTuple):
 
 
 @register_compressor("randk")
-class RandKCompressor(Compressor):
+class RandKCompressor(Compressor, SparseEntries):
     summable = True
     default_memory = "residual"
 
@@ -50,9 +52,6 @@ class RandKCompressor(Compressor):
         step.add_(1)
         return current
 
-    #: the k values are gathered at shared indices: no full pass
-    compress_passes = 0
-
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, RandKCtx]:
         numel = tensor.numel()
@@ -70,9 +69,10 @@ class RandKCompressor(Compressor):
         return ctx.indices, payload[0].to(ctx.dtype)
 
     @property
-    def decompress_passes(self) -> float:
-        """Zeroing the dense output; unbiased: scaling it."""
-        return 2 if self.unbiased else 1
+    def passes(self) -> CodecPasses:
+        """Compress: the k values are gathered at shared indices, no full pass; decompress:
+        zeroing the dense output, and unbiased, scaling it."""
+        return CodecPasses(compress=0, decompress=2 if self.unbiased else 1)
 
     def decompress(self, payload: Payload, ctx: RandKCtx) -> torch.Tensor:
         values = payload[0].to(ctx.dtype)

@@ -12,11 +12,14 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import PartsEncode, ShardedEncode
 from mergecomp.compressors.base.compressor import Compressor, Payload
-from mergecomp.compressors.base.memory import Memory
+from mergecomp.compressors.base.memory import Residual
+from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sign_value import SignParts
-from mergecomp.kernels import bitpack, native
-from mergecomp.kernels.codecs import decode_codes, decode_signs, majority_vote, pack_signs
+from mergecomp.kernels import bitpack
+from mergecomp.kernels.codecs import (compensated_sign_parts, decode_codes, decode_signs, majority_vote, pack_signs,
+                                      parts_served)
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
@@ -33,7 +36,7 @@ class VoteCodec(Compressor):
 
     name = "vote"
     lossless = True  # no second-stage residual to keep
-    compress_passes = 3  # the int8 cast, the shift by 1, the packing
+    passes = CodecPasses(compress=3)  # the int8 cast, the shift by 1, the packing
 
     def compress(self, tensor: torch.Tensor, name: str, shapes=None) -> Tuple[Payload, Ctx]:
         codes = tensor.to(torch.int8).add_(1).view(torch.uint8)
@@ -46,11 +49,13 @@ class VoteCodec(Compressor):
 
 
 @register_compressor("signsgd")
-class SignSGDCompressor(Compressor):
+class SignSGDCompressor(Compressor, ShardedEncode, PartsEncode):
     votes = True
     default_memory = "none"
     shard_alignment = 8  # whole bytes of sign bits
-    fused_update_passes = 0  # the parts' code has no memory to update
+    #: the votes counted and signed in one pass; the parts' code has no memory to update
+    passes = CodecPasses(aggregate=1, fused_update=0)
+    takes_residual = False  # its parts are the gradient's own bits
 
     def sign_bits(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The packed sign bits sent for ``tensor`` (subclasses: of a momentum, e.g.)."""
@@ -61,11 +66,11 @@ class SignSGDCompressor(Compressor):
         return (self.sign_bits(tensor, name),), (tensor.numel(), tensor.dtype)
 
     def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
-                             memory: Memory) -> Optional[SignParts]:
-        """Without error feedback, where a kernel serves ``like``: the bits each gradient's own
-        pass writes as it arrives (:class:`~mergecomp.compressors.base.sign_value.SignParts` over :meth:`part_code`),
-        the payload :meth:`compress` gives the whole group."""
-        code = self.part_code(like, name) if memory.passthrough and native.usable(like) else None
+                             residual: Optional[Residual]) -> Optional[SignParts]:
+        """Without error feedback (no ``residual``), where a kernel serves ``like``: the bits
+        each gradient's own pass writes as it arrives (:class:`SignParts` over
+        :meth:`part_code`), the payload :meth:`compress` gives the whole group."""
+        code = self.part_code(like, name) if residual is None and parts_served(like) else None
         if code is None:
             return None
         kernel, done = code
@@ -81,8 +86,8 @@ class SignSGDCompressor(Compressor):
         """The part-by-part counterpart of :meth:`sign_bits` for group ``name`` (``like``: a flat
         fp32 CPU tensor of its numel), or None where there is none: here the gradient's own bits
         (no side sums, only the NaN/Inf check), nothing to do when done."""
-        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.CompensatedSignParts, None]:
-            return native.CompensatedSignParts(like.numel(), None, 0.0, 0.0, None, bits, sums, sums=False), None
+        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[Any, None]:
+            return compensated_sign_parts(like.numel(), None, (0.0, 0.0), None, bits, sums, side_sums=False), None
 
         return kernel, lambda: None
 
@@ -92,9 +97,6 @@ class SignSGDCompressor(Compressor):
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         numel, dtype = ctx
         return decode_signs(payload[0], numel, dtype, out=self.scratch(numel, dtype, payload[0].device))
-
-    def aggregate_passes(self, payloads: int, average: bool) -> float:
-        return 1  # the votes counted and signed in one pass
 
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx, world_size: int,
                   average: bool) -> torch.Tensor:

@@ -8,13 +8,12 @@ Defaults: ``beta=0.9``; no error-feedback memory.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
 from mergecomp.compressors.signsgd import PartCode, SignSGDCompressor
-from mergecomp.kernels import native
-from mergecomp.kernels.codecs import momentum_signs
+from mergecomp.kernels.codecs import momentum_sign_parts, momentum_signs, parts_served
 from mergecomp.registry import register_compressor
 
 
@@ -35,21 +34,20 @@ class SignumCompressor(SignSGDCompressor):
 
     def part_code(self, like: torch.Tensor, name: str) -> Optional[PartCode]:
         """Where a kernel serves the momentum: each gradient's pass steps its slice of the
-        momentum as it arrives (:class:`~mergecomp.kernels.native.MomentumSignParts`) into a second
+        momentum as it arrives (:func:`~mergecomp.kernels.codecs.momentum_sign_parts`) into a second
         buffer, which becomes the group's state once every part was found finite (a part with
         NaN/Inf leaves the state for the whole-group route); the buffer it replaces is the next
         step's.  The same bits and momentum as :meth:`compress`."""
         momentum = self._momentum(name, like.numel(), like)
-        if not native.usable(momentum):
+        if not parts_served(momentum):
             return None
         self._spares = {group: spare for group, spare in self._spares.items() if group in self.state}
         spare = self._spares.get(name)
         if spare is None or spare.shape != momentum.shape or spare.dtype != momentum.dtype:
             spare = torch.empty_like(momentum)
 
-        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.MomentumSignParts, None]:
-            return native.MomentumSignParts(like.numel(), momentum, 1.0 - self.beta, spare, bits, sums,
-                                            stream=like.numel() >= native.STREAM_MIN), None
+        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[Any, None]:
+            return momentum_sign_parts(like.numel(), momentum, 1.0 - self.beta, spare, bits, sums), None
 
         def done() -> None:
             self.group_state(name)["momentum"] = spare

@@ -15,7 +15,9 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import ShardedEncode
 from mergecomp.compressors.base.compressor import Payload, SummedDecode
+from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.kernels import bitpack
 from mergecomp.kernels.codecs import codes_sum, moments, stochastic_codes
 from mergecomp.kernels.quantize import work_dtype
@@ -25,9 +27,9 @@ Ctx = Tuple[int, torch.dtype]
 
 
 @register_compressor("terngrad")
-class TernGradCompressor(SummedDecode):
+class TernGradCompressor(SummedDecode, ShardedEncode):
     shard_alignment = 4  # whole bytes of 2-bit codes
-    compress_passes = 2  # the moments, then the codes
+    passes = CodecPasses(compress=2, aggregate=1)  # the moments, then the codes
 
     def __init__(self, clip: Optional[float] = 2.5) -> None:
         super().__init__()

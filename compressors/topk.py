@@ -11,18 +11,20 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import FusedEncode
 from mergecomp.compressors.base.compressor import Payload
-from mergecomp.compressors.base.memory import Memory
+from mergecomp.compressors.base.memory import Residual
+from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import (SparseCompressor, candidate_capacity, num_selected, sample_stride,
                                                sample_threshold, topk_abs_indices)
-from mergecomp.kernels import native
+from mergecomp.kernels.codecs import compensated_above, fused_scan_served, keep_largest
 from mergecomp.registry import register_compressor
 
 _SELECTIONS = ("exact", "threshold")
 
 
 @register_compressor("topk")
-class TopKCompressor(SparseCompressor):
+class TopKCompressor(SparseCompressor, FusedEncode):
     def __init__(self, ratio: float = 0.01, selection: str = "threshold") -> None:
         super().__init__(ratio)
         if selection not in _SELECTIONS:
@@ -30,36 +32,33 @@ class TopKCompressor(SparseCompressor):
         self.selection = selection
 
     @property
-    def compress_passes(self) -> float:
-        """The threshold scan (the sample and the k values are small); exact: ``abs`` and ``topk``."""
-        return 1 if self.selection == "threshold" else 2
-
-    #: the fused encode's one pass (it writes the residual too)
-    fused_compress_passes, fused_update_passes = 1, 0
+    def passes(self) -> CodecPasses:
+        """Compress: the threshold scan (the sample and the k values are small); exact: ``abs``
+        and ``topk``.  The fused encode: one pass, which writes the residual too."""
+        return CodecPasses(compress=1 if self.selection == "threshold" else 2, aggregate=1, fused_update=0)
 
     def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
         return topk_abs_indices(tensor, k, self.selection)
 
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
-                       memory: Memory) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
-        """With the residual memory or DGC's (:meth:`Memory.fused_residual`) and the threshold
-        selection, where the kernel serves the tensors (:func:`mergecomp.kernels.native.compensated_above`):
+                       residual: Residual) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
+        """With the ``residual`` of the residual memory or DGC's and the threshold selection,
+        where the kernel serves the tensors (:func:`mergecomp.kernels.codecs.compensated_above`):
         one pass reads the gradient and the memory and writes the memory's new state, setting the
         candidates above the sampled threshold aside (and masking their momentum, with DGC's);
-        :func:`mergecomp.kernels.native.keep_largest` keeps the k largest and puts the others back.
+        :func:`mergecomp.kernels.codecs.keep_largest` keeps the k largest and puts the others back.
         Compensate, compress and feed make three passes with the residual (the add, the
         threshold scan, the residual's copy), six with DGC's memory (momentum, velocity, the
         copy out, the scan, the velocity's copy, the masking).  The same payload and state, bit
         for bit."""
-        residual = memory.fused_residual(tensor, name)
         n = tensor.numel()
         k = num_selected(n, self.ratio)
-        if residual is None or self.selection != "threshold" or k >= n:
+        if self.selection != "threshold" or k >= n:
             return None
         old, momentum = residual.old, residual.momentum
         operands = [t for t in (tensor, old, None if momentum is None else momentum.old) if t is not None]
-        if type(self).select is not TopKCompressor.select or not native.usable(*operands):  # a subclass's own selection
-            return None
+        if type(self).select is not TopKCompressor.select or not fused_scan_served(*operands):
+            return None  # a subclass's own selection, or no kernel
         stride = sample_stride(n, k)
         sample = tensor[::stride]
         if momentum is not None:
@@ -69,11 +68,11 @@ class TopKCompressor(SparseCompressor):
         threshold = float(sample_threshold(sample.abs(), k, n))
         corrected = None if momentum is None else momentum.target()
         out = residual.target()  # every element written below
-        indices, values, count, momenta = native.compensated_above(
+        indices, values, count, momenta = compensated_above(
             tensor, old, threshold, out, candidate_capacity(k),
             None if momentum is None else (momentum.factor, momentum.old, corrected))
         if k <= count <= indices.numel():  # the k largest among the candidates; the others go back
-            indices, values = native.keep_largest(indices, values, k, out,
+            indices, values = keep_largest(indices, values, k, out,
                                                   None if momenta is None else (momenta, corrected))
         else:  # too few or too many candidates: ``out`` (and the momentum) as before the scan took them
             out[indices] = values

@@ -150,7 +150,7 @@ def wire_bits_per_element(compressor, codec, numel):
         return 16
     if codec == "none":
         return 32
-    return compressor.bits_per_element(numel)
+    return mergecomp.bits_per_element(compressor, numel)
 
 
 def describe_schedule(report, compression):

@@ -295,13 +295,13 @@ def test_rehearse_takes_the_fused_encode_as_the_exchange_does(monkeypatch):
     import torch
 
     import mergecomp
-    from mergecomp.compressors.base.memory import ResidualMemory
+    from mergecomp.compressors.memories import ResidualMemory
     from mergecomp.kernels import native
     from mergecomp.scheduler.probes import rehearse
 
     if not native.usable(torch.zeros(1)):
         pytest.skip("native kernels unavailable")
-    monkeypatch.setattr(ResidualMemory, "feed", None)  # the fused encode's update stands in for it
+    monkeypatch.setattr(ResidualMemory, "update", None)  # the fused encode's update stands in for it
     memory = mergecomp.get_memory("residual")
     run = rehearse(mergecomp.get_compressor("onebit"), memory, "compressed", [(4000, 1)], [torch.Size([1000])],
                    torch.float32, torch.device("cpu"), 2)

@@ -165,7 +165,7 @@ def test_state_survives_save_and_load():
 
 # -- error feedback across DDP's bucket rebuild ---------------------------------------------------
 def _rebuild_worker(rank):
-    from mergecomp.compressors.base.memory import ResidualMemory
+    from mergecomp.compressors.memories import ResidualMemory
 
     class Recording(ResidualMemory):
         """Remembers the residual each group found when it was compensated."""

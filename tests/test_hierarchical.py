@@ -21,9 +21,10 @@ LAYERWISE = tuple((i,) for i in reversed(range(len(NAMES))))
 
 def second_start(comm, step, group, codec):
     """Where this rank's second-stage residual of ``group`` (sent with ``codec``) starts."""
+    from mergecomp.compressors.base.capabilities import shard_alignment
     from mergecomp.schemes.two_phase import shard_bounds
 
-    align, rank = step.exchange.compressor.shard_alignment, comm.rank
+    align, rank = shard_alignment(step.exchange.compressor), comm.rank
     if codec == HIER2:
         local = comm.local_size
         start, stop = shard_bounds(group.numel, local, align)[rank % local]

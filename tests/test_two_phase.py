@@ -27,8 +27,9 @@ def grads(rank, step, integers=False):
 
 
 def make_step(comm, compression, codec, memory=None, groups=CUTS, **options):
-    from mergecomp.pipeline.plan import GroupPlan
     from steps import planned
+
+    from mergecomp.pipeline.plan import GroupPlan
 
     plan = GroupPlan(groups, (codec,) * len(groups))
     return planned(compression, memory, comm, NAMES, SHAPES, DTYPES, groups=plan, observe_order=False, **options)
@@ -45,9 +46,10 @@ def run(step, rank, steps, integers=False):
 
 def two_phase_start(comm, step, group, codec):
     """Where this rank's second-stage residual of ``group`` starts."""
+    from mergecomp.compressors.base.capabilities import shard_alignment
     from mergecomp.schemes.two_phase import shard_bounds
 
-    return shard_bounds(group.numel, comm.size, step.exchange.compressor.shard_alignment)[comm.rank][0]
+    return shard_bounds(group.numel, comm.size, shard_alignment(step.exchange.compressor))[comm.rank][0]
 
 
 def residual_total(comm, step, start_of=two_phase_start):

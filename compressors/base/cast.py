@@ -5,13 +5,15 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import CheckedEncode
 from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.kernels.codecs import cast_finite
 
 __all__ = ["CastCompressor"]
 
 
-class CastCompressor(Compressor):
+class CastCompressor(Compressor, CheckedEncode):
     """Sends ``tensor.to(wire_dtype)``; the sum over ranks is taken in ``wire_dtype``.
 
     ``prescale`` divides by the given factor before the cast and multiplies back after the sum
@@ -40,15 +42,12 @@ class CastCompressor(Compressor):
         return self.wire_dtype is None and self.prescale == 1.0
 
     @property
-    def compress_passes(self) -> float:
-        """One cast or division; none when the tensor itself is sent (for a gradient in
-        another dtype than ``wire_dtype``)."""
-        return 0 if self.lossless else 1
-
-    @property
-    def decompress_passes(self) -> float:
-        """A cast back from ``wire_dtype``, and a multiplication with ``prescale``."""
-        return (0 if self.wire_dtype is None else 1) + (self.prescale != 1.0)
+    def passes(self) -> CodecPasses:
+        """Compress: one cast or division, none when the tensor itself is sent (for a gradient
+        in another dtype than ``wire_dtype``); decompress: a cast back from ``wire_dtype``, and a
+        multiplication with ``prescale``."""
+        return CodecPasses(compress=0 if self.lossless else 1,
+                           decompress=(0 if self.wire_dtype is None else 1) + (self.prescale != 1.0))
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype]:

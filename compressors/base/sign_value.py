@@ -7,23 +7,31 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressors.base.compressor import Compressor, FusedParts, Payload, SummedDecode
-from mergecomp.compressors.base.memory import Memory, Residual
-from mergecomp.kernels import bitpack, native
-from mergecomp.kernels.codecs import compensated_signs, pack_signs, sign_sum
+from mergecomp.compressors.base.capabilities import FusedEncode, FusedParts, PartsEncode, ShardedEncode
+from mergecomp.compressors.base.compressor import Compressor, Payload, SummedDecode
+from mergecomp.compressors.base.memory import Residual
+from mergecomp.compressors.base.passes import CodecPasses
+from mergecomp.kernels import bitpack
+from mergecomp.kernels.codecs import compensated_sign_parts, compensated_signs, pack_signs, parts_served, sign_sum
 from mergecomp.kernels.codecs.sums import SignStats, exact_where_overflowed
 from mergecomp.kernels.wire import word_padded
 
 __all__ = ["SignValueCompressor", "SignParts"]
 
 
-class SignValueCompressor(SummedDecode):
+class SignValueCompressor(SummedDecode, ShardedEncode, FusedEncode, PartsEncode):
     """Payload ``(sign bits, values...)`` where each rank's bits decode to two values of its
     own (:meth:`sides`); not summable.  The aggregate sums the ranks' decodes with
-    :func:`mergecomp.kernels.codecs.sign_sum` (one pass natively on fp32 CPU) instead of one full-size
-    decode and add per rank."""
+    :func:`mergecomp.kernels.codecs.sign_sum` (one pass natively on fp32 CPU) instead of one
+    full-size decode and add per rank.  With the residual memory, the encode takes the memory's
+    work in its own pass, for the whole group or part by part (its residual carried: the
+    compensated gradient and the two values its bits decode to)."""
 
     shard_alignment = 8  # whole bytes of sign bits
+    carries_residual = True
+    #: the fused encode's one pass (it writes the compensated gradient); the memory only notes
+    #: the two decoded values
+    passes = CodecPasses(aggregate=1, fused_compress=1, fused_update=0)
 
     def encode(self, bits: torch.Tensor, stats: SignStats, tensor: torch.Tensor) -> Tuple[Payload, Any]:
         """The payload and ctx of ``tensor`` from its packed sign ``bits`` and their ``stats``."""
@@ -33,50 +41,39 @@ class SignValueCompressor(SummedDecode):
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Any]:
         return self.encode(*pack_signs(tensor, empty=self.scratch), tensor)
 
-    #: the fused encode's one pass (it writes the compensated gradient); the memory only notes
-    #: the two decoded values
-    fused_compress_passes, fused_update_passes = 1, 0
-
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
-                       memory: Memory) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
-        """With the residual memory (:meth:`Memory.fused_residual`, its residual carried),
-        where a kernel serves the tensors (:func:`mergecomp.kernels.codecs.compensated_signs`): one
+                       residual: Residual) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
+        """With the residual memory's ``residual`` (carried), where a kernel serves the tensors
+        (:func:`mergecomp.kernels.codecs.compensated_signs`): one
         pass reads the gradient and the buffer the step before left, and writes the compensated
         gradient into that buffer with the bits and their sums; the memory notes the two values
         the bits decode to, and the residual (the compensated gradient less its decode) is
         folded into the next step's pass.  Compensate, compress and feed make four passes (the
         third decodes the payload into a temporary)."""
-        residual = self._carried_residual(tensor, name, memory)
-        if residual is None:
+        if not self._served(tensor, residual):
             return None
         bits, stats = compensated_signs(tensor, residual.old, residual.sides, keep=residual.target(),
                                         empty=self.scratch)
         return self._sent(bits, stats, tensor, residual)
 
     def compress_fused_parts(self, like: torch.Tensor, name: str, parts: int,
-                             memory: Memory) -> Optional["SignParts"]:
+                             residual: Optional[Residual]) -> Optional["SignParts"]:
         """:meth:`compress_fused` part by part (:class:`SignParts`) with the residual memory
         on fp32 CPU groups where the kernels are on."""
-        residual = self._carried_residual(like, name, memory)
-        if residual is None:
+        if residual is None or not self._served(like, residual):
             return None
 
-        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[native.CompensatedSignParts, torch.Tensor]:
+        def kernel(bits: torch.Tensor, sums: torch.Tensor) -> Tuple[Any, torch.Tensor]:
             keep = residual.target()  # the memory's target, taken at the first part
-            return native.CompensatedSignParts(like.numel(), residual.old, *residual.sides, keep, bits, sums,
-                                               stream=like.numel() >= native.STREAM_MIN), keep
+            return compensated_sign_parts(like.numel(), residual.old, residual.sides, keep, bits, sums), keep
 
         return SignParts(self, like, parts, kernel, lambda bits, stats: self._sent(bits, stats, like, residual))
 
     @staticmethod
-    def _carried_residual(like: torch.Tensor, name: str, memory: Memory) -> Optional[Residual]:
-        """``memory``'s residual of group ``name`` carried as the sign codes carry it, where the
-        memory offers one and a kernel serves ``like`` (the group's gradient or a tensor like it)
-        and the carried buffer; else None."""
-        residual = memory.fused_residual(like, name, carried=True)
-        if residual is None or not native.usable(like, *(() if residual.old is None else (residual.old,))):
-            return None
-        return residual
+    def _served(like: torch.Tensor, residual: Residual) -> bool:
+        """Whether a kernel serves ``like`` (the group's gradient or a tensor like it) and the
+        carried buffer."""
+        return parts_served(like, *(() if residual.old is None else (residual.old,)))
 
     def _sent(self, bits: torch.Tensor, stats: SignStats, like: torch.Tensor,
               residual: Residual) -> Tuple[Payload, Any, Callable[[], None]]:
@@ -98,10 +95,10 @@ class SignValueCompressor(SummedDecode):
 
 class SignParts(FusedParts):
     """A sign code of a group, part by part: each gradient's pass (a part-by-part kernel of
-    :mod:`mergecomp.kernels.native`, made by ``kernel(bits, sums)`` at the first part) reads the
+    :mod:`mergecomp.kernels.codecs`, made by ``kernel(bits, sums)`` at the first part) reads the
     gradient where autograd left it and writes its bits into the group's and its row of
     ``sums``; :meth:`finish` adds the rows in part order and returns ``sent(bits, stats)``, the
-    ``(payload, ctx, update)`` of :meth:`Compressor.compress_fused`.  ``kernel`` also returns
+    ``(payload, ctx, update)`` of the fused encode.  ``kernel`` also returns
     the tensor holding the values it coded, whose fp32 side sums are worked out again in fp64
     where they overflowed; None: its rows only check finiteness, exactly (the stats given to
     ``sent`` are then zeros)."""

@@ -20,9 +20,10 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import SparseEntries
 from mergecomp.compressors.base.compressor import Compressor, Payload, check_ratio
-from mergecomp.kernels import native
-from mergecomp.kernels.codecs import indices_above, zero_
+from mergecomp.compressors.base.passes import CodecPasses
+from mergecomp.kernels.codecs import indices_above, largest, zero_
 
 __all__ = [
     "SparseCompressor",
@@ -64,7 +65,7 @@ def topk_indices(magnitude: torch.Tensor, k: int, method: str = "exact") -> torc
     ``method="exact"`` is ``torch.topk``.  ``method="threshold"`` returns the same set (ties
     aside) faster on large buffers: it estimates the k-th largest value from a strided sample,
     keeps the candidates above it and runs the exact top-k only among those (on fp32 CPU
-    tensors by :func:`mergecomp.kernels.native.keep_largest`: ascending, of equal values the first),
+    tensors by the kernel of :func:`mergecomp.kernels.codecs.largest`: ascending, of equal values the first),
     falling back to the full top-k when the estimate kept fewer than ``k``.
     """
     return _topk(magnitude, k, method, absolute=False)
@@ -90,13 +91,7 @@ def _topk(values: torch.Tensor, k: int, method: str, absolute: bool) -> torch.Te
         threshold = sample_threshold(sample.abs() if absolute else sample, k, n)
         candidates = indices_above(values, threshold, absolute, candidate_capacity(k))
         if candidates.numel() >= k:
-            magnitude = values.index_select(0, candidates)
-            if native.usable(magnitude):  # the k largest in ascending order, as the fused encode finds them
-                return native.keep_largest(candidates, magnitude, k)[0]
-            if absolute:
-                magnitude.abs_()
-            best = magnitude.topk(k, sorted=False).indices
-            return candidates.index_select(0, best)
+            return largest(candidates, values.index_select(0, candidates), k, absolute)
     magnitude = values.abs() if absolute else values
     return magnitude.topk(k, sorted=False).indices
 
@@ -130,10 +125,13 @@ def shared_random_indices(numel: int, k: int, seed: int, device: torch.device) -
     return torch.randint(numel, (k,), generator=generator).to(device)
 
 
-class SparseCompressor(Compressor):
+class SparseCompressor(Compressor, SparseEntries):
     """Keeps ``k`` elements chosen by :meth:`select`; payload ``(values, int32 indices)``."""
 
     default_memory = "residual"
+    #: decompress: zeroing the dense output (the scatter touches k entries); aggregate: one
+    #: scatter of every rank's entries into it
+    passes = CodecPasses(aggregate=1)
 
     def __init__(self, ratio: float = 0.01) -> None:
         super().__init__()
@@ -149,9 +147,6 @@ class SparseCompressor(Compressor):
         indices = self.select(tensor, num_selected(tensor.numel(), self.ratio), name)
         values = tensor.index_select(0, indices)
         return (values, indices.to(torch.int32)), (tensor.numel(), tensor.dtype)
-
-    #: zeroing the dense output (the scatter touches k entries)
-    decompress_passes = 1
 
     def decompress(self, payload: Payload, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
         values, indices = payload
@@ -171,6 +166,3 @@ class SparseCompressor(Compressor):
         if average:  # k values per rank, not the dense buffer
             values = values.div_(world_size)
         return self.decompress((values, indices), ctx)
-
-    def aggregate_passes(self, payloads: int, average: bool) -> float:
-        return self.decompress_passes

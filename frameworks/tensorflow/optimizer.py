@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import tensorflow as tf
 
-from mergecomp.compressors.base.memory import warn_double_momentum
+from mergecomp.compressors.memories import warn_double_momentum
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, check_process_set, resolve_groups
 from mergecomp.registry import Compression
 

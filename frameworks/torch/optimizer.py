@@ -37,7 +37,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.compressors.base.memory import Memory, warn_double_momentum
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.compressors.memories import warn_double_momentum
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, resolve_groups, scaling
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions

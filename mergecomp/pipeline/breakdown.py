@@ -36,10 +36,10 @@ counted, and work on part of the group counts as that fraction of a pass.  Stage
 ``copy-in`` (gradients into the buffer, prescaling), ``check`` (a NaN/Inf pass apart from the
 copy), ``compensate``, ``encode``, ``memory`` (the residual update with any decode it needs),
 ``decode`` (aggregation), ``copy-out`` (results copied back).  A fused encode
-(:meth:`~mergecomp.compressors.base.compressor.Compressor.compress_fused`) compensates and
+(:class:`~mergecomp.compressors.base.capabilities.FusedEncode`) compensates and
 updates the memory in its encode pass: that pass counts as ``encode``, none as ``compensate`` or
 ``memory``.  The counts are declared next to the code that makes the passes
-(``compress_passes`` ... on compressors, ``compensate_passes`` ... on memories) for the fused
+(``passes`` on compressors and memories, :mod:`mergecomp.compressors.base.passes`) for the fused
 kernels' path (contiguous fp32 CPU tensors); the eager torch versions elsewhere make more
 (:mod:`mergecomp.kernels.native`).
 """

@@ -12,6 +12,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import (Fused, FusedEncode, FusedParts, PartsEncode, SparseEntries,
+                                                     SubtractsDecode, encode_checked, encode_shard)
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.kernels.codecs import all_finite
@@ -19,10 +21,82 @@ from mergecomp.kernels.workspace import Workspace
 from mergecomp.pipeline.breakdown import MEMORY, Stopwatch
 from mergecomp.pipeline.job import Job
 
-__all__ = ["Encoder"]
+__all__ = ["Encoder", "fused", "fused_parts", "feed"]
 
 #: one encoded part of a group: ``(payload, ctx)``
 Encoded = Tuple[Payload, Any]
+
+
+def fused(compressor: Compressor, memory: Memory, tensor: torch.Tensor, name: str,
+          shapes: Optional[Sequence[torch.Size]] = None) -> Optional[Fused]:
+    """``compressor``'s fused encode of group ``name`` with ``memory``
+    (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`), where the compressor offers
+    one for the memory's residual: ``(payload, ctx, update)``; else None."""
+    if not isinstance(compressor, FusedEncode):
+        return None
+    residual = memory.fused_residual(tensor, name, carried=compressor.carries_residual)
+    return None if residual is None else compressor.compress_fused(tensor, name, shapes, residual)
+
+
+def fused_parts(compressor: Compressor, memory: Memory, like: torch.Tensor, name: str,
+                parts: int) -> Optional[FusedParts]:
+    """``compressor``'s fused encode of group ``name`` (``like``: a tensor of its numel, dtype
+    and device) part by part as its ``parts`` gradients arrive, with ``memory``
+    (:class:`~mergecomp.compressors.base.capabilities.PartsEncode`), where it offers one; else
+    None."""
+    if not isinstance(compressor, PartsEncode):
+        return None
+    residual = None
+    if not memory.passthrough:
+        if not compressor.takes_residual:
+            return None
+        residual = memory.fused_residual(like, name, carried=compressor.carries_residual)
+        if residual is None:
+            return None
+    return compressor.compress_fused_parts(like, name, parts, residual)
+
+
+def feed(memory: Memory, codec: Compressor, compensated: torch.Tensor, name: str,
+         parts: Sequence[Tuple[Payload, Any, int]]) -> float:
+    """Tell ``memory`` what of ``compensated`` (group ``name``) ``codec`` sent in ``parts``, each
+    ``(payload, ctx, start)``: payloads of consecutive ranges of ``compensated``, each from its
+    ``start`` on (as many elements as it decodes to), and nothing else was sent.  The cheapest
+    way the codec and the memory allow: the codec writes the residual of a whole-group payload
+    itself (:class:`~mergecomp.compressors.base.capabilities.SubtractsDecode`, where the memory
+    lends its buffer); the sent entries (``update_sparse``); nothing for a lossless payload of the
+    whole group the memory takes note of (``sent_whole``); else the decodes side by side, zero
+    elsewhere (``update``).  Returns the passes made over ``compensated``."""
+    whole = len(parts) == 1 and parts[0][2] == 0
+    if whole and isinstance(codec, SubtractsDecode):
+        writer = memory.residual_writer(name, compensated)
+        payload, ctx, _ = parts[0]
+        if writer is not None and codec.subtract_decoded(payload, ctx, compensated, writer):
+            return codec.passes.subtract_decoded
+    entries = [codec.sent_entries(payload, ctx) if isinstance(codec, SparseEntries) else None
+               for payload, ctx, _ in parts]
+    if all(e is not None for e in entries):
+        indices = [i + start if start else i for (i, _), (_, _, start) in zip(entries, parts)]
+        values = [v for _, v in entries]
+        memory.update_sparse(compensated, name, *(torch.cat(t) if len(t) > 1 else t[0] for t in (indices, values)))
+        return memory.passes.sparse_update
+    first = codec.decompress(*parts[0][:2])
+    if len(parts) == 1 and first.numel() == compensated.numel():
+        if codec.lossless and memory.sent_whole(name):
+            return 0  # nothing left behind: no residual to write
+        memory.update(compensated, name, first)
+        return codec.passes.decompress + memory.passes.update
+    sent = codec.scratch(compensated.numel(), first.dtype, first.device)
+    sent[:parts[0][2]].zero_()
+    stop = decoded = 0
+    for g, (payload, ctx, start) in enumerate(parts):
+        part = first if g == 0 else codec.decompress(payload, ctx)
+        stop = start + part.numel()
+        sent[start:stop] = part
+        decoded += part.numel()
+    sent[stop:].zero_()
+    memory.update(compensated, name, sent)
+    # the decodes, the copies into `sent` and the zeros around them, the update
+    return codec.passes.decompress * decoded / max(compensated.numel(), 1) + 1 + memory.passes.update
 
 
 class Encoder:
@@ -62,19 +136,23 @@ class Encoder:
 
     def fuse(self, job: Job) -> bool:
         """Compensate and encode the whole group by the compressor's fused encode
-        (:meth:`Compressor.compress_fused`), where it offers one for this memory: returns
-        whether it did (``job.compensated`` stays the gradient as given; :meth:`feed` then runs
-        the memory's update)."""
-        return self.take(job, job.compressor.compress_fused(job.compensated, job.group.name, job.group.shapes,
-                                                            self.memory))
+        (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`), where it offers one for
+        this memory's residual: returns whether it did (``job.compensated`` stays the gradient
+        as given; :meth:`feed` then runs the memory's update)."""
+        return self.take(job, fused(job.compressor, self.memory, job.compensated, job.group.name, job.group.shapes))
 
-    def take(self, job: Job, fused: Optional[Tuple[Payload, Any, Callable[[], None]]]) -> bool:
+    def parts(self, name: str, like: torch.Tensor, parts: int) -> Optional[FusedParts]:
+        """The configured compressor's encode of group ``name`` part by part with this memory
+        (:func:`fused_parts`), or None."""
+        return fused_parts(self.compressor, self.memory, like, name, parts)
+
+    def take(self, job: Job, encoded: Optional[Fused]) -> bool:
         """The job's payload from a fused encode's ``(payload, ctx, update)``; None: returns False."""
-        if fused is None:
+        if encoded is None:
             return False
-        job.payload, job.ctx, job.update = fused
+        job.payload, job.ctx, job.update = encoded
         job.encoded = True
-        job.count("encode", job.compressor.fused_compress_passes)
+        job.count("encode", job.compressor.passes.fused_compress)
         return True
 
     def encode(self, job: Job) -> None:
@@ -84,13 +162,13 @@ class Encoder:
         (:attr:`Job.checked_by_encode`: a payload found not finite is zeroed, and the gradient
         checked again to tell NaN/Inf from an overflow)."""
         (start, stop), compensated, compressor = job.span, job.compensated, job.compressor
-        job.count("encode", compressor.compress_passes, stop - start)
+        job.count("encode", compressor.passes.compress, stop - start)
         finite = None
         if stop - start == compensated.numel():
-            job.payload, job.ctx, finite = compressor.compress_checked(compensated, job.group.name, job.group.shapes)
+            job.payload, job.ctx, finite = encode_checked(compressor, compensated, job.group.name, job.group.shapes)
         else:
-            job.payload, job.ctx = compressor.compress_shard(compensated[start:stop], job.group.name, start,
-                                                             compensated.numel())
+            job.payload, job.ctx = encode_shard(compressor, compensated[start:stop], job.group.name, start,
+                                                compensated.numel())
         if job.checked_by_encode or (compressor.may_overflow and self.check_finite and job.feedback
                                      and self.memory.feeds_back):
             if finite is None:
@@ -106,30 +184,29 @@ class Encoder:
     def encode_shards(self, job: Job, bounds: Sequence[Tuple[int, int]]) -> List[Encoded]:
         """Each ``(start, stop)`` of ``bounds`` (cutting ``job.span``) encoded as a payload of its own."""
         compressor, compensated, name = job.compressor, job.compensated, job.group.name
-        job.count("encode", compressor.compress_passes, job.span[1] - job.span[0])
-        return [compressor.compress_shard(compensated[a:b], name, a, compensated.numel()) for a, b in bounds]
+        job.count("encode", compressor.passes.compress, job.span[1] - job.span[0])
+        return [encode_shard(compressor, compensated[a:b], name, a, compensated.numel()) for a, b in bounds]
 
     def feed(self, job: Job) -> None:
         """The memory's update for the job's payload, once it is sent or copied: a fused
-        encode's own update, or :meth:`Memory.feed` of what the payload encodes."""
+        encode's own update, or :func:`feed` of what the payload encodes."""
         name = job.group.name
         if job.update is not None:
             with self.clock(MEMORY, name):
                 job.update()
-                job.count("memory", job.compressor.fused_update_passes)
+                job.count("memory", job.compressor.passes.fused_update)
             job.update = None
         elif job.feedback and self.memory.feeds_back:
             with self.clock(MEMORY, name):
-                job.count("memory", self.memory.feed(job.compressor, job.compensated, name, job.payload, job.ctx,
-                                                     job.span[0]))
+                job.count("memory", feed(self.memory, job.compressor, job.compensated, name,
+                                         [(job.payload, job.ctx, job.span[0])]))
 
     def feed_shards(self, job: Job, shards: Sequence[Encoded], bounds: Sequence[Tuple[int, int]]) -> None:
         """The memory's update for ``shards`` (from :meth:`encode_shards` over ``bounds``)."""
         if job.feedback and self.memory.feeds_back:
             with self.clock(MEMORY, job.group.name):
-                job.count("memory", self.memory.feed_parts(
-                    job.compressor, job.compensated, job.group.name,
-                    [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)]))
+                job.count("memory", feed(self.memory, job.compressor, job.compensated, job.group.name,
+                                         [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)]))
 
     def decode_into(self, job: Job, out: Optional[torch.Tensor], decode: Callable[..., torch.Tensor],
                     *args) -> torch.Tensor:

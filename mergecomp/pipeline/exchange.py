@@ -32,7 +32,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressors.base.compressor import Compressor, FusedParts
+from mergecomp.compressors.base.capabilities import FusedParts
+from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.base.stateful import GroupStateful
 from mergecomp.engines.communicator import Communicator
@@ -156,7 +157,7 @@ class Exchange:
     # -- one group ------------------------------------------------------------------------------
     def begin(self, group: Group, flat: torch.Tensor, codec: str = COMPRESSED) -> Optional[FusedParts]:
         """Where ``group`` (sent with ``codec``; ``flat``: its buffer, not read) can be encoded
-        tensor by tensor as its gradients arrive (:meth:`Compressor.compress_fused_parts`: the
+        tensor by tensor as its gradients arrive (:meth:`Encoder.parts`: the
         sign codes on fp32 CPU): its :class:`FusedParts`, for the caller to
         :meth:`~FusedParts.add` each gradient to and pass to :meth:`start`; the group's state
         is kept meanwhile (a part found not finite puts it back).  Else None: the caller fills
@@ -167,7 +168,7 @@ class Exchange:
             return None
         if self.workspace is not None:
             self.workspace.advance(self.step)
-        parts = self.compressor.compress_fused_parts(flat, name, len(group.indices), self.memory)
+        parts = self.encoder.parts(name, flat, len(group.indices))
         if parts is not None and self.check_finite:
             holders = self.holders().values() if self.keep_state else (self.memory,)
             parts.kept = [(holder, name, holder.keep(name)) for holder in holders]

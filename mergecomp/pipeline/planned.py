@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressors.base.compressor import FusedParts
+from mergecomp.compressors.base.capabilities import FusedParts
 from mergecomp.kernels import codecs, native
 from mergecomp.pipeline.breakdown import ENCODE, SCHEDULER
 from mergecomp.pipeline.job import Job

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressors.base.compressor import FusedParts
+from mergecomp.compressors.base.capabilities import FusedParts
 from mergecomp.engines.communicator import Communicator
 from mergecomp.pipeline.agreement import check_ranks_agree
 from mergecomp.pipeline.breakdown import DECODE, ENCODE, WAIT, Breakdown

@@ -23,8 +23,10 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 
+from mergecomp.compressors.base.capabilities import shard_alignment
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.compressors.base.memory import Memory, NoMemory
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.compressors.memories import NoMemory
 from mergecomp.engines.communicator import Communicator, Handle
 from mergecomp.pipeline.exchange import Exchange
 from mergecomp.pipeline.plan import Group
@@ -143,7 +145,7 @@ def rehearse(compressor: Compressor, memory: Optional[Memory], codec: str, sampl
     attached = compressor.workspace
     exchange = Exchange(compressor, memory or NoMemory(), comm)
     element = torch.empty((), dtype=dtype).element_size()
-    unit = world_size * compressor.shard_alignment if codec in SCHEMES and SCHEMES[codec].sharded else 1
+    unit = world_size * shard_alignment(compressor) if codec in SCHEMES and SCHEMES[codec].sharded else 1
     generator = torch.Generator(device="cpu").manual_seed(0)
     encode, middle, decode, calls, ratio = [], [], [], [], 1.0
     try:

@@ -135,12 +135,12 @@ class WholeGroup(Scheme):
             arrived = self.received(job)
             if job.flight == compressor.rounds:
                 start, stop = job.span
-                job.count("decode", compressor.aggregate_passes(len(arrived), encoder.average), stop - start)
+                job.count("decode", compressor.passes.aggregated(len(arrived), encoder.average), stop - start)
                 return encoder.decode_into(job, out, compressor.aggregate, arrived, job.ctx, self.comm.size,
                                            encoder.average)
             with self.clock(ENCODE, job.group.name):
                 job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
-                job.count("encode", compressor.next_round_passes)
+                job.count("encode", compressor.passes.next_round)
                 job.flight += 1
                 self.send(job, last=job.flight == compressor.rounds)
 

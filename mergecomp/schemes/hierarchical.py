@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import shard_alignment
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.engines.communicator import Communicator
 from mergecomp.pipeline.breakdown import ENCODE
@@ -92,7 +93,7 @@ class Hierarchical(Scheme):
     def hosts(self, numel: int) -> Hosts:
         """The host level of a group of ``numel`` elements."""
         local, cross = self.comm.split_hosts()
-        align = self.encoder.compressor.shard_alignment
+        align = shard_alignment(self.encoder.compressor)
         return Hosts(local, cross, shard_bounds(numel, local.size, align), shard_size(numel, local.size, align))
 
     def start(self, job: "Job") -> None:

@@ -10,7 +10,7 @@ N of them: bytes and decode work per rank grow with N.  Two-phase keeps both fla
     phase 2  rank j aggregates the N payloads of its shard as the allgather scheme aggregates
              whole groups (mean or sum; the majority vote for the sign methods), adds its
              second-stage residual, compresses the result with the phase-2 codec
-             (:meth:`Compressor.second_phase`) and keeps what that codec did not send as the
+             (:meth:`ShardedEncode.second_phase`) and keeps what that codec did not send as the
              new residual; one allgather brings every rank the N aggregated shards
     finish   every rank decodes shard r from rank r's row into the group's buffer
 
@@ -36,17 +36,18 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
+from mergecomp.compressors.base.capabilities import second_phase, shard_alignment
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.compressors.base.memory import ResidualMemory
 from mergecomp.compressors.base.stateful import GroupStateful
+from mergecomp.compressors.memories import ResidualMemory
 from mergecomp.engines.communicator import Communicator
 from mergecomp.kernels.wire import Spec, pack_payload, pack_rows, unpack_payload
 from mergecomp.pipeline.breakdown import ENCODE, MEMORY
+from mergecomp.pipeline.encoder import Encoder, feed
 from mergecomp.pipeline.plan import Group
 from mergecomp.schemes.base import Route, Scheme
 
 if TYPE_CHECKING:
-    from mergecomp.pipeline.encoder import Encoder
     from mergecomp.pipeline.job import Job
 
 __all__ = ["TwoPhase", "shard_size", "shard_bounds", "pad_to", "zero_outside", "Sharded", "ShardLayouts",
@@ -169,7 +170,7 @@ class TwoPhase(Scheme):
     def __init__(self, comm: Communicator, encoder: "Encoder", route: Route) -> None:
         super().__init__(comm, encoder, route)
         #: the codec of each rank's aggregated shard
-        self.second = encoder.compressor.second_phase()
+        self.second = second_phase(encoder.compressor)
         self.second.workspace = encoder.workspace
         self.layouts = ShardLayouts(self.second)
         #: the second-stage residuals, and the carries a plan change leaves
@@ -186,7 +187,7 @@ class TwoPhase(Scheme):
     def bounds(self, comm: Communicator, span: Tuple[int, int]) -> Bounds:
         """The shards of the elements ``span``, one per rank of ``comm``."""
         start, stop = span
-        return shard_bounds(stop - start, comm.size, self.encoder.compressor.shard_alignment, start)
+        return shard_bounds(stop - start, comm.size, shard_alignment(self.encoder.compressor), start)
 
     def start(self, job: "Job") -> None:
         """Phase 1: compress each shard of ``job.span``, start the all-to-all, feed the
@@ -209,21 +210,21 @@ class TwoPhase(Scheme):
         arrived = [unpack_payload(row, sharded.specs) for row in rows]
         total = compressor.aggregate(arrived, sharded.ctx, self.comm.size, encoder.average)
         shard = total.numel()
-        job.count("decode", compressor.aggregate_passes(len(arrived), encoder.average), shard)
+        job.count("decode", compressor.passes.aggregated(len(arrived), encoder.average), shard)
         feedback = job.feedback and encoder.memory.feeds_back and not second.lossless
         compensated = total
         if feedback:
             with self.clock(MEMORY, name):
                 compensated = self.memory.compensate(total, name)
-                job.count("compensate", self.memory.compensate_passes, shard)
+                job.count("compensate", self.memory.passes.compensate, shard)
         with self.clock(ENCODE, name):
             payload, ctx = second.compress(compensated, name)
-            job.count("encode", second.compress_passes, shard)
+            job.count("encode", second.passes.compress, shard)
             raw, _ = pack_payload(payload)
             job.handle = job.comm.allgather_async(sharded.pad(raw))
         if feedback:
             with self.clock(MEMORY, name):
-                job.count("memory", self.memory.feed(second, compensated, name, payload, ctx), shard)
+                job.count("memory", feed(self.memory, second, compensated, name, [(payload, ctx, 0)]), shard)
 
     def finish(self, job: "Job", out: Optional[torch.Tensor]) -> torch.Tensor:
         """Phase 2's end: decode every rank's aggregated shard into the aggregate of ``job.span``."""
@@ -232,7 +233,7 @@ class TwoPhase(Scheme):
         offset, end = job.span
         result = out if out is not None else job.compressor.scratch(end - offset, like.dtype, like.device)
         for row, (start, stop), (ctx, specs) in zip(rows, sharded.bounds, sharded.layouts):
-            job.count("decode", second.decompress_passes, stop - start)
+            job.count("decode", second.passes.decompress, stop - start)
             encoder.decode_into(job, result[start - offset:stop - offset], second.decompress,
                                 unpack_payload(row, specs), ctx)
         return result

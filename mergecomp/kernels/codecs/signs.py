@@ -12,7 +12,7 @@ from mergecomp.kernels.codecs.sums import SignStats, exact_where_overflowed
 from mergecomp.kernels.workspace import fresh
 
 __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
-           "sign_sum"]
+           "sign_sum", "compensated_sign_parts", "momentum_sign_parts", "parts_served", "streamed"]
 
 #: one of the two values a sign bit decodes to: a float or a 0-d/1-element tensor
 Value = Union[float, torch.Tensor]
@@ -123,3 +123,35 @@ def sign_sum(packed: Sequence[torch.Tensor], sides: Sequence[Tuple[Value, Value]
     values = [torch.stack([torch.as_tensor(v, device=packed[0].device).reshape(()) for v in side]).to(dtype)
               for side in sides]
     return codes_sum(packed, 1, values, numel, divisor, out)
+
+
+def compensated_sign_parts(numel: int, carried: Optional[torch.Tensor], sides: Tuple[float, float],
+                           keep: Optional[torch.Tensor], bits: torch.Tensor, sums: torch.Tensor,
+                           side_sums: bool = True) -> native.CompensatedSignParts:
+    """:func:`compensated_signs` of a group of ``numel`` elements, part by part as its gradients
+    arrive (a kernel only: see :func:`parts_served`): the group's bits go to ``bits``, each
+    part's row of sums (fp64) to ``sums``; ``keep`` receives ``v``, past the cache for a large
+    group.  ``side_sums`` False (no residual, nothing kept: signSGD's bits): the rows only tell
+    whether a part is finite."""
+    return native.CompensatedSignParts(numel, carried, float(sides[0]), float(sides[1]), keep, bits, sums,
+                                       stream=streamed(numel), sums=side_sums)
+
+
+def momentum_sign_parts(numel: int, momentum: torch.Tensor, weight: float, keep: torch.Tensor, bits: torch.Tensor,
+                        sums: torch.Tensor) -> native.MomentumSignParts:
+    """:func:`momentum_signs` of a group of ``numel`` elements, part by part (a kernel only): the
+    new momentum ``momentum + weight * (x - momentum)`` into ``keep``, its bits into ``bits``;
+    each part's row of ``sums`` tells whether it is finite."""
+    return native.MomentumSignParts(numel, momentum, weight, keep, bits, sums, stream=streamed(numel))
+
+
+def parts_served(*tensors: torch.Tensor) -> bool:
+    """Whether the part-by-part sign kernels serve these tensors (contiguous fp32 CPU, kernels
+    on); there is no torch path for encoding a group part by part."""
+    return native.usable(*tensors)
+
+
+def streamed(numel: int) -> bool:
+    """Whether an output of ``numel`` elements that is read again only later is written past
+    the cache."""
+    return numel >= native.STREAM_MIN
