@@ -40,12 +40,13 @@ class ResidualMemory(Memory):
         super().__init__()
         self.beta = float(beta)
         self.gamma = float(gamma)
+        # compensate: adding the residual, and scaling by ``gamma`` unless it is 1; update: one
+        # subtraction; sparse: one copy (the k entries aside)
+        self._passes = MemoryPasses(compensate=1 if self.gamma == 1.0 else 2, update=1, update_sparse=1)
 
     @property
     def passes(self) -> MemoryPasses:
-        """Compensate: adding the residual, and scaling by ``gamma`` unless it is 1; update: one
-        subtraction; sparse: one copy (the k entries aside)."""
-        return MemoryPasses(compensate=1 if self.gamma == 1.0 else 2, update=1, update_sparse=1)
+        return self._passes
 
     def compensate_passes_of(self, name: str) -> float:
         """Adding the residual where the group has one (and writing a carried one out first),

@@ -42,6 +42,9 @@ class RandKCompressor(Compressor, SparseEntries):
         if not isinstance(unbiased, bool):
             raise ValueError(f"randk unbiased must be a bool, got {unbiased!r}")
         self.unbiased = unbiased
+        # compress: the k values are gathered at shared indices, no full pass; decompress:
+        # zeroing the dense output, and unbiased, scaling it
+        self._passes = CodecPasses(compress=0, decompress=2 if unbiased else 1)
 
     def _next_step(self, name: str) -> int:
         state = self.group_state(name)
@@ -70,9 +73,7 @@ class RandKCompressor(Compressor, SparseEntries):
 
     @property
     def passes(self) -> CodecPasses:
-        """Compress: the k values are gathered at shared indices, no full pass; decompress:
-        zeroing the dense output, and unbiased, scaling it."""
-        return CodecPasses(compress=0, decompress=2 if self.unbiased else 1)
+        return self._passes
 
     def decompress(self, payload: Payload, ctx: RandKCtx) -> torch.Tensor:
         values = payload[0].to(ctx.dtype)

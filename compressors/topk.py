@@ -30,12 +30,13 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         if selection not in _SELECTIONS:
             raise ValueError(f"topk selection must be one of {_SELECTIONS}, got {selection!r}")
         self.selection = selection
+        # compress: the threshold scan (the sample and the k values are small); exact: ``abs``
+        # and ``topk``.  The fused encode: one pass, which writes the residual too.
+        self._passes = CodecPasses(compress=1 if selection == "threshold" else 2, aggregate=1, fused_update=0)
 
     @property
     def passes(self) -> CodecPasses:
-        """Compress: the threshold scan (the sample and the k values are small); exact: ``abs``
-        and ``topk``.  The fused encode: one pass, which writes the residual too."""
-        return CodecPasses(compress=1 if self.selection == "threshold" else 2, aggregate=1, fused_update=0)
+        return self._passes
 
     def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
         return topk_abs_indices(tensor, k, self.selection)

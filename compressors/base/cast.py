@@ -30,6 +30,11 @@ class CastCompressor(Compressor, CheckedEncode):
         if prescale <= 0:
             raise ValueError(f"prescale must be positive, got {prescale}")
         self.prescale = float(prescale)
+        # compress: one cast or division, none when the tensor itself is sent (for a gradient
+        # in another dtype than ``wire_dtype``); decompress: a cast back from ``wire_dtype``, and
+        # a multiplication with ``prescale``
+        self._passes = CodecPasses(compress=0 if self.lossless else 1,
+                                   decompress=(0 if self.wire_dtype is None else 1) + (self.prescale != 1.0))
 
     @property
     def may_overflow(self) -> bool:
@@ -43,11 +48,7 @@ class CastCompressor(Compressor, CheckedEncode):
 
     @property
     def passes(self) -> CodecPasses:
-        """Compress: one cast or division, none when the tensor itself is sent (for a gradient
-        in another dtype than ``wire_dtype``); decompress: a cast back from ``wire_dtype``, and a
-        multiplication with ``prescale``."""
-        return CodecPasses(compress=0 if self.lossless else 1,
-                           decompress=(0 if self.wire_dtype is None else 1) + (self.prescale != 1.0))
+        return self._passes
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, torch.dtype]:

@@ -8,14 +8,12 @@ fused kernels' path (contiguous fp32 CPU tensors); the eager torch versions else
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 __all__ = ["CodecPasses", "MemoryPasses"]
 
 
-@dataclass(frozen=True)
-class CodecPasses:
+class CodecPasses(NamedTuple):
     """A compressor's passes.
 
     Attributes:
@@ -45,8 +43,7 @@ class CodecPasses:
         return payloads * self.decompress + payloads - 1 + (1 if average else 0)
 
 
-@dataclass(frozen=True)
-class MemoryPasses:
+class MemoryPasses(NamedTuple):
     """An error-feedback memory's passes over the group: its ``compensate``, its ``update`` (with
     the dense decode it is given), and its ``update_sparse`` (None: a dense zero tensor, then
     ``update``)."""

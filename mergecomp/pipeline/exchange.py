@@ -112,6 +112,7 @@ class Exchange:
         #: one instance of every scheme, by name
         self.schemes: Dict[str, Scheme] = {name: scheme(comm, self.encoder, self.scheme)
                                            for name, scheme in SCHEMES.items()}
+        self._stateful = [scheme for scheme in self.schemes.values() if scheme.holders]  # those with carries
 
     @classmethod
     def create(cls, compression, memory, comm: Communicator, average: bool = True,
@@ -164,7 +165,7 @@ class Exchange:
         ``flat`` and starts it."""
         name = group.name
         if (self.sent_as(codec) != COMPRESSED or group.numel == 0 or self.compressor.rounds != 1
-                or any(scheme.has_carry(name) for scheme in self.schemes.values())):
+                or any(scheme.has_carry(name) for scheme in self._stateful)):
             return None
         if self.workspace is not None:
             self.workspace.advance(self.step)
@@ -196,8 +197,8 @@ class Exchange:
                 self.workspace.advance(self.step)
             codec = self.sent_as(codec)
             compressor = self.codec(codec)
-            job = Job(group, codec, compressor, flat, self.comm, self.step)
             scheme = self.scheme(codec, compressor)
+            job = Job(group, codec, compressor, scheme, flat, self.comm, self.step)
             if parts is not None:
                 if finite or not self.check_finite:
                     job.finite = flat.new_ones((), dtype=torch.bool)
@@ -216,7 +217,7 @@ class Exchange:
                 if self.keep_state:
                     self._kept += [(holder, name, holder.keep(name))
                                    for holder in (self.memory, compressor, *self._scheme_holders())]
-                carry = next((c for s in self.schemes.values() if (c := s.take_carry(name)) is not None), None)
+                carry = next((c for s in self._stateful if (c := s.take_carry(name)) is not None), None)
                 if not (scheme.whole and carry is None and self.encoder.fuse(job)):
                     self.encoder.compensate(job, carry)
             scheme.start(job)
@@ -246,7 +247,7 @@ class Exchange:
         Returns whether stages are left.  Callers advance every started group in plan order,
         and again while any has stages left, before finishing the first: every rank then
         starts each communicator's collectives in the same order."""
-        return self.scheme(job.route, job.compressor).advance(job)
+        return job.scheme.advance(job)
 
     def finish(self, job: Job, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Wait for ``job``, run its remaining stages and rounds, and return the reduced flat
@@ -257,7 +258,7 @@ class Exchange:
         ``out`` is returned: the codec decodes straight into it when it takes its output from
         the workspace, else the result is copied in.
         """
-        scheme = self.scheme(job.route, job.compressor)
+        scheme = job.scheme
         with self.clock(DECODE, job.group.name):
             while scheme.advance(job):
                 pass

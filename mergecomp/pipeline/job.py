@@ -31,14 +31,16 @@ class Job:
     ``[start, stop)`` of the group.
     """
 
-    def __init__(self, group: Group, route: str, compressor: Compressor, compensated: torch.Tensor,
-                 comm: Communicator, step: int) -> None:
+    def __init__(self, group: Group, route: str, compressor: Compressor, scheme: Any,
+                 compensated: torch.Tensor, comm: Communicator, step: int) -> None:
         self.group = group
         #: what the group travels with: a plan codec (``"compressed"``, ``"fp16"``, ...) or a
         #: scheme's name, as :meth:`~mergecomp.pipeline.exchange.Exchange.sent_as` gives it
         self.route = route
         #: what encodes it: the configured compressor, or the fp16 or plain codec
         self.compressor = compressor
+        #: what moves it: a :class:`~mergecomp.schemes.base.Scheme`
+        self.scheme = scheme
         self.compensated = compensated
         self.comm = comm
         self.span: Tuple[int, int] = (0, group.numel)
@@ -74,11 +76,11 @@ class Job:
         #: passes over the group's elements so far, by stage (:mod:`mergecomp.pipeline.breakdown`)
         self.passes: Dict[str, float] = {}
 
-    def within(self, comm: Communicator, span: Tuple[int, int]) -> "Job":
-        """A job for the elements ``span`` of this group, compressed among ``comm``'s ranks:
-        the same group, route, compressor, ``compensated`` tensor and checks, its passes
+    def within(self, scheme: Any, comm: Communicator, span: Tuple[int, int]) -> "Job":
+        """A job for the elements ``span`` of this group, moved by ``scheme`` among ``comm``'s
+        ranks: the same group, route, compressor, ``compensated`` tensor and checks, its passes
         counted with this job's."""
-        part = Job(self.group, self.route, self.compressor, self.compensated, comm, self.step)
+        part = Job(self.group, self.route, self.compressor, scheme, self.compensated, comm, self.step)
         part.span, part.rank, part.finite, part.feedback = span, self.rank, self.finite, self.feedback
         part.passes = self.passes
         return part

@@ -114,9 +114,9 @@ class Hierarchical(Scheme):
         torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
         zero_outside(compensated, start, stop)
         job.count("decode", 1)  # reads every local rank's shard, writes this one, zeroes the rest
-        across = job.flight.across = job.within(hosts.cross, hosts.span)
+        across = job.flight.across = job.within(self.across(job.compressor), hosts.cross, hosts.span)
         with self.clock(ENCODE, job.group.name):
-            self.across(job.compressor).start(across)
+            across.scheme.start(across)
         job.overflowed = across.overflowed
         job.stages = [*across.stages, lambda: self._gather_in_host(job)]
         across.stages = []
@@ -124,7 +124,7 @@ class Hierarchical(Scheme):
     def _gather_in_host(self, job: "Job") -> None:
         """Aggregate this rank's shard across hosts and start its allgather inside the host."""
         hosts, across = job.flight.hosts, job.flight.across
-        shard = self.across(job.compressor).finish(across, None)
+        shard = across.scheme.finish(across, None)
         with self.clock(ENCODE, job.group.name):
             job.handle = hosts.local.allgather_async(_padded(job, shard, hosts.chunk))
 
