@@ -90,7 +90,8 @@ class Memory(GroupStateful):
     def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
                       values: torch.Tensor) -> None:
         """:meth:`update` for a transmitted tensor that is zero except
-        ``transmitted[indices] = values`` (see :meth:`Compressor.sent_entries`)."""
+        ``transmitted[indices] = values`` (see
+        :class:`~mergecomp.compressors.base.capabilities.SparseEntries`)."""
         transmitted = torch.zeros_like(compensated).index_put_((indices,), values)
         self.update(compensated, name, transmitted)
 

@@ -157,8 +157,9 @@ class Encoder:
 
     def encode(self, job: Job) -> None:
         """Encode the elements of ``job.span`` as one payload (a part of the group as a shard,
-        :meth:`Compressor.compress_shard`).  A payload that may overflow is checked where error
-        feedback compensated it, or where the encode is the gradient's NaN/Inf check
+        :meth:`~mergecomp.compressors.base.capabilities.ShardedEncode.compress_shard`).  A
+        payload that may overflow is checked where error feedback compensated it, or where the
+        encode is the gradient's NaN/Inf check
         (:attr:`Job.checked_by_encode`: a payload found not finite is zeroed, and the gradient
         checked again to tell NaN/Inf from an overflow)."""
         (start, stop), compensated, compressor = job.span, job.compensated, job.compressor

@@ -12,7 +12,7 @@ compressor's payloads by allreduce where they add up, else by allgather, or by a
 the route names (``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"``).  The
 scheme encodes through the exchange's :class:`~mergecomp.pipeline.encoder.Encoder`, which feeds
 the memory what was sent.  A group sent whole whose compressor fuses the memory's work into its
-own passes (:meth:`~mergecomp.compressors.base.compressor.Compressor.compress_fused`) skips the
+own passes (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`) skips the
 separate compensation; one whose gradients were encoded as they arrived (:meth:`Exchange.begin`)
 skips the check too.
 

@@ -5,7 +5,7 @@ With ``allgather`` every rank receives the N-1 other payloads of the whole group
 N of them: bytes and decode work per rank grow with N.  Two-phase keeps both flat in N::
 
     phase 1  cut the error-compensated group into N shards (:func:`shard_bounds`), compress
-             each shard on its own (:meth:`Compressor.compress_shard`); one all-to-all sends
+             each shard on its own (:meth:`ShardedEncode.compress_shard`); one all-to-all sends
              shard j's payload to rank j
     phase 2  rank j aggregates the N payloads of its shard as the allgather scheme aggregates
              whole groups (mean or sum; the majority vote for the sign methods), adds its
