@@ -9,7 +9,7 @@ Run (the full run takes a few minutes on 2 CPU cores)::
     python scripts/bench_compressors.py --memory none           # the codecs without their memory
 
 What is timed, per compressor with its default settings and its default error-feedback memory:
-one step of the exchange itself (``mergecomp.pipeline.exchange.Exchange``) on one rank, for every
+one step of the exchange itself (``mergecomp.exchange.exchange.Exchange``) on one rank, for every
 group of a plan: its encode, the memory's work and the decode of this rank's payload (the sum
 over one rank: no division).  The communicator is a one-rank
 ``mergecomp.scheduler.probes.Rehearsal``, which answers every collective at once, so only the
@@ -24,7 +24,7 @@ tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in bac
 cut into:
 
 * ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
-* ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.pipeline.plan.build_plan`` with an
+* ``merged 1/2/4``: 1, 2 and 4 groups of about equal bytes (``mergecomp.exchange.plan.build_plan`` with an
   int spec), each passed its members' shapes.
 
 Each case runs once to warm up (state, allocator), then ``--repeats`` times; the median is
@@ -54,8 +54,8 @@ import torch
 
 import mergecomp
 from mergecomp.bench import zoo
-from mergecomp.pipeline.exchange import Exchange
-from mergecomp.pipeline.plan import build_plan, layout
+from mergecomp.exchange.exchange import Exchange
+from mergecomp.exchange.plan import build_plan, layout
 from mergecomp.scheduler.probes import Rehearsal
 
 # -- defaults ------------------------------------------------------------------------------------

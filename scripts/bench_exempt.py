@@ -2,7 +2,7 @@
 ResNet-50's gradient shapes (random values) and 2 gloo ranks.  Two tables:
 
 * parts, for each threshold: the tensors below it, the time of the one extra group that sends
-  them (:class:`mergecomp.pipeline.exchange.Exchange` ``start`` + ``finish`` of their merged buffer with
+  them (:class:`mergecomp.exchange.exchange.Exchange` ``start`` + ``finish`` of their merged buffer with
   the codec ``"exempt"``: NaN/Inf check, allreduce, average; the copies into group buffers are
   left out, as every tensor is copied into some group either way), and per compressor the
   encode + decode time of those tensors merged in one group (``compress`` + ``decompress`` of
@@ -55,9 +55,9 @@ def worker(rank, args, port, results):
     import mergecomp
     import mergecomp.torch as mc
     from mergecomp.bench import zoo
-    from mergecomp.pipeline.exchange import Exchange
+    from mergecomp.exchange.exchange import Exchange
+    from mergecomp.exchange.plan import EXEMPT, GroupPlan, layout
     from mergecomp.pipeline.options import FrontEnd, StepOptions
-    from mergecomp.pipeline.plan import EXEMPT, GroupPlan, layout
     from mergecomp.pipeline.planned import PlannedStep
 
     mc.init(engine="torch")

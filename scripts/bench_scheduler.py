@@ -94,7 +94,7 @@ def head_to_head(w, plans, rounds, steps):
 
 def run_worker():
     from mergecomp.bench.runner import _Worker, describe_plan, fixed_plan, make_optimizer, measure_plans, search_auto
-    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.exchange.plan import GroupPlan
 
     worker_args = argparse.Namespace(model=args.model, width=1.0, input_size=None, batch_size=args.batch_size,
                                      threads=args.threads, seed=0, compressor=args.worker, compressor_arg=[],

@@ -1,4 +1,4 @@
-"""Where a step's time goes (mergecomp.pipeline.breakdown): the parts of a step add up to it and to the
+"""Where a step's time goes (mergecomp.exchange.breakdown): the parts of a step add up to it and to the
 training loop's own clock, each group's passes over its elements per codec path, and every
 front end shows the same dict."""
 import time
@@ -9,7 +9,7 @@ from distributed import run_workers
 from test_step import NAMES, SHAPES, grads, local_step
 
 from mergecomp.engines.communicator import LocalCommunicator
-from mergecomp.pipeline.breakdown import GROUP_PARTS, PARTS, Breakdown, Stopwatch, combine
+from mergecomp.exchange.breakdown import GROUP_PARTS, PARTS, Breakdown, Stopwatch, combine
 
 #: The parts are exclusive slices of one step and ``compute`` is the rest, so they add up to the
 #: step up to float rounding.
@@ -106,7 +106,7 @@ def test_a_failed_step_is_no_sample():
 
 
 def test_an_uncompressed_group_sends_its_residual_once_and_then_skips_the_memory():
-    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.exchange.plan import GroupPlan
 
     step = local_step(compression="topk", groups=GroupPlan(((3, 2, 1, 0),), ("compressed",)))
     total = applied = 0

@@ -18,9 +18,9 @@ import mergecomp
 from mergecomp.compressors.base.capabilities import SparseEntries
 from mergecomp.compressors.base.compressor import bits_per_element
 from mergecomp.compressors.base.sparse import num_selected
+from mergecomp.exchange.encoder import feed, fused
 from mergecomp.kernels import bitpack, native
 from mergecomp.kernels.wire import pack_payload, unpack_payload
-from mergecomp.pipeline.encoder import feed, fused
 
 ALL = mergecomp.compressor_names()
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -224,8 +224,8 @@ def test_state_is_per_group():
 def test_through_the_exchange_pipeline(name):
     """Single rank through the real pipeline (LocalCommunicator, default memory), 3 steps."""
     from mergecomp.engines.communicator import LocalCommunicator
-    from mergecomp.pipeline.exchange import Exchange
-    from mergecomp.pipeline.plan import GroupPlan, layout
+    from mergecomp.exchange.exchange import Exchange
+    from mergecomp.exchange.plan import GroupPlan, layout
 
     shapes = [torch.Size([16, 12]), torch.Size([12]), torch.Size([3, 2, 2])]
     group = layout(GroupPlan(((0, 1, 2),)), shapes)[0]

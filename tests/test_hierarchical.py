@@ -22,7 +22,7 @@ LAYERWISE = tuple((i,) for i in reversed(range(len(NAMES))))
 def second_start(comm, step, group, codec):
     """Where this rank's second-stage residual of ``group`` (sent with ``codec``) starts."""
     from mergecomp.compressors.base.capabilities import shard_alignment
-    from mergecomp.schemes.two_phase import shard_bounds
+    from mergecomp.exchange.schemes.two_phase import shard_bounds
 
     align, rank = shard_alignment(step.exchange.compressor), comm.rank
     if codec == HIER2:
@@ -56,7 +56,7 @@ def _worker(rank, light=False):
     """Everything on 2 hosts x 2; with ``light``, the two-phase scheme across hosts for
     :data:`THREE_HOSTS` only (the 3-host run)."""
     import mergecomp.torch as mc
-    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.exchange.plan import GroupPlan
 
     comm = mc.communicator()
     size, local = comm.size, comm.local_size

@@ -1,5 +1,6 @@
 """The package's import structure, read from its source with ``ast`` (nothing is imported):
-the core never imports a front end, and no module imports itself through others (no cycle).
+the core never imports a front end, no module imports itself through others (no cycle), and the
+core's folders import one way (pipeline, scheduler, exchange, compressors, kernels and engines).
 
 The modules are whatever setup.py's ``package_dir`` folders hold; the core is every module
 outside the front ends (``mergecomp.torch``, ``mergecomp.tensorflow``) and outside the
@@ -67,7 +68,7 @@ CORE = sorted(m for m in MODULES if not within(m, FRONT_ENDS + TOOLING))
 
 
 def test_the_package_is_found_and_imports_only_its_own_modules():
-    assert {"mergecomp", "mergecomp.pipeline.plan", "mergecomp.torch", "mergecomp.tensorflow"} <= set(MODULES)
+    assert {"mergecomp", "mergecomp.exchange.plan", "mergecomp.torch", "mergecomp.tensorflow"} <= set(MODULES)
     unknown = {(m, name) for m, names in IMPORTS.items() for name in names if name not in MODULES}
     assert not unknown, f"imports of modules that do not exist: {sorted(unknown)}"
 
@@ -83,6 +84,26 @@ def test_no_import_cycle():
         tuple(graphlib.TopologicalSorter(IMPORTS).static_order())
     except graphlib.CycleError as err:
         raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
+
+
+def role_of(module: str) -> str:
+    """The folder directly under ``mergecomp`` that holds a module (``mergecomp.exchange.schemes.base``:
+    ``mergecomp.exchange``), or the module itself for the package's top-level files."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_role_folders_import_one_way():
+    """pipeline -> scheduler -> exchange -> compressors -> kernels, never back: a folder whose
+    modules import another folder's is never imported by that folder's modules."""
+    folders = {}
+    for module, names in IMPORTS.items():
+        folders.setdefault(role_of(module), set()).update(role_of(n) for n in names if role_of(n) != role_of(module))
+    try:
+        order = tuple(graphlib.TopologicalSorter(folders).static_order())
+    except graphlib.CycleError as err:
+        raise AssertionError(f"folders importing each other: {' -> '.join(err.args[1])}") from None
+    position = order.index
+    assert position("mergecomp.exchange") < position("mergecomp.scheduler") < position("mergecomp.pipeline")
 
 
 def test_front_ends_never_import_each_other():

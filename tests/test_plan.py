@@ -1,7 +1,7 @@
 """GroupPlan as a value: equality, codecs, JSON round trip, validation."""
 import pytest
 
-from mergecomp.pipeline.plan import Exemptions, GroupPlan, build_plan
+from mergecomp.exchange.plan import Exemptions, GroupPlan, build_plan
 
 
 def test_all_compressed_codecs_equal_the_default():

@@ -216,7 +216,7 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
     """Drive a MergeScheduler over the real process group with step times from SCRIPTS.
     Rank 1 runs 1 % slower, so agreement (max over ranks) is exercised too."""
     import mergecomp.torch as mc
-    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.exchange.plan import GroupPlan
     from mergecomp.registry import get_compressor
     from mergecomp.scheduler.online import MergeScheduler
 

@@ -8,7 +8,7 @@ from distributed import run_workers
 from steps import buckets, planned
 
 from mergecomp.engines.communicator import LocalCommunicator
-from mergecomp.pipeline.plan import GroupPlan
+from mergecomp.exchange.plan import GroupPlan
 from mergecomp.pipeline.planned import PlannedStep
 
 NAMES = ["a", "b", "c", "d"]

@@ -29,7 +29,7 @@ def grads(rank, step, integers=False):
 def make_step(comm, compression, codec, memory=None, groups=CUTS, **options):
     from steps import planned
 
-    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.exchange.plan import GroupPlan
 
     plan = GroupPlan(groups, (codec,) * len(groups))
     return planned(compression, memory, comm, NAMES, SHAPES, DTYPES, groups=plan, observe_order=False, **options)
@@ -47,7 +47,7 @@ def run(step, rank, steps, integers=False):
 def two_phase_start(comm, step, group, codec):
     """Where this rank's second-stage residual of ``group`` starts."""
     from mergecomp.compressors.base.capabilities import shard_alignment
-    from mergecomp.schemes.two_phase import shard_bounds
+    from mergecomp.exchange.schemes.two_phase import shard_bounds
 
     return shard_bounds(group.numel, comm.size, shard_alignment(step.exchange.compressor))[comm.rank][0]
 
@@ -131,7 +131,7 @@ def _worker(rank):
     resumed.load_state_dict(state)
     out["resume"] = [torch.equal(a, b) for a, b in zip(cont, run(resumed, rank, range(2, 4)))]
     # plan switches between schemes and cuts keep every residual (conservation across them)
-    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.exchange.plan import GroupPlan
 
     step = make_step(comm, "topk", "two-phase")
     applied = sum(run(step, rank, range(2)))

@@ -47,9 +47,10 @@ def exact_grads(model, opt, x, y, rank, steps):
 
 def _core(rank):
     """MergedStep with DGC (momentum in the memory): K warm-up steps, then the compressor."""
-    import mergecomp.torch as mc
-    from mergecomp.pipeline.plan import GroupPlan
     from steps import planned
+
+    import mergecomp.torch as mc
+    from mergecomp.exchange.plan import GroupPlan
 
     comm = mc.communicator()
 

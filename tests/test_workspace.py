@@ -4,9 +4,9 @@ import torch
 
 import mergecomp
 from mergecomp.engines.communicator import LocalCommunicator
+from mergecomp.exchange.exchange import Exchange
+from mergecomp.exchange.plan import build_plan, layout
 from mergecomp.kernels.workspace import Workspace
-from mergecomp.pipeline.exchange import Exchange
-from mergecomp.pipeline.plan import build_plan, layout
 
 CPU = torch.device("cpu")
 

@@ -112,7 +112,7 @@ class FusedParts(abc.ABC):
 
 class ShardedEncode:
     """Shards of a group, each encoded as a payload of its own (the sharded schemes,
-    :mod:`mergecomp.schemes.two_phase`).  Without it, a shard is encoded by ``compress``, shards
+    :mod:`mergecomp.exchange.schemes.two_phase`).  Without it, a shard is encoded by ``compress``, shards
     may start anywhere, and each rank's aggregated shard is sent with the compressor itself."""
 
     #: shards start at multiples of this many elements (whole bytes of packed bits, whole

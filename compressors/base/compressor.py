@@ -1,6 +1,6 @@
 """The one interface every compression algorithm implements.
 
-Contract (what the pipeline, :mod:`mergecomp.pipeline.exchange` and :mod:`mergecomp.schemes`,
+Contract (what the pipeline, :mod:`mergecomp.exchange.exchange` and :mod:`mergecomp.exchange.schemes`,
 relies on):
 
 * ``compress(tensor, name, shapes)`` takes a flat, contiguous 1-D floating tensor (one merged
@@ -72,13 +72,13 @@ class Compressor(GroupStateful, abc.ABC):
     #: payloads are combined by a majority vote: the result is the sign of the sum of the ranks'
     #: signs (with or without op=Average), on another scale than a mean, so every group must use
     #: this compressor and none is offered the fp16 or uncompressed codec instead
-    #: (:func:`mergecomp.pipeline.plan.has_codec_choice`)
+    #: (:func:`mergecomp.exchange.plan.has_codec_choice`)
     votes: bool = False
     #: a payload may hold Inf where the tensor compressed is finite (a cast to a narrower float:
     #: fp16 beyond 65504): after an error-feedback memory compensated the tensor, the exchange
     #: then checks the payload
     may_overflow: bool = False
-    #: the passes over the group its operations make (:mod:`mergecomp.pipeline.breakdown`)
+    #: the passes over the group its operations make (:mod:`mergecomp.exchange.breakdown`)
     passes: CodecPasses = CodecPasses()
     #: step-scoped buffer pool attached by the pipeline; None: plain allocations
     workspace: Optional[Workspace] = None

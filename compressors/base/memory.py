@@ -6,7 +6,7 @@ A memory sits around the compressor of each group::
     payload, ctx = compressor.compress(x, name)
     memory.update(x, name, transmitted)          # transmitted = decode of this rank's payload
 
-The pipeline (:mod:`mergecomp.pipeline.encoder`) makes those calls, and works out what was
+The pipeline (:mod:`mergecomp.exchange.encoder`) makes those calls, and works out what was
 transmitted: ``update_sparse`` where the codec's decode is a few entries, nothing where a
 lossless payload went out whole (:meth:`Memory.sent_whole`), a residual written by the codec
 itself where the memory lends the buffer (:meth:`Memory.residual_writer`).  ``update`` keeps what
@@ -72,7 +72,7 @@ class Memory(GroupStateful):
     """Base class: no error feedback (``compensate`` and ``update`` are identities)."""
 
     name = ""
-    #: the passes over the group its operations make (:mod:`mergecomp.pipeline.breakdown`)
+    #: the passes over the group its operations make (:mod:`mergecomp.exchange.breakdown`)
     passes: MemoryPasses = MemoryPasses()
 
     def __init__(self) -> None:

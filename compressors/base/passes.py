@@ -1,6 +1,6 @@
 """How many passes over a group's elements a codec's and a memory's operations make.
 
-The step breakdown (:mod:`mergecomp.pipeline.breakdown`) counts them per group: one pass reads or
+The step breakdown (:mod:`mergecomp.exchange.breakdown`) counts them per group: one pass reads or
 writes every element of the group once (a fused kernel reading the gradient and writing a
 residual is one pass); work on payload-sized data (k sparse entries, packed bits) is not
 counted.  Each compressor and memory declares its counts next to its code as ``passes``, for the

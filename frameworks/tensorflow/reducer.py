@@ -19,10 +19,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from mergecomp.engines.communicator import Communicator
+from mergecomp.exchange.exchange import Exchange, resolve
+from mergecomp.exchange.plan import Group, GroupPlan
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, scaling
-from mergecomp.pipeline.exchange import Exchange, resolve
 from mergecomp.pipeline.options import FrontEnd, StepOptions
-from mergecomp.pipeline.plan import Group, GroupPlan
 from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.scheduler.online import MergeScheduler
 
@@ -40,7 +40,7 @@ class GradientReducer:
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
         groups: ``"auto"`` (the online :class:`~mergecomp.scheduler.online.MergeScheduler`),
             ``"layerwise"``, an int ``k``, a list of lists of variable names, a
-            :class:`~mergecomp.pipeline.plan.GroupPlan`, or ``None`` (about 25 MB per group, at most 4).
+            :class:`~mergecomp.exchange.plan.GroupPlan`, or ``None`` (about 25 MB per group, at most 4).
         op: ``"average"`` or ``"sum"`` over ranks.
         comm: the communicator (default: the one :func:`mergecomp.horovod_api.runtime.init` set up).
         gradient_predivide_factor: with ``op="average"``, each rank's gradient is divided by

@@ -23,7 +23,7 @@ rounds from completion callbacks on gloo's thread while the next bucket starts f
 thread, and crashed in 10 of 10 runs on gloo (docs/frontends.md).
 
 Error feedback across bucket rebuilds.  A bucket's state (residuals, momenta) is keyed by the
-parameters it holds (a :class:`~mergecomp.pipeline.plan.Group` with their offsets), not by the bucket's
+parameters it holds (a :class:`~mergecomp.exchange.plan.Group` with their offsets), not by the bucket's
 index.  When DDP rebuilds its buckets after the first iteration (or after a restart), each new
 bucket's per-element state is assembled from the old buckets' pieces
 (:class:`mergecomp.pipeline.buckets.BucketStep`); low-rank state (PowerSGD's Q) is re-drawn.
@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
+from mergecomp.exchange.plan import Group
 from mergecomp.pipeline.buckets import BucketStep
 from mergecomp.pipeline.options import FrontEnd, StepOptions
-from mergecomp.pipeline.plan import Group
 from mergecomp.pipeline.step import HoldsMergedStep
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook"]

@@ -87,7 +87,7 @@ class DistributedOptimizer(HoldsMergedStep):
         groups: merge plan: ``"auto"`` (default: the online scheduler searches the partition
             and each group's codec, see :mod:`mergecomp.scheduler.online`), ``"layerwise"``, an int
             ``k`` (k groups of about equal bytes), a list of lists of parameters or of their
-            names, a :class:`~mergecomp.pipeline.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
+            names, a :class:`~mergecomp.exchange.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
             at most 4).
         sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
         process_set: None or ``mc.global_process_set`` (all ranks; others are not implemented).
@@ -170,7 +170,7 @@ class DistributedOptimizer(HoldsMergedStep):
 
     # -- the merged step (exchange, compressor, memory, plan, groups, scheduler, skipped_steps) --
     def set_plan(self, plan) -> None:
-        """Replace the merge plan between steps (a :class:`~mergecomp.pipeline.plan.GroupPlan` or any
+        """Replace the merge plan between steps (a :class:`~mergecomp.exchange.plan.GroupPlan` or any
         ``groups`` spec); error-feedback and per-element compressor state move to the new
         groups.  Every rank must call it with the same plan at the same step."""
         self.merged.set_plan(plan)

@@ -27,7 +27,7 @@ Measurement: ``--warmup`` untimed steps; ``auto`` first runs the scheduler's sea
 steps is reported) and freezes its choice; then ``--rounds`` rounds each time ``--steps`` steps of
 every plan in turn (1 settle step after each switch), so slow drifts of a shared machine hit
 every plan alike.  A plan's step time is the median of its timed steps, max over ranks; its
-breakdown (where rank 0's step time goes, ``mergecomp.pipeline.breakdown``) averages its timed steps.
+breakdown (where rank 0's step time goes, ``mergecomp.exchange.breakdown``) averages its timed steps.
 Weights are updated with ``--lr`` (default 0: every step does the same work and long runs cannot
 diverge; the optimizer step itself still runs).  With ``--hosts`` the run is repeated
 ``--repeats`` times (each in a fresh cluster) and the median reported; a run that crashes or
@@ -50,8 +50,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from mergecomp.compressor_args import keyword_args
+from mergecomp.exchange.breakdown import GROUP_PARTS, PARTS, combine
 from mergecomp.horovod_api.allocator import hold_freed_memory
-from mergecomp.pipeline.breakdown import GROUP_PARTS, PARTS, combine
 from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd-serial", "local")
@@ -213,7 +213,7 @@ def fixed_plan(opt, label: str):
     an int, ``default`` (25 MB groups, at most 4), ``fp32``/``fp16`` (one fused group, codec
     ``none``/``fp16``: plain fused allreduce); with a suffix ``@<scheme>`` (e.g.
     ``default@two-phase``) its compressed groups use that scheme."""
-    from mergecomp.pipeline.plan import GroupPlan
+    from mergecomp.exchange.plan import GroupPlan
 
     order = opt.plan.order
     if label in ("fp32", "fp16"):

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from mergecomp.pipeline.exchange import Exchange
+from mergecomp.exchange.exchange import Exchange
 
 __all__ = ["check_ranks_agree"]
 

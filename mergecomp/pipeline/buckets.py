@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.pipeline.breakdown import ENCODE
-from mergecomp.pipeline.job import Job
-from mergecomp.pipeline.plan import COMPRESSED, EXEMPT, Group, GroupPlan, layout, remap_state
+from mergecomp.exchange.breakdown import ENCODE
+from mergecomp.exchange.job import Job
+from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, layout, remap_state
 from mergecomp.pipeline.step import MergedStep
 
 __all__ = ["BucketStep"]

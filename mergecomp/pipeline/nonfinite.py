@@ -12,7 +12,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from mergecomp.engines.communicator import Communicator
-from mergecomp.pipeline.job import Job
+from mergecomp.exchange.job import Job
 
 __all__ = ["NONFINITE_POLICIES", "NONFINITE_GRADIENT", "OVERFLOWED", "NonfiniteCheck"]
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.exchange.plan import Exemptions, PlanSpec
+from mergecomp.exchange.schemes import OPTIONS, SHARDED
 from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES
-from mergecomp.pipeline.plan import Exemptions, PlanSpec
 from mergecomp.scheduler.online import SchedulerConfig
-from mergecomp.schemes import OPTIONS, SHARDED
 
 __all__ = ["StepOptions", "FrontEnd"]
 
@@ -28,7 +28,7 @@ class StepOptions:
     Args:
         groups: ``"auto"`` (the online scheduler searches the groups and each group's codec),
             ``"layerwise"``, an int ``k`` (k groups of about equal bytes), a list of lists of
-            names, a :class:`~mergecomp.pipeline.plan.GroupPlan`, or None (groups of about
+            names, a :class:`~mergecomp.exchange.plan.GroupPlan`, or None (groups of about
             25 MB, at most 4).
         nonfinite: what NaN/Inf in any rank's gradients does; one small allreduce per step
             agrees on it, and it never enters the error-feedback memory (unless ``"ignore"``).
@@ -47,7 +47,7 @@ class StepOptions:
             (fnmatch, e.g. ``"*.bias"``), or with fewer elements, are exempt from compression:
             they travel in groups of their own sent with the codec ``"exempt"``.
         scheme: how a group sent with the configured compressor travels
-            (:mod:`mergecomp.schemes`): ``"allgather"`` (each rank's payload of the whole group to
+            (:mod:`mergecomp.exchange.schemes`): ``"allgather"`` (each rank's payload of the whole group to
             every rank), ``"two-phase"`` (compressed shards by all-to-all, then each rank's
             compressed aggregate of its shard by allgather: bytes per rank flat in the number of
             ranks), ``"hierarchical"`` (summed uncompressed inside each host, each rank's shard

@@ -3,7 +3,7 @@
 A :class:`PlannedStep` owns the merge plan and its layout, and one flat buffer per group:
 :meth:`~PlannedStep.add` copies tensor ``i``'s gradient into its slot (prescaled and checked
 for NaN/Inf in the same pass where it can), or, where the compressor encodes a group's gradients
-where they lie (:meth:`~mergecomp.pipeline.exchange.Exchange.begin`), encodes it as a part;
+where they lie (:meth:`~mergecomp.exchange.exchange.Exchange.begin`), encodes it as a part;
 every group whose last tensor has arrived is then started, in plan order.  ``finish`` starts
 the rest (missing tensors count as zeros).  After the first step, the plan follows the order in
 which rank 0's gradients arrived (the backward order); with ``groups="auto"`` the online
@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from mergecomp.compressors.base.capabilities import FusedParts
+from mergecomp.exchange.breakdown import ENCODE, SCHEDULER
+from mergecomp.exchange.job import Job
+from mergecomp.exchange.plan import EXEMPT, Group, GroupPlan, PlanSpec, build_plan, layout
 from mergecomp.kernels import codecs, native
-from mergecomp.pipeline.breakdown import ENCODE, SCHEDULER
-from mergecomp.pipeline.job import Job
-from mergecomp.pipeline.plan import EXEMPT, Group, GroupPlan, PlanSpec, build_plan, layout
 from mergecomp.pipeline.step import MergedStep, Reduced
 from mergecomp.scheduler.feed import PlanSearch
 

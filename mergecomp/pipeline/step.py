@@ -9,14 +9,14 @@ A :class:`MergedStep` owns, for tensors ``0..n-1`` (names, shapes, dtypes):
   non-finite policy (``"propagate"``, ``"raise"``, ``"skip"`` or ``"ignore"``) and returns the
   reduced groups;
 * the current layout of groups, and moving error-feedback and compressor state onto new groups
-  (:func:`~mergecomp.pipeline.plan.remap_state`); the tensors exempt from compression;
+  (:func:`~mergecomp.exchange.plan.remap_state`); the tensors exempt from compression;
 * checkpoints (:meth:`~MergedStep.state_dict`) and where each step's time went
-  (:meth:`~MergedStep.step_breakdown`, :mod:`mergecomp.pipeline.breakdown`).
+  (:meth:`~MergedStep.step_breakdown`, :mod:`mergecomp.exchange.breakdown`).
 
 Where the groups come from is a subclass's: a merge plan, filled as gradients arrive
 (:class:`~mergecomp.pipeline.planned.PlannedStep`: the PyTorch optimizer, TensorFlow), or the
 caller's buckets (:class:`~mergecomp.pipeline.buckets.BucketStep`: the DDP hook).  The step
-counter is the exchange's (:meth:`~mergecomp.pipeline.exchange.Exchange.end_step`).
+counter is the exchange's (:meth:`~mergecomp.exchange.exchange.Exchange.end_step`).
 """
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ import torch
 
 from mergecomp.compressors.base.capabilities import FusedParts
 from mergecomp.engines.communicator import Communicator
+from mergecomp.exchange.breakdown import DECODE, ENCODE, WAIT, Breakdown
+from mergecomp.exchange.exchange import Exchange
+from mergecomp.exchange.job import Job
+from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, remap_state
+from mergecomp.exchange.schemes import SHARDED
 from mergecomp.pipeline.agreement import check_ranks_agree
-from mergecomp.pipeline.breakdown import DECODE, ENCODE, WAIT, Breakdown
-from mergecomp.pipeline.exchange import Exchange
-from mergecomp.pipeline.job import Job
 from mergecomp.pipeline.nonfinite import OVERFLOWED, NonfiniteCheck
 from mergecomp.pipeline.options import FrontEnd, StepOptions
-from mergecomp.pipeline.plan import COMPRESSED, EXEMPT, Group, GroupPlan, remap_state
-from mergecomp.schemes import SHARDED
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep"]
 
@@ -74,10 +74,10 @@ class HoldsMergedStep:
     """What every front end that holds a :class:`MergedStep` as ``self.merged`` shows of it."""
 
     merged: "MergedStep"
-    exchange = property(lambda self: self.merged.exchange, doc="the :class:`~mergecomp.pipeline.exchange.Exchange`")
+    exchange = property(lambda self: self.merged.exchange, doc="the :class:`~mergecomp.exchange.exchange.Exchange`")
     compressor = property(lambda self: self.merged.exchange.compressor, doc="the configured compressor")
     memory = property(lambda self: self.merged.exchange.memory, doc="the error-feedback memory")
-    plan = property(lambda self: self.merged.plan, doc="the current :class:`~mergecomp.pipeline.plan.GroupPlan`")
+    plan = property(lambda self: self.merged.plan, doc="the current :class:`~mergecomp.exchange.plan.GroupPlan`")
     groups = property(lambda self: self.merged.groups, doc="the current groups, with their tensors' offsets")
     scheduler = property(lambda self: self.merged.scheduler, doc="the online scheduler (``groups='auto'``)")
     skipped_steps = property(lambda self: self.merged.skipped_steps, doc="steps skipped for NaN/Inf")
@@ -329,7 +329,7 @@ class MergedStep:
     def step_breakdown(self, steps: Optional[int] = None) -> Dict[str, Any]:
         """Where this process's time went in the last ``steps`` steps, averaged (default: every
         step kept, ``timings.window``): the parts of a step and each group's seconds, bytes and
-        passes over its elements (:mod:`mergecomp.pipeline.breakdown`)."""
+        passes over its elements (:mod:`mergecomp.exchange.breakdown`)."""
         return self.timings.summary(steps)
 
     @contextlib.contextmanager

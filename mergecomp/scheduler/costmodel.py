@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from mergecomp.pipeline.plan import CODECS
+from mergecomp.exchange.plan import CODECS
 
 __all__ = [
     "Affine",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from mergecomp.pipeline.plan import EXEMPT, GroupPlan
+from mergecomp.exchange.plan import EXEMPT, GroupPlan
 from mergecomp.scheduler.online import MergeScheduler, SchedulerConfig, exchange_scheduler
 
 __all__ = ["PlanSearch"]

@@ -32,12 +32,12 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.pipeline.plan import CODECS, COMPRESSED, has_codec_choice
+from mergecomp.exchange.plan import CODECS, COMPRESSED, has_codec_choice
+from mergecomp.exchange.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
 from mergecomp.registry import get_compressor, get_memory
 from mergecomp.scheduler.costmodel import (PLAIN, Affine, Cluster, CodecFit, Prediction, Profile, fit_span, flat_cost,
                                            hierarchical_cost, predict, search, search_by_scheme, two_phase_cost)
 from mergecomp.scheduler.probes import probe_sizes, rehearse
-from mergecomp.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
 
 __all__ = ["exchange_codecs", "gradient_bytes", "plan_table", "markdown_table", "to_json"]
 

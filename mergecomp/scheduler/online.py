@@ -40,13 +40,13 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.communicator import Communicator
-from mergecomp.pipeline.plan import CODECS, COMPRESSED, GroupPlan, has_codec_choice
+from mergecomp.exchange.plan import CODECS, COMPRESSED, GroupPlan, has_codec_choice
+from mergecomp.exchange.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, SHARDED, TWO_PHASE
 from mergecomp.scheduler.costmodel import Prediction, Profile, predict, search, search_by_scheme
 from mergecomp.scheduler.probes import measure, probe_sizes
-from mergecomp.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, SHARDED, TWO_PHASE
 
 if TYPE_CHECKING:
-    from mergecomp.pipeline.exchange import Exchange
+    from mergecomp.exchange.exchange import Exchange
 
 __all__ = ["MergeScheduler", "SchedulerConfig", "SEARCHED", "exchange_scheduler", "searched_codecs"]
 
@@ -95,7 +95,7 @@ def searched_codecs(codecs: Sequence[str], compressor: Compressor, world_size: i
                     scheme: Optional[str] = None, per_host: int = 1) -> Tuple[str, ...]:
     """The codecs of ``codecs`` the search offers each group on ``world_size`` ranks in hosts of
     ``per_host`` processes: fp16 and none only where the compressor leaves a choice
-    (:func:`~mergecomp.pipeline.plan.has_codec_choice`); for a single-round compressor whose payloads
+    (:func:`~mergecomp.exchange.plan.has_codec_choice`); for a single-round compressor whose payloads
     are allgathered also two-phase on 3 or more ranks (on 2 it moves the same bytes as the
     allgather, with a second encode), hierarchical with several processes on each of several
     hosts, and hierarchical-two-phase with 3 hosts or more.  ``scheme="allgather"`` keeps the

@@ -2,7 +2,7 @@
 record the ranks agree on.
 
 :func:`probe_sizes` picks the gradient sizes to time.  :func:`rehearse` runs the exchange itself
-(:class:`~mergecomp.pipeline.exchange.Exchange` and the group's scheme, the same code a training
+(:class:`~mergecomp.exchange.exchange.Exchange` and the group's scheme, the same code a training
 step runs) on a probe group of each size over a :class:`Rehearsal`: a communicator that stands
 for ranks which all send what this process sends, and answers at once.  It times the exchange's
 own work (before the first collective, between its collectives, after the last) and records
@@ -28,10 +28,10 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.memories import NoMemory
 from mergecomp.engines.communicator import Communicator, Handle
-from mergecomp.pipeline.exchange import Exchange
-from mergecomp.pipeline.plan import Group
+from mergecomp.exchange.exchange import Exchange
+from mergecomp.exchange.plan import Group
+from mergecomp.exchange.schemes import SCHEMES
 from mergecomp.scheduler.costmodel import CodecCost, Profile, fit_affine
-from mergecomp.schemes import SCHEMES
 
 __all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "measure", "probe_sizes", "rehearse",
            "replay"]

@@ -6,7 +6,7 @@ inside this host, ``cross`` over the processes with this local rank on every hos
 three collectives::
 
     in the host    the error-compensated group, uncompressed, zero-padded to L blocks of
-                   :attr:`Hosts.chunk` elements (:func:`~mergecomp.schemes.two_phase.shard_bounds`);
+                   :attr:`Hosts.chunk` elements (:func:`~mergecomp.exchange.schemes.two_phase.shard_bounds`);
                    one all-to-all on ``local`` sends block j to local rank j, which sums the L
                    blocks: its shard of the host's sum
     across hosts   local rank j compresses its shard and exchanges it on ``cross`` by the scheme
@@ -32,13 +32,13 @@ import torch
 from mergecomp.compressors.base.capabilities import shard_alignment
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.engines.communicator import Communicator
-from mergecomp.pipeline.breakdown import ENCODE
-from mergecomp.pipeline.plan import Group
-from mergecomp.schemes.base import Scheme
-from mergecomp.schemes.two_phase import Bounds, pad_to, shard_bounds, shard_size, zero_outside
+from mergecomp.exchange.breakdown import ENCODE
+from mergecomp.exchange.plan import Group
+from mergecomp.exchange.schemes.base import Scheme
+from mergecomp.exchange.schemes.two_phase import Bounds, pad_to, shard_bounds, shard_size, zero_outside
 
 if TYPE_CHECKING:
-    from mergecomp.pipeline.job import Job
+    from mergecomp.exchange.job import Job
 
 __all__ = ["Hierarchical", "HierarchicalTwoPhase", "Hosts", "across_hosts_of"]
 
@@ -151,7 +151,7 @@ class HierarchicalTwoPhase(Hierarchical):
 
 
 def _padded(job: "Job", tensor: torch.Tensor, numel: int) -> torch.Tensor:
-    """:func:`~mergecomp.schemes.two_phase.pad_to`, its copy counted as an ``encode`` pass."""
+    """:func:`~mergecomp.exchange.schemes.two_phase.pad_to`, its copy counted as an ``encode`` pass."""
     padded = pad_to(tensor, numel)
     if padded is not tensor:
         job.count("encode", 1, tensor.numel())

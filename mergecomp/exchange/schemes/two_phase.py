@@ -41,14 +41,14 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.stateful import GroupStateful
 from mergecomp.compressors.memories import ResidualMemory
 from mergecomp.engines.communicator import Communicator
+from mergecomp.exchange.breakdown import ENCODE, MEMORY
+from mergecomp.exchange.encoder import Encoder, feed
+from mergecomp.exchange.plan import Group
+from mergecomp.exchange.schemes.base import Route, Scheme
 from mergecomp.kernels.wire import Spec, pack_payload, pack_rows, unpack_payload
-from mergecomp.pipeline.breakdown import ENCODE, MEMORY
-from mergecomp.pipeline.encoder import Encoder, feed
-from mergecomp.pipeline.plan import Group
-from mergecomp.schemes.base import Route, Scheme
 
 if TYPE_CHECKING:
-    from mergecomp.pipeline.job import Job
+    from mergecomp.exchange.job import Job
 
 __all__ = ["TwoPhase", "shard_size", "shard_bounds", "pad_to", "zero_outside", "Sharded", "ShardLayouts",
            "ShardMemory"]

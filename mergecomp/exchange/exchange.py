@@ -7,20 +7,20 @@ hand-over to the scheme that moves it.
                  ... scheme.advance (the scheme's later stages) ... scheme.finish -> result
 
 The group's plan codec (its *route*) picks what encodes it (the configured compressor, or the
-``"fp16"`` and ``"none"`` codecs) and how it travels (:mod:`mergecomp.schemes`): the configured
+``"fp16"`` and ``"none"`` codecs) and how it travels (:mod:`mergecomp.exchange.schemes`): the configured
 compressor's payloads by allreduce where they add up, else by allgather, or by a sharded scheme
 the route names (``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"``).  The
-scheme encodes through the exchange's :class:`~mergecomp.pipeline.encoder.Encoder`, which feeds
+scheme encodes through the exchange's :class:`~mergecomp.exchange.encoder.Encoder`, which feeds
 the memory what was sent.  A group sent whole whose compressor fuses the memory's work into its
 own passes (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`) skips the
 separate compensation; one whose gradients were encoded as they arrived (:meth:`Exchange.begin`)
 skips the check too.
 
-A group sent with the codec :data:`~mergecomp.pipeline.plan.EXEMPT` skips the memory: its
+A group sent with the codec :data:`~mergecomp.exchange.plan.EXEMPT` skips the memory: its
 gradient is allreduced as it is, and neither the memory nor the compressor state of any group
 changes.
 
-:meth:`Exchange.start` returns the group's :class:`~mergecomp.pipeline.job.Job` right after its
+:meth:`Exchange.start` returns the group's :class:`~mergecomp.exchange.job.Job` right after its
 first collective is issued; :meth:`Exchange.finish` waits for it, runs what is left, and returns
 the reduced flat gradient.  All collectives of a step must be started in the same order on every
 rank: callers start groups in plan order, advance them all in plan order while any has stages
@@ -37,14 +37,14 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.base.stateful import GroupStateful
 from mergecomp.engines.communicator import Communicator
+from mergecomp.exchange.breakdown import DECODE, ENCODE, Stopwatch
+from mergecomp.exchange.encoder import Encoder
+from mergecomp.exchange.job import Job
+from mergecomp.exchange.plan import CODECS, COMPRESSED, EXEMPT, Group
+from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, TWO_PHASE, Scheme
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.workspace import Workspace
-from mergecomp.pipeline.breakdown import DECODE, ENCODE, Stopwatch
-from mergecomp.pipeline.encoder import Encoder
-from mergecomp.pipeline.job import Job
-from mergecomp.pipeline.plan import CODECS, COMPRESSED, EXEMPT, Group
 from mergecomp.registry import get_compressor, get_memory
-from mergecomp.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, TWO_PHASE, Scheme
 
 __all__ = ["Exchange", "resolve"]
 
@@ -106,7 +106,7 @@ class Exchange:
         self.workspace = Workspace() if recycle and torch.device(comm.device).type == "cpu" else None
         compressor.workspace = self.workspace
         self._codecs: Dict[str, Compressor] = {COMPRESSED: compressor}
-        #: the seconds each group spends in each part of the step (:mod:`mergecomp.pipeline.breakdown`)
+        #: the seconds each group spends in each part of the step (:mod:`mergecomp.exchange.breakdown`)
         self.clock = Stopwatch()
         self.encoder = Encoder(compressor, memory, self.clock, self.workspace, check_finite, average)
         #: one instance of every scheme, by name

@@ -29,7 +29,7 @@ PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
 #: the configured compressor, sent by allreduce where its payloads add up, else by allgather
 COMPRESSED = "compressed"
-#: codec names a group may use besides the sharded schemes' (:data:`mergecomp.schemes.SHARDED`):
+#: codec names a group may use besides the sharded schemes' (:data:`mergecomp.exchange.schemes.SHARDED`):
 #: the configured compressor, a cast to fp16, or nothing
 CODECS = (COMPRESSED, "fp16", "none")
 #: codec of the groups of exempt tensors (:class:`Exemptions`), and of every group during the
@@ -84,7 +84,7 @@ class GroupPlan:
 
     ``codecs`` optionally names what each group is sent with: one of :data:`CODECS`, the name
     of a sharded scheme (the configured compressor by that scheme,
-    :data:`mergecomp.schemes.SHARDED`) or :data:`EXEMPT`; empty means every group uses the
+    :data:`mergecomp.exchange.schemes.SHARDED`) or :data:`EXEMPT`; empty means every group uses the
     configured compressor, and all-``"compressed"`` is stored as empty, so plans that send the
     same groups the same way compare equal.
     """

@@ -1,9 +1,9 @@
 """The codec side of a group's exchange: error compensation, encoding, the memory's update and
-decoding into the result, as every scheme (:mod:`mergecomp.schemes`) asks for them.
+decoding into the result, as every scheme (:mod:`mergecomp.exchange.schemes`) asks for them.
 
 A scheme decides *what* is encoded when (the whole group, its shards, a shard of the host's
 sum); the :class:`Encoder` does it the one way the pipeline does it everywhere, on the
-exchange's clock, counting its passes on the group's :class:`~mergecomp.pipeline.job.Job`.
+exchange's clock, counting its passes on the group's :class:`~mergecomp.exchange.job.Job`.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from mergecomp.compressors.base.capabilities import (Fused, FusedEncode, FusedPa
                                                      SubtractsDecode, encode_checked, encode_shard)
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.memory import Memory
+from mergecomp.exchange.breakdown import MEMORY, Stopwatch
+from mergecomp.exchange.job import Job
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.workspace import Workspace
-from mergecomp.pipeline.breakdown import MEMORY, Stopwatch
-from mergecomp.pipeline.job import Job
 
 __all__ = ["Encoder", "fused", "fused_parts", "feed"]
 
@@ -107,7 +107,7 @@ class Encoder:
         compressor: the configured compressor (its shard alignment and second-phase codec are
             the sharded schemes').
         memory: the first-stage error-feedback memory.
-        clock: the exchange's stopwatch (:mod:`mergecomp.pipeline.breakdown`).
+        clock: the exchange's stopwatch (:mod:`mergecomp.exchange.breakdown`).
         workspace: the codecs' scratch buffers, or None.
         check_finite: a payload that may overflow (a cast) is checked where error feedback
             compensated it (:attr:`Job.overflowed`).

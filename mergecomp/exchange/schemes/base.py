@@ -1,6 +1,6 @@
 """The exchange scheme interface, and the base of the schemes that send a group's payload whole.
 
-A scheme moves one merged group's :class:`~mergecomp.pipeline.job.Job` between the ranks: it
+A scheme moves one merged group's :class:`~mergecomp.exchange.job.Job` between the ranks: it
 is the one place that knows the group's collectives, their order, and any state of its own (a
 second-stage memory).  The exchange calls, for each group and on every rank in plan order::
 
@@ -22,12 +22,12 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.stateful import GroupStateful
 from mergecomp.engines.communicator import Communicator
-from mergecomp.pipeline.breakdown import DECODE, ENCODE, WAIT
-from mergecomp.pipeline.plan import Group
+from mergecomp.exchange.breakdown import DECODE, ENCODE, WAIT
+from mergecomp.exchange.plan import Group
 
 if TYPE_CHECKING:
-    from mergecomp.pipeline.encoder import Encoder
-    from mergecomp.pipeline.job import Job
+    from mergecomp.exchange.encoder import Encoder
+    from mergecomp.exchange.job import Job
 
 __all__ = ["Scheme", "WholeGroup", "Route"]
 
@@ -42,7 +42,7 @@ class Scheme(abc.ABC):
 
     Args:
         comm: the exchange's communicator: its size divides the sum when averaging.
-        encoder: the exchange's :class:`~mergecomp.pipeline.encoder.Encoder`.
+        encoder: the exchange's :class:`~mergecomp.exchange.encoder.Encoder`.
         route: ``route(codec, compressor)``, the scheme the exchange sends a group of that plan
             codec and compressor by (for a scheme that sends part of its work by another).
     """

@@ -1,7 +1,7 @@
 """Exchange schemes: how a merged group's payload travels between the ranks.
 
 One file per scheme (:mod:`.allreduce`, :mod:`.allgather`, :mod:`.two_phase`,
-:mod:`.hierarchical`), each a :class:`~mergecomp.schemes.base.Scheme`; :data:`SCHEMES` is the
+:mod:`.hierarchical`), each a :class:`~mergecomp.exchange.schemes.base.Scheme`; :data:`SCHEMES` is the
 one list of them by name.  A new scheme is a new file and one entry here.
 
 Names, as plan codecs and the ``scheme`` option use them: a group of the configured compressor
@@ -10,11 +10,11 @@ otherwise; a group may instead name a sharded scheme (:data:`SHARDED`).
 """
 from typing import Dict, Type
 
-from mergecomp.schemes.allgather import AllGather
-from mergecomp.schemes.allreduce import AllReduce
-from mergecomp.schemes.base import Scheme
-from mergecomp.schemes.hierarchical import Hierarchical, HierarchicalTwoPhase
-from mergecomp.schemes.two_phase import TwoPhase
+from mergecomp.exchange.schemes.allgather import AllGather
+from mergecomp.exchange.schemes.allreduce import AllReduce
+from mergecomp.exchange.schemes.base import Scheme
+from mergecomp.exchange.schemes.hierarchical import Hierarchical, HierarchicalTwoPhase
+from mergecomp.exchange.schemes.two_phase import TwoPhase
 
 __all__ = ["SCHEMES", "SHARDED", "OPTIONS", "ALLREDUCE", "ALLGATHER", "TWO_PHASE", "HIERARCHICAL",
            "HIERARCHICAL_TWO_PHASE", "Scheme"]

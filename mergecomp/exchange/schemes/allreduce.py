@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, List
 import torch
 
 from mergecomp.compressors.base.compressor import Payload
-from mergecomp.schemes.base import WholeGroup
+from mergecomp.exchange.schemes.base import WholeGroup
 
 if TYPE_CHECKING:
-    from mergecomp.pipeline.job import Job
+    from mergecomp.exchange.job import Job
 
 __all__ = ["AllReduce"]
 

@@ -1,8 +1,8 @@
 """One merged group in flight: what the exchange and the group's scheme share about it.
 
-The exchange (:mod:`mergecomp.pipeline.exchange`) makes a :class:`Job` when a group starts,
-checks and compensates it, and hands it to the group's scheme (:mod:`mergecomp.schemes`), which
-encodes it through the exchange's :class:`~mergecomp.pipeline.encoder.Encoder`, starts its
+The exchange (:mod:`mergecomp.exchange.exchange`) makes a :class:`Job` when a group starts,
+checks and compensates it, and hands it to the group's scheme (:mod:`mergecomp.exchange.schemes`), which
+encodes it through the exchange's :class:`~mergecomp.exchange.encoder.Encoder`, starts its
 collectives, runs its later stages and decodes the result.  A scheme that moves part of the
 group elsewhere (the hierarchical scheme across hosts) gives that part a job of its own
 (:meth:`Job.within`); a job's fields keep their meaning from start to finish.
@@ -15,8 +15,8 @@ import torch
 
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.engines.communicator import Communicator, Handle
-from mergecomp.pipeline.breakdown import STAGES
-from mergecomp.pipeline.plan import Group
+from mergecomp.exchange.breakdown import STAGES
+from mergecomp.exchange.plan import Group
 
 __all__ = ["Job"]
 
@@ -35,11 +35,11 @@ class Job:
                  compensated: torch.Tensor, comm: Communicator, step: int) -> None:
         self.group = group
         #: what the group travels with: a plan codec (``"compressed"``, ``"fp16"``, ...) or a
-        #: scheme's name, as :meth:`~mergecomp.pipeline.exchange.Exchange.sent_as` gives it
+        #: scheme's name, as :meth:`~mergecomp.exchange.exchange.Exchange.sent_as` gives it
         self.route = route
         #: what encodes it: the configured compressor, or the fp16 or plain codec
         self.compressor = compressor
-        #: what moves it: a :class:`~mergecomp.schemes.base.Scheme`
+        #: what moves it: a :class:`~mergecomp.exchange.schemes.base.Scheme`
         self.scheme = scheme
         self.compensated = compensated
         self.comm = comm
@@ -69,11 +69,11 @@ class Job:
         #: the collective in flight
         self.handle: Optional[Handle] = None
         #: what the scheme runs between its first collective and its last, in order
-        #: (:meth:`~mergecomp.schemes.base.Scheme.advance`)
+        #: (:meth:`~mergecomp.exchange.schemes.base.Scheme.advance`)
         self.stages: List[Callable[[], None]] = []
         #: the scheme's own record of the group in flight
         self.flight: Any = None
-        #: passes over the group's elements so far, by stage (:mod:`mergecomp.pipeline.breakdown`)
+        #: passes over the group's elements so far, by stage (:mod:`mergecomp.exchange.breakdown`)
         self.passes: Dict[str, float] = {}
 
     def within(self, scheme: Any, comm: Communicator, span: Tuple[int, int]) -> "Job":
@@ -87,7 +87,7 @@ class Job:
 
     def count(self, stage: str, passes: float, numel: Optional[int] = None) -> None:
         """Tally ``passes`` over ``numel`` of the group's elements (default: all of them) in
-        ``stage`` (one of :data:`~mergecomp.pipeline.breakdown.STAGES`), as passes over the whole group."""
+        ``stage`` (one of :data:`~mergecomp.exchange.breakdown.STAGES`), as passes over the whole group."""
         total = self.group.numel
         if total and passes and numel != 0:
             self.passes[stage] = self.passes.get(stage, 0.0) + passes * (total if numel is None else numel) / total
@@ -99,7 +99,7 @@ class Job:
                 f"{self.step} on rank {self.rank}")
 
     def describe(self) -> Dict[str, Any]:
-        """The group as a step breakdown lists it (:meth:`~mergecomp.pipeline.breakdown.Breakdown.end_step`)."""
+        """The group as a step breakdown lists it (:meth:`~mergecomp.exchange.breakdown.Breakdown.end_step`)."""
         return {"name": self.group.name, "codec": self.route,
                 "bytes": self.group.numel * self.compensated.element_size(),
                 "passes_by_stage": {stage: self.passes[stage] for stage in STAGES if stage in self.passes}}

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List
 
 from mergecomp.compressors.base.compressor import Payload
+from mergecomp.exchange.schemes.base import WholeGroup
 from mergecomp.kernels.wire import pack_payload, specs_of, unpack_payload
-from mergecomp.schemes.base import WholeGroup
 
 if TYPE_CHECKING:
-    from mergecomp.pipeline.job import Job
+    from mergecomp.exchange.job import Job
 
 __all__ = ["AllGather"]
 
