@@ -1,4 +1,5 @@
-"""The built-in error-feedback memories: none, the residual, and DGC's momentum correction.
+"""The built-in error-feedback memories: none, the residual, its moving average, and DGC's
+momentum correction.
 
 Each registers its class with ``@register_memory("name")``; the interface is
 :class:`~mergecomp.compressors.base.memory.Memory`.
@@ -15,7 +16,7 @@ from mergecomp.compressors.base.passes import MemoryPasses
 from mergecomp.kernels.codecs import sign_remainder
 from mergecomp.registry import register_memory
 
-__all__ = ["NoMemory", "ResidualMemory", "DGCMemory", "warn_double_momentum"]
+__all__ = ["NoMemory", "ResidualMemory", "AveragedMemory", "DGCMemory", "warn_double_momentum"]
 
 
 @register_memory("none")
@@ -133,6 +134,88 @@ class ResidualMemory(Memory):
         self.state[name].pop("sides", None)
         self._written(name)
         return residual
+
+
+@register_memory("averaged")
+class AveragedMemory(Memory):
+    """Error feedback through a moving average of the compression errors, cleared periodically
+    (after LoCo, Xie et al., 2024): ``x = grad + error``; ``error = decay * error + (1 - decay)
+    * (x - sent)``; every ``reset_every`` updates of a group (0: never) its next step starts
+    from ``error = 0``.
+
+    The residual memory hands the optimizer, one step late, everything it held back; with Adam,
+    whose per-element normalisation turns such bursts into full-size steps, that degrades the
+    model.  The average feeds back a smoothed share of the error instead.  ``decay = 0`` and
+    ``reset_every = 0`` is the residual memory.  State per group: field ``"error"`` (like the
+    group) and ``"updates"`` (0-d int64, the updates since the last clearing)."""
+
+    writes_fresh = True
+    buffers = ("error",)
+    #: compensate: adding the error; update: scaling it, adding and subtracting the group's
+    #: tensors; sparse: the same with the k entries aside
+    passes = MemoryPasses(compensate=1, update=3, update_sparse=2)
+
+    def __init__(self, decay: float = 0.8, reset_every: int = 512) -> None:
+        super().__init__()
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"averaged memory: decay must be in [0, 1), got {decay}")
+        if int(reset_every) != reset_every or reset_every < 0:
+            raise ValueError(f"averaged memory: reset_every must be an int >= 0, got {reset_every!r}")
+        self.decay = float(decay)
+        self.reset_every = int(reset_every)
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        error = self._error(name, tensor)
+        if error is not None:
+            tensor.add_(error)
+        return tensor
+
+    def update(self, compensated: torch.Tensor, name: str, transmitted: torch.Tensor) -> None:
+        self._decayed(name, compensated).add_(compensated, alpha=1 - self.decay).sub_(transmitted,
+                                                                                   alpha=1 - self.decay)
+
+    def update_sparse(self, compensated: torch.Tensor, name: str, indices: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        error = self._decayed(name, compensated).add_(compensated, alpha=1 - self.decay)
+        error.index_put_((indices,), error[indices].sub_(values, alpha=1 - self.decay))  # a put: indices may repeat
+
+    def sent_whole(self, name: str) -> bool:
+        """Nothing was lost this step: the error only decays."""
+        fields = self.state.get(name)
+        if fields is not None and "error" in fields:
+            self._decayed(name, fields["error"])
+        return True
+
+    def _error(self, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """Group ``name``'s error to add this step: None where it has none, where it was kept for
+        another layout, or where this step clears it."""
+        fields = self.state.get(name)
+        if not fields or "error" not in fields or fields["error"].numel() != like.numel():
+            return None
+        if self.reset_every and self._updates(fields) >= self.reset_every:
+            return None
+        return fields["error"]
+
+    @staticmethod
+    def _updates(fields: Dict[str, torch.Tensor]) -> int:
+        """The updates since the group's error was last cleared (none recorded, as after a plan
+        change moved the error onto new groups: 0)."""
+        updates = fields.get("updates")
+        return 0 if updates is None else int(updates)
+
+    def _decayed(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Group ``name``'s new error buffer holding ``decay * error`` (zero where
+        :meth:`_error` gives none), its update counted."""
+        old = self._error(name, like)
+        updates = 1 if old is None else self._updates(self.state[name]) + 1
+        error = self._fresh(name, "error", like)
+        if old is None:
+            error.zero_()
+        else:
+            torch.mul(old, self.decay, out=error)
+        self.state[name]["updates"] = torch.tensor(updates, dtype=torch.int64)
+        self._written(name)
+        return error
 
 
 @register_memory("dgc")

@@ -68,7 +68,8 @@ parser.add_argument("--world-size", type=int, default=WORLD)
 parser.add_argument("--json", default=None, help="append one JSON record (with curves) per run")
 parser.add_argument("--task", choices=("digits", "lm"), default="digits")
 parser.add_argument("--warmup-steps", type=int, default=0, help="compression_warmup_steps")
-parser.add_argument("--memory", default=None, help="error-feedback memory for every compressor (default: each one's own)")
+parser.add_argument("--memory", default=None, help="error-feedback memory for every compressor (default: each one's own); "
+                    "NAME:key=value;key=value sets its arguments, e.g. averaged:decay=0.9")
 parser.add_argument("--uncompressed", default="", help="comma list of name patterns sent uncompressed")
 parser.add_argument("--report", metavar="JSONL[,JSONL]", default=None,
                     help="print the table from the records of earlier --json runs (with the same options; fp32's "
@@ -183,6 +184,12 @@ class StdlibBytes:
 TASKS = {"digits": Digits, "lm": StdlibBytes}
 
 
+def parse_spec(spec: str):
+    """``"randk:ratio=0.1;seed=3"`` -> ``("randk", {"ratio": 0.1, "seed": 3})``."""
+    base, _, options = spec.partition(":")
+    return base, {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in options.split(";") if o)}
+
+
 def train_one(rank, world, name, seed, args, task):
     """One configuration on this rank (mergecomp already initialised); rank 0 returns the record."""
     import mergecomp
@@ -190,13 +197,13 @@ def train_one(rank, world, name, seed, args, task):
 
     torch.manual_seed(seed)
     model = task.model()
-    base, _, options = name.partition(":")  # e.g. "randk:ratio=0.1"
-    kwargs = {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in options.split(";") if o)}
-    compressor = mergecomp.get_compressor(base, **kwargs)
+    compressor_name, compressor_args = parse_spec(name)
+    compressor = mergecomp.get_compressor(compressor_name, **compressor_args)
     memory = args.memory or compressor.default_memory
-    optimizer, lr = task.optimizer(model.parameters(), compressor, memory, args)
-    optimizer = mc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                        compression=compressor, memory=memory, groups=1,
+    memory_name, memory_args = parse_spec(memory)
+    optimizer, lr = task.optimizer(model.parameters(), compressor, memory_name, args)
+    optimizer = mc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compressor,
+                                        memory=mergecomp.get_memory(memory_name, **memory_args), groups=1,
                                         compression_warmup_steps=args.warmup_steps,
                                         uncompressed=[p for p in args.uncompressed.split(",") if p])
     mc.broadcast_parameters(model.state_dict(), root_rank=0)

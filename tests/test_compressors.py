@@ -699,15 +699,72 @@ def test_error_feedback_conserves_the_gradient(name):
     assert sum(norms[-50:]) / 50 <= 1.25 * sum(norms[50:100]) / 50
 
 
-@pytest.mark.parametrize("memory_name", ["residual", "dgc"])
+def test_averaged_memory_feeds_back_a_moving_average_of_the_errors_and_clears_it():
+    """error = decay * error + (1 - decay) * (compensated - sent); after reset_every updates the
+    next step starts from no error."""
+    memory = mergecomp.get_memory("averaged", decay=0.75, reset_every=3)
+    grad = torch.tensor([1.0, -2.0, 4.0, 8.0])
+    error = torch.zeros(4)
+    for step in range(7):
+        if step % 3 == 0:
+            error = torch.zeros(4)  # cleared: steps 0, 3, 6
+        x = memory.compensate(grad.clone(), "g")
+        assert torch.equal(x, grad + error), step
+        sent = torch.where(x.abs() >= 4, x, torch.zeros(4))
+        memory.update(x, "g", sent)
+        error = 0.75 * error + 0.25 * (x - sent)
+        assert torch.allclose(memory.state["g"]["error"], error), step
+    assert int(memory.state["g"]["updates"]) == 1
+
+
+def test_averaged_memory_without_decay_or_clearing_is_the_residual_memory():
+    averaged, residual = mergecomp.get_memory("averaged", decay=0.0, reset_every=0), mergecomp.get_memory("residual")
+    compressor = make("topk", ratio=0.1, selection="exact")
+    for step in range(6):
+        grad = torch.randn(300, generator=torch.Generator().manual_seed(step))
+        xa, xr = averaged.compensate(grad.clone(), "g"), residual.compensate(grad.clone(), "g")
+        assert torch.equal(xa, xr), step
+        payload, ctx = compressor.compress(xa, "g")
+        sent = compressor.decompress(payload, ctx)
+        averaged.update(xa, "g", sent)
+        residual.update(xr, "g", sent)
+
+
+def test_averaged_memory_lossless_steps_only_decay_the_error_and_it_resumes_from_a_checkpoint():
+    memory = mergecomp.get_memory("averaged", decay=0.5, reset_every=4)
+    x = memory.compensate(torch.ones(5), "g")
+    memory.update(x, "g", torch.zeros(5))
+    assert memory.sent_whole("g")
+    assert torch.equal(memory.state["g"]["error"], torch.full((5,), 0.25))
+    resumed = mergecomp.get_memory("averaged", decay=0.5, reset_every=4)
+    resumed.load_state_dict(memory.state_dict())
+    for m in (memory, resumed):
+        for _ in range(2):  # updates 3 and 4; the fifth step starts from no error
+            m.update(m.compensate(torch.ones(5), "g"), "g", torch.zeros(5))
+    assert torch.equal(memory.state["g"]["error"], resumed.state["g"]["error"])
+    assert torch.equal(resumed.compensate(torch.ones(5), "g"), torch.ones(5))
+
+
+@pytest.mark.parametrize("kwargs, message", [({"decay": 1.0}, "decay must be in"), ({"decay": -0.1}, "decay must be in"),
+                                             ({"reset_every": -1}, "reset_every must be"),
+                                             ({"reset_every": 2.5}, "reset_every must be")])
+def test_averaged_memory_rejects_bad_settings_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mergecomp.get_memory("averaged", **kwargs)
+
+
+@pytest.mark.parametrize("memory_name", ["residual", "dgc", "averaged"])
 @pytest.mark.parametrize("name, kwargs", [("topk", {}), ("dgc", {}), ("randk", {}),
                                           ("randk", {"unbiased": True}), ("fp16", {})])
 def test_sparse_memory_update_matches_the_dense_one(name, kwargs, memory_name):
     """Memory.update_sparse (used where the codec's sent_entries are not None) leaves the same
-    state as update() with the dense decode, step after step."""
+    state as update() with the dense decode, step after step (the averaged memory: up to rounding)."""
     n = 5000
     def build():
         return make(name) if name == "fp16" else make(name, ratio=0.05, **kwargs)
+
+    def same(a, b):  # the averaged memory scales the k sent entries apart: equal up to rounding
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6) if memory_name == "averaged" else torch.equal(a, b)
 
     sparse_c, dense_c = build(), build()
     sparse_m, dense_m = mergecomp.get_memory(memory_name), mergecomp.get_memory(memory_name)
@@ -715,7 +772,7 @@ def test_sparse_memory_update_matches_the_dense_one(name, kwargs, memory_name):
         grad = torch.randn(n)
         xs = sparse_m.compensate(grad.clone(), "g")
         xd = dense_m.compensate(grad.clone(), "g")
-        assert torch.equal(xs, xd)
+        assert same(xs, xd)
         payload, ctx = sparse_c.compress(xs, "g")
         dense_payload, dense_ctx = dense_c.compress(xd, "g")
         entries = sparse_c.sent_entries(payload, ctx) if isinstance(sparse_c, SparseEntries) else None
@@ -725,7 +782,7 @@ def test_sparse_memory_update_matches_the_dense_one(name, kwargs, memory_name):
         sparse_m.update_sparse(xs, "g", *entries)
         dense_m.update(xd, "g", dense_c.decompress(dense_payload, dense_ctx))
         for field, value in dense_m.state["g"].items():
-            assert torch.equal(sparse_m.state["g"][field], value), (step, field)
+            assert same(sparse_m.state["g"][field], value), (step, field)
 
 
 # -- the fused encode with the residual memory (FusedEncode.compress_fused) --------------------

@@ -10,7 +10,8 @@ from distributed import run_workers
 from test_optimizer_dist import flat_params, make_data, make_model, shard, train
 
 
-def _resume_worker(rank, compression, who_loads, groups):
+def _resume_worker(rank, compression, who_loads, groups, memory=None):
+    import mergecomp
     import mergecomp.torch as mc
 
     x, y = make_data()
@@ -18,8 +19,10 @@ def _resume_worker(rank, compression, who_loads, groups):
 
     def fresh():
         model = make_model()
+        own_memory = mergecomp.get_memory(memory[0], **memory[1]) if memory else None  # (name, arguments)
         opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                      model.named_parameters(), compression=compression, groups=groups)
+                                      model.named_parameters(), compression=compression, memory=own_memory,
+                                      groups=groups)
         return model, opt
 
     model, opt = fresh()
@@ -51,17 +54,19 @@ def _resume_worker(rank, compression, who_loads, groups):
             [r.getMessage() for r in records], residuals)
 
 
-@pytest.mark.parametrize("compression,who_loads,exact", [
-    ("none", "rank 0", True),            # nothing per rank: the continuation is the uninterrupted run
-    ("topk", "every rank", True),        # every rank's own residuals: exact too
-    ("onebit", "every rank", True),      # a residual carried by the sign codes' one pass: written out, exact
-    ("signum", "every rank", True),      # a momentum stepped part by part into a second buffer: exact
-    ("powersgd", "every rank", True),    # a residual its decode wrote, and the warm-start Q: exact
-    ("topk", "rank 0", False),           # rank 0's residuals alone: reset on every rank, said so
-    ("topk", "rank 0's file on every rank", False),  # rank 0's residuals are not rank 1's: reset, said so
+@pytest.mark.parametrize("compression,memory,who_loads,exact", [
+    ("none", None, "rank 0", True),            # nothing per rank: the continuation is the uninterrupted run
+    ("topk", None, "every rank", True),        # every rank's own residuals: exact too
+    ("onebit", None, "every rank", True),      # a residual carried by the sign codes' one pass: written out, exact
+    ("signum", None, "every rank", True),      # a momentum stepped part by part into a second buffer: exact
+    ("powersgd", None, "every rank", True),    # a residual its decode wrote, and the warm-start Q: exact
+    ("topk", ("averaged", {"reset_every": 3}), "every rank", True),  # the averaged errors, their update counts
+                                                                    # and the clearing at step 4: exact
+    ("topk", None, "rank 0", False),           # rank 0's residuals alone: reset on every rank, said so
+    ("topk", None, "rank 0's file on every rank", False),  # rank 0's residuals are not rank 1's: reset, said so
 ])
-def test_resume_from_a_checkpoint_loaded_on_rank_0_or_on_every_rank(compression, who_loads, exact):
-    results = run_workers(_resume_worker, 2, compression, who_loads, 2)
+def test_resume_from_a_checkpoint_loaded_on_rank_0_or_on_every_rank(compression, memory, who_loads, exact):
+    results = run_workers(_resume_worker, 2, compression, who_loads, 2, memory)
     params = [r[0] for r in results]
     assert torch.equal(params[0], params[1]), "the ranks' parameters differ after resuming"
     for final, uninterrupted, step, plan, messages, residuals in results:

@@ -15,10 +15,10 @@ NAMES = ["a", "b", "c", "d"]
 SHAPES = [(3, 2), (5,), (0,), (4, 1)]
 
 
-def local_step(compression="none", **kwargs) -> PlannedStep:
+def local_step(compression="none", memory=None, **kwargs) -> PlannedStep:
     settings = dict(groups=GroupPlan(((3, 2), (1, 0))), nonfinite="raise")
     settings.update(kwargs)
-    return planned(compression, None, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4, **settings)
+    return planned(compression, memory, LocalCommunicator(), NAMES, SHAPES, [torch.float32] * 4, **settings)
 
 
 def grads(seed: int):
@@ -99,8 +99,10 @@ def test_prescale_scales_each_gradient_once_and_flags_what_overflows(kernels):
             big.finish()
 
 
-@pytest.mark.parametrize("compression", ["topk", "powersgd", "dgc", "onebit", "efsignsgd"])
-def test_propagate_makes_the_step_nan_and_puts_error_feedback_back(compression):
+@pytest.mark.parametrize("compression, memory", [("topk", None), ("powersgd", None), ("dgc", None), ("onebit", None),
+                                                 ("efsignsgd", None), ("topk", "averaged"), ("onebit", "averaged"),
+                                                 ("powersgd", "averaged")])
+def test_propagate_makes_the_step_nan_and_puts_error_feedback_back(compression, memory):
     def run(step, seed):
         for i, t in enumerate(grads(seed)):
             step.add(i, t)
@@ -110,7 +112,7 @@ def test_propagate_makes_the_step_nan_and_puts_error_feedback_back(compression):
         return [{n: {k: v.clone() for k, v in f.items()} for n, f in holder.state.items()}
                 for holder in (step.exchange.memory, step.exchange.compressor)]
 
-    poisoned, clean = (local_step(compression=compression, nonfinite="propagate", groups=2) for _ in range(2))
+    poisoned, clean = (local_step(compression, memory, nonfinite="propagate", groups=2) for _ in range(2))
     for seed in range(2):
         run(poisoned, seed)
         run(clean, seed)

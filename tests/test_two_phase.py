@@ -140,6 +140,15 @@ def _worker(rank):
     step.set_plan(GroupPlan(((4,), (3, 2, 1, 0)), ("two-phase", "compressed")))
     applied += sum(run(step, rank, range(4, 6)))
     out["switch_gap"] = (applied + residual_total(comm, step) - mean_grads(size, range(6))).abs().max().item()
+    # the averaged memory under two-phase, through a plan change that moves its errors
+    for name in ("topk", "efsignsgd"):
+        step = make_step(comm, name, "two-phase", memory="averaged")
+        applied = run(step, rank, range(3))
+        step.set_plan(GroupPlan(((4, 3, 2), (1, 0)), ("compressed", "two-phase")))
+        applied += run(step, rank, range(3, 5))
+        rows = comm.allgather(torch.cat(applied))
+        out[f"{name}_averaged"] = {"identical": bool((rows == rows[0]).all()),
+                                   "errors": sum(len(f) for f in step.exchange.memory.state.values())}
     return out
 
 
@@ -178,6 +187,12 @@ def test_majority_vote_is_the_same_in_both_schemes(results):
 def test_checkpoint_resume_is_bit_exact(results):
     for out in results:
         assert out["resume"] == [True, True]
+
+
+def test_the_averaged_memory_keeps_the_ranks_identical_through_two_phase_and_a_plan_change(results):
+    for out in results:
+        for name in ("topk", "efsignsgd"):
+            assert out[f"{name}_averaged"]["identical"] and out[f"{name}_averaged"]["errors"] > 0, name
 
 
 def test_plan_switches_between_schemes_keep_the_residuals(results):
