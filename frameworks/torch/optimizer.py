@@ -46,12 +46,17 @@ from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.pipeline.step import HoldsMergedStep
 from mergecomp.registry import Compression
 
+from .momentum_exchange import OPTION as MOMENTUM_OPTION
+from .momentum_exchange import MomentumExchange, check_after
 from .named_parameters import collect_parameters
 
 __all__ = ["DistributedOptimizer"]
 
 
 _CLASSES: Dict[type, type] = {}
+#: the state dict's key of the momentum exchange's state (the same on every rank, so a
+#: checkpoint broadcast from one rank carries it)
+MOMENTUM_STATE = "mergecomp_momentum"
 
 
 def _distributed_class(base: type) -> type:
@@ -92,6 +97,14 @@ class DistributedOptimizer(HoldsMergedStep):
         sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
         process_set: None or ``mc.global_process_set`` (all ranks; others are not implemented).
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
+        exchange_momentum_after: for ``torch.optim.Adam`` or ``AdamW`` only: after this many
+            updates (the warm-up, gradients exchanged as without it) Adam's variance freezes and
+            each rank exchanges its momentum, not its gradient, through the same merged groups
+            and compressor; ``p.grad`` then holds the averaged momentum, and the update is
+            Adam's with the frozen variance (:mod:`frameworks.torch.momentum_exchange`; for
+            compressed exchange with Adam, see docs/compressors.md).
+        grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
+            the loss (the momentum is sent in the gradient's loss scale).
         options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`):
             ``nonfinite`` (default ``"propagate"``: when any rank's gradient holds NaN/Inf, every
             rank's averaged gradients become NaN, so ``torch.amp.GradScaler`` skips the same
@@ -128,9 +141,16 @@ class DistributedOptimizer(HoldsMergedStep):
         process_set: Any = None,
         *,
         memory: Union[str, Memory, None] = None,
+        exchange_momentum_after: Optional[int] = None,
+        grad_scaler: Any = None,
         **options,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor, process_set)
+        if exchange_momentum_after is not None and op != Average:
+            raise ValueError(f"{MOMENTUM_OPTION} needs op=mc.Average (the momentum is averaged), got op={op!r}")
+        if grad_scaler is not None and exchange_momentum_after is None:
+            raise ValueError(f"grad_scaler is only used with {MOMENTUM_OPTION} (a GradScaler works without it "
+                             f"when gradients are exchanged)")
         self._check_passes(backward_passes_per_step)
         # The optimizer as torch built it (param_groups, state, defaults, hook registries), shared.
         self.__dict__.update(vars(optimizer))
@@ -139,13 +159,16 @@ class DistributedOptimizer(HoldsMergedStep):
         name_by_id = {id(p): n for p, n in zip(self._exchanged, self.param_names)}
         groups = resolve_groups(groups, num_groups, lambda t: name_by_id[id(t)])
         comm = communicator()
-        step_options = StepOptions.create("DistributedOptimizer", options, defaults={"nonfinite": "propagate"},
+        warmup = 0 if exchange_momentum_after is None else check_after(exchange_momentum_after)
+        defaults = {"nonfinite": "propagate", "compression_warmup_steps": warmup}
+        step_options = StepOptions.create("DistributedOptimizer", options, defaults=defaults,
                                           fixed={"groups": groups, **scaling(op, factor, comm.size)})
         self.merged = PlannedStep(
             compression, memory, comm, self.param_names, [p.shape for p in self._exchanged],
             [p.dtype for p in self._exchanged], self._exchanged[0].device, step_options,
             FrontEnd("DistributedOptimizer", "parameters",
-                     agree=(("backward_passes_per_step", backward_passes_per_step),)))
+                     agree=(("backward_passes_per_step", backward_passes_per_step),
+                            (MOMENTUM_OPTION, exchange_momentum_after))))
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
@@ -154,6 +177,9 @@ class DistributedOptimizer(HoldsMergedStep):
         self._final = 0  # parameters whose gradient is final for this step
         self._synchronized = self._step_skipped = self._warned_step = self._called_synchronize = False
         self._should_synchronize = True
+        #: the momentum phase (``exchange_momentum_after``), or None
+        self.momentum_exchange = None if exchange_momentum_after is None else MomentumExchange(
+            self, self._exchanged, exchange_momentum_after, self.compressor, self.memory, grad_scaler)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod
@@ -193,7 +219,8 @@ class DistributedOptimizer(HoldsMergedStep):
                 f"backward_passes_per_step={self.backward_passes_per_step}. Call optimizer.step() (or "
                 f"synchronize()) after every {self.backward_passes_per_step} backward pass(es)")
         if self._passes[i] == self.backward_passes_per_step:
-            self.merged.add(i, p.grad)
+            momentum = self._momentum_phase
+            self.merged.add(i, momentum.local_momentum(i, p.grad) if momentum else p.grad)
             self._final += 1
             if self._final == len(self._exchanged):  # the step's last gradient: backward is over
                 self._finish_exchange()
@@ -232,15 +259,30 @@ class DistributedOptimizer(HoldsMergedStep):
     def _finish_exchange(self) -> None:
         if self._synchronized:
             return
+        momentum = self._momentum_phase
+        if momentum:  # a tensor without a gradient this step still sends its decayed momentum
+            with torch.no_grad():
+                for i, passes in enumerate(self._passes):
+                    if passes < self.backward_passes_per_step:
+                        self.merged.add(i, momentum.local_momentum(i, None))
         self._passes = [0] * len(self._exchanged)
         self._final = 0
         reduced = self.merged.finish()  # raises under nonfinite="raise"
         self._synchronized = True
         self._step_skipped = reduced is None
         if reduced is not None:
-            for p, view in zip(self._exchanged, reduced.tensors(len(self._exchanged))):
+            views = reduced.tensors(len(self._exchanged))
+            if momentum:
+                momentum.averaged(views)
+            for p, view in zip(self._exchanged, views):
                 if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
+
+    @property
+    def _momentum_phase(self) -> Optional[MomentumExchange]:
+        """The momentum exchange while its phase is on (the variance frozen), else None."""
+        momentum = self.momentum_exchange
+        return momentum if momentum is not None and momentum.active else None
 
     def step(self, closure=None):
         """Synchronize (unless inside :meth:`skip_synchronize`) and run the optimizer class's step.
@@ -264,9 +306,20 @@ class DistributedOptimizer(HoldsMergedStep):
         if self._step_skipped:
             self._step_skipped = False
             return loss
+        momentum = self.momentum_exchange
         with self.merged.time_update():
-            super().step()
+            if momentum is not None and momentum.active:
+                self._frozen_variance_step()
+            else:
+                super().step()
+        if momentum is not None and momentum.counted():
+            self.merged.exchange.clear_memories()
         return loss
+
+    @torch.optim.Optimizer.profile_hook_step
+    def _frozen_variance_step(self) -> None:
+        """:meth:`MomentumExchange.update`, between the optimizer's step pre- and post-hooks."""
+        self.momentum_exchange.update()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -292,6 +345,8 @@ class DistributedOptimizer(HoldsMergedStep):
         error-feedback memory (this rank's) and the scheduler's choice."""
         state = super().state_dict()
         state["mergecomp"] = self.merged.state_dict()
+        if self.momentum_exchange is not None:
+            state[MOMENTUM_STATE] = self.momentum_exchange.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -299,10 +354,15 @@ class DistributedOptimizer(HoldsMergedStep):
         Call it between steps, on every rank, with each rank's own checkpoint."""
         state_dict = dict(state_dict)
         ours = state_dict.pop("mergecomp", None)
+        momentum = state_dict.pop(MOMENTUM_STATE, None)
         super().load_state_dict(state_dict)  # replaces state and param_groups: share them again
         vars(self._given).update(state=self.state, param_groups=self.param_groups)
         if ours is not None:
             self.merged.load_state_dict(ours)
+        if self.momentum_exchange is not None:
+            self.momentum_exchange.load_state_dict(momentum)
+            if momentum is None and self.momentum_exchange.active:  # residuals of gradients, not momenta
+                self.merged.exchange.clear_memories()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """The optimizer class's own ``__setstate__`` (``load_state_dict`` and unpickling call

@@ -281,6 +281,13 @@ class Exchange:
         for name in names:
             self.memory.restore(name, {})
 
+    def clear_memories(self) -> None:
+        """Every error-feedback memory (the worker's and the schemes' second stage) starts
+        afresh, for every group: what is exchanged from now on is another quantity (the
+        momentum instead of the gradient), whose errors the old residuals do not describe."""
+        for holder in (self.memory, *self._scheme_holders()):
+            holder.load_state_dict({})
+
     def rollback(self) -> None:
         """Undo the memory and compressor state changes of the groups started since the last
         :meth:`commit` (``keep_state``), as if this step had not happened."""

@@ -1,0 +1,226 @@
+"""Adam's momentum exchanged instead of its gradients, with the variance frozen (after 1-bit Adam).
+
+``DistributedOptimizer(torch.optim.Adam(...) or AdamW(...), ..., exchange_momentum_after=K)``:
+
+* **Warm-up** (the first ``K`` updates): gradients are exchanged as without the option and the
+  wrapped class's own ``step()`` updates the parameters.  They are exchanged losslessly
+  (``compression_warmup_steps`` defaults to ``K``): the variance frozen next is estimated from
+  them, and a sparsifier's gradients (zeros where nothing was sent) would leave it near zero
+  where an element was not sent.  A smaller ``compression_warmup_steps`` compresses the rest of
+  the warm-up (for dense codecs: signs, quantizers, casts).
+* **Freeze**, after the ``K``-th update: Adam's second moment ``exp_avg_sq`` stops changing
+  (an element that got no gradient in the warm-up takes its tensor's mean, or the mean of all);
+  each tensor gets a coefficient ``c`` (the RMS of the whole momentum over the RMS of its
+  own; 1 for a lossless compressor), so that one codec scale shared by a merged group does not
+  drown small tensors in large ones (1-bit LAMB's scaling); the error-feedback memories start
+  afresh.
+* **Momentum phase**: as tensor ``p``'s gradient ``g`` arrives (the backward hook) it is
+  overwritten by this rank's momentum, in the gradient's loss scale ``S`` (the ``grad_scaler``'s
+  scale, else 1)::
+
+      x = c * ((1 - beta1) * (±g + S * wd * p) + beta1 * S * m)     (wd * p: Adam's L2 decay only)
+
+  and ``x`` goes through the merged groups like any gradient: compressed by the chosen
+  compressor with its error feedback, overlapping the backward pass.  A tensor without a
+  gradient this step sends ``c * beta1 * S * m``.  After the exchange ``p.grad = S * m_avg``
+  (the coefficient divided out), which a ``GradScaler`` unscales and clipping may clip.
+* **Update** (``step()``), per parameter with Adam state, with the group's current lr, betas,
+  eps and weight decay: ``m = p.grad``; ``p *= 1 - lr * wd`` (AdamW); ``t += 1``;
+  ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t_freeze) + eps)``.  The
+  optimizer's step pre/post hooks run around it as around the class's own step.
+
+Beyond Adam's two buffers per parameter this keeps one float per tensor (the coefficients) and
+the compressor's error-feedback memory.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.compressors.base.memory import Memory
+
+__all__ = ["MomentumExchange"]
+
+OPTION = "exchange_momentum_after"
+#: Adam options the frozen-variance update does not implement, with the value it needs
+_UNSUPPORTED = {"amsgrad": False, "fused": (None, False), "capturable": False, "differentiable": False}
+
+
+def check_after(after: Any) -> int:
+    """``after``, the warm-up length, when valid; ValueError naming the option otherwise."""
+    if isinstance(after, bool) or not isinstance(after, int) or after < 1:
+        raise ValueError(f"{OPTION} must be an int >= 1 (the warm-up updates before the variance freezes), "
+                         f"got {after!r}")
+    return after
+
+
+class MomentumExchange:
+    """The momentum phase of one :class:`~frameworks.torch.optimizer.DistributedOptimizer`
+    (see the module docstring).
+
+    Args:
+        optimizer: the Adam or AdamW being wrapped (its ``param_groups`` and ``state`` are read
+            at each use: ``load_state_dict`` may replace them).
+        params: the exchanged parameters, by tensor index.
+        after: ``K``, the number of warm-up updates.
+        compressor, memory: the exchange's (a majority vote cannot carry an average momentum,
+            DGC's memory would apply momentum to it again).
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, or None.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], after: Any,
+                 compressor: Compressor, memory: Memory, grad_scaler: Any = None) -> None:
+        if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+            raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+        check_after(after)
+        if compressor.votes:
+            raise ValueError(f"{OPTION}: compressor {compressor.name!r} returns a majority vote, not the average "
+                             f"the momentum needs; use 'efsignsgd' or 'onebit' for signs")
+        if memory.name == "dgc":
+            raise ValueError(f"{OPTION}: memory 'dgc' applies momentum to what it is given, which is Adam's "
+                             f"momentum already; use memory='residual' or 'averaged'")
+        for g, group in enumerate(optimizer.param_groups):
+            for key, allowed in _UNSUPPORTED.items():
+                if group.get(key, False) not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+                    raise ValueError(f"{OPTION} does not support {type(optimizer).__name__}({key}="
+                                     f"{group[key]!r}) (parameter group {g})")
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        self.optimizer = optimizer
+        self.params = params
+        self.after = after
+        self.grad_scaler = grad_scaler
+        self.lossless = compressor.lossless
+        #: updates applied so far (warm-up and momentum phase; skipped steps not counted)
+        self.updates = 0
+        #: per tensor index, once frozen (None before): the momentum's scaling for the wire
+        self.coefficients: Optional[List[float]] = None
+        self._step: Optional[Dict[str, Any]] = None  # this step's settings, from its first gradient
+
+    @property
+    def active(self) -> bool:
+        """Whether the momentum, not the gradient, is exchanged (the variance is frozen)."""
+        return self.coefficients is not None
+
+    # -- backward: the gradient becomes this rank's momentum ---------------------------------
+    def _settings(self) -> Dict[str, Any]:
+        """This step's loss scale and each tensor's parameter group (read at its first gradient)."""
+        if self._step is None:
+            scaler = self.grad_scaler
+            group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+            self._step = {"scale": scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0,
+                          "groups": [group_of[id(p)] for p in self.params]}
+        return self._step
+
+    def local_momentum(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Tensor ``i``'s momentum on this rank, ``x`` (module docstring), written over ``grad``
+        (None: the tensor got no gradient this step; a new tensor).  None for a parameter without
+        Adam state (it got no gradient during the warm-up): it sends zeros and is not updated."""
+        p = self.params[i]
+        state = self.optimizer.state.get(p)
+        if not state:
+            return None
+        settings = self._settings()
+        group, scale = settings["groups"][i], settings["scale"]
+        beta1 = group["betas"][0]
+        c = self.coefficients[i]
+        momentum = state["exp_avg"]
+        if grad is None:
+            return momentum * (c * beta1 * scale)
+        grad.mul_(-c * (1 - beta1) if group["maximize"] else c * (1 - beta1))
+        if group["weight_decay"] and not group.get("decoupled_weight_decay", isinstance(self.optimizer,
+                                                                                         torch.optim.AdamW)):
+            grad.add_(p.detach(), alpha=c * (1 - beta1) * scale * group["weight_decay"])
+        return grad.add_(momentum, alpha=c * beta1 * scale)
+
+    def averaged(self, views: List[torch.Tensor]) -> None:
+        """The exchange's results, ``views[i] = c * S * m_avg``, become ``S * m_avg`` in place."""
+        self._step = None
+        if not self.lossless:
+            for view, c in zip(views, self.coefficients):
+                if c != 1.0:
+                    view.div_(c)
+
+    # -- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self) -> None:
+        """The frozen-variance Adam update from ``p.grad`` (the averaged momentum), for every
+        exchanged parameter with Adam state and a gradient."""
+        exchanged = {id(p) for p in self.params}
+        since = self.updates - self.after  # momentum-phase updates before this one
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+            decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if not state or p.grad is None or id(p) not in exchanged:
+                    continue
+                momentum = state["exp_avg"]
+                momentum.copy_(p.grad)
+                step = float(state["step"]) + 1
+                state["step"] += 1
+                if decay and decoupled:
+                    p.mul_(1 - lr * decay)
+                frozen_at = step - 1 - since
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** frozen_at)).add_(eps)
+                p.addcdiv_(momentum, denom, value=-lr / (1 - beta1 ** step))
+
+    def counted(self) -> bool:
+        """An update was applied (warm-up or momentum phase); True when it ended the warm-up,
+        which freezes the variance and fixes the coefficients (the caller clears the
+        error-feedback memories)."""
+        self.updates += 1
+        if self.updates != self.after:
+            return False
+        self._freeze()
+        return True
+
+    def _freeze(self) -> None:
+        """The variance of an element that got no gradient in the warm-up (e.g. the embedding of
+        a token not seen yet) becomes its tensor's mean (the mean over all tensors where its
+        tensor's is zero), so that a later gradient, or a codec's error (a sign codec cannot send
+        a zero), does not meet a denominator of ``eps``.  Each tensor's coefficient: the RMS of the whole momentum over
+        the RMS of its own (1 for a tensor without state or with a zero momentum, and for a
+        lossless compressor).  Every rank computes the same: Adam's state is the same on every
+        rank."""
+        variances = [state["exp_avg_sq"] for state in map(self.optimizer.state.get, self.params) if state]
+        overall = sum(v.double().sum() for v in variances) / max(1, sum(v.numel() for v in variances))
+        for variance in variances:  # an element without a gradient in the warm-up
+            mean = variance.mean()
+            variance.masked_fill_(variance == 0, torch.where(mean > 0, mean, overall.to(variance.dtype)))
+        if self.lossless:
+            self.coefficients = [1.0] * len(self.params)
+            return
+        squares, sizes = [], []
+        for p in self.params:
+            state = self.optimizer.state.get(p)
+            squares.append(state["exp_avg"].double().square().sum() if state else torch.zeros((), dtype=torch.float64,
+                                                                                                 device=p.device))
+            sizes.append(p.numel() if state else 0)
+        squares = torch.stack(squares).cpu()
+        sizes = torch.tensor(sizes, dtype=torch.float64)
+        overall = (squares.sum() / sizes.sum().clamp(min=1)).sqrt()
+        own = (squares / sizes.clamp(min=1)).sqrt()
+        self.coefficients = torch.where(own > 0, overall / own, torch.ones_like(own)).tolist()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The same on every rank: the warm-up length, updates so far, the coefficients."""
+        return {OPTION: self.after, "updates": self.updates, "coefficients": self.coefficients}
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict`; None (a checkpoint saved without the option): the updates
+        are Adam's step count, and a checkpoint past the warm-up freezes the variance now."""
+        self._step = None
+        if state is None:
+            steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+            self.updates, self.coefficients = int(max(steps, default=0)), None
+            if self.updates >= self.after:
+                self._freeze()
+            return
+        self.updates = int(state["updates"])
+        self.coefficients = None if state["coefficients"] is None else [float(c) for c in state["coefficients"]]

@@ -1,0 +1,287 @@
+"""DistributedOptimizer(..., exchange_momentum_after=K) on real gloo processes: the lossless run
+equals a one-process reference of the algorithm bit for bit, every averaging compressor keeps the
+ranks identical, resume continues exactly, a GradScaler's overflow skips the step everywhere,
+bad options raise."""
+import io
+import math
+
+import pytest
+import torch
+from distributed import WorkerError, run_workers
+from test_optimizer_dist import flat_params, make_data, make_model, shard
+
+import mergecomp
+
+AFTER = 4  # warm-up updates
+STEPS = 10
+LR = 1e-2
+
+
+def make_adam(model, kind="AdamW", **kwargs):
+    cls = getattr(torch.optim, kind)
+    return cls(model.parameters(), lr=LR, weight_decay=0.1, **kwargs)
+
+
+def make_schedule(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
+def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=()):
+    """``steps`` training steps; the gradient is Inf at the steps in ``poison``."""
+    for t in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if t in poison:
+            loss = loss * float("inf")
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if schedule:
+            schedule.step()
+
+
+def reference(world, steps, kind, after=AFTER):
+    """The algorithm on one process: each rank's gradient computed here; the averaged gradient
+    through torch's Adam for ``after`` updates, then each rank's momentum
+    ``(1 - b1) * (g + wd * p [Adam]) + b1 * m`` averaged, and Adam's update with the variance of
+    update ``after``."""
+    x, y = make_data()
+    model = make_model()
+    opt = make_adam(model, kind)
+    schedule = make_schedule(opt)
+    group = opt.param_groups[0]
+    beta1, beta2 = group["betas"]
+    for t in range(steps):
+        local = []
+        for rank in range(world):
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            local.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            if t < after:
+                for k, p in enumerate(model.parameters()):
+                    p.grad = sum(grads[k] for grads in local) / world
+                opt.step()
+            else:
+                lr, decay = group["lr"], group["weight_decay"]
+                for k, p in enumerate(model.parameters()):
+                    state = opt.state[p]
+                    sent = []
+                    for grads in local:
+                        g = grads[k].clone().mul_(1 - beta1)
+                        if kind == "Adam":
+                            g.add_(p, alpha=(1 - beta1) * decay)
+                        sent.append(g.add_(state["exp_avg"], alpha=beta1))
+                    state["exp_avg"].copy_(sum(sent) / world)
+                    state["step"] += 1
+                    if kind == "AdamW":
+                        p.mul_(1 - lr * decay)
+                    step = float(state["step"])
+                    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** after)).add_(group["eps"])
+                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+        schedule.step()
+    return flat_params(model)
+
+
+def _lossless_worker(rank, world, kind, groups):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(make_adam(model, kind), model.named_parameters(), groups=groups,
+                                  exchange_momentum_after=AFTER)
+    run(model, opt, shard(x, rank, world), shard(y, rank, world), STEPS, make_schedule(opt))
+    return flat_params(model), opt.momentum_exchange.active
+
+
+@pytest.mark.parametrize("world,kind,groups", [(2, "AdamW", 2), (2, "Adam", "layerwise"), (3, "AdamW", 1)])
+def test_lossless_equals_the_one_process_reference(world, kind, groups):
+    expected = reference(world, STEPS, kind)
+    without_freeze = reference(world, STEPS, kind, after=STEPS)  # Adam throughout: the test can fail
+    assert not torch.equal(expected, without_freeze)
+    for params, active in run_workers(_lossless_worker, world, world, kind, groups):
+        assert active
+        if world == 2:
+            assert torch.equal(params, expected)
+        else:  # three ranks' sum: the collective's order of additions
+            torch.testing.assert_close(params, expected, rtol=0, atol=1e-6)
+
+
+def _compressor_worker(rank, names, scheme):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    out = {}
+    for name in names:
+        model = make_model()
+        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=name, groups=2,
+                                      exchange_momentum_after=AFTER, scheme=scheme, compression_warmup_steps=2)
+        xs, ys = shard(x, rank), shard(y, rank)
+        before = torch.nn.functional.cross_entropy(model(x), y).item()
+        run(model, opt, xs, ys, 20)
+        after = torch.nn.functional.cross_entropy(model(x), y).item()
+        params = flat_params(model)
+        gathered = mc.allgather(params.unsqueeze(0))
+        out[name] = (torch.equal(gathered[0], gathered[1]), before, after,
+                     sorted(opt.memory.state) if opt.memory.feeds_back else None)
+    return out
+
+
+AVERAGING = [n for n in mergecomp.compressor_names() if not mergecomp.get_compressor(n).votes and n != "dgc"]
+
+
+@pytest.mark.parametrize("scheme", [None, "two-phase"])
+def test_every_averaging_compressor_keeps_ranks_identical_and_learns(scheme):
+    names = [n for n in AVERAGING if scheme is None or mergecomp.get_compressor(n).rounds == 1]
+    for result in run_workers(_compressor_worker, 2, names, scheme, timeout=300):
+        for name, (identical, before, after, _) in result.items():
+            assert identical, name
+            assert math.isfinite(after) and after < before, (name, before, after)
+
+
+def _resume_worker(rank, compression, who_loads, save_at):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    xs, ys = shard(x, rank), shard(y, rank)
+
+    def fresh():
+        model = make_model()
+        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=compression,
+                                      groups=2, exchange_momentum_after=AFTER)
+        return model, opt
+
+    model, opt = fresh()
+    run(model, opt, xs, ys, save_at)
+    buffer = io.BytesIO()
+    torch.save((model.state_dict(), opt.state_dict()), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    run(model, opt, xs, ys, 4)
+    uninterrupted = flat_params(model)
+
+    model, opt = fresh()
+    if who_loads == "every rank" or rank == 0:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+    mc.broadcast_parameters(model.state_dict(), root_rank=0)
+    mc.broadcast_optimizer_state(opt, root_rank=0)
+    run(model, opt, xs, ys, 4)
+    return flat_params(model), uninterrupted, opt.momentum_exchange.active
+
+
+@pytest.mark.parametrize("compression,who_loads,save_at", [
+    ("topk", "every rank", AFTER + 2),   # momentum phase: the residuals of the momentum, per rank
+    ("onebit", "every rank", AFTER - 1),  # saved in the warm-up: the freeze happens after resuming
+    ("none", "rank 0", AFTER + 2),        # rank 0's checkpoint, broadcast: phase and coefficients
+])
+def test_resume_continues_exactly(compression, who_loads, save_at):
+    for resumed, uninterrupted, active in run_workers(_resume_worker, 2, compression, who_loads, save_at):
+        assert active
+        assert torch.equal(resumed, uninterrupted)
+
+
+def _scaler_worker(rank, poison_rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    xs, ys = shard(x, rank), shard(y, rank)
+    results = []
+    for use_scaler in (False, True):
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000) if use_scaler else None
+        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="none", groups=2,
+                                      exchange_momentum_after=AFTER, grad_scaler=scaler)
+        poison = (AFTER + 2,) if use_scaler and rank == poison_rank else ()
+        run(model, opt, xs, ys, STEPS + (1 if use_scaler else 0), scaler=scaler, poison=poison)
+        results.append((flat_params(model), opt.momentum_exchange.updates, scaler.get_scale() if scaler else None))
+    return results
+
+
+def test_grad_scaler_skips_an_overflow_everywhere_and_otherwise_changes_nothing():
+    for (plain, plain_updates, _), (scaled, scaled_updates, scale) in run_workers(_scaler_worker, 2, 1):
+        assert scaled_updates == plain_updates == STEPS  # one step more, one skipped
+        assert scale == 2.0 ** 9  # the overflow halved it on this rank too
+        assert torch.equal(scaled, plain)  # powers of two: the loss scale cancels exactly
+
+
+def _unused_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    spare = torch.nn.Parameter(torch.ones(3))  # in the optimizer, never in the loss
+    frozen_late = model[4].bias  # gets no gradient after the warm-up
+    adam = torch.optim.AdamW([*model.parameters(), spare], lr=LR, weight_decay=0)
+    opt = mc.DistributedOptimizer(adam, [*model.named_parameters(), ("spare", spare)], compression="efsignsgd",
+                                  exchange_momentum_after=AFTER)
+    run(model, opt, shard(x, rank), shard(y, rank), AFTER)
+    moved = frozen_late.detach().clone()
+    frozen_late.requires_grad_(False)
+    run(model, opt, shard(x, rank), shard(y, rank), 3)
+    gathered = mc.allgather(flat_params(model).unsqueeze(0))
+    return (torch.equal(gathered[0], gathered[1]), (spare.detach() - 1).abs().max().item(),
+            torch.equal(frozen_late.detach(), moved), bool(torch.isfinite(gathered).all()))
+
+
+def test_parameters_without_gradients():
+    for identical, spare_moved, late_unchanged, finite in run_workers(_unused_worker, 2):
+        assert identical and finite
+        # zero gradients, zero variance: the sign codec's error (it cannot send a zero) meets the
+        # mean variance, not a denominator of eps (which moves it by about 1e6)
+        assert spare_moved < 3 * 5 * LR
+        assert not late_unchanged  # its momentum still moves it, as under 1-bit Adam
+
+
+def _bad_options_worker(rank):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    errors = []
+    cases = [
+        (lambda: torch.optim.SGD(model.parameters(), lr=0.1), {}),
+        (lambda: make_adam(model), {"compression": "signsgd"}),
+        (lambda: make_adam(model, amsgrad=True), {}),
+        (lambda: make_adam(model), {"exchange_momentum_after": 0}),
+        (lambda: make_adam(model), {"op": mc.Sum}),
+        (lambda: make_adam(model), {"exchange_momentum_after": None, "grad_scaler": torch.amp.GradScaler("cpu")}),
+        (lambda: make_adam(model), {"grad_scaler": object()}),
+        (lambda: make_adam(model), {"compression": "dgc"}),
+    ]
+    for make, kwargs in cases:
+        kwargs = {"exchange_momentum_after": AFTER, **kwargs}
+        try:
+            mc.DistributedOptimizer(make(), model.named_parameters(), **kwargs)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+        else:
+            errors.append(None)
+    return errors
+
+
+def test_bad_options_raise_naming_the_option():
+    for errors in run_workers(_bad_options_worker, 2):
+        sgd, vote, amsgrad, zero, op_sum, scaler_alone, not_scaler, dgc = errors
+        assert "exchange_momentum_after" in sgd and "SGD" in sgd
+        assert "signsgd" in vote and "majority vote" in vote
+        assert "amsgrad" in amsgrad
+        assert "exchange_momentum_after" in zero and "0" in zero
+        assert "op=" in op_sum
+        assert "grad_scaler" in scaler_alone
+        assert "GradScaler" in not_scaler
+        assert "'dgc'" in dgc and "residual" in dgc
+
+
+def _disagree_worker(rank):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    mc.DistributedOptimizer(make_adam(model), model.named_parameters(), exchange_momentum_after=AFTER + rank)
+
+
+def test_ranks_must_agree_on_the_warm_up():
+    with pytest.raises(WorkerError, match="exchange_momentum_after"):
+        run_workers(_disagree_worker, 2)
