@@ -43,17 +43,19 @@ def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=()):
             schedule.step()
 
 
-def reference(world, steps, kind, after=AFTER):
+def reference(world, steps, kind, after=AFTER, refresh=None):
     """The algorithm on one process: each rank's gradient computed here; the averaged gradient
     through torch's Adam for ``after`` updates, then each rank's momentum
     ``(1 - b1) * (g + wd * p [Adam]) + b1 * m`` averaged, and Adam's update with the variance of
-    update ``after``."""
+    update ``after``; every ``refresh``-th update after that, the averaged gradient refreshes
+    the variance with the weight of ``refresh`` steps."""
     x, y = make_data()
     model = make_model()
     opt = make_adam(model, kind)
     schedule = make_schedule(opt)
     group = opt.param_groups[0]
     beta1, beta2 = group["betas"]
+    written = after  # the update that last wrote the variance
     for t in range(steps):
         local = []
         for rank in range(world):
@@ -67,42 +69,56 @@ def reference(world, steps, kind, after=AFTER):
                 opt.step()
             else:
                 lr, decay = group["lr"], group["weight_decay"]
+                refreshing = refresh and (t - after + 1) % refresh == 0
+                if refreshing:
+                    written = t + 1
                 for k, p in enumerate(model.parameters()):
                     state = opt.state[p]
                     sent = []
                     for grads in local:
-                        g = grads[k].clone().mul_(1 - beta1)
+                        g = grads[k].clone()
+                        if not refreshing:
+                            g.mul_(1 - beta1)
                         if kind == "Adam":
-                            g.add_(p, alpha=(1 - beta1) * decay)
-                        sent.append(g.add_(state["exp_avg"], alpha=beta1))
-                    state["exp_avg"].copy_(sum(sent) / world)
+                            g.add_(p, alpha=(1 if refreshing else 1 - beta1) * decay)
+                        sent.append(g if refreshing else g.add_(state["exp_avg"], alpha=beta1))
+                    average = sum(sent) / world
+                    if refreshing:
+                        state["exp_avg"].lerp_(average, 1 - beta1)
+                        state["exp_avg_sq"].mul_(beta2 ** refresh).addcmul_(average, average,
+                                                                            value=1 - beta2 ** refresh)
+                    else:
+                        state["exp_avg"].copy_(average)
                     state["step"] += 1
                     if kind == "AdamW":
                         p.mul_(1 - lr * decay)
                     step = float(state["step"])
-                    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** after)).add_(group["eps"])
+                    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** written)).add_(group["eps"])
                     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
         schedule.step()
     return flat_params(model)
 
 
-def _lossless_worker(rank, world, kind, groups):
+def _lossless_worker(rank, world, kind, groups, refresh):
     import mergecomp.torch as mc
 
     x, y = make_data()
     model = make_model()
     opt = mc.DistributedOptimizer(make_adam(model, kind), model.named_parameters(), groups=groups,
-                                  exchange_momentum_after=AFTER)
+                                  exchange_momentum_after=AFTER, variance_refresh_every=refresh)
     run(model, opt, shard(x, rank, world), shard(y, rank, world), STEPS, make_schedule(opt))
     return flat_params(model), opt.momentum_exchange.active
 
 
-@pytest.mark.parametrize("world,kind,groups", [(2, "AdamW", 2), (2, "Adam", "layerwise"), (3, "AdamW", 1)])
-def test_lossless_equals_the_one_process_reference(world, kind, groups):
-    expected = reference(world, STEPS, kind)
+@pytest.mark.parametrize("world,kind,groups,refresh", [(2, "AdamW", 2, None), (2, "Adam", "layerwise", None),
+                                                       (3, "AdamW", 1, None), (2, "AdamW", 2, 2), (2, "Adam", 1, 3)])
+def test_lossless_equals_the_one_process_reference(world, kind, groups, refresh):
+    expected = reference(world, STEPS, kind, refresh=refresh)
     without_freeze = reference(world, STEPS, kind, after=STEPS)  # Adam throughout: the test can fail
     assert not torch.equal(expected, without_freeze)
-    for params, active in run_workers(_lossless_worker, world, world, kind, groups):
+    if refresh:
+        assert not torch.equal(expected, reference(world, STEPS, kind))
+    for params, active in run_workers(_lossless_worker, world, world, kind, groups, refresh):
         assert active
         if world == 2:
             assert torch.equal(params, expected)
@@ -110,7 +126,7 @@ def test_lossless_equals_the_one_process_reference(world, kind, groups):
             torch.testing.assert_close(params, expected, rtol=0, atol=1e-6)
 
 
-def _compressor_worker(rank, names, scheme):
+def _compressor_worker(rank, names, scheme, refresh):
     import mergecomp.torch as mc
 
     x, y = make_data()
@@ -118,7 +134,8 @@ def _compressor_worker(rank, names, scheme):
     for name in names:
         model = make_model()
         opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=name, groups=2,
-                                      exchange_momentum_after=AFTER, scheme=scheme, compression_warmup_steps=2)
+                                      exchange_momentum_after=AFTER, scheme=scheme, compression_warmup_steps=2,
+                                      variance_refresh_every=refresh)
         xs, ys = shard(x, rank), shard(y, rank)
         before = torch.nn.functional.cross_entropy(model(x), y).item()
         run(model, opt, xs, ys, 20)
@@ -133,16 +150,34 @@ def _compressor_worker(rank, names, scheme):
 AVERAGING = [n for n in mergecomp.compressor_names() if not mergecomp.get_compressor(n).votes and n != "dgc"]
 
 
-@pytest.mark.parametrize("scheme", [None, "two-phase"])
-def test_every_averaging_compressor_keeps_ranks_identical_and_learns(scheme):
+@pytest.mark.parametrize("scheme,refresh", [(None, None), ("two-phase", 3)])
+def test_every_averaging_compressor_keeps_ranks_identical_and_learns(scheme, refresh):
     names = [n for n in AVERAGING if scheme is None or mergecomp.get_compressor(n).rounds == 1]
-    for result in run_workers(_compressor_worker, 2, names, scheme, timeout=300):
+    for result in run_workers(_compressor_worker, 2, names, scheme, refresh, timeout=300):
         for name, (identical, before, after, _) in result.items():
             assert identical, name
             assert math.isfinite(after) and after < before, (name, before, after)
 
 
-def _resume_worker(rank, compression, who_loads, save_at):
+def _auto_worker(rank, world):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="onebit",
+                                  exchange_momentum_after=AFTER)  # groups="auto": the scheduler searches
+    run(model, opt, shard(x, rank, world), shard(y, rank, world), 30)
+    gathered = mc.allgather(flat_params(model).unsqueeze(0))
+    return bool((gathered == gathered[0]).all()), opt.schedule_report()["phase"]
+
+
+def test_the_scheduler_searches_the_momentum_phase_on_three_ranks():
+    for identical, phase in run_workers(_auto_worker, 3, 3):
+        assert identical
+        assert phase != "fixed"
+
+
+def _resume_worker(rank, compression, who_loads, save_at, refresh):
     import mergecomp.torch as mc
 
     x, y = make_data()
@@ -151,7 +186,7 @@ def _resume_worker(rank, compression, who_loads, save_at):
     def fresh():
         model = make_model()
         opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=compression,
-                                      groups=2, exchange_momentum_after=AFTER)
+                                      groups=2, exchange_momentum_after=AFTER, variance_refresh_every=refresh)
         return model, opt
 
     model, opt = fresh()
@@ -173,13 +208,14 @@ def _resume_worker(rank, compression, who_loads, save_at):
     return flat_params(model), uninterrupted, opt.momentum_exchange.active
 
 
-@pytest.mark.parametrize("compression,who_loads,save_at", [
-    ("topk", "every rank", AFTER + 2),   # momentum phase: the residuals of the momentum, per rank
-    ("onebit", "every rank", AFTER - 1),  # saved in the warm-up: the freeze happens after resuming
-    ("none", "rank 0", AFTER + 2),        # rank 0's checkpoint, broadcast: phase and coefficients
+@pytest.mark.parametrize("compression,who_loads,save_at,refresh", [
+    ("topk", "every rank", AFTER + 2, None),  # momentum phase: the residuals of the momentum, per rank
+    ("onebit", "every rank", AFTER - 1, 2),   # saved in the warm-up: the freeze happens after resuming
+    ("none", "rank 0", AFTER + 2, None),      # rank 0's checkpoint, broadcast: phase and coefficients
+    ("efsignsgd", "every rank", AFTER + 1, 3),  # refreshes on both sides of the checkpoint
 ])
-def test_resume_continues_exactly(compression, who_loads, save_at):
-    for resumed, uninterrupted, active in run_workers(_resume_worker, 2, compression, who_loads, save_at):
+def test_resume_continues_exactly(compression, who_loads, save_at, refresh):
+    for resumed, uninterrupted, active in run_workers(_resume_worker, 2, compression, who_loads, save_at, refresh):
         assert active
         assert torch.equal(resumed, uninterrupted)
 
@@ -250,6 +286,8 @@ def _bad_options_worker(rank):
         (lambda: make_adam(model), {"exchange_momentum_after": None, "grad_scaler": torch.amp.GradScaler("cpu")}),
         (lambda: make_adam(model), {"grad_scaler": object()}),
         (lambda: make_adam(model), {"compression": "dgc"}),
+        (lambda: make_adam(model), {"variance_refresh_every": 0}),
+        (lambda: make_adam(model), {"exchange_momentum_after": None, "variance_refresh_every": 5}),
     ]
     for make, kwargs in cases:
         kwargs = {"exchange_momentum_after": AFTER, **kwargs}
@@ -264,7 +302,7 @@ def _bad_options_worker(rank):
 
 def test_bad_options_raise_naming_the_option():
     for errors in run_workers(_bad_options_worker, 2):
-        sgd, vote, amsgrad, zero, op_sum, scaler_alone, not_scaler, dgc = errors
+        sgd, vote, amsgrad, zero, op_sum, scaler_alone, not_scaler, dgc, refresh_zero, refresh_alone = errors
         assert "exchange_momentum_after" in sgd and "SGD" in sgd
         assert "signsgd" in vote and "majority vote" in vote
         assert "amsgrad" in amsgrad
@@ -273,6 +311,8 @@ def test_bad_options_raise_naming_the_option():
         assert "grad_scaler" in scaler_alone
         assert "GradScaler" in not_scaler
         assert "'dgc'" in dgc and "residual" in dgc
+        assert "variance_refresh_every" in refresh_zero and "0" in refresh_zero
+        assert "variance_refresh_every" in refresh_alone and "exchange_momentum_after" in refresh_alone
 
 
 def _disagree_worker(rank):

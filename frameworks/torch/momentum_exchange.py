@@ -26,8 +26,14 @@
   (the coefficient divided out), which a ``GradScaler`` unscales and clipping may clip.
 * **Update** (``step()``), per parameter with Adam state, with the group's current lr, betas,
   eps and weight decay: ``m = p.grad``; ``p *= 1 - lr * wd`` (AdamW); ``t += 1``;
-  ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t_freeze) + eps)``.  The
-  optimizer's step pre/post hooks run around it as around the class's own step.
+  ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t_v) + eps)``, ``t_v`` the update
+  that last wrote ``v``.  The optimizer's step pre/post hooks run around it as around the
+  class's own step.
+* **Refresh** (``variance_refresh_every=R``): every ``R``-th update of the momentum phase sends
+  the plain gradient exactly (the codec ``"exempt"``: no coefficient, no error feedback) and
+  updates ``m = beta1 m + (1 - beta1) g`` and ``v = beta2**R v + (1 - beta2**R) g**2``, the one
+  sample standing for the ``R`` steps since the last write, so that ``v`` keeps the weights
+  Adam's would have (``1 - beta2**t`` in all).  It costs 32 / R bits per element.
 
 Beyond Adam's two buffers per parameter this keeps one float per tensor (the coefficients) and
 the compressor's error-feedback memory.
@@ -45,15 +51,15 @@ from mergecomp.compressors.base.memory import Memory
 __all__ = ["MomentumExchange"]
 
 OPTION = "exchange_momentum_after"
+REFRESH_OPTION = "variance_refresh_every"
 #: Adam options the frozen-variance update does not implement, with the value it needs
 _UNSUPPORTED = {"amsgrad": False, "fused": (None, False), "capturable": False, "differentiable": False}
 
 
-def check_after(after: Any) -> int:
-    """``after``, the warm-up length, when valid; ValueError naming the option otherwise."""
+def check_after(after: Any, option: str = OPTION) -> int:
+    """``after``, a number of updates, when an int >= 1; ValueError naming ``option`` otherwise."""
     if isinstance(after, bool) or not isinstance(after, int) or after < 1:
-        raise ValueError(f"{OPTION} must be an int >= 1 (the warm-up updates before the variance freezes), "
-                         f"got {after!r}")
+        raise ValueError(f"{option} must be an int >= 1, got {after!r}")
     return after
 
 
@@ -72,10 +78,13 @@ class MomentumExchange:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], after: Any,
-                 compressor: Compressor, memory: Memory, grad_scaler: Any = None) -> None:
+                 compressor: Compressor, memory: Memory, grad_scaler: Any = None,
+                 refresh_every: Optional[int] = None) -> None:
         if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
             raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
         check_after(after)
+        if refresh_every is not None:
+            check_after(refresh_every, REFRESH_OPTION)
         if compressor.votes:
             raise ValueError(f"{OPTION}: compressor {compressor.name!r} returns a majority vote, not the average "
                              f"the momentum needs; use 'efsignsgd' or 'onebit' for signs")
@@ -92,6 +101,7 @@ class MomentumExchange:
         self.optimizer = optimizer
         self.params = params
         self.after = after
+        self.refresh_every = refresh_every
         self.grad_scaler = grad_scaler
         self.lossless = compressor.lossless
         #: updates applied so far (warm-up and momentum phase; skipped steps not counted)
@@ -102,8 +112,15 @@ class MomentumExchange:
 
     @property
     def active(self) -> bool:
-        """Whether the momentum, not the gradient, is exchanged (the variance is frozen)."""
+        """Whether the momentum phase is on (the variance frozen, or refreshed now and then)."""
         return self.coefficients is not None
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether this step refreshes the variance: the momentum phase's every
+        ``refresh_every``-th update, whose gradients travel exactly."""
+        return (self.active and self.refresh_every is not None
+                and (self.updates - self.after + 1) % self.refresh_every == 0)
 
     # -- backward: the gradient becomes this rank's momentum ---------------------------------
     def _settings(self) -> Dict[str, Any]:
@@ -126,20 +143,24 @@ class MomentumExchange:
         settings = self._settings()
         group, scale = settings["groups"][i], settings["scale"]
         beta1 = group["betas"][0]
-        c = self.coefficients[i]
         momentum = state["exp_avg"]
+        refreshing = self.refreshing  # the plain gradient: c, beta1 and m left out
+        c, mix = (1.0, 1.0) if refreshing else (self.coefficients[i], 1 - beta1)
         if grad is None:
-            return momentum * (c * beta1 * scale)
-        grad.mul_(-c * (1 - beta1) if group["maximize"] else c * (1 - beta1))
-        if group["weight_decay"] and not group.get("decoupled_weight_decay", isinstance(self.optimizer,
-                                                                                         torch.optim.AdamW)):
-            grad.add_(p.detach(), alpha=c * (1 - beta1) * scale * group["weight_decay"])
-        return grad.add_(momentum, alpha=c * beta1 * scale)
+            return None if refreshing else momentum * (c * beta1 * scale)
+        grad.mul_(-c * mix if group["maximize"] else c * mix)
+        if group["weight_decay"] and not self._decoupled(group):
+            grad.add_(p.detach(), alpha=c * mix * scale * group["weight_decay"])
+        return grad if refreshing else grad.add_(momentum, alpha=c * beta1 * scale)
+
+    def _decoupled(self, group: Dict[str, Any]) -> bool:
+        """Whether ``group``'s weight decay is AdamW's (decoupled), not Adam's L2 term."""
+        return group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
 
     def averaged(self, views: List[torch.Tensor]) -> None:
         """The exchange's results, ``views[i] = c * S * m_avg``, become ``S * m_avg`` in place."""
         self._step = None
-        if not self.lossless:
+        if not self.lossless and not self.refreshing:
             for view, c in zip(views, self.coefficients):
                 if c != 1.0:
                     view.div_(c)
@@ -151,22 +172,27 @@ class MomentumExchange:
         exchanged parameter with Adam state and a gradient."""
         exchanged = {id(p) for p in self.params}
         since = self.updates - self.after  # momentum-phase updates before this one
+        refreshing, every = self.refreshing, self.refresh_every
+        # steps since the variance was last written (frozen, or refreshed): 0 on a refresh
+        stale = since + 1 - (every * ((since + 1) // every) if every else 0)
         for group in self.optimizer.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-            decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
             for p in group["params"]:
                 state = self.optimizer.state.get(p)
                 if not state or p.grad is None or id(p) not in exchanged:
                     continue
-                momentum = state["exp_avg"]
-                momentum.copy_(p.grad)
+                momentum, variance = state["exp_avg"], state["exp_avg_sq"]
+                if refreshing:  # p.grad: the averaged gradient, standing for the last `every` steps
+                    momentum.lerp_(p.grad, 1 - beta1)
+                    variance.mul_(beta2 ** every).addcmul_(p.grad, p.grad, value=1 - beta2 ** every)
+                else:
+                    momentum.copy_(p.grad)
                 step = float(state["step"]) + 1
                 state["step"] += 1
-                if decay and decoupled:
+                if decay and self._decoupled(group):
                     p.mul_(1 - lr * decay)
-                frozen_at = step - 1 - since
-                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** frozen_at)).add_(eps)
+                denom = (variance.sqrt() / math.sqrt(1 - beta2 ** (step - stale))).add_(eps)
                 p.addcdiv_(momentum, denom, value=-lr / (1 - beta1 ** step))
 
     def counted(self) -> bool:
@@ -210,7 +236,8 @@ class MomentumExchange:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The same on every rank: the warm-up length, updates so far, the coefficients."""
-        return {OPTION: self.after, "updates": self.updates, "coefficients": self.coefficients}
+        return {OPTION: self.after, REFRESH_OPTION: self.refresh_every, "updates": self.updates,
+                "coefficients": self.coefficients}
 
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
         """Restore :meth:`state_dict`; None (a checkpoint saved without the option): the updates

@@ -103,6 +103,9 @@ class DistributedOptimizer(HoldsMergedStep):
             and compressor; ``p.grad`` then holds the averaged momentum, and the update is
             Adam's with the frozen variance (:mod:`frameworks.torch.momentum_exchange`; for
             compressed exchange with Adam, see docs/compressors.md).
+        variance_refresh_every: with ``exchange_momentum_after``: every this many updates of the
+            momentum phase, the gradients travel exactly and refresh the variance (as the last
+            that many steps of Adam would have moved it); None: frozen for good.
         grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
             the loss (the momentum is sent in the gradient's loss scale).
         options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`):
@@ -142,6 +145,7 @@ class DistributedOptimizer(HoldsMergedStep):
         *,
         memory: Union[str, Memory, None] = None,
         exchange_momentum_after: Optional[int] = None,
+        variance_refresh_every: Optional[int] = None,
         grad_scaler: Any = None,
         **options,
     ) -> None:
@@ -151,6 +155,8 @@ class DistributedOptimizer(HoldsMergedStep):
         if grad_scaler is not None and exchange_momentum_after is None:
             raise ValueError(f"grad_scaler is only used with {MOMENTUM_OPTION} (a GradScaler works without it "
                              f"when gradients are exchanged)")
+        if variance_refresh_every is not None and exchange_momentum_after is None:
+            raise ValueError(f"variance_refresh_every is only used with {MOMENTUM_OPTION}")
         self._check_passes(backward_passes_per_step)
         # The optimizer as torch built it (param_groups, state, defaults, hook registries), shared.
         self.__dict__.update(vars(optimizer))
@@ -168,7 +174,8 @@ class DistributedOptimizer(HoldsMergedStep):
             [p.dtype for p in self._exchanged], self._exchanged[0].device, step_options,
             FrontEnd("DistributedOptimizer", "parameters",
                      agree=(("backward_passes_per_step", backward_passes_per_step),
-                            (MOMENTUM_OPTION, exchange_momentum_after))))
+                            (MOMENTUM_OPTION, exchange_momentum_after),
+                            ("variance_refresh_every", variance_refresh_every))))
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
@@ -179,7 +186,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self._should_synchronize = True
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if exchange_momentum_after is None else MomentumExchange(
-            self, self._exchanged, exchange_momentum_after, self.compressor, self.memory, grad_scaler)
+            self, self._exchanged, exchange_momentum_after, self.compressor, self.memory, grad_scaler,
+            variance_refresh_every)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod
@@ -220,6 +228,8 @@ class DistributedOptimizer(HoldsMergedStep):
                 f"synchronize()) after every {self.backward_passes_per_step} backward pass(es)")
         if self._passes[i] == self.backward_passes_per_step:
             momentum = self._momentum_phase
+            if momentum:
+                self.merged.exact = momentum.refreshing
             self.merged.add(i, momentum.local_momentum(i, p.grad) if momentum else p.grad)
             self._final += 1
             if self._final == len(self._exchanged):  # the step's last gradient: backward is over
@@ -261,6 +271,7 @@ class DistributedOptimizer(HoldsMergedStep):
             return
         momentum = self._momentum_phase
         if momentum:  # a tensor without a gradient this step still sends its decayed momentum
+            self.merged.exact = momentum.refreshing
             with torch.no_grad():
                 for i, passes in enumerate(self._passes):
                     if passes < self.backward_passes_per_step:

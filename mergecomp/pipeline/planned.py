@@ -268,7 +268,7 @@ class PlannedStep(MergedStep):
 
     def _end_step(self, bad: bool) -> None:
         self._arrivals = (self._ready_at if self._timed_step else None), self._order_seen
-        if bad and self.search is not None:
+        if (bad or self.exact) and self.search is not None:  # an exact step times no codec
             self.search.skip_sample()
         super()._end_step(bad)
 

@@ -138,6 +138,10 @@ class MergedStep:
             **options.described(), **({"groups": self.groups_agreed} if self.groups_agreed else {}),
             **dict(front_end.agree)}, front_end.who)
         self._plan, self._groups = GroupPlan(()), []
+        #: set by a front end before a step's first tensor: this step sends every group with
+        #: the codec ``"exempt"`` (the plain average, outside error feedback), as in the
+        #: compression warm-up; cleared when the step ends
+        self.exact = False
         self._reset()
 
     # -- what it holds ---------------------------------------------------------------------
@@ -175,8 +179,9 @@ class MergedStep:
 
     @property
     def compressing(self) -> bool:
-        """Whether the compression warm-up is over (from this step on, groups are compressed)."""
-        return self.step >= self.warmup_steps
+        """Whether this step's groups are compressed: the compression warm-up is over and the
+        step is not :attr:`exact`."""
+        return self.step >= self.warmup_steps and not self.exact
 
     def tensor_names(self, group: Group) -> List[str]:
         return [self.names[i] for i in group.indices]
@@ -270,6 +275,7 @@ class MergedStep:
             logger.info("%s: compression warm-up over after %d steps; %r compresses from now on",
                         self.front_end.who, self.step, self.exchange.compressor)
         self._end_step(bool(bad))
+        self.exact = False
         if bad:
             return self._nonfinite(bad, Reduced(groups, flats), step)
         self.exchange.commit()

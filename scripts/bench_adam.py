@@ -1,0 +1,198 @@
+"""Compression with AdamW on a transformer: gradients exchanged (today's mode) against Adam's
+momentum exchanged with the variance frozen (``exchange_momentum_after``), paired by seed with
+uncompressed AdamW; validation loss and the bits each element costs over the whole run.
+
+Model: ``transformers.GPT2LMHeadModel`` from a ``GPT2Config`` (4 layers, 256 wide, 4 heads,
+64-byte context, 256-symbol vocabulary: 3.2 M parameters, no download), byte-level, on CPython's
+standard-library sources (``bench_convergence.load_stdlib_bytes``: 90 % train, 10 % held out;
+the loss reported is the mean of the last four evaluations).  AdamW (lr 1e-3, betas 0.9/0.999,
+weight decay 0.1), a linear LR warm-up over the first 5 % of the steps then a cosine decay to
+10 %; 2 workers (gloo over loopback) x batch 8, ``groups=1``.
+
+A configuration is ``COMPRESSOR[:key=value;...]@MODE``, MODE ``grad`` (gradients exchanged,
+the compressor's default memory; ``grad+averaged`` with ``memory="averaged"``) or ``momentum``
+(``exchange_momentum_after=--after``, lossless warm-up; ``momentum/R``: with
+``variance_refresh_every=R``).  ``none@grad`` is the baseline and runs unless
+``--no-baseline``.  Bits per element count the lossless warm-up and refreshes at 32.
+
+    python scripts/bench_adam.py --json docs/img/data/adam_gpt2_4x256_stdlib_bytes_2workers.jsonl
+    python scripts/bench_adam.py --configs onebit@momentum,topk@momentum --steps 500 --seeds 0
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_convergence import free_port, load_stdlib_bytes, parse_spec  # noqa: E402
+
+CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsignsgd@momentum,topk@momentum,"
+           "powersgd@momentum,qsgd@momentum")
+CONTEXT, BATCH, LR, DECAY, EVAL_EVERY = 64, 8, 1e-3, 0.1, 50
+TARGET = 0.01  # within 1 % of uncompressed AdamW's validation loss
+BASELINE = "none@grad"
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--configs", default=CONFIGS, help="comma list of COMPRESSOR[:args]@MODE")
+parser.add_argument("--steps", type=int, default=2000)
+parser.add_argument("--after", type=int, default=60, help="exchange_momentum_after (warm-up updates)")
+parser.add_argument("--seeds", default="0,1,2")
+parser.add_argument("--json", default=None, help="append one JSON record (with its curve) per run")
+parser.add_argument("--no-baseline", action="store_true", help=f"do not run {BASELINE} (its records are in --json)")
+parser.add_argument("--report", default=None, help="print the table from the records of earlier --json runs")
+
+
+def make_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def schedule(steps):
+    """Linear warm-up over 5 % of the steps, then cosine decay to 10 % of the peak."""
+    warm = max(1, steps // 20)
+    return lambda t: (t + 1) / warm if t < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (t - warm) / (steps - warm)))
+
+
+def run_one(rank, world, config, seed, args, data):
+    import mergecomp
+    import mergecomp.torch as mc
+
+    train, held_out = data
+    spec, _, mode = config.partition("@")
+    name, options = parse_spec(spec)
+    torch.manual_seed(seed)
+    model = make_model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    kwargs = {"memory": "averaged"} if mode == "grad+averaged" else {}
+    mode, _, refresh = mode.partition("/")
+    refresh = int(refresh) if refresh else None
+    if mode == "momentum":
+        kwargs.update(exchange_momentum_after=args.after, variance_refresh_every=refresh)
+    compressor = mergecomp.get_compressor(name, **options)
+    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor, groups=1, **kwargs)
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args.steps))
+    mc.broadcast_parameters(model.state_dict(), root_rank=0)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    numel = sum(p.numel() for p in model.parameters())
+    bits = mergecomp.bits_per_element(opt.compressor, numel)
+    exact = opt.merged.warmup_steps  # steps sent at 32 bits: the warm-up, and the refreshes
+    exact += (args.steps - exact) // refresh if refresh else 0
+    curve, began = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        starts = torch.randint(len(train) - CONTEXT, (BATCH,), generator=gen)
+        windows = torch.stack([train[s:s + CONTEXT] for s in starts.tolist()])
+        opt.zero_grad()
+        model(input_ids=windows, labels=windows).loss.backward()
+        opt.step()
+        lr_schedule.step()
+        if step % EVAL_EVERY == 0 or step == args.steps:
+            with torch.no_grad():
+                loss = model(input_ids=held_out, labels=held_out).loss.item()
+            curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
+    opt.remove_hooks()
+    held = lambda holder: sum(t.nbytes for fields in holder.state.values() for t in fields.values())  # noqa: E731
+    state_mb = {"adam": sum(t.nbytes for st in opt.state.values() for t in st.values() if torch.is_tensor(t)) / 1e6,
+                "error_feedback": sum(held(h) for k, h in opt.exchange.holders().items() if k != "compressor") / 1e6,
+                "compressor": held(opt.compressor) / 1e6,
+                "group_buffers": sum(b.nbytes for b in opt.merged.buffers) / 1e6}
+    return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode == "momentum" else None,
+            "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
+            "refresh": refresh, "bits_per_element": (exact * 32 + (args.steps - exact) * bits) / args.steps,
+            "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
+            "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok"}
+
+
+def worker(rank, world, port, jobs, args, queue):
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    import mergecomp.torch as mc
+
+    torch.set_num_threads(1)
+    mc.init(engine="torch")
+    train, held = load_stdlib_bytes()
+    per = len(train) // world
+    starts = torch.linspace(0, len(held) - CONTEXT - 1, 64).long()
+    data = train[rank * per:(rank + 1) * per], torch.stack([held[s:s + CONTEXT] for s in starts])
+    for config, seed in jobs:
+        try:
+            record = run_one(rank, world, config, seed, args, data)
+        except Exception as err:  # a failing configuration is a result too
+            record = {"config": config, "seed": seed, "status": f"failed: {err}"}
+        if rank == 0:
+            queue.put(record)
+    mc.shutdown()
+
+
+def report(records, configs, seeds):
+    base = {r["seed"]: r["final_test_loss"] for r in records if r["config"] == BASELINE and r["status"] == "ok"}
+    print(f"GPT-2 4x256 on stdlib bytes, AdamW, 2 workers x batch {BATCH} x {CONTEXT} bytes, seeds {seeds}: "
+          f"medians over seeds, paired with uncompressed AdamW ({BASELINE}) on the same seed\n")
+    print("| configuration | warm-up | bits per element (run) | validation loss | vs uncompressed AdamW | within 1 % "
+          "| MB beyond AdamW's state |")
+    print("|---|---|---|---|---|---|---|")
+    keys = sorted({(r["config"], r.get("after")) for r in records if r["status"] == "ok"},
+                  key=lambda key: (configs.index(key[0]) if key[0] in configs else len(configs), key[1] or 0))
+    for config, after in keys:
+        rs = [r for r in records if (r["config"], r.get("after")) == (config, after) and r["status"] == "ok"
+              and r["seed"] in seeds]
+        if not rs or config not in configs:
+            continue
+        deltas = [r["final_test_loss"] / base[r["seed"]] - 1 for r in rs if r["seed"] in base]
+        delta = statistics.median(deltas) if deltas else None
+        shown = "-" if delta is None or config == BASELINE else f"{100 * delta:+.2f} % ({len(deltas)} seeds)"
+        within = "-" if delta is None or config == BASELINE else ("yes" if delta <= TARGET else "no")
+        print(f"| {config} | {rs[0]['after'] or '-'} | {statistics.median(r['bits_per_element'] for r in rs):.2f} | "
+              f"{statistics.median(r['final_test_loss'] for r in rs):.4f} | {shown} | {within} | {beyond(rs[0])} |")
+
+
+def beyond(record):
+    """Error-feedback memory and compressor state, in MB (the group buffers, which gradients
+    need in every mode, and Adam's own two buffers left out)."""
+    if "state_mb" not in record:
+        return "-"
+    return f"{record['state_mb']['error_feedback'] + record['state_mb']['compressor']:.1f}"
+
+
+def main():
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    configs = [BASELINE] + [c for c in args.configs.split(",") if c and c != BASELINE]
+    if args.report:
+        records = [json.loads(line) for path in args.report.split(",") for line in open(path)]
+        return report(records, configs, seeds)
+    jobs = [(config, seed) for seed in seeds for config in configs if not (args.no_baseline and config == BASELINE)]
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, jobs, args, queue), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    records = []
+    try:
+        for config, seed in jobs:
+            record = queue.get(timeout=3600)
+            records.append(record)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            status = f"{record['final_test_loss']:.4f}" if record["status"] == "ok" else record["status"]
+            print(f"# {record['config']} seed {record['seed']}: {status}", file=sys.stderr, flush=True)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    report(records, configs, seeds)
+
+
+if __name__ == "__main__":
+    main()
