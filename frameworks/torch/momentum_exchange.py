@@ -157,10 +157,11 @@ class MomentumExchange:
         """Whether ``group``'s weight decay is AdamW's (decoupled), not Adam's L2 term."""
         return group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
 
-    def averaged(self, views: List[torch.Tensor]) -> None:
-        """The exchange's results, ``views[i] = c * S * m_avg``, become ``S * m_avg`` in place."""
+    def finished(self, views: Optional[List[torch.Tensor]]) -> None:
+        """The step's exchange finished: its results, ``views[i] = c * S * m_avg``, become
+        ``S * m_avg`` in place (None: a step skipped for NaN/Inf)."""
         self._step = None
-        if not self.lossless and not self.refreshing:
+        if views is not None and not self.lossless and not self.refreshing:
             for view, c in zip(views, self.coefficients):
                 if c != 1.0:
                     view.div_(c)

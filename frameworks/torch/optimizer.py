@@ -281,10 +281,10 @@ class DistributedOptimizer(HoldsMergedStep):
         reduced = self.merged.finish()  # raises under nonfinite="raise"
         self._synchronized = True
         self._step_skipped = reduced is None
-        if reduced is not None:
-            views = reduced.tensors(len(self._exchanged))
-            if momentum:
-                momentum.averaged(views)
+        views = None if reduced is None else reduced.tensors(len(self._exchanged))
+        if momentum:
+            momentum.finished(views)
+        if views is not None:
             for p, view in zip(self._exchanged, views):
                 if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
