@@ -71,7 +71,9 @@ class DistributedOptimizer(HoldsMergedStep):
     across ranks.  The positional arguments are Horovod's, in Horovod's order.
 
     The wrapped optimizer class's own ``step()`` does the update, so SGD with momentum, Adam,
-    AdamW (weight decay) and LR schedulers behave as they do on one process.  The object
+    AdamW (weight decay) and LR schedulers behave as they do on one process (except in the
+    momentum phase of ``exchange_momentum_after``, whose update is Adam's with the variance
+    frozen or refreshed, :mod:`frameworks.torch.momentum_exchange`).  The object
     returned is an instance of the optimizer's class too (``isinstance(opt, torch.optim.SGD)``).
 
     Args:
