@@ -45,15 +45,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.compressors.base.memory import Memory
+from mergecomp.exchange.exchange import Exchange
 
 __all__ = ["MomentumExchange"]
 
 OPTION = "exchange_momentum_after"
 REFRESH_OPTION = "variance_refresh_every"
-#: Adam options the frozen-variance update does not implement, with the value it needs
-_UNSUPPORTED = {"amsgrad": False, "fused": (None, False), "capturable": False, "differentiable": False}
+#: Adam options the frozen-variance update does not implement, with the values it accepts
+_UNSUPPORTED = {"amsgrad": (False,), "fused": (None, False), "capturable": (False,), "differentiable": (False,)}
 
 
 def check_after(after: Any, option: str = OPTION) -> int:
@@ -72,38 +71,41 @@ class MomentumExchange:
             at each use: ``load_state_dict`` may replace them).
         params: the exchanged parameters, by tensor index.
         after: ``K``, the number of warm-up updates.
-        compressor, memory: the exchange's (a majority vote cannot carry an average momentum,
-            DGC's memory would apply momentum to it again).
+        exchange: the optimizer's (its compressor and memory: a majority vote cannot carry an
+            average momentum, DGC's memory would apply momentum to it again; its memories start
+            afresh when the variance freezes).
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, or None.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], after: Any,
-                 compressor: Compressor, memory: Memory, grad_scaler: Any = None,
+                 exchange: Exchange, grad_scaler: Any = None,
                  refresh_every: Optional[int] = None) -> None:
         if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
             raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
         check_after(after)
         if refresh_every is not None:
             check_after(refresh_every, REFRESH_OPTION)
-        if compressor.votes:
-            raise ValueError(f"{OPTION}: compressor {compressor.name!r} returns a majority vote, not the average "
-                             f"the momentum needs; use 'efsignsgd' or 'onebit' for signs")
-        if memory.name == "dgc":
+        if exchange.compressor.votes:
+            raise ValueError(f"{OPTION}: compressor {exchange.compressor.name!r} returns a majority vote, not the "
+                             f"average the momentum needs; use 'efsignsgd' or 'onebit' for signs")
+        if exchange.memory.name == "dgc":
             raise ValueError(f"{OPTION}: memory 'dgc' applies momentum to what it is given, which is Adam's "
                              f"momentum already; use memory='residual' or 'averaged'")
         for g, group in enumerate(optimizer.param_groups):
             for key, allowed in _UNSUPPORTED.items():
-                if group.get(key, False) not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+                if group.get(key, False) not in allowed:
                     raise ValueError(f"{OPTION} does not support {type(optimizer).__name__}({key}="
                                      f"{group[key]!r}) (parameter group {g})")
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         self.optimizer = optimizer
         self.params = params
+        self._exchanged = {id(p) for p in params}
+        self.exchange = exchange
         self.after = after
         self.refresh_every = refresh_every
         self.grad_scaler = grad_scaler
-        self.lossless = compressor.lossless
+        self.lossless = exchange.compressor.lossless
         #: updates applied so far (warm-up and momentum phase; skipped steps not counted)
         self.updates = 0
         #: per tensor index, once frozen (None before): the momentum's scaling for the wire
@@ -135,7 +137,7 @@ class MomentumExchange:
     def local_momentum(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Tensor ``i``'s momentum on this rank, ``x`` (module docstring), written over ``grad``
         (None: the tensor got no gradient this step; a new tensor).  None for a parameter without
-        Adam state (it got no gradient during the warm-up): it sends zeros and is not updated."""
+        Adam state (one Adam never stepped): it sends zeros and is not updated."""
         p = self.params[i]
         state = self.optimizer.state.get(p)
         if not state:
@@ -171,7 +173,6 @@ class MomentumExchange:
     def update(self) -> None:
         """The frozen-variance Adam update from ``p.grad`` (the averaged momentum), for every
         exchanged parameter with Adam state and a gradient."""
-        exchanged = {id(p) for p in self.params}
         since = self.updates - self.after  # momentum-phase updates before this one
         refreshing, every = self.refreshing, self.refresh_every
         # steps since the variance was last written (frozen, or refreshed): 0 on a refresh
@@ -181,7 +182,7 @@ class MomentumExchange:
             lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 state = self.optimizer.state.get(p)
-                if not state or p.grad is None or id(p) not in exchanged:
+                if not state or p.grad is None or id(p) not in self._exchanged:
                     continue
                 momentum, variance = state["exp_avg"], state["exp_avg_sq"]
                 if refreshing:  # p.grad: the averaged gradient, standing for the last `every` steps
@@ -196,24 +197,23 @@ class MomentumExchange:
                 denom = (variance.sqrt() / math.sqrt(1 - beta2 ** (step - stale))).add_(eps)
                 p.addcdiv_(momentum, denom, value=-lr / (1 - beta1 ** step))
 
-    def counted(self) -> bool:
-        """An update was applied (warm-up or momentum phase); True when it ended the warm-up,
-        which freezes the variance and fixes the coefficients (the caller clears the
-        error-feedback memories)."""
+    def counted(self) -> None:
+        """An update was applied (warm-up or momentum phase); the one that ends the warm-up
+        freezes the variance."""
         self.updates += 1
-        if self.updates != self.after:
-            return False
-        self._freeze()
-        return True
+        if self.updates == self.after:
+            self._freeze()
 
     def _freeze(self) -> None:
         """The variance of an element that got no gradient in the warm-up (e.g. the embedding of
         a token not seen yet) becomes its tensor's mean (the mean over all tensors where its
         tensor's is zero), so that a later gradient, or a codec's error (a sign codec cannot send
-        a zero), does not meet a denominator of ``eps``.  Each tensor's coefficient: the RMS of the whole momentum over
-        the RMS of its own (1 for a tensor without state or with a zero momentum, and for a
-        lossless compressor).  Every rank computes the same: Adam's state is the same on every
-        rank."""
+        a zero), does not meet a denominator of ``eps``.  Each tensor's coefficient: the RMS of
+        the whole momentum over the RMS of its own (1 for a tensor without state or with a zero
+        momentum, and for a lossless compressor).  Every rank computes the same: Adam's state is
+        the same on every rank.  The error-feedback memories start afresh: their residuals are
+        the gradients', not the momentum's."""
+        self.exchange.clear_memories()
         variances = [state["exp_avg_sq"] for state in map(self.optimizer.state.get, self.params) if state]
         overall = sum(v.double().sum() for v in variances) / max(1, sum(v.numel() for v in variances))
         for variance in variances:  # an element without a gradient in the warm-up

@@ -188,8 +188,7 @@ class DistributedOptimizer(HoldsMergedStep):
         self._should_synchronize = True
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if exchange_momentum_after is None else MomentumExchange(
-            self, self._exchanged, exchange_momentum_after, self.compressor, self.memory, grad_scaler,
-            variance_refresh_every)
+            self, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler, variance_refresh_every)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod
@@ -319,14 +318,13 @@ class DistributedOptimizer(HoldsMergedStep):
         if self._step_skipped:
             self._step_skipped = False
             return loss
-        momentum = self.momentum_exchange
         with self.merged.time_update():
-            if momentum is not None and momentum.active:
+            if self._momentum_phase:
                 self._frozen_variance_step()
             else:
                 super().step()
-        if momentum is not None and momentum.counted():
-            self.merged.exchange.clear_memories()
+        if self.momentum_exchange is not None:
+            self.momentum_exchange.counted()
         return loss
 
     @torch.optim.Optimizer.profile_hook_step
@@ -374,8 +372,6 @@ class DistributedOptimizer(HoldsMergedStep):
             self.merged.load_state_dict(ours)
         if self.momentum_exchange is not None:
             self.momentum_exchange.load_state_dict(momentum)
-            if momentum is None and self.momentum_exchange.active:  # residuals of gradients, not momenta
-                self.merged.exchange.clear_memories()
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """The optimizer class's own ``__setstate__`` (``load_state_dict`` and unpickling call
