@@ -63,24 +63,40 @@ def schedule(steps):
     return lambda t: (t + 1) / warm if t < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (t - warm) / (steps - warm)))
 
 
-def run_one(rank, world, config, seed, args, data):
+def wrap_adamw(model, config, steps, after, groups=1):
+    """AdamW (lr ``LR``, weight decay ``DECAY``) in ``mc.DistributedOptimizer`` as ``config``
+    says, with the LR schedule of ``steps`` steps: (optimizer, scheduler, refresh interval or None)."""
     import mergecomp
     import mergecomp.torch as mc
 
-    train, held_out = data
     spec, _, mode = config.partition("@")
     name, options = parse_spec(spec)
-    torch.manual_seed(seed)
-    model = make_model()
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     kwargs = {"memory": "averaged"} if mode == "grad+averaged" else {}
     mode, _, refresh = mode.partition("/")
     refresh = int(refresh) if refresh else None
     if mode == "momentum":
-        kwargs.update(exchange_momentum_after=args.after, variance_refresh_every=refresh)
+        kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh)
     compressor = mergecomp.get_compressor(name, **options)
-    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor, groups=1, **kwargs)
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args.steps))
+    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor, groups=groups, **kwargs)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps)), refresh
+
+
+def random_windows(train, generator, batch=BATCH):
+    """``batch`` windows of ``CONTEXT`` bytes at random offsets of ``train``: (batch, CONTEXT) int64."""
+    starts = torch.randint(len(train) - CONTEXT, (batch,), generator=generator)
+    return torch.stack([train[s:s + CONTEXT] for s in starts.tolist()])
+
+
+def run_one(rank, world, config, seed, args, data):
+    import mergecomp
+    import mergecomp.torch as mc
+
+    train, held_out = data
+    mode = config.partition("@")[2]
+    torch.manual_seed(seed)
+    model = make_model()
+    opt, lr_schedule, refresh = wrap_adamw(model, config, args.steps, args.after)
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     numel = sum(p.numel() for p in model.parameters())
@@ -89,8 +105,7 @@ def run_one(rank, world, config, seed, args, data):
     exact += (args.steps - exact) // refresh if refresh else 0
     curve, began = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        starts = torch.randint(len(train) - CONTEXT, (BATCH,), generator=gen)
-        windows = torch.stack([train[s:s + CONTEXT] for s in starts.tolist()])
+        windows = random_windows(train, gen)
         opt.zero_grad()
         model(input_ids=windows, labels=windows).loss.backward()
         opt.step()
@@ -105,7 +120,7 @@ def run_one(rank, world, config, seed, args, data):
                 "error_feedback": sum(held(h) for k, h in opt.exchange.holders().items() if k != "compressor") / 1e6,
                 "compressor": held(opt.compressor) / 1e6,
                 "group_buffers": sum(b.nbytes for b in opt.merged.buffers) / 1e6}
-    return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode == "momentum" else None,
+    return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode.startswith("momentum") else None,
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
             "refresh": refresh, "bits_per_element": (exact * 32 + (args.steps - exact) * bits) / args.steps,
             "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,

@@ -110,7 +110,7 @@ def _serialized_powersgd_worker(rank):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mergecomp.bench.runner import _one_bucket_at_a_time
+    from mergecomp.bench.runner import one_bucket_at_a_time
 
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]), bucket_cap_mb=0.02)
@@ -122,7 +122,7 @@ def _serialized_powersgd_worker(rank):
         calls.append((bucket.index(), future))
         return future
 
-    model.register_comm_hook(state, _one_bucket_at_a_time(watched))
+    model.register_comm_hook(state, one_bucket_at_a_time(watched))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(5):
         opt.zero_grad()

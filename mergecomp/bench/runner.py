@@ -294,7 +294,7 @@ def _slowest(comm, value: float) -> float:
     return float(comm.allgather(torch.tensor([value], dtype=torch.float64), "bench agreement").max())
 
 
-def _one_bucket_at_a_time(hook):
+def one_bucket_at_a_time(hook):
     """DDP comm hook ``hook`` whose call for a bucket first waits for the future it returned for
     the previous bucket of the step, so every rank issues the hook's collectives in one order."""
     previous = []
@@ -326,7 +326,7 @@ def _run_ddp(w: _Worker, args) -> List[Dict]:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
                                             start_powerSGD_iter=2)
         serial = args.mode.endswith("-serial")
-        model.register_comm_hook(state, _one_bucket_at_a_time(powerSGD_hook.powerSGD_hook) if serial
+        model.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook) if serial
                                  else powerSGD_hook.powerSGD_hook)
         hook = f"powerSGD_hook(rank={args.powersgd_rank}, start_powerSGD_iter=2{', serialized' if serial else ''})"
     w.optimizer = _sgd(model.parameters(), args.lr)
@@ -371,11 +371,11 @@ def _common(args, world: int) -> Dict:
             "compressor": args.compressor if args.mode == "mergecomp" else None,
             "compressor_args": args.compressor_arg, "rate": os.environ.get("MERGECOMP_CLUSTER_RATE", args.rate
                                                                           if args.hosts else "launcher"),
-            "lr": args.lr, "label": args.label, "date": datetime.date.today().isoformat(), "loadavg": _loadavg(),
+            "lr": args.lr, "label": args.label, "date": datetime.date.today().isoformat(), "loadavg": loadavg(),
             **machine()}
 
 
-def _loadavg() -> Optional[str]:
+def loadavg() -> Optional[str]:
     """The 1/5/15-minute load average when the record was made (the machine may be shared)."""
     try:
         with open("/proc/loadavg") as f:

@@ -1,0 +1,266 @@
+"""Time to accuracy with AdamW on a transformer: validation loss against wall-clock seconds on
+the 2-host namespace cluster, for DDP's own exchange and hooks and for mergecomp.
+
+Every configuration trains the same GPT-2 (``bench_adam``'s 4 layers x 256, byte-level, on
+CPython's standard-library sources; AdamW, warm-up + cosine LR schedule) from the same seed, one
+worker per host, one thread each, the hosts joined by ``--rate`` links (``mergecomp.bench.cluster``;
+root).  The clock counts training steps only (batch sampling and the evaluations every 50 steps
+are left out).  The target is DDP fp32's final validation loss (mean of its last four
+evaluations) plus 1 %; a configuration's time to accuracy is the training time of its first
+evaluation at or below it.  Before training, each run times the same step without any exchange
+(forward, backward, AdamW on one worker): the share of a step above that is time spent on the
+exchange, mostly waiting on the network.
+
+Configurations: ``ddp`` (DDP, fp32 allreduce, ``bucket_cap_mb=25``), ``ddp-fp16`` (PyTorch's
+``fp16_compress_hook``), ``ddp-powersgd[:RANK]`` (PyTorch's ``powerSGD_hook``, serialized per
+bucket so it runs on gloo, ``start_powerSGD_iter=--after``), and mergecomp as in
+``bench_adam``: ``COMPRESSOR[:args]@MODE`` (``grad``: gradients exchanged; ``momentum/R``:
+``exchange_momentum_after=--after``, ``variance_refresh_every=R``), always ``groups="auto"``.
+A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
+trains F times longer because each step costs less).
+
+    python scripts/bench_time_to_accuracy.py --json docs/img/data/time_to_accuracy_gpt2_4x256_1gbit.jsonl
+    python scripts/bench_time_to_accuracy.py --report docs/img/data/time_to_accuracy_gpt2_4x256_1gbit.jsonl \\
+        --plot docs/img/time_to_accuracy_gpt2_4x256_1gbit.png
+"""
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_adam import CONTEXT, LR, DECAY, make_model, random_windows, schedule, wrap_adamw  # noqa: E402
+from bench_convergence import load_stdlib_bytes  # noqa: E402
+
+BASELINE = "ddp"
+CONFIGS = "ddp-fp16,ddp-powersgd,none@grad,onebit@momentum/64,efsignsgd@momentum/64"
+EVAL_EVERY, EVAL_WINDOWS, TARGET = 50, 128, 0.01
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--configs", default=CONFIGS, help=f"comma list; {BASELINE} always runs first")
+parser.add_argument("--steps", type=int, default=2000)
+parser.add_argument("--batch", type=int, default=4, help="windows of 64 bytes per worker and step")
+parser.add_argument("--after", type=int, default=30, help="exchange_momentum_after; PowerSGD's start_powerSGD_iter")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--hosts", type=int, default=2)
+parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
+parser.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
+parser.add_argument("--json", default=None, help="append one JSON record (with its curve) per configuration")
+parser.add_argument("--report", default=None, help="print the table from the records of earlier --json runs")
+parser.add_argument("--plot", default=None, help="with --report: save validation loss against seconds here")
+parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one configuration on this rank
+parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
+def step_without_exchange(model, train, batch, repeats=10):
+    """Median seconds of forward, backward and AdamW on a copy of ``model``, nothing exchanged."""
+    model = copy.deepcopy(model)
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    generator = torch.Generator().manual_seed(12345)
+    times = []
+    for _ in range(repeats + 2):
+        windows = random_windows(train, generator, batch)
+        began = time.perf_counter()
+        adamw.zero_grad()
+        model(input_ids=windows, labels=windows).loss.backward()
+        adamw.step()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[2:])
+
+
+def wrap_ddp(model, config, steps, after):
+    """``model`` in DDP with the hook ``config`` names, and AdamW: (module to call, optimizer, scheduler)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    ddp = DDP(model, bucket_cap_mb=25)
+    if config == "ddp-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif config.startswith("ddp-powersgd"):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        from mergecomp.bench.runner import one_bucket_at_a_time
+
+        rank = int(config.partition(":")[2] or 1)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=max(2, after))
+        ddp.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
+    elif config != "ddp":
+        raise ValueError(f"unknown DDP configuration {config!r}")
+    adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=DECAY)
+    return ddp, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps))
+
+
+def worker(args):
+    """One configuration on this rank (the cluster's RANK, WORLD_SIZE, MASTER_ADDR...); rank 0
+    writes the record to ``--out``."""
+    import mergecomp
+    import mergecomp.torch as mc
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config, _, factor = args.worker.partition("*")
+    steps = round(args.steps * float(factor or 1))
+    train, held = load_stdlib_bytes()
+    per = len(train) // world
+    train = train[rank * per:(rank + 1) * per]
+    starts = torch.linspace(0, len(held) - CONTEXT - 1, EVAL_WINDOWS).long()
+    held_out = torch.stack([held[s:s + CONTEXT] for s in starts])
+    torch.manual_seed(args.seed)
+    model = make_model()
+    compute_s = step_without_exchange(model, train, args.batch)
+    bits = None
+    if config.startswith("ddp"):
+        import torch.distributed as dist
+
+        net, opt, lr_schedule = wrap_ddp(model, config, steps, args.after)
+        finish = dist.destroy_process_group
+    else:
+        mc.init(engine="torch")
+        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, args.after, groups="auto")
+        mc.broadcast_parameters(model.state_dict(), root_rank=0)
+        net = model
+        numel = sum(p.numel() for p in model.parameters())
+        exact = opt.merged.warmup_steps + ((steps - opt.merged.warmup_steps) // refresh if refresh else 0)
+        bits = (exact * 32 + (steps - exact) * mergecomp.bits_per_element(opt.compressor, numel)) / steps
+
+        def finish():
+            opt.remove_hooks()
+            mc.shutdown()
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    curve, times = [], []
+    for step in range(1, steps + 1):
+        windows = random_windows(train, generator, args.batch)
+        began = time.perf_counter()
+        opt.zero_grad()
+        net(input_ids=windows, labels=windows).loss.backward()
+        opt.step()
+        lr_schedule.step()
+        times.append(time.perf_counter() - began)
+        if step % EVAL_EVERY == 0 or step == steps:
+            with torch.no_grad():
+                loss = model(input_ids=held_out, labels=held_out).loss.item()
+            curve.append({"step": step, "seconds": sum(times), "test_loss": loss})
+    finish()
+    if rank == 0:
+        record = {"config": args.worker, "steps": steps, "seed": args.seed, "batch": args.batch, "world": world,
+                  "after": args.after, "bits_per_element": bits, "step_s": statistics.median(times),
+                  "compute_s": compute_s, "train_s": sum(times),
+                  "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve}
+        with open(args.out, "w") as f:
+            json.dump(record, f)
+
+
+def run_cluster(args, configs):
+    """Every configuration in turn on one cluster; yields each record (``status`` says how it ended)."""
+    from mergecomp.bench.cluster import Cluster, install_signal_handlers
+    from mergecomp.bench.runner import loadavg
+
+    install_signal_handlers()
+    with Cluster(args.hosts, None if args.rate in ("none", "unlimited") else args.rate) as cluster, \
+            tempfile.TemporaryDirectory() as scratch:
+        for config in configs:
+            out = os.path.join(scratch, "record.json")
+            load = loadavg()
+            command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
+                       "--steps", str(args.steps), "--batch", str(args.batch), "--after", str(args.after),
+                       "--seed", str(args.seed)]
+            codes = cluster.run(command, timeout=args.timeout, threads=1)
+            if any(codes) or not os.path.exists(out):
+                record = {"config": config, "status": f"exit codes {codes}"}
+            else:
+                with open(out) as f:
+                    record = {**json.load(f), "status": "ok"}
+                os.remove(out)
+            yield {**record, "rate": args.rate, "load_before": load, "load_after": loadavg()}
+
+
+def time_to(record, target):
+    """Training seconds of ``record``'s first evaluation at or below ``target``, or None."""
+    return next((p["seconds"] for p in record["curve"] if p["test_loss"] <= target), None)
+
+
+def report(records):
+    base = next(r for r in records if r["config"] == BASELINE and r["status"] == "ok")
+    target = base["final_test_loss"] * (1 + TARGET)
+    base_time = time_to(base, target)
+    fp16 = next((r for r in records if r["config"] == "ddp-fp16" and r["status"] == "ok"), None)
+    fp16_time = fp16 and time_to(fp16, target)
+    print(f"GPT-2 4x256 on stdlib bytes, AdamW, {base['world']} workers x batch {base['batch']} x {CONTEXT} bytes, "
+          f"{base['steps']} steps, {base['rate']} links, seed {base['seed']}; target: DDP fp32's final validation "
+          f"loss {base['final_test_loss']:.4f} + 1 % = {target:.4f}\n")
+    print("| configuration | steps | step (s) | exchange share of the step | bits per element (run) | validation loss "
+          "| vs DDP fp32 | time to target (s) | vs DDP fp32 | vs DDP fp16 hook | load before/after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        if r["status"] != "ok":
+            print(f"| {r['config']} | {r['status']} |" + " |" * 9)
+            continue
+        reached = time_to(r, target)
+        bits = "32" if r["config"] == "ddp" else "16" if r["config"] == "ddp-fp16" else \
+            "-" if r["bits_per_element"] is None else f"{r['bits_per_element']:.2f}"
+        speed = lambda ref: "-" if reached is None or ref is None else f"{ref / reached:.2f}x"  # noqa: E731
+        print(f"| {r['config']} | {r['steps']} | {r['step_s']:.3f} | {1 - r['compute_s'] / r['step_s']:.0%} | {bits} | "
+              f"{r['final_test_loss']:.4f} | {100 * (r['final_test_loss'] / base['final_test_loss'] - 1):+.2f} % | "
+              f"{'not reached' if reached is None else f'{reached:.0f}'} | {speed(base_time)} | {speed(fp16_time)} | "
+              f"{r['load_before']} / {r['load_after']} |")
+    return target
+
+
+def plot(records, target, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in records:
+        if r["status"] == "ok":
+            ax.plot([p["seconds"] for p in r["curve"]], [p["test_loss"] for p in r["curve"]], label=r["config"])
+    ax.axhline(target, color="grey", linestyle=":", label="DDP fp32's final loss + 1 %")
+    ax.set_ylim(target * 0.97, target * 1.35)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("validation loss")
+    base = records[0]
+    ax.set_title(f"GPT-2 4x256, AdamW, {base['world']} hosts at {base['rate']} (gloo, 1 CPU thread each)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.report:
+        records = [json.loads(line) for path in args.report.split(",") for line in open(path)]
+        target = report(records)
+        if args.plot:
+            plot(records, target, args.plot)
+        return
+    configs = [BASELINE] + [c for c in args.configs.split(",") if c and c != BASELINE]
+    records = []
+    for record in run_cluster(args, configs):
+        records.append(record)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        shown = f"{record['final_test_loss']:.4f} in {record['train_s']:.0f} s" if record["status"] == "ok" \
+            else record["status"]
+        print(f"# {record['config']}: {shown}", file=sys.stderr, flush=True)
+    report(records)
+
+
+if __name__ == "__main__":
+    main()
