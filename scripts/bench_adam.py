@@ -82,6 +82,17 @@ def wrap_adamw(model, config, steps, after, groups=1):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps)), refresh
 
 
+def bits_over_run(opt, steps, refresh):
+    """Bits per element sent over ``steps`` steps: the warm-up's and the variance refreshes'
+    at 32, the compressor's on the other steps."""
+    import mergecomp
+
+    numel = sum(p.numel() for group in opt.param_groups for p in group["params"])
+    exact = opt.merged.warmup_steps
+    exact += (steps - exact) // refresh if refresh else 0
+    return (exact * 32 + (steps - exact) * mergecomp.bits_per_element(opt.compressor, numel)) / steps
+
+
 def random_windows(train, generator, batch=BATCH):
     """``batch`` windows of ``CONTEXT`` bytes at random offsets of ``train``: (batch, CONTEXT) int64."""
     starts = torch.randint(len(train) - CONTEXT, (batch,), generator=generator)
@@ -89,7 +100,6 @@ def random_windows(train, generator, batch=BATCH):
 
 
 def run_one(rank, world, config, seed, args, data):
-    import mergecomp
     import mergecomp.torch as mc
 
     train, held_out = data
@@ -100,9 +110,6 @@ def run_one(rank, world, config, seed, args, data):
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     numel = sum(p.numel() for p in model.parameters())
-    bits = mergecomp.bits_per_element(opt.compressor, numel)
-    exact = opt.merged.warmup_steps  # steps sent at 32 bits: the warm-up, and the refreshes
-    exact += (args.steps - exact) // refresh if refresh else 0
     curve, began = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         windows = random_windows(train, gen)
@@ -122,7 +129,7 @@ def run_one(rank, world, config, seed, args, data):
                 "group_buffers": sum(b.nbytes for b in opt.merged.buffers) / 1e6}
     return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode.startswith("momentum") else None,
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
-            "refresh": refresh, "bits_per_element": (exact * 32 + (args.steps - exact) * bits) / args.steps,
+            "refresh": refresh, "bits_per_element": bits_over_run(opt, args.steps, refresh),
             "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
             "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok"}
 

@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adam import CONTEXT, LR, DECAY, make_model, random_windows, schedule, wrap_adamw  # noqa: E402
+from bench_adam import CONTEXT, DECAY, LR, bits_over_run, make_model, random_windows, schedule, wrap_adamw  # noqa: E402
 from bench_convergence import load_stdlib_bytes  # noqa: E402
 
 BASELINE = "ddp"
@@ -105,7 +105,6 @@ def wrap_ddp(model, config, steps, after):
 def worker(args):
     """One configuration on this rank (the cluster's RANK, WORLD_SIZE, MASTER_ADDR...); rank 0
     writes the record to ``--out``."""
-    import mergecomp
     import mergecomp.torch as mc
 
     torch.set_num_threads(1)
@@ -131,9 +130,7 @@ def worker(args):
         opt, lr_schedule, refresh = wrap_adamw(model, config, steps, args.after, groups="auto")
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
         net = model
-        numel = sum(p.numel() for p in model.parameters())
-        exact = opt.merged.warmup_steps + ((steps - opt.merged.warmup_steps) // refresh if refresh else 0)
-        bits = (exact * 32 + (steps - exact) * mergecomp.bits_per_element(opt.compressor, numel)) / steps
+        bits = bits_over_run(opt, steps, refresh)
 
         def finish():
             opt.remove_hooks()
