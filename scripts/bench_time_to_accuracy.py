@@ -215,23 +215,39 @@ def report(records):
     return target
 
 
+def label(config):
+    """A configuration's name for people: ``onebit@momentum/64*1.25`` -> ``mergecomp onebit,
+    momentum (R=64), 1.25x the steps``."""
+    config, _, factor = config.partition("*")
+    names = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook", "ddp-powersgd": "DDP + PowerSGD hook (rank 1)"}
+    if config in names:
+        name = names[config]
+    else:
+        spec, _, mode = config.partition("@")
+        mode, _, refresh = mode.partition("/")
+        name = (f"mergecomp {spec}" + (" (lossless), groups=auto" if spec == "none" else "")
+                + (f", momentum exchanged (R={refresh})" if mode == "momentum" else ""))
+    return name + (f", {factor}x the steps" if factor else "")
+
+
 def plot(records, target, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in records:
-        if r["status"] == "ok":
-            ax.plot([p["seconds"] for p in r["curve"]], [p["test_loss"] for p in r["curve"]], label=r["config"])
-    ax.axhline(target, color="grey", linestyle=":", label="DDP fp32's final loss + 1 %")
-    ax.set_ylim(target * 0.97, target * 1.35)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    done = [r for r in records if r["status"] == "ok"]
+    for r in done:
+        ax.plot([p["seconds"] for p in r["curve"]], [p["test_loss"] for p in r["curve"]], label=label(r["config"]))
+    ax.axhline(target, color="grey", linestyle=":", label="target: DDP fp32's final loss + 1 %")
+    ax.set_ylim(min(p["test_loss"] for r in done for p in r["curve"]) * 0.99, target * 1.35)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("validation loss")
     base = records[0]
-    ax.set_title(f"GPT-2 4x256, AdamW, {base['world']} hosts at {base['rate']} (gloo, 1 CPU thread each)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title(f"GPT-2 4x256 with AdamW, {base['world']} hosts joined by {base['rate']} links "
+                 f"(gloo, 1 CPU thread each)", fontsize=9)
+    ax.legend(fontsize=7.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
