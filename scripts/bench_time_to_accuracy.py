@@ -49,7 +49,7 @@ parser.add_argument("--configs", default=CONFIGS, help=f"comma list; {BASELINE} 
 parser.add_argument("--steps", type=int, default=2000)
 parser.add_argument("--batch", type=int, default=4, help="windows of 64 bytes per worker and step")
 parser.add_argument("--after", type=int, default=30, help="exchange_momentum_after; PowerSGD's start_powerSGD_iter")
-parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--seed", type=int, default=0, help="the seed to run, or (--report) to report")
 parser.add_argument("--hosts", type=int, default=2)
 parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
 parser.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
@@ -175,7 +175,7 @@ def run_cluster(args, configs):
                        "--seed", str(args.seed)]
             codes = cluster.run(command, timeout=args.timeout, threads=1)
             if any(codes) or not os.path.exists(out):
-                record = {"config": config, "status": f"exit codes {codes}"}
+                record = {"config": config, "seed": args.seed, "status": f"exit codes {codes}"}
             else:
                 with open(out) as f:
                     record = {**json.load(f), "status": "ok"}
@@ -189,7 +189,9 @@ def time_to(record, target):
 
 
 def report(records):
-    base = next(r for r in records if r["config"] == BASELINE and r["status"] == "ok")
+    base = next((r for r in records if r["config"] == BASELINE and r["status"] == "ok"), None)
+    if base is None:
+        sys.exit(f"no finished {BASELINE} record among these (its final loss sets the target)")
     target = base["final_test_loss"] * (1 + TARGET)
     base_time = time_to(base, target)
     fp16 = next((r for r in records if r["config"] == "ddp-fp16" and r["status"] == "ok"), None)
@@ -258,9 +260,9 @@ def main():
         return worker(args)
     if args.report:
         records = [json.loads(line) for path in args.report.split(",") for line in open(path)]
-        target = report(records)
+        target = report([r for r in records if r["seed"] == args.seed])
         if args.plot:
-            plot(records, target, args.plot)
+            plot([r for r in records if r["seed"] == args.seed], target, args.plot)
         return
     configs = [BASELINE] + [c for c in args.configs.split(",") if c and c != BASELINE]
     records = []
