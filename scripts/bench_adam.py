@@ -93,6 +93,15 @@ def bits_over_run(opt, steps, refresh):
     return (exact * 32 + (steps - exact) * mergecomp.bits_per_element(opt.compressor, numel)) / steps
 
 
+def rank_data(rank, world, held_out_windows=64):
+    """This rank's share of the training bytes and the held-out windows every rank evaluates on:
+    (1-D int64, (held_out_windows, CONTEXT) int64)."""
+    train, held = load_stdlib_bytes()
+    per = len(train) // world
+    starts = torch.linspace(0, len(held) - CONTEXT - 1, held_out_windows).long()
+    return train[rank * per:(rank + 1) * per], torch.stack([held[s:s + CONTEXT] for s in starts])
+
+
 def random_windows(train, generator, batch=BATCH):
     """``batch`` windows of ``CONTEXT`` bytes at random offsets of ``train``: (batch, CONTEXT) int64."""
     starts = torch.randint(len(train) - CONTEXT, (batch,), generator=generator)
@@ -141,10 +150,7 @@ def worker(rank, world, port, jobs, args, queue):
 
     torch.set_num_threads(1)
     mc.init(engine="torch")
-    train, held = load_stdlib_bytes()
-    per = len(train) // world
-    starts = torch.linspace(0, len(held) - CONTEXT - 1, 64).long()
-    data = train[rank * per:(rank + 1) * per], torch.stack([held[s:s + CONTEXT] for s in starts])
+    data = rank_data(rank, world)
     for config, seed in jobs:
         try:
             record = run_one(rank, world, config, seed, args, data)

@@ -308,27 +308,41 @@ def one_bucket_at_a_time(hook):
     return serialized
 
 
-def _run_ddp(w: _Worker, args) -> List[Dict]:
+def ddp_with_hook(module, mode: str, powersgd_rank: int = 1, start_powersgd_iter: int = 2):
+    """``module`` in DDP (gloo, ``bucket_cap_mb=25``; the process group made from the
+    environment) with the hook of ``mode``: ``ddp`` (none), ``ddp-fp16`` (PyTorch's
+    ``fp16_compress_hook``), ``ddp-powersgd`` / ``ddp-powersgd-serial`` (``powerSGD_hook``; the
+    serial one through :func:`one_bucket_at_a_time`).  Returns (the DDP module, the hook's description)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    model = DDP(w.model, bucket_cap_mb=25)
+    model = DDP(module, bucket_cap_mb=25)
     hook = "none"
-    if args.mode == "ddp-fp16":
+    if mode == "ddp-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         hook = "fp16_compress_hook"
-    elif args.mode.startswith("ddp-powersgd"):
+    elif mode.startswith("ddp-powersgd"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                            start_powerSGD_iter=2)
-        serial = args.mode.endswith("-serial")
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=start_powersgd_iter)
+        serial = mode.endswith("-serial")
         model.register_comm_hook(state, one_bucket_at_a_time(powerSGD_hook.powerSGD_hook) if serial
                                  else powerSGD_hook.powerSGD_hook)
-        hook = f"powerSGD_hook(rank={args.powersgd_rank}, start_powerSGD_iter=2{', serialized' if serial else ''})"
+        hook = (f"powerSGD_hook(rank={powersgd_rank}, start_powerSGD_iter={start_powersgd_iter}"
+                f"{', serialized' if serial else ''})")
+    elif mode != "ddp":
+        raise ValueError(f"unknown DDP mode {mode!r}")
+    return model, hook
+
+
+def _run_ddp(w: _Worker, args) -> List[Dict]:
+    import torch.distributed as dist
+
+    model, hook = ddp_with_hook(w.model, args.mode, args.powersgd_rank)
     w.optimizer = _sgd(model.parameters(), args.lr)
     w.model = model
     for _ in range(args.warmup + 1):
