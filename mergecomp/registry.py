@@ -14,6 +14,8 @@ import importlib
 from importlib import metadata
 from typing import Callable, Dict, List, Type, TypeVar
 
+import torch
+
 ENTRY_POINT_GROUP = "mergecomp.compressors"
 
 T = TypeVar("T", bound=type)
@@ -120,11 +122,25 @@ class _CompressionNames(type):
         return sorted(set(super().__dir__()) | set(compressor_names()))
 
 
+class _HorovodCodec(str):
+    """A compressor's name that also keeps Horovod's compressor contract for the tensor
+    collectives: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)``."""
+
+    def compress(self, tensor):
+        if self == "fp16" and tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    def decompress(self, tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
 class Compression(metaclass=_CompressionNames):
     """Horovod's ``Compression``: ``Compression.none`` (lossless, the default),
     ``Compression.fp16``, and every registered compressor by name (``Compression.topk``,
     ``Compression.powersgd``...).  Each attribute is the compressor's name, which
-    ``compression=`` accepts like the name itself."""
+    ``compression=`` accepts like the name itself; ``none`` and ``fp16`` also have Horovod's
+    ``compress``/``decompress`` (float tensors as float16, others unchanged)."""
 
-    none = "none"
-    fp16 = "fp16"
+    none = _HorovodCodec("none")
+    fp16 = _HorovodCodec("fp16")

@@ -445,7 +445,7 @@ def _params_and_groups_worker(rank):
     for case, kwargs in {"adasum": dict(op=mc.Adasum), "process_set": dict(process_set=object())}.items():
         try:
             mc.DistributedOptimizer(sgd, model.named_parameters(), **kwargs)
-        except NotImplementedError as err:
+        except (NotImplementedError, ValueError) as err:
             errors[case] = str(err)
     out["errors"] = errors
     out["global_set"] = mc.DistributedOptimizer(sgd, model.named_parameters(),

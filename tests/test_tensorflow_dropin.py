@@ -197,7 +197,7 @@ def test_tensor_collectives_on_two_ranks(ranks):
         assert shape == [2]
         adasum, process_set, device, root = r["errors"]
         assert adasum[0] == "NotImplementedError" and "Adasum" in adasum[1]
-        assert process_set[0] == "NotImplementedError" and "process_set" in process_set[1]
+        assert process_set[0] == "ValueError" and "process_set" in process_set[1]
         assert device[0] == "NotImplementedError" and "device_dense" in device[1]
         assert root[0] == "ValueError" and "root_rank 2" in root[1]
 

@@ -219,7 +219,8 @@ class DistributedGradientTape:
                  process_set: Any = None, scale_local_gradients: bool = True, *,
                  reducer: Optional[GradientReducer] = None, **options) -> None:
         check_devices(device_dense, device_sparse, "DistributedGradientTape")
-        check_horovod_args(op, gradient_predivide_factor, process_set)
+        check_horovod_args(op, gradient_predivide_factor)
+        check_process_set(process_set)
         self._tape = gradtape
         self._reducer = reducer
         if _mixed_float16():  # the loop scales its loss: an overflow must reach its LossScaleOptimizer

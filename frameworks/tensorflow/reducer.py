@@ -63,7 +63,7 @@ class GradientReducer:
                  comm: Optional[Communicator] = None, *, gradient_predivide_factor: float = 1.0,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                  scale_local_gradients: bool = True, **options) -> None:
-        factor = check_horovod_args(op, gradient_predivide_factor, None)
+        factor = check_horovod_args(op, gradient_predivide_factor)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
         if comm is None:

@@ -11,63 +11,41 @@ Example::
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
 """
-from mergecomp.horovod_api.arguments import Adasum, Average, Sum, global_process_set
-from mergecomp.horovod_api.collectives import (allgather, allgather_async, allgather_object, allreduce, allreduce_,
-                                               allreduce_async, allreduce_async_, alltoall, barrier, broadcast,
-                                               broadcast_, broadcast_object, cross_rank, cross_size, cuda_built,
-                                               gloo_built, gloo_enabled, join, mpi_built, mpi_enabled,
-                                               mpi_threads_supported, nccl_built, poll, rocm_built, synchronize)
+from mergecomp.horovod_api.arguments import Adasum, Average, Max, Min, Product, Sum
+from mergecomp.horovod_api.collectives import (allgather_async, allgather_object, allreduce_, allreduce_async,
+                                               allreduce_async_, barrier, broadcast_, broadcast_async,
+                                               broadcast_async_, broadcast_object, ccl_built, cross_rank, cross_size,
+                                               cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                               grouped_allgather_async, grouped_allreduce_, grouped_allreduce_async,
+                                               grouped_allreduce_async_, grouped_reducescatter_async, join, mpi_built,
+                                               mpi_enabled, mpi_threads_supported, nccl_built, poll, reducescatter_async,
+                                               rocm_built, sparse_allreduce_async, synchronize)
+from mergecomp.engines.communicator import CommunicationError as HorovodInternalError
+from mergecomp.horovod_api.negotiation import MismatchError
+from mergecomp.horovod_api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from mergecomp.horovod_api.runtime import (communicator, init, is_initialized, local_rank, local_size, rank, shutdown,
                                            size)
+from mergecomp.horovod_api.timeline import start_timeline, stop_timeline
 from mergecomp.registry import Compression
 
 from .ddp_hook import ddp_comm_hook
+from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+                             grouped_reducescatter, reducescatter)
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum",
-    "Average",
-    "Compression",
-    "DistributedOptimizer",
-    "Sum",
-    "SyncBatchNorm",
-    "allgather",
-    "allgather_async",
-    "allgather_object",
-    "allreduce",
-    "allreduce_",
-    "allreduce_async",
-    "allreduce_async_",
-    "alltoall",
-    "barrier",
-    "broadcast",
-    "broadcast_",
-    "broadcast_object",
-    "broadcast_optimizer_state",
-    "broadcast_parameters",
-    "communicator",
-    "cross_rank",
-    "cross_size",
-    "cuda_built",
-    "gloo_built",
-    "gloo_enabled",
-    "join",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
-    "poll",
-    "rocm_built",
-    "synchronize",
-    "global_process_set",
-    "ddp_comm_hook",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "shutdown",
-    "size",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
+    "Max", "Min", "MismatchError", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "communicator", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "ddp_comm_hook", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
+    "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
+    "stop_timeline", "synchronize",
 ]

@@ -40,7 +40,7 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.memories import warn_double_momentum
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, resolve_groups, scaling
-from mergecomp.horovod_api.runtime import communicator
+from mergecomp.horovod_api.process_sets import resolve as resolve_process_set
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.pipeline.step import HoldsMergedStep
@@ -97,7 +97,8 @@ class DistributedOptimizer(HoldsMergedStep):
             names, a :class:`~mergecomp.exchange.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
             at most 4).
         sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
-        process_set: None or ``mc.global_process_set`` (all ranks; others are not implemented).
+        process_set: the ranks that exchange (a set from ``mc.add_process_set``; default all); on
+            a rank outside it, ValueError.
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
         exchange_momentum_after: for ``torch.optim.Adam`` or ``AdamW`` only: after this many
             updates (the warm-up, gradients exchanged as without it) Adam's variance freezes and
@@ -151,7 +152,7 @@ class DistributedOptimizer(HoldsMergedStep):
         grad_scaler: Any = None,
         **options,
     ) -> None:
-        factor = check_horovod_args(op, gradient_predivide_factor, process_set)
+        factor = check_horovod_args(op, gradient_predivide_factor)
         if exchange_momentum_after is not None and op != Average:
             raise ValueError(f"{MOMENTUM_OPTION} needs op=mc.Average (the momentum is averaged), got op={op!r}")
         if grad_scaler is not None and exchange_momentum_after is None:
@@ -166,7 +167,7 @@ class DistributedOptimizer(HoldsMergedStep):
         self._exchanged, self.param_names = collect_parameters(optimizer, named_parameters)
         name_by_id = {id(p): n for p, n in zip(self._exchanged, self.param_names)}
         groups = resolve_groups(groups, num_groups, lambda t: name_by_id[id(t)])
-        comm = communicator()
+        comm = resolve_process_set(process_set, "DistributedOptimizer").communicator
         warmup = 0 if exchange_momentum_after is None else check_after(exchange_momentum_after)
         defaults = {"nonfinite": "propagate", "compression_warmup_steps": warmup}
         step_options = StepOptions.create("DistributedOptimizer", options, defaults=defaults,

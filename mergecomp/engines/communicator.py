@@ -234,6 +234,31 @@ class Communicator(abc.ABC):
         return lambda: (f"{op} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} "
                         f"elements on rank {self.rank} of {self.size}")
 
+    def allgather_object(self, obj: Any, what: str = "allgather_object") -> List[Any]:
+        """Every rank's ``obj`` in rank order (pickled with ``torch.save``; two allgathers: the
+        lengths, then the bytes padded to the longest)."""
+        if self.size == 1:
+            return [obj]
+        payload = object_bytes(obj)
+        lengths = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device),
+                                 what).reshape(-1).cpu().tolist()
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        rows = self.allgather(padded.to(self.device), what).cpu()
+        return [load_object(rows[r, :n]) for r, n in enumerate(lengths)]
+
+    def subgroup(self, ranks: Sequence[int]) -> Optional["Communicator"]:
+        """A communicator over ``ranks`` (ranks of this communicator, ascending), with this one's
+        timeout; None on a rank outside them.  Every rank of this communicator calls it at the
+        same point (engines whose groups need only their members still get every rank's call)."""
+        raise NotImplementedError(f"the {self.engine or type(self).__name__} engine cannot make sub-groups "
+                                  f"(process sets); use the torch or mpi engine")
+
+    def duplicate(self) -> "Communicator":
+        """A communicator over the same ranks whose collectives never interleave with this one's
+        (for collectives issued from another thread); every rank calls it at the same point."""
+        return self.subgroup(list(range(self.size)))
+
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """Rank ``root``'s ``obj`` on every rank (pickled with ``torch.save``; two broadcasts:
         the length, then the bytes)."""
@@ -266,3 +291,8 @@ class LocalCommunicator(Communicator):
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         return tensor
+
+    def subgroup(self, ranks: Sequence[int]) -> "LocalCommunicator":
+        if list(ranks) != [0]:
+            raise ValueError(f"a single process has rank 0 only, not {list(ranks)}")
+        return LocalCommunicator(self.timeout)

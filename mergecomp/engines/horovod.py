@@ -38,7 +38,7 @@ import itertools
 import os
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -115,19 +115,20 @@ class HorovodCommunicator(Communicator):
 
     engine = "horovod"
 
-    def __init__(self, timeout: Optional[float] = None, process_set=None) -> None:
+    def __init__(self, timeout: Optional[float] = None, process_set=None, prefix: str = "mergecomp") -> None:
         if process_set is None:
             hvd = init_horovod()
         else:  # a set of the running Horovod
             import horovod.torch as hvd
         self.hvd = hvd
+        self._owns_horovod = process_set is None  # close() shuts Horovod down
         self._set = hvd.global_process_set if process_set is None else process_set
         super().__init__(self._set.rank(), self._set.size(), timeout)
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.controller = "gloo" if hvd.gloo_enabled() else "mpi"
         self._cuda = hvd.cuda_built()
         self._counter = itertools.count()
-        self._prefix = "mergecomp" if process_set is None else f"mergecomp.set{process_set.process_set_id}"
+        self._prefix = prefix if process_set is None else f"{prefix}.set{process_set.process_set_id}"
 
     def _name(self, kind: str) -> str:
         return f"{self._prefix}.{kind}.{next(self._counter)}"
@@ -244,10 +245,23 @@ class HorovodCommunicator(Communicator):
         host, local = divmod(self.rank, local_size)
         return (HorovodCommunicator(self.timeout, sets[host]), HorovodCommunicator(self.timeout, sets[hosts + local]))
 
+    def subgroup(self, ranks: Sequence[int]) -> Optional["HorovodCommunicator"]:
+        """A Horovod process set of ``ranks`` (``hvd.add_process_set``, every rank calls it;
+        needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1``)."""
+        if self._set is not self.hvd.global_process_set:
+            raise NotImplementedError("the horovod engine makes sub-groups of the global process set only")
+        members = self.hvd.add_process_set(list(ranks))
+        return HorovodCommunicator(self.timeout, members) if self.rank in ranks else None
+
+    def duplicate(self) -> "HorovodCommunicator":
+        """The same process set under other collective names (Horovod matches collectives by
+        name, so two threads' collectives never meet)."""
+        return HorovodCommunicator(self.timeout, self._set, prefix=f"{self._prefix}.dup{next(self._counter)}")
+
     def close(self) -> None:
         """``hvd.shutdown()`` (call only when no collective is in flight), which also ends the
         process sets of :meth:`split_hosts`; a process set's own communicator leaves its set to
         that shutdown (removing a set is a collective of every rank)."""
         super().close()
-        if self._set is self.hvd.global_process_set:
+        if self._owns_horovod:
             self.hvd.shutdown()

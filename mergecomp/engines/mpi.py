@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -241,6 +241,17 @@ class MPICommunicator(Communicator):
         finally:
             local.Free()
             cross.Free()
+
+    def subgroup(self, ranks: Sequence[int]) -> Optional["MPICommunicator"]:
+        """``Split`` of ``ranks`` (every rank calls it), duplicated into a communicator of its own."""
+        member = self.rank in ranks
+        sub = self.mpi_comm.Split(color=0 if member else self.MPI.UNDEFINED, key=self.rank)
+        if not member:
+            return None
+        try:
+            return MPICommunicator(sub, self.timeout)
+        finally:
+            sub.Free()
 
     def close(self) -> None:
         """Free the duplicated communicator and the per-host ones (call only when no collective is

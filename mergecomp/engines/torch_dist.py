@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,31 @@ def init_process_group(backend: Optional[str], timeout: float) -> None:
         )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    limit = datetime.timedelta(seconds=timeout)
+    generation = next(_generations)
+    if generation == 0:
+        dist.init_process_group(backend, timeout=limit)
+        return
+    # Again after a shutdown: the launcher's store still holds the earlier group's keys, which a
+    # rank arriving late would read as its peers' addresses; each generation gets keys of its own.
+    store, rank, size = next(dist.rendezvous("env://", timeout=limit))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"mergecomp/init{generation}", store), rank=rank,
+                            world_size=size, timeout=limit)
+
+
+#: how many times this process initialised the default group here (0: not yet)
+_generations = itertools.count()
+
+
+#: dtypes gloo and NCCL sum as they are, and move as they are
+_SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+             torch.int64)
+
+
+def _movable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous), as raw bytes when the backends lack its dtype (16-bit and wide
+    unsigned integers, bool, complex)."""
+    return tensor if tensor.dtype in _SUMMABLE else tensor.view(torch.uint8)
 
 
 class TorchCommunicator(Communicator):
@@ -39,30 +64,40 @@ class TorchCommunicator(Communicator):
         if dist.get_backend(group) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def _handle(self, work, result: torch.Tensor, describe: Callable[[], str]) -> Handle:
+    def _handle(self, work, result: torch.Tensor, describe: Callable[[], str],
+                finish: Optional[Callable[[], torch.Tensor]] = None) -> Handle:
         def wait(timeout: float) -> torch.Tensor:
             try:
                 work.wait(timeout=datetime.timedelta(seconds=timeout))
             except RuntimeError as err:  # gloo/NCCL name neither the rank nor the operation
                 raise RuntimeError(f"{describe()} failed: {err}") from err
-            return result
+            return result if finish is None else finish()
 
         return Handle(wait, self.timeout)
 
     def allreduce_async(self, tensor: torch.Tensor) -> Handle:
+        """``all_reduce`` (sum) in place; a dtype the backend cannot sum (gloo: 16-bit and unsigned
+        integers but uint8) is summed in int64 and copied back (wrapping as an integer sum would)."""
+        describe = self._describe("torch all_reduce", tensor)
+        if tensor.dtype not in _SUMMABLE:
+            wide = tensor.to(torch.int64)
+            work = dist.all_reduce(wide, group=self.group, async_op=True)
+            return self._handle(work, tensor, describe, finish=lambda: tensor.copy_(wide))
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return self._handle(work, tensor, self._describe("torch all_reduce", tensor))
+        return self._handle(work, tensor, describe)
 
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
-        out = tensor.new_empty(self.size * tensor.numel())
-        work = dist.all_gather_single(out, tensor.reshape(-1), group=self.group, async_op=True)
-        return self._handle(work, out.view(self.size, -1), self._describe("torch all_gather_single", tensor))
+        flat = _movable(tensor.reshape(-1))
+        out = flat.new_empty(self.size * flat.numel())
+        work = dist.all_gather_single(out, flat, group=self.group, async_op=True)
+        return self._handle(work, out.view(tensor.dtype).view(self.size, -1),
+                            self._describe("torch all_gather_single", tensor))
 
     def alltoall_async(self, tensor: torch.Tensor) -> Handle:
-        """``all_to_all_single`` on ``tensor`` as it is: gloo and NCCL move any dtype, and gloo
-        empty blocks too."""
+        """``all_to_all_single`` on ``tensor`` (bytes for dtypes the backend lacks; gloo moves
+        empty blocks too)."""
         out = tensor.new_empty((self.size, self._block(tensor)))
-        work = dist.all_to_all_single(out, tensor, group=self.group, async_op=True)
+        work = dist.all_to_all_single(_movable(out.view(-1)), _movable(tensor), group=self.group, async_op=True)
         return self._handle(work, out, self._describe("torch all_to_all_single", tensor))
 
     def _split_hosts(self, local_size: int) -> Tuple["TorchCommunicator", "TorchCommunicator"]:
@@ -76,7 +111,23 @@ class TorchCommunicator(Communicator):
                   for members in (ranks[host * local_size:(host + 1) * local_size], ranks[local::local_size])]
         return tuple(TorchCommunicator(group, self.timeout) for group in groups)
 
+    def subgroup(self, ranks: Sequence[int]) -> Optional["TorchCommunicator"]:
+        """``dist.new_group`` of ``ranks``, created by its members only (``use_local_synchronization``)."""
+        if self.rank not in ranks:
+            return None
+        members = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.size))
+        group = dist.new_group([members[r] for r in ranks], timeout=datetime.timedelta(seconds=self.timeout),
+                               use_local_synchronization=True)
+        return TorchCommunicator(group, self.timeout)
+
+    def close(self) -> None:
+        """Destroy the group this communicator made (not the default group: shutdown does)."""
+        super().close()
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
-        work = dist.broadcast(tensor, src=root, group=self.group, async_op=True)
+        work = dist.broadcast(_movable(tensor), group=self.group, async_op=True, group_src=root)  # root in the group
         describe = self._describe(f"torch broadcast from rank {root}", tensor)
         return self._handle(work, tensor, describe).wait(f"broadcast from rank {root}")

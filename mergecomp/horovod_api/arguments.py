@@ -3,16 +3,23 @@
 ``num_groups``, and ``groups`` given as lists of tensors or variables."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
+
+from mergecomp.horovod_api.process_sets import global_process_set
 
 __all__ = ["Average", "Sum", "OPS", "Adasum", "global_process_set", "check_horovod_args", "check_process_set",
-           "resolve_op", "resolve_groups", "scaling"]
+           "resolve_groups", "scaling"]
 
 #: reduce over ranks and divide by their number (Horovod's default)
 Average = "average"
 #: reduce over ranks
 Sum = "sum"
+#: the elementwise minimum, maximum and product over ranks (tensor collectives only)
+Min, Max, Product = "min", "max", "product"
+#: the ops of gradient exchanges (DistributedOptimizer)
 OPS = (Average, Sum)
+#: the ops of the tensor reductions (allreduce, reducescatter)
+REDUCTIONS = (Average, Sum, Min, Max, Product)
 
 
 class _Adasum:
@@ -24,17 +31,10 @@ class _Adasum:
 Adasum = _Adasum()
 
 
-class _GlobalProcessSet:
-    def __repr__(self) -> str:
-        return "mc.global_process_set"
 
 
-#: every rank (the only process set mergecomp supports)
-global_process_set = _GlobalProcessSet()
-
-
-def check_horovod_args(op: Any, gradient_predivide_factor: float, process_set: Any) -> float:
-    """Check ``op``, ``gradient_predivide_factor`` and ``process_set``; returns the factor."""
+def check_horovod_args(op: Any, gradient_predivide_factor: float) -> float:
+    """Check a gradient exchange's ``op`` and ``gradient_predivide_factor``; returns the factor."""
     if op is Adasum:
         raise NotImplementedError("op=mc.Adasum is not implemented in mergecomp; use op=mc.Average "
                                   "(optionally with a compressor, e.g. compression=mc.Compression.topk)")
@@ -45,7 +45,6 @@ def check_horovod_args(op: Any, gradient_predivide_factor: float, process_set: A
         raise ValueError("gradient_predivide_factor not supported with op != mc.Average")
     if factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
-    check_process_set(process_set)
     return factor
 
 
@@ -59,21 +58,11 @@ def scaling(op: str, gradient_predivide_factor: float, size: int) -> dict:
 
 
 def check_process_set(process_set: Any) -> None:
-    """Only the global process set exists: anything else raises NotImplementedError."""
+    """For what runs among all ranks only (the TensorFlow front end): a process set other than
+    the global one raises NotImplementedError."""
     if process_set is not None and process_set is not global_process_set:
-        raise NotImplementedError("mergecomp runs collectives among all ranks only: process_set must be "
-                                  "None or mc.global_process_set")
-
-
-def resolve_op(average: Optional[bool], op: Any, process_set: Any) -> str:
-    """The op of a collective given Horovod's ``op=`` or its older ``average=`` (not both)."""
-    if average is not None:
-        if op is not None:
-            raise ValueError("give op= or the older average=, not both")
-        op = Average if average else Sum
-    op = Average if op is None else op
-    check_horovod_args(op, 1.0, process_set)
-    return op
+        raise NotImplementedError("this runs among all ranks only: process_set must be None or "
+                                  "global_process_set")
 
 
 def resolve_groups(groups: Any, num_groups: int, name_of: Callable[[Any], str]) -> Any:

@@ -1,301 +1,299 @@
-"""Horovod-shaped tensor collectives (``mc.allreduce``, ``mc.allgather``, ``mc.alltoall`` ...) on
-whatever engine :func:`mergecomp.torch.init` picked, through the :class:`~mergecomp.engines.communicator.Communicator`.
+"""Horovod's tensor collectives (``allreduce``, ``allgather``, ``broadcast``, ``alltoall``,
+``reducescatter``, their ``_async``, in-place and ``grouped_`` forms, ``barrier``, ``join``) on
+whatever engine :func:`mergecomp.torch.init` picked.
 
-Every rank must call the same collectives in the same order.  Tensors are moved to the engine's
-device (``communicator().device``) and made contiguous when needed; results come back on the
-input's device.  Each wait is bounded by the communicator's timeout (``MERGECOMP_TIMEOUT``) and
-raises :class:`~mergecomp.engines.communicator.CommunicationError` naming the operation (and ``name`` if given).
+As in Horovod, each collective is matched across the ranks of its process set by name (its kind
+and ``name``, or the n-th unnamed one of its kind), not by call order, and runs on a background
+thread once every rank asked for it (:mod:`mergecomp.horovod_api.negotiation`): asynchronous
+collectives may be started in any order, ``poll`` does not block, and a rank in :func:`join`
+contributes zeros to the others' reductions.  Arguments that differ between ranks (dtype,
+shape, root, op) fail with :class:`~mergecomp.horovod_api.negotiation.MismatchError` (a
+RuntimeError and ValueError) on every rank; a name in flight twice raises ValueError; a
+collective not every rank asks for within ``MERGECOMP_TIMEOUT`` fails on the ranks that did.
+Results come back on the input's device.  These functions are not differentiable; the torch
+front end's are (:mod:`mergecomp.torch.differentiable`).
 
-Differences from Horovod, on purpose or by necessity:
-
-* ``alltoall`` pads each destination's rows to the largest block any rank sends, so uneven
-  splits move ``size x`` that block per rank.
-* ``allgather_async`` exchanges the first dimensions synchronously; only the data is in flight.
-* ``poll`` cannot ask the engine whether a collective finished: it waits for it, then says True.
-* ``join`` does not serve the other ranks' later collectives (see its docstring).
-* Only the global process set exists; ``process_set`` must be None or ``mc.global_process_set``.
+Differences from Horovod: ``alltoall`` pads each destination's rows to the largest block any rank
+sends; ``Min``/``Max``/``Product`` gather every rank's tensor and reduce locally; ``Adasum`` is
+not implemented.
 """
 from __future__ import annotations
 
-import math
 import time
-from contextlib import contextmanager
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from mergecomp.engines.communicator import CommunicationError, load_object, object_bytes
-from mergecomp.horovod_api.arguments import Average, check_process_set, resolve_op
+from mergecomp.engines.communicator import load_object, object_bytes
+from mergecomp.horovod_api.arguments import REDUCTIONS, Adasum, Average, Sum
+from mergecomp.horovod_api.negotiation import JOIN, Coordinator, Request, register
+from mergecomp.horovod_api.operations import (Allgather, Allreduce, Alltoall, Barrier, Broadcast, BroadcastObject,
+                                              Operation, Reducescatter)
+from mergecomp.horovod_api.process_sets import ProcessSet, resolve
 from mergecomp.horovod_api.runtime import communicator, importable, is_initialized
-from mergecomp.registry import Compression
 
-__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "allgather_async",
-           "broadcast", "broadcast_", "broadcast_object", "alltoall", "allgather_object", "synchronize", "poll", "barrier", "join",
-           "cross_rank", "cross_size", "mpi_threads_supported", "nccl_built", "mpi_built", "gloo_built",
-           "mpi_enabled", "gloo_enabled", "cuda_built", "rocm_built"]
+__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+           "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+           "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_",
+           "broadcast_async", "broadcast_async_", "broadcast_object", "alltoall", "alltoall_async", "reducescatter",
+           "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
+           "allgather_object", "synchronize", "poll", "barrier", "join", "CollectiveHandle", "cross_rank",
+           "cross_size", "mpi_threads_supported", "nccl_built", "mpi_built", "gloo_built", "ccl_built",
+           "ddl_built", "mpi_enabled", "gloo_enabled", "cuda_built", "rocm_built"]
 
-#: the most dimensions a tensor given to allgather/alltoall may have (its shape is exchanged
-#: in a fixed-size header)
-MAX_DIMS = 32
-
-#: dtypes allgather can name in its header, to check that every rank sends the same one
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+register(Allreduce, Allgather, Broadcast, BroadcastObject, Alltoall, Reducescatter, Barrier)
 
 
 def _what(op: str, name: Optional[str]) -> str:
     return f"{op} of {name!r}" if name else op
 
 
-@contextmanager
-def _named(what: str):
-    """Re-raise a CommunicationError from an engine call with the operation's name in front."""
-    try:
-        yield
-    except CommunicationError as err:
-        if str(err).startswith(what):
-            raise
-        raise CommunicationError(f"{what}: {err}") from err
-
-
-def _on_device(tensor: torch.Tensor, device: torch.device, copy: bool) -> torch.Tensor:
-    """``tensor`` on ``device``, contiguous; a fresh copy when ``copy`` or when it had to move."""
-    if not copy and tensor.device == device and tensor.is_contiguous():
-        return tensor
-    return tensor.detach().to(device, memory_format=torch.contiguous_format, copy=True)
-
-
 class CollectiveHandle:
-    """An in-flight collective started by one of the ``*_async`` functions; pass it to
-    :func:`synchronize` (the result) or :func:`poll`."""
+    """Collectives started by an ``*_async`` function: :func:`synchronize` returns the result
+    (again on later calls), :func:`poll` says whether they finished."""
 
-    def __init__(self, finish: Callable[[], Any]) -> None:
-        self._finish = finish
+    def __init__(self, coordinator: Coordinator, requests: List[Request], finish: Callable[[List[Any]], Any]) -> None:
+        self._coordinator, self._requests, self._finish = coordinator, requests, finish
         self._done = False
         self._result: Any = None
 
+    def done(self) -> bool:
+        return self._done or all(r.done() for r in self._requests)
+
     def result(self) -> Any:
         if not self._done:
-            self._result = self._finish()
+            self._result = self._finish([self._coordinator.wait(r) for r in self._requests])
             self._done = True
-            self._finish = None
+            self._requests, self._finish = [], None
         return self._result
 
 
 def synchronize(handle: CollectiveHandle) -> Any:
-    """Wait for the collective ``handle`` stands for and return its result (again on later calls)."""
+    """Wait for the collective ``handle`` stands for and return its result."""
     return handle.result()
 
 
 def poll(handle: CollectiveHandle) -> bool:
-    """True when the collective has finished.
+    """True once the collective has finished (never blocks)."""
+    return handle.done()
 
-    The communicator's handles cannot be asked without waiting, so this waits for the collective
-    (bounded by the timeout) and then returns True: a ``while not poll(h)`` loop ends after one
-    turn, and ``synchronize`` afterwards returns at once.
-    """
-    handle.result()
-    return True
+
+def _start(kind: str, operations: Sequence[Operation], names: Sequence[Optional[str]], process_set: Any,
+           finish: Callable[[List[Any]], Any]) -> CollectiveHandle:
+    coordinator = resolve(process_set, _what(kind, names[0] if names else None)).coordinator
+    requests = [coordinator.submit(kind, op, name) for op, name in zip(operations, names)]
+    return CollectiveHandle(coordinator, requests, finish)
+
+
+def _names(name: Optional[str], count: int) -> List[Optional[str]]:
+    """The names of a grouped collective's members: ``name`` for one, ``name.i`` for several, or unnamed."""
+    if name is None or count == 1:
+        return [name] * count
+    return [f"{name}.{i}" for i in range(count)]
+
+
+def _reduction(average: Optional[bool], op: Any, what: str) -> str:
+    """The reduction of ``op=`` or the older ``average=`` (not both)."""
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{what}: give op= or the older average=, not both")
+        op = Average if average else Sum
+    op = Average if op is None else op
+    if op is Adasum:
+        raise NotImplementedError(f"{what}: op=Adasum is not implemented in mergecomp; use Average or Sum")
+    if op not in REDUCTIONS:
+        raise ValueError(f"{what}: op must be one of Average, Sum, Min, Max, Product, got {op!r}")
+    return op
+
+
+def _scalable(tensor: torch.Tensor, op: str, prescale: float, postscale: float, what: str) -> None:
+    if (prescale != 1.0 or postscale != 1.0) and op not in (Sum, Average):
+        raise ValueError(f"{what}: prescale_factor/postscale_factor apply to Sum and Average only")
+    if tensor.dtype == torch.bool:
+        raise ValueError(f"{what}: cannot reduce bool tensors")
+
+
+def _first(results: List[Any]) -> Any:
+    return results[0]
 
 
 # -- allreduce ---------------------------------------------------------------------------------
-def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: Any = None) -> CollectiveHandle:
-    """Start an in-place allreduce of ``tensor``; :func:`synchronize` returns ``tensor``.
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None
+                             ) -> CollectiveHandle:
+    """Start an in-place reduction of each tensor of ``tensors`` over ranks; :func:`synchronize`
+    returns ``tensors``.
 
-    ``op``: ``mc.Average`` (default) or ``mc.Sum``; ``average=True/False`` is the older spelling
-    (not together with ``op``); ``mc.Adasum`` raises NotImplementedError.  ``prescale_factor``
-    multiplies each rank's tensor before the sum, ``postscale_factor`` the result after it (and
-    after the division by the number of ranks).  Integer tensors: the average is the sum
-    floor-divided by the number of ranks, and scale factors other than 1 raise ValueError.
+    ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product`` (``average=True/False``
+    is the older spelling); ``Adasum`` raises NotImplementedError.  ``prescale_factor`` multiplies
+    each rank's tensor before the reduction, ``postscale_factor`` the result after it (and after
+    the division by the number of ranks); integer tensors are scaled in float64 and truncated.
     """
     what = _what("allreduce", name)
-    try:
-        op = resolve_op(average, op, process_set)
-    except ValueError as err:
-        raise ValueError(f"{what}: {err}") from None
-    scaled = prescale_factor != 1.0 or postscale_factor != 1.0
-    integer = not (tensor.dtype.is_floating_point or tensor.dtype.is_complex)
-    if integer and scaled:
-        raise ValueError(f"{what}: prescale_factor/postscale_factor need a floating-point tensor, "
-                         f"got {tensor.dtype}")
-    comm = communicator()
-    work = _on_device(tensor, comm.device, copy=False)
-    if prescale_factor != 1.0:
-        with torch.no_grad():
-            work.mul_(prescale_factor)
-    with _named(what):
-        inner = comm.allreduce_async(work)
+    op = _reduction(average, op, what)
+    for tensor in tensors:
+        _scalable(tensor, op, prescale_factor, postscale_factor, what)
+    operations = [Allreduce(t.detach(), t, op, prescale_factor, postscale_factor) for t in tensors]
+    return _start("allreduce", operations, _names(name, len(tensors)), process_set, lambda out: list(out))
 
-    @torch.no_grad()
-    def finish() -> torch.Tensor:
-        with _named(what):
-            out = inner.wait(what)
-        if op == Average and comm.size > 1:
-            if integer:
-                out.div_(comm.size, rounding_mode="floor")
-            else:
-                out.div_(comm.size)
-        if postscale_factor != 1.0:
-            out.mul_(postscale_factor)
-        if out is not tensor:
-            tensor.copy_(out)
-        return tensor
 
-    return CollectiveHandle(finish)
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Any = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None
+                            ) -> CollectiveHandle:
+    """Like :func:`grouped_allreduce_async_`, into new tensors (``tensors`` are left as they are)."""
+    return grouped_allreduce_async_([t.detach().clone(memory_format=torch.contiguous_format) for t in tensors],
+                                    average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
+                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Optional[ProcessSet] = None) -> List[torch.Tensor]:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
+                      compression: Any = None, op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> List[torch.Tensor]:
+    """The reduction of each tensor over ranks, as new tensors (see :func:`grouped_allreduce_async_`);
+    ``compression``: see :func:`allreduce`."""
+    packed = [horovod_compress(compression, t, _what("grouped_allreduce", name)) for t in tensors]
+    out = synchronize(grouped_allreduce_async([p for p, _ in packed], average, name, op, prescale_factor,
+                                              postscale_factor, process_set))
+    return [horovod_decompress(compression, t, ctx) for t, (_, ctx) in zip(out, packed)]
+
+
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
+    """Start an in-place reduction of ``tensor`` over ranks (see :func:`grouped_allreduce_async_`);
+    :func:`synchronize` returns ``tensor``."""
+    handle = grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
+    handle._finish = _first
+    return handle
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: Any = None) -> CollectiveHandle:
+                    process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
     """Like :func:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
     return allreduce_async_(tensor.detach().clone(memory_format=torch.contiguous_format), average, name, op,
                             prescale_factor, postscale_factor, process_set)
 
 
-def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: Any = None) -> torch.Tensor:
-    """The reduction of ``tensor`` over ranks, as a new tensor (see :func:`allreduce_async_`).
-    Not differentiable (autograd does not flow through it).
+def horovod_compress(compression: Any, tensor: torch.Tensor, what: str) -> Tuple[torch.Tensor, Any]:
+    """``compression.compress(tensor)``: Horovod's compressor contract, ``(tensor, ctx)``; None: as it is."""
+    if compression is None:
+        return tensor, None
+    if not hasattr(compression, "compress"):
+        raise ValueError(f"{what}: compression must be a Horovod-style compressor with compress/decompress "
+                         f"(mc.Compression.none, mc.Compression.fp16, or your own), got {compression!r}; "
+                         f"mergecomp's compressors work on gradients through DistributedOptimizer")
+    return compression.compress(tensor)
 
-    ``compression=mc.Compression.fp16`` (in Horovod's position, the fourth argument) sends a
-    floating-point tensor as float16 and returns it in its own dtype; other tensors are sent as
-    they are.
+
+def horovod_decompress(compression: Any, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+    return tensor if compression is None else compression.decompress(tensor, ctx)
+
+
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Any = None, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Optional[ProcessSet] = None) -> torch.Tensor:
+    """The reduction of ``tensor`` over ranks, as a new tensor (see :func:`grouped_allreduce_async_`).
+
+    ``compression`` (Horovod's fourth argument): an object with Horovod's ``compress(tensor) ->
+    (tensor, ctx)`` and ``decompress(tensor, ctx)``, such as ``mc.Compression.fp16`` (floating
+    tensors travel as float16) or a compressor written for Horovod.
     """
-    if compression not in (None, Compression.none, Compression.fp16):
-        raise ValueError(f"{_what('allreduce', name)}: compression must be mc.Compression.none or "
-                         f"mc.Compression.fp16, got {compression!r}")
-    if compression == Compression.fp16 and tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
-        half = tensor.detach().to(torch.float16)
-        return allreduce_(half, average, name, op, prescale_factor, postscale_factor, process_set).to(tensor.dtype)
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                       process_set))
+    return grouped_allreduce([tensor], average, name, compression, op, prescale_factor, postscale_factor,
+                             process_set)[0]
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: Any = None) -> torch.Tensor:
+               process_set: Optional[ProcessSet] = None) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 # -- allgather ---------------------------------------------------------------------------------
-def _header(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"{what}: tensors of more than {MAX_DIMS} dimensions are not supported")
-    code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1
-    return torch.tensor([tensor.dim(), code, *tensor.shape] + [-1] * (MAX_DIMS - tensor.dim()), dtype=torch.int64)
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
+    """Start :func:`grouped_allgather`."""
+    operations = [Allgather(t.detach().reshape(1) if t.dim() == 0 else t.detach()) for t in tensors]
+    return _start("allgather", operations, _names(name, len(tensors)), process_set, lambda out: list(out))
 
 
-def _check_headers(headers: torch.Tensor, what: str) -> List[Tuple[int, ...]]:
-    """The shapes in ``headers`` (row ``r``: rank ``r``'s :func:`_header`); ValueError naming two
-    ranks unless all send one dtype and shapes that differ in the first dimension only.  Every
-    rank holds the same rows, so every rank raises the same error."""
-    shapes = [tuple(int(d) for d in row[2:2 + int(row[0])]) for row in headers]
-    codes = [int(row[1]) for row in headers]
-    for r in range(len(shapes)):
-        if codes[r] != codes[0]:
-            raise ValueError(f"{what}: rank 0 sends {_DTYPES[codes[0]] if codes[0] >= 0 else 'another dtype'} "
-                             f"but rank {r} sends {_DTYPES[codes[r]] if codes[r] >= 0 else 'another dtype'}")
-        if len(shapes[r]) != len(shapes[0]) or shapes[r][1:] != shapes[0][1:]:
-            raise ValueError(f"{what}: only the first dimension may differ between ranks, but rank 0 has "
-                             f"shape {list(shapes[0])} and rank {r} has {list(shapes[r])}")
-    return shapes
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: Optional[ProcessSet] = None) -> List[torch.Tensor]:
+    """:func:`allgather` of each tensor."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
-def _gather_rows_async(tensor: torch.Tensor, what: str) -> Tuple[List[int], Callable[[], torch.Tensor]]:
-    """Start gathering every rank's ``tensor`` (first dimension may differ): returns each rank's
-    first dimension and a function that waits and returns the concatenation along dim 0.
-
-    The shapes are exchanged first (blocking; every rank gets the same header, so every rank
-    raises the same ValueError on a mismatch), then the tensors padded to the longest.
-    """
-    comm = communicator()
-    tensor = tensor.detach()  # not differentiable; the padded copy must not record autograd history
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    with _named(what):
-        headers = comm.allgather(_header(tensor, what).to(comm.device), what + " (shapes)").cpu()
-    firsts = [s[0] for s in _check_headers(headers, what)]
-    longest, rest = max(firsts), tuple(tensor.shape[1:])
-    if longest * math.prod(rest) == 0:  # nothing to move (gloo rejects empty tensors)
-        empty = tensor.new_empty((sum(firsts),) + rest)
-        return firsts, lambda: empty
-    padded = tensor.new_zeros((longest,) + rest, device=comm.device)
-    padded[:tensor.shape[0]] = tensor
-    with _named(what):
-        inner = comm.allgather_async(padded.reshape(-1))
-
-    def finish() -> torch.Tensor:
-        with _named(what):
-            out = inner.wait(what).view((comm.size, longest) + rest)
-        return torch.cat([out[r, :firsts[r]] for r in range(comm.size)]).to(tensor.device)
-
-    return firsts, finish
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
+    """Start :func:`allgather`."""
+    handle = grouped_allgather_async([tensor], name, process_set)
+    handle._finish = _first
+    return handle
 
 
-def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> CollectiveHandle:
-    """Start :func:`allgather`; the first dimensions are exchanged before this returns."""
-    _, finish = _gather_rows_async(tensor, _what("allgather", name))
-    return CollectiveHandle(finish)
+def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
+              ) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dimension 0, in rank order.  The first
+    dimension may differ between ranks; the others and the dtype must match.  A 0-d tensor counts
+    as one row."""
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dimension 0, in rank order.
-
-    The first dimension may differ between ranks; the others and the dtype must match
-    (ValueError naming the ranks otherwise).  A 0-d tensor counts as one row.
-    """
-    return synchronize(allgather_async(tensor, name))
-
-
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """A list of every rank's ``obj`` in rank order (pickled with ``torch.save``)."""
-    sizes, finish = _gather_rows_async(object_bytes(obj), _what("allgather_object", name))
-    rows = finish().cpu()
-    return [load_object(part) for part in rows.split(sizes)]
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> List[Any]:
+    """A list of every rank's ``obj`` in rank order (pickled with ``torch.save``); unnamed, it is
+    named after ``obj``'s type, as in Horovod."""
+    name = type(obj).__name__ if name is None else name
+    payload = object_bytes(obj)
+    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"{name}.sizes", process_set)
+    rows = allgather(payload, name, process_set)
+    return [load_object(part) for part in rows.split(sizes.tolist())]
 
 
 # -- broadcast ---------------------------------------------------------------------------------
-def _check_root(root_rank: int, what: str) -> None:
-    size = communicator().size
-    if not 0 <= root_rank < size:
-        raise ValueError(f"{what}: root_rank {root_rank} is not a rank of this job (size {size})")
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
+    """Start overwriting ``tensor`` on every rank with rank ``root_rank``'s (``root_rank`` counts
+    within the process set); :func:`synchronize` returns ``tensor``."""
+    return _start("broadcast", [Broadcast(tensor, int(root_rank))], [name], process_set, _first)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set: Any = None) -> Any:
-    """Rank ``root_rank``'s ``obj`` on every rank (pickled with ``torch.save``)."""
-    what = _what("broadcast_object", name)
-    check_process_set(process_set)
-    _check_root(root_rank, what)
-    with _named(what):
-        return communicator().broadcast_object(obj, root_rank)
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
+    """Like :func:`broadcast_async_`, into a new tensor (``tensor`` is left as it is)."""
+    return broadcast_async_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name,
+                            process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: Any = None
-               ) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: Optional[ProcessSet] = None) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with rank ``root_rank``'s, in place; returns ``tensor``."""
-    what = _what("broadcast", name)
-    check_process_set(process_set)
-    _check_root(root_rank, what)
-    comm = communicator()
-    work = _on_device(tensor, comm.device, copy=False)
-    with _named(what):
-        comm.broadcast_(work, root_rank)
-    if work is not tensor:
-        with torch.no_grad():
-            tensor.copy_(work)
-    return tensor
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: Any = None
-              ) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: Optional[ProcessSet] = None) -> torch.Tensor:
     """Rank ``root_rank``'s ``tensor`` on every rank, as a new tensor (``tensor`` is unchanged)."""
-    return broadcast_(tensor.detach().clone(memory_format=torch.contiguous_format), root_rank, name, process_set)
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> Any:
+    """Rank ``root_rank``'s ``obj`` on every rank (pickled with ``torch.save``; the other ranks'
+    ``obj`` is not used and may be None)."""
+    coordinator = resolve(process_set, _what("broadcast_object", name)).coordinator
+    payload = object_bytes(obj) if coordinator.comm.rank == root_rank else torch.empty(0, dtype=torch.uint8)
+    handle = _start("broadcast_object", [BroadcastObject(payload, int(root_rank))], [name], process_set, _first)
+    return load_object(synchronize(handle))
 
 
 # -- alltoall ----------------------------------------------------------------------------------
@@ -307,6 +305,9 @@ def _send_splits(rows: int, splits: Optional[Union[Sequence[int], torch.Tensor]]
             raise ValueError(f"{what}: the first dimension {rows} does not divide into {size} equal splits; "
                              f"pass splits=")
         return [rows // size] * size
+    if isinstance(splits, torch.Tensor) and (splits.dtype.is_floating_point or splits.dim() != 1):
+        raise ValueError(f"{what}: splits must be a 1-D integer tensor or a list, got {splits.dtype} "
+                         f"of shape {list(splits.shape)}")
     send = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(send) != size or any(s < 0 for s in send) or sum(send) != rows:
         raise ValueError(f"{what}: splits {send} must be {size} non-negative counts summing to the "
@@ -314,66 +315,113 @@ def _send_splits(rows: int, splits: Optional[Union[Sequence[int], torch.Tensor]]
     return send
 
 
+def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
+                   name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
+    """Start :func:`alltoall`; :func:`synchronize` returns ``(tensor, received_splits)``."""
+    what = _what("alltoall", name)
+    if tensor.dim() == 0:
+        raise ValueError(f"{what}: needs a tensor of at least one dimension")
+    target = resolve(process_set, what)
+    send = _send_splits(tensor.shape[0], splits, target.coordinator.comm.size, what)
+    return _start("alltoall", [Alltoall(tensor.detach(), send)], [name], target, _first)
+
+
 def alltoall(tensor: torch.Tensor, splits: Optional[Union[Sequence[int], torch.Tensor]] = None,
-             name: Optional[str] = None, process_set: Any = None):
+             name: Optional[str] = None, process_set: Optional[ProcessSet] = None):
     """Rank ``r`` sends the ``splits[d]`` rows of ``tensor`` after the first ``sum(splits[:d])``
     to rank ``d``; each rank returns the rows it received, concatenated in sender order.
 
-    ``splits`` None: equal parts (the first dimension must divide by the number of ranks).
-    Returns the tensor when ``splits`` is None, else ``(tensor, received_splits)`` where
-    ``received_splits[s]`` (int64) is how many rows came from rank ``s`` (newer Horovod's form).
-    The dtype and all dimensions but the first must match across ranks (ValueError naming two).
-
-    Two of the engine's all-to-alls: first, to each destination, its row count with the most
-    rows this rank sends anyone and the shape header (int64); then the rows, each destination's
-    padded to the most any rank sends anyone.  Each rank moves ``size x`` that largest block:
-    O(tensor) when the splits are even.
+    ``splits`` None: equal parts (the first dimension must divide by the number of ranks), and
+    the result is the tensor; else ``(tensor, received_splits)`` where ``received_splits[s]``
+    (int64) is how many rows came from rank ``s``.  The dtype and all dimensions but the first
+    must match across ranks.  Each destination's rows are padded to the most any rank sends
+    anyone: O(tensor) per rank when the splits are even.
     """
-    what = _what("alltoall", name)
-    check_process_set(process_set)
-    comm = communicator()
-    if tensor.dim() == 0:
-        raise ValueError(f"{what}: needs a tensor of at least one dimension")
-    tensor = tensor.detach()  # not differentiable; the padded copy must not record autograd history
-    send = _send_splits(tensor.shape[0], splits, comm.size, what)
-    meta = torch.cat([torch.tensor([[count, max(send)] for count in send], dtype=torch.int64),
-                      _header(tensor, what).expand(comm.size, -1)], dim=1)
-    with _named(what):
-        got = comm.alltoall(meta.reshape(-1).to(comm.device), what + " (splits)").cpu()
-    _check_headers(got[:, 2:], what)
-    received, longest, rest = got[:, 0].clone(), int(got[:, 1].max()), tuple(tensor.shape[1:])
-    padded = tensor.new_zeros((comm.size, longest) + rest, device=comm.device)
-    for dest, part in enumerate(tensor.split(send)):
-        padded[dest, :send[dest]] = part
-    with _named(what):
-        blocks = comm.alltoall(padded.reshape(-1), what).view((comm.size, longest) + rest)
-    out = torch.cat([blocks[src, :count] for src, count in enumerate(received.tolist())]).to(tensor.device)
+    out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
     return out if splits is None else (out, received)
 
 
+# -- reducescatter -----------------------------------------------------------------------------
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: Any = Average,
+                                process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> CollectiveHandle:
+    """Start :func:`grouped_reducescatter`."""
+    what = _what("reducescatter", name)
+    op = _reduction(None, op, what)
+    if op not in (Sum, Average):
+        raise ValueError(f"{what}: op must be Average or Sum, got {op!r}")
+    for tensor in tensors:
+        _scalable(tensor, op, prescale_factor, postscale_factor, what)
+        if tensor.dim() == 0:
+            raise ValueError(f"{what}: needs a tensor of at least one dimension (its rows are scattered)")
+    operations = [Reducescatter(t.detach(), op, prescale_factor, postscale_factor) for t in tensors]
+    return _start("reducescatter", operations, _names(name, len(tensors)), process_set, lambda out: list(out))
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None, compression: Any = None,
+                          op: Any = Average, process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """:func:`reducescatter` of each tensor."""
+    packed = [horovod_compress(compression, t, _what("grouped_reducescatter", name)) for t in tensors]
+    out = synchronize(grouped_reducescatter_async([p for p, _ in packed], name, op, process_set, prescale_factor,
+                                                  postscale_factor))
+    return [horovod_decompress(compression, t, ctx) for t, (_, ctx) in zip(out, packed)]
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
+                        process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> CollectiveHandle:
+    """Start :func:`reducescatter`."""
+    handle = grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor, postscale_factor)
+    handle._finish = _first
+    return handle
+
+
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = None, op: Any = Average,
+                  process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """``op`` (``Average`` or ``Sum``) over ranks of ``tensor`` (same dtype and shape on every
+    rank), of which each rank keeps its rows: ``rows // size``, one more on the first
+    ``rows % size`` ranks, in rank order.  One all-to-all (each rank sends ``(size - 1) / size``
+    of the tensor, padded to the longest part) and a local sum; ``compression`` as in
+    :func:`allreduce`."""
+    return grouped_reducescatter([tensor], name, compression, op, process_set, prescale_factor, postscale_factor)[0]
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str] = None, op: Any = Average,
+                           process_set: Optional[ProcessSet] = None) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO tensor by allgathering its indices and values; returns a
+    function that waits and returns the coalesced sparse sum (divided by the ranks for Average)."""
+    what = _what("sparse_allreduce", name)
+    op = _reduction(None, op, what)
+    if op not in (Sum, Average):
+        raise ValueError(f"{what}: op must be Average or Sum, got {op!r}")
+    tensor = tensor.coalesce()
+    handle = grouped_allgather_async([tensor.indices().t().contiguous(), tensor.values()],
+                                     f"{name}.sparse" if name is not None else None, process_set)
+
+    def finish() -> torch.Tensor:
+        indices, values = synchronize(handle)
+        if op == Average:
+            values = values / resolve(process_set, what).size()
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.shape).coalesce()
+
+    return finish
+
+
 # -- barrier, join ----------------------------------------------------------------------------
-def barrier(process_set: Any = None) -> None:
-    """Return once every rank has called ``barrier`` (CommunicationError after the timeout)."""
-    check_process_set(process_set)
-    comm = communicator()
-    with _named("barrier"):
-        comm.allreduce_(torch.zeros(1, device=comm.device), "barrier")
+def barrier(process_set: Optional[ProcessSet] = None) -> None:
+    """Return once every rank of the process set has called ``barrier``."""
+    synchronize(_start("barrier", [Barrier()], [None], process_set, _first))
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join``; returns the rank that called it last.
-
-    "Last" is judged by each rank's wall clock (``time.time()``) at the call, so across hosts it
-    is only as right as their clocks agree.  Unlike Horovod, a rank waiting in ``join`` does not
-    take part in the collectives other ranks still issue: those (and the waiting ``join``) end
-    with CommunicationError at the timeout instead of completing, so every rank must reach
-    ``join`` without further collectives.  ``device`` is accepted for Horovod compatibility.
-    """
-    comm = communicator()
-    stamp = torch.tensor([time.time()], dtype=torch.float64, device=comm.device)
-    with _named("join"):
-        stamps = comm.allgather(stamp, "join").reshape(-1).cpu()
-    return int(torch.argmax(stamps))
+    """Wait until every rank has called ``join``, standing in meanwhile for this rank in the
+    others' collectives (zeros in ``Sum``/``Average`` reductions; the others' allgathers,
+    broadcasts and alltoalls fail with MismatchError).  Returns the rank that joined last, the
+    same on every rank.  ``device`` is accepted for Horovod compatibility."""
+    coordinator = resolve(None, "join").coordinator
+    return coordinator.wait(coordinator.submit(JOIN, None))
 
 
 # -- topology and build information --------------------------------------------------------------
@@ -459,3 +507,13 @@ def gloo_enabled() -> bool:
     if comm.engine == "torch":
         return dist.get_backend(comm.group) == "gloo"
     return bool(_horovod("gloo_enabled"))
+
+
+def ccl_built() -> bool:
+    """False: mergecomp has no oneCCL engine."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: mergecomp has no IBM DDL engine."""
+    return False

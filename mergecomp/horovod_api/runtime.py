@@ -179,6 +179,13 @@ def _require(engine: str) -> None:
                            f"Install it with: {how}") from err
 
 
+def _start_process_sets(comm: Communicator) -> None:
+    """The global process set and the negotiation of its tensor collectives."""
+    from mergecomp.horovod_api import process_sets
+
+    process_sets.start(comm)
+
+
 def _init_torch(backend: Optional[str], timeout: float) -> Communicator:
     from mergecomp.engines.torch_dist import TorchCommunicator, init_process_group
 
@@ -213,7 +220,10 @@ def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[
     global _comm, _exit_registered
     hold_freed_memory()
     if comm is not None:
+        if _comm is not None and _comm is not comm:
+            shutdown()
         _comm = comm
+        _start_process_sets(comm)
         return _comm
     if _comm is not None:
         return _comm
@@ -239,6 +249,7 @@ def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[
         _comm = MPICommunicator(timeout=timeout)
     else:
         _comm = LocalCommunicator(timeout)
+    _start_process_sets(_comm)
     if not _exit_registered:
         atexit.register(_shutdown_at_exit)
         _exit_registered = True
@@ -259,9 +270,12 @@ def shutdown() -> None:
     """Forget the communicator and release what :func:`init` created: the torch.distributed
     group, Horovod (``hvd.shutdown()``) or the duplicated MPI communicator."""
     global _comm
-    comm, _comm = _comm, None
-    if comm is None:
+    if _comm is None:
         return
+    from mergecomp.horovod_api import process_sets
+
+    process_sets.stop()
+    comm, _comm = _comm, None
     if comm.engine == "torch":
         import torch.distributed as dist
 
