@@ -499,3 +499,35 @@ def test_the_optimizer_is_the_users_class_with_its_hooks_and_lr_schedulers():
         assert is_sgd and is_ours and name == "SGD"
         assert hooks == 3 and lr == pytest.approx(0.1 * 0.5 ** 3) and states == 6  # a momentum buffer per parameter
         assert reloaded == 2
+
+
+class HalfForTheWire:
+    """A compressor written for Horovod: static compress/decompress, as its docs show."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor.to(torch.float16), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx)
+
+
+def _horovod_codec_worker(rank):
+    import mergecomp.torch as mc
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  compression=HalfForTheWire, groups=1)
+    torch.manual_seed(1 + rank)
+    model(torch.randn(8, 4)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    every = [mc.allgather(g[None]) for g in grads]
+    return [bool(torch.equal(e[0], e[1])) for e in every], repr(opt.merged.exchange.compressor)
+
+
+def test_a_compressor_written_for_horovod_works_in_distributed_optimizer():
+    for same, name in run_workers(_horovod_codec_worker, WORLD):
+        assert all(same) and name == "HorovodCodec(HalfForTheWire)"

@@ -42,6 +42,7 @@ from mergecomp.exchange.encoder import Encoder
 from mergecomp.exchange.job import Job
 from mergecomp.exchange.plan import CODECS, COMPRESSED, EXEMPT, Group
 from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, TWO_PHASE, Scheme
+from mergecomp.compressors.horovod_codec import HorovodCodec, is_horovod_codec
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.workspace import Workspace
 from mergecomp.registry import get_compressor, get_memory
@@ -54,12 +55,15 @@ def resolve(compression, memory) -> Tuple[Compressor, Memory]:
     compressor's ``default_memory``.  Every front end resolves names through this."""
     if isinstance(compression, str):
         compression = get_compressor(compression)
+    elif is_horovod_codec(compression):
+        compression = HorovodCodec(compression)
     if memory is None and isinstance(compression, Compressor):
         memory = compression.default_memory
     if isinstance(memory, str):
         memory = get_memory(memory)
     if not isinstance(compression, Compressor):
-        raise TypeError(f"compression must be a compressor name or a mergecomp.Compressor, got {compression!r}")
+        raise TypeError(f"compression must be a compressor name, a mergecomp.Compressor or a compressor written "
+                        f"for Horovod (compress/decompress), got {compression!r}")
     if not isinstance(memory, Memory):
         raise TypeError(f"memory must be a memory name or a mergecomp.Memory, got {memory!r}")
     return compression, memory
