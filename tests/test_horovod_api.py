@@ -531,3 +531,24 @@ def _horovod_codec_worker(rank):
 def test_a_compressor_written_for_horovod_works_in_distributed_optimizer():
     for same, name in run_workers(_horovod_codec_worker, WORLD):
         assert all(same) and name == "HorovodCodec(HalfForTheWire)"
+
+
+def _sparse_adam_worker(rank):
+    import mergecomp.torch as mc
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(11, 3, sparse=True)
+    opt = mc.DistributedOptimizer(torch.optim.SparseAdam(list(embedding.parameters()), lr=0.1),
+                                  embedding.named_parameters(), sparse_as_dense=True)
+    embedding(torch.tensor([[1, 2, 4], [4, 3, 9]]) + rank).sum().backward()  # the ranks touch other rows
+    opt.step()
+    return embedding.weight.detach()
+
+
+def test_sparse_gradients_reach_sparse_adam_averaged():
+    zero, one = run_workers(_sparse_adam_worker, WORLD)
+    torch.manual_seed(0)
+    start = torch.nn.Embedding(11, 3).weight.detach()
+    assert torch.equal(zero, one)
+    touched = {1, 2, 3, 4, 5, 9, 10}                                   # rows either rank looked up
+    assert all(torch.equal(zero[r], start[r]) != (r in touched) for r in range(11))

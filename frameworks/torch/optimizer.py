@@ -96,7 +96,8 @@ class DistributedOptimizer(HoldsMergedStep):
             ``k`` (k groups of about equal bytes), a list of lists of parameters or of their
             names, a :class:`~mergecomp.exchange.plan.GroupPlan`, or ``None`` (groups of about 25 MB,
             at most 4).
-        sparse_as_dense: sparse gradients are always exchanged densely; True silences the warning.
+        sparse_as_dense: sparse gradients are always exchanged densely (and handed back to the
+            optimizer sparse); True silences the warning.
         process_set: the ranks that exchange (a set from ``mc.add_process_set``; default all); on
             a rank outside it, ValueError.
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
@@ -288,7 +289,9 @@ class DistributedOptimizer(HoldsMergedStep):
             momentum.finished(views)
         if views is not None:
             for p, view in zip(self._exchanged, views):
-                if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None and p.grad.is_sparse:  # exchanged densely, handed back as it came
+                    p.grad = view.to_sparse()                # (SparseAdam refuses dense gradients)
+                elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
 
     @property
