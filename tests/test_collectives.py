@@ -90,6 +90,9 @@ def _gather_checks(mc, rank, world):
     assert mc.allgather(weight).tolist() == [[float(r)] * 2 for r in range(world)]
     objects = mc.allgather_object({"rank": rank, "payload": "x" * (10 * rank)})
     assert objects == [{"rank": r, "payload": "x" * (10 * r)} for r in range(world)]
+    comm = mc.communicator()                                      # inline bytes, and longer than that on rank 1
+    long = comm.allgather_object("y" * (rank * 3 * comm.INLINE_BYTES))
+    assert long == ["y" * (r * 3 * comm.INLINE_BYTES) for r in range(world)]
 
 
 def _broadcast_checks(mc, rank, world):

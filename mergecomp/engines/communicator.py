@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import io
 import os
+import pickle
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -234,18 +235,37 @@ class Communicator(abc.ABC):
         return lambda: (f"{op} of {tensor.numel()} {str(tensor.dtype).replace('torch.', '')} "
                         f"elements on rank {self.rank} of {self.size}")
 
+    #: bytes of a pickled object that travel in :meth:`allgather_object`'s first allgather
+    INLINE_BYTES = 504
+
     def allgather_object(self, obj: Any, what: str = "allgather_object") -> List[Any]:
-        """Every rank's ``obj`` in rank order (pickled with ``torch.save``; two allgathers: the
-        lengths, then the bytes padded to the longest)."""
+        """Every rank's ``obj`` in rank order, pickled: one allgather of a fixed-size buffer (the
+        length, then up to :attr:`INLINE_BYTES` bytes), and a second for the rest of objects
+        longer than that."""
         if self.size == 1:
             return [obj]
-        payload = object_bytes(obj)
-        lengths = self.allgather(torch.tensor([payload.numel()], dtype=torch.int64, device=self.device),
-                                 what).reshape(-1).cpu().tolist()
-        padded = torch.zeros(max(lengths), dtype=torch.uint8)
-        padded[:payload.numel()] = payload
-        rows = self.allgather(padded.to(self.device), what).cpu()
-        return [load_object(rows[r, :n]) for r, n in enumerate(lengths)]
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        head = torch.zeros(8 + self.INLINE_BYTES, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        first = torch.frombuffer(bytearray(data[:self.INLINE_BYTES]), dtype=torch.uint8)
+        head[8:8 + first.numel()] = first
+        rows = self.allgather(head.to(self.device), what).cpu()
+        lengths = rows[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
+        rest = max(lengths) - self.INLINE_BYTES
+        tails = None
+        if rest > 0:
+            tail = torch.zeros(rest, dtype=torch.uint8)
+            if len(data) > self.INLINE_BYTES:
+                tail[:len(data) - self.INLINE_BYTES] = torch.frombuffer(bytearray(data[self.INLINE_BYTES:]),
+                                                                        dtype=torch.uint8)
+            tails = self.allgather(tail.to(self.device), what).cpu()
+        objects = []
+        for r, n in enumerate(lengths):
+            raw = rows[r, 8:8 + min(n, self.INLINE_BYTES)].numpy().tobytes()
+            if n > self.INLINE_BYTES:
+                raw += tails[r, :n - self.INLINE_BYTES].numpy().tobytes()
+            objects.append(pickle.loads(raw))
+        return objects
 
     def subgroup(self, ranks: Sequence[int]) -> Optional["Communicator"]:
         """A communicator over ``ranks`` (ranks of this communicator, ascending), with this one's
