@@ -377,6 +377,9 @@ def _process_set_worker(rank, world):
     out = {"set_rank": mine.rank(), "set_size": mine.size(), "included": evens.included()}
     out["sum"] = mc.allreduce(torch.tensor([float(rank)]), op=mc.Sum, process_set=mine).tolist()
     out["gather"] = mc.allgather(torch.tensor([rank]), process_set=mine).tolist()
+    last = max(r for r in range(world) if r % 2 == rank % 2)       # root_rank: a rank of the job, as in Horovod
+    out["broadcast"] = mc.broadcast(torch.tensor([rank]), root_rank=last, process_set=mine).tolist()
+    out["object"] = mc.broadcast_object(f"from {rank}", root_rank=last, process_set=mine)
     other = odds if mine is evens else evens
     out["outside"] = _error_of(lambda: mc.allreduce(torch.ones(1), process_set=other))
     out["disagree"] = _error_of(lambda: mc.add_process_set([rank]))
@@ -404,6 +407,7 @@ def test_process_sets_run_among_their_members():
         assert out["set_rank"] == members.index(rank) and out["set_size"] == len(members)
         assert out["included"] == (rank % 2 == 0)
         assert out["sum"] == [float(sum(members))] and out["gather"] == members
+        assert out["broadcast"] == [members[-1]] and out["object"] == f"from {members[-1]}"
         assert out["outside"].startswith("ValueError") and "not in" in out["outside"]
         assert out["disagree"].startswith("ValueError") and "disagree" in out["disagree"]
         assert out["removed"] == (True, True, False)

@@ -27,6 +27,7 @@ import torch
 from mergecomp.horovod_api import collectives as plain
 from mergecomp.horovod_api.arguments import Average, Sum
 from mergecomp.horovod_api.process_sets import resolve
+from mergecomp.horovod_api.runtime import rank
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
            "reducescatter", "grouped_reducescatter"]
@@ -109,7 +110,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         averaged = plain.allreduce(grad.contiguous(), op=Average, process_set=ctx.process_set)
-        if resolve(ctx.process_set, "broadcast's gradient").rank() != ctx.root_rank:
+        if rank() != ctx.root_rank:  # a rank of the job, as broadcast's root_rank
             averaged = torch.zeros_like(averaged)
         return averaged, None, None, None
 

@@ -262,9 +262,10 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Optional
 # -- broadcast ---------------------------------------------------------------------------------
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
-    """Start overwriting ``tensor`` on every rank with rank ``root_rank``'s (``root_rank`` counts
-    within the process set); :func:`synchronize` returns ``tensor``."""
-    return _start("broadcast", [Broadcast(tensor, int(root_rank))], [name], process_set, _first)
+    """Start overwriting ``tensor`` on every rank with rank ``root_rank``'s (a rank of the job, in
+    the process set, as in Horovod); :func:`synchronize` returns ``tensor``."""
+    ranks = resolve(process_set, _what("broadcast", name)).ranks
+    return _start("broadcast", [Broadcast(tensor, int(root_rank), ranks)], [name], process_set, _first)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -290,9 +291,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> Any:
     """Rank ``root_rank``'s ``obj`` on every rank (pickled with ``torch.save``; the other ranks'
     ``obj`` is not used and may be None)."""
-    coordinator = resolve(process_set, _what("broadcast_object", name)).coordinator
-    payload = object_bytes(obj) if coordinator.comm.rank == root_rank else torch.empty(0, dtype=torch.uint8)
-    handle = _start("broadcast_object", [BroadcastObject(payload, int(root_rank))], [name], process_set, _first)
+    target = resolve(process_set, _what("broadcast_object", name))
+    payload = object_bytes(obj) if communicator().rank == root_rank else torch.empty(0, dtype=torch.uint8)
+    handle = _start("broadcast_object", [BroadcastObject(payload, int(root_rank), target.ranks)], [name], target,
+                    _first)
     return load_object(synchronize(handle))
 
 

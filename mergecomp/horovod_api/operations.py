@@ -178,19 +178,21 @@ class Allgather(Operation):
         return torch.cat([rows[r, :firsts[r]] for r in range(comm.size)]).to(self.tensor.device)
 
 
-def _check_root(root: int, comm: Communicator) -> None:
-    if not 0 <= root < comm.size:
-        raise ValueError(f"root_rank {root} is not a rank of this process set (size {comm.size})")
-
-
 class Broadcast(Operation):
-    """Rank ``root``'s tensor written into every rank's ``tensor``."""
+    """Rank ``root``'s tensor written into every rank's ``tensor``; ``root`` is a rank of the job,
+    and one of the process set's ``ranks``."""
 
     kind = "broadcast"
 
-    def __init__(self, tensor: torch.Tensor, root: int) -> None:
+    def __init__(self, tensor: torch.Tensor, root: int, ranks: List[int]) -> None:
         super().__init__(tensor)
-        self.root = root
+        self.root, self.ranks = root, ranks
+
+    def _set_root(self) -> int:
+        """``root``'s rank within the process set (ValueError, on every rank, if it is not in it)."""
+        if self.root not in self.ranks:
+            raise ValueError(f"root_rank {self.root} is not a rank of the process set {self.ranks}")
+        return self.ranks.index(self.root)
 
     @property
     def meta(self) -> tuple:
@@ -201,11 +203,11 @@ class Broadcast(Operation):
         return _value_problem(metas, 2, "root_rank") or Operation.check(metas)
 
     def run(self, comm: Communicator, metas: Metas) -> torch.Tensor:
-        _check_root(self.root, comm)
+        root = self._set_root()
         work = self.tensor if self.tensor.device == comm.device and self.tensor.is_contiguous() else \
             self.tensor.to(comm.device, memory_format=torch.contiguous_format, copy=True)
         if work.numel():
-            comm.broadcast_(work, self.root)
+            comm.broadcast_(work, root)
         if work is not self.tensor:
             with torch.no_grad():
                 self.tensor.copy_(work)
@@ -223,12 +225,12 @@ class BroadcastObject(Broadcast):
         return _value_problem(metas, 2, "root_rank")
 
     def run(self, comm: Communicator, metas: Metas) -> torch.Tensor:
-        _check_root(self.root, comm)
-        length = metas[self.root][1][0]
-        work = self.tensor if comm.rank == self.root else torch.empty(length, dtype=torch.uint8)
+        root = self._set_root()
+        length = metas[root][1][0]
+        work = self.tensor if comm.rank == root else torch.empty(length, dtype=torch.uint8)
         if length:
             work = work.to(comm.device)
-            comm.broadcast_(work, self.root)
+            comm.broadcast_(work, root)
         return work.cpu()
 
 
