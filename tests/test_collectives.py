@@ -394,6 +394,10 @@ def _process_set_worker(rank, world):
     out["set_trains_together"] = all(torch.equal(w, weights[0]) for w in weights)
     everyone = mc.allgather(model.weight.detach())
     out["sets_differ"] = not torch.equal(everyone[0], everyone[1])
+    outsider = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                                       process_set=other)        # not a member: steps on its own gradients
+    out["outsider_alone"] = outsider.merged.comm.size == 1
+    outsider.remove_hooks()
     mc.barrier(process_set=mine)
     out["removed"] = (mc.remove_process_set(odds), mc.remove_process_set(evens), mc.remove_process_set(evens))
     out["after"] = _error_of(lambda: mc.allreduce(torch.ones(1), process_set=mine))
@@ -411,7 +415,7 @@ def test_process_sets_run_among_their_members():
         assert out["outside"].startswith("ValueError") and "not in" in out["outside"]
         assert out["disagree"].startswith("ValueError") and "disagree" in out["disagree"]
         assert out["removed"] == (True, True, False)
-        assert out["set_trains_together"] and out["sets_differ"]
+        assert out["set_trains_together"] and out["sets_differ"] and out["outsider_alone"]
         assert out["after"].startswith("ValueError") and "removed" in out["after"]
 
 

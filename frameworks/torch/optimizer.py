@@ -40,7 +40,9 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.memories import warn_double_momentum
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, resolve_groups, scaling
+from mergecomp.engines.communicator import LocalCommunicator
 from mergecomp.horovod_api.process_sets import resolve as resolve_process_set
+from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.pipeline.step import HoldsMergedStep
@@ -98,8 +100,8 @@ class DistributedOptimizer(HoldsMergedStep):
             at most 4).
         sparse_as_dense: sparse gradients are always exchanged densely (and handed back to the
             optimizer sparse); True silences the warning.
-        process_set: the ranks that exchange (a set from ``mc.add_process_set``; default all); on
-            a rank outside it, ValueError.
+        process_set: the ranks that exchange (a set from ``mc.add_process_set``; default all); a
+            rank outside it steps on its own gradients, as under Horovod.
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
         exchange_momentum_after: for ``torch.optim.Adam`` or ``AdamW`` only: after this many
             updates (the warm-up, gradients exchanged as without it) Adam's variance freezes and
@@ -168,7 +170,9 @@ class DistributedOptimizer(HoldsMergedStep):
         self._exchanged, self.param_names = collect_parameters(optimizer, named_parameters)
         name_by_id = {id(p): n for p, n in zip(self._exchanged, self.param_names)}
         groups = resolve_groups(groups, num_groups, lambda t: name_by_id[id(t)])
-        comm = resolve_process_set(process_set, "DistributedOptimizer").communicator
+        # A rank outside the process set trains on its own gradients, as under Horovod.
+        comm = resolve_process_set(process_set, "DistributedOptimizer", member=False).communicator \
+            or LocalCommunicator(communicator().timeout)
         warmup = 0 if exchange_momentum_after is None else check_after(exchange_momentum_after)
         defaults = {"nonfinite": "propagate", "compression_warmup_steps": warmup}
         step_options = StepOptions.create("DistributedOptimizer", options, defaults=defaults,
@@ -197,6 +201,12 @@ class DistributedOptimizer(HoldsMergedStep):
     def _check_passes(n: int) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {n!r}")
+
+    @property
+    def _parameter_names(self) -> Dict[torch.Tensor, str]:
+        """Each exchanged parameter's name (:attr:`param_names`), under the attribute Horovod's
+        optimizer keeps it in, which Horovod scripts read."""
+        return dict(zip(self._exchanged, self.param_names))
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes are accumulated per exchange (between steps, on every rank)."""
@@ -313,10 +323,9 @@ class DistributedOptimizer(HoldsMergedStep):
         if self._should_synchronize:
             if self._called_synchronize and not self._warned_step:
                 self._warned_step = True
-                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
-                              "optimizer.skip_synchronize(); the gradients are not exchanged again. "
-                              "Wrap step() in skip_synchronize() after an explicit synchronize()",
-                              UserWarning, stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() after "
+                              "optimizer.synchronize(); the gradients are not exchanged again. Wrap step() in "
+                              "skip_synchronize() after an explicit synchronize()", UserWarning, stacklevel=2)
             self._finish_exchange()
         self._synchronized = self._called_synchronize = False
         if self._step_skipped:

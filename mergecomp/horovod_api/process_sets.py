@@ -133,9 +133,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def resolve(process_set: Optional[ProcessSet], what: str) -> ProcessSet:
-    """The set a collective runs in (None: the global one); ValueError naming ``what`` if it was
-    not added or this rank is not in it."""
+def resolve(process_set: Optional[ProcessSet], what: str, member: bool = True) -> ProcessSet:
+    """The set ``what`` runs in (None: the global one); ValueError naming ``what`` if it was not
+    added or, when ``member``, if this rank is not in it."""
     from mergecomp.horovod_api.runtime import communicator
 
     communicator()  # RuntimeError before init
@@ -144,6 +144,6 @@ def resolve(process_set: Optional[ProcessSet], what: str) -> ProcessSet:
         raise ValueError(f"{what}: process_set must be a ProcessSet from add_process_set, got {target!r}")
     if target.process_set_id not in _sets:
         raise ValueError(f"{what}: {target} has not been added (hvd.add_process_set) or was removed")
-    if target.coordinator is None:
+    if member and target.coordinator is None:
         raise ValueError(f"{what}: rank {communicator().rank} is not in {target}")
     return target
