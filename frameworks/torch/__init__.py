@@ -28,6 +28,7 @@ from mergecomp.horovod_api.runtime import (communicator, init, is_initialized, l
 from mergecomp.horovod_api.timeline import start_timeline, stop_timeline
 from mergecomp.registry import Compression
 
+from . import fsdp
 from .ddp_hook import ddp_comm_hook
 from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                              grouped_reducescatter, reducescatter)
@@ -41,7 +42,7 @@ __all__ = [
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "communicator", "cross_rank", "cross_size",
-    "cuda_built", "ddl_built", "ddp_comm_hook", "global_process_set", "gloo_built", "gloo_enabled",
+    "cuda_built", "ddl_built", "ddp_comm_hook", "fsdp", "global_process_set", "gloo_built", "gloo_enabled",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
     "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
