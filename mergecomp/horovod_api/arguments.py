@@ -5,21 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from mergecomp.horovod_api.operations import REDUCTIONS, Average, Max, Min, Product, Sum
 from mergecomp.horovod_api.process_sets import global_process_set
 
-__all__ = ["Average", "Sum", "OPS", "Adasum", "global_process_set", "check_horovod_args", "check_process_set",
-           "resolve_groups", "scaling"]
+__all__ = ["Average", "Sum", "Min", "Max", "Product", "REDUCTIONS", "OPS", "Adasum", "global_process_set",
+           "check_horovod_args", "check_process_set", "resolve_groups", "scaling"]
 
-#: reduce over ranks and divide by their number (Horovod's default)
-Average = "average"
-#: reduce over ranks
-Sum = "sum"
-#: the elementwise minimum, maximum and product over ranks (tensor collectives only)
-Min, Max, Product = "min", "max", "product"
 #: the ops of gradient exchanges (DistributedOptimizer)
 OPS = (Average, Sum)
-#: the ops of the tensor reductions (allreduce, reducescatter)
-REDUCTIONS = (Average, Sum, Min, Max, Product)
 
 
 class _Adasum:

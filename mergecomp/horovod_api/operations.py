@@ -22,11 +22,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from mergecomp.engines.communicator import Communicator
-from mergecomp.horovod_api.arguments import Average, Max, Min, Product, Sum
 
 __all__ = ["Operation", "Allreduce", "Allgather", "Broadcast", "BroadcastObject", "Alltoall", "Reducescatter",
-           "Barrier", "reducescatter_rows", "scale"]
+           "Barrier", "reducescatter_rows", "scale", "Average", "Sum", "Min", "Max", "Product",
+           "REDUCTIONS"]
 
+#: reduce over ranks and divide by their number (Horovod's default)
+Average = "average"
+#: reduce over ranks
+Sum = "sum"
+#: the elementwise minimum, maximum and product over ranks (tensor collectives only)
+Min, Max, Product = "min", "max", "product"
+#: the reductions of allreduce (reducescatter: Average and Sum)
+REDUCTIONS = (Average, Sum, Min, Max, Product)
 _BY_GATHER = {Min: torch.amin, Max: torch.amax, Product: torch.prod}
 
 Metas = Dict[int, tuple]  # rank -> that rank's Operation.meta

@@ -31,9 +31,7 @@ class ProcessSet:
         self.coordinator = None   # negotiation of its tensor collectives; None outside it
 
     def _world_rank(self) -> int:
-        from mergecomp.horovod_api.runtime import rank
-
-        return rank()
+        return _world().rank
 
     def included(self) -> bool:
         return self.ranks is None or self._world_rank() in self.ranks
@@ -44,11 +42,7 @@ class ProcessSet:
         return self._world_rank() if self.ranks is None else self.ranks.index(self._world_rank())
 
     def size(self) -> int:
-        if self.ranks is None:
-            from mergecomp.horovod_api.runtime import size
-
-            return size()
-        return len(self.ranks)
+        return _world().size if self.ranks is None else len(self.ranks)
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -58,6 +52,7 @@ class ProcessSet:
 global_process_set = ProcessSet()
 _sets: Dict[int, ProcessSet] = {}
 _ids = itertools.count(1)
+_world_comm = None  # the communicator of init(), set by start()
 
 
 def _attach(process_set: ProcessSet, comm, timeout: float, set_id: int) -> None:
@@ -71,8 +66,9 @@ def _attach(process_set: ProcessSet, comm, timeout: float, set_id: int) -> None:
 
 def start(comm) -> None:
     """Set up the global process set on ``comm`` (at ``init``)."""
-    global _ids
+    global _ids, _world_comm
     _ids = itertools.count(1)
+    _world_comm = comm
     global_process_set.ranks = list(range(comm.size))
     _attach(global_process_set, comm, comm.timeout, 0)
 
@@ -92,12 +88,16 @@ def stop() -> None:
         _release(process_set, own_comm=set_id != 0)
     _sets.clear()
     global_process_set.ranks = None
+    global _world_comm
+    _world_comm = None
 
 
 def _world():
-    from mergecomp.horovod_api.runtime import communicator
-
-    return communicator()
+    """The communicator of every rank; RuntimeError before ``init``."""
+    if _world_comm is None:
+        raise RuntimeError("mergecomp is not initialized: call init() first (mergecomp.torch.init() or "
+                           "mergecomp.tensorflow.init())")
+    return _world_comm
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
@@ -136,14 +136,12 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def resolve(process_set: Optional[ProcessSet], what: str, member: bool = True) -> ProcessSet:
     """The set ``what`` runs in (None: the global one); ValueError naming ``what`` if it was not
     added or, when ``member``, if this rank is not in it."""
-    from mergecomp.horovod_api.runtime import communicator
-
-    communicator()  # RuntimeError before init
+    comm = _world()  # RuntimeError before init
     target = global_process_set if process_set is None else process_set
     if not isinstance(target, ProcessSet):
         raise ValueError(f"{what}: process_set must be a ProcessSet from add_process_set, got {target!r}")
     if target.process_set_id not in _sets:
         raise ValueError(f"{what}: {target} has not been added (hvd.add_process_set) or was removed")
     if member and target.coordinator is None:
-        raise ValueError(f"{what}: rank {communicator().rank} is not in {target}")
+        raise ValueError(f"{what}: rank {comm.rank} is not in {target}")
     return target
