@@ -6,6 +6,7 @@ The source tree maps onto one installed package, ``mergecomp``:
     mergecomp/bench/      -> mergecomp.bench         (benchmark tooling: runner, cluster, models)
     compressors/          -> mergecomp.compressors   (one module per algorithm; base/: what they build on)
     frameworks/torch/     -> mergecomp.torch         (PyTorch front end)
+    frameworks/torch/integrations/ -> mergecomp.torch.integrations (Lightning, Accelerate, transformers)
     frameworks/tensorflow/ -> mergecomp.tensorflow   (TensorFlow 2 / Keras 3 front end)
 
 Horovod is optional and built from source by scripts/install_horovod.sh (PyPI's 0.28.1 does
@@ -26,6 +27,7 @@ setup(
         "mergecomp.compressors",
         "mergecomp.compressors.base",
         "mergecomp.torch",
+        "mergecomp.torch.integrations",
         "mergecomp.tensorflow",
         "mergecomp.tensorflow.keras",
     ],
@@ -33,6 +35,7 @@ setup(
         "mergecomp": "mergecomp",
         "mergecomp.compressors": "compressors",
         "mergecomp.torch": "frameworks/torch",
+        "mergecomp.torch.integrations": "frameworks/torch/integrations",
         "mergecomp.tensorflow": "frameworks/tensorflow",
         "mergecomp.tensorflow.keras": "frameworks/tensorflow/keras",
     },
@@ -43,6 +46,8 @@ setup(
         "tf": ["tensorflow-cpu>=2.16"],  # Keras 3 on the TensorFlow backend
         "mpi": ["mpi4py>=4"],  # runs on the system MPI, the one Horovod is built against (one MPI on PATH)
         "bench": ["matplotlib", "scikit-learn", "transformers"],  # transformers: model classes from configs, no download
+        # mergecomp.torch.integrations; install with `-c constraints.txt` to keep torch where it is
+        "integrations": ["lightning>=2.0", "accelerate>=1.0", "transformers>=4.40"],
     },
     entry_points={
         "console_scripts": ["mergecomp=mergecomp.cli:main"],

@@ -163,6 +163,44 @@ def test_state_survives_save_and_load():
         assert forgetful_diff > 1e-4
 
 
+def _unbound_worker(rank):
+    """A hook built before torch.distributed exists (as a Lightning or Accelerate script builds
+    it before the framework starts the group), loaded with a checkpoint, binds at its first bucket."""
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    mine = shard(x, rank), shard(y, rank)
+    model, state = ddp(make_model(), "topk", per_tensor=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(model, opt, *mine, steps=2)
+    saved = copy.deepcopy({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()})
+    train(model, opt, *mine, steps=2)
+    uninterrupted = flat_params(model)
+
+    mc.shutdown()  # no process group from here until init()
+    net = make_model()
+    net.load_state_dict(saved["model"])
+    unbound, hook = mc.ddp_comm_hook("topk", named_parameters=net.named_parameters())
+    before = (unbound.bound, unbound.state_dict(), repr(unbound))
+    unbound.load_state_dict(saved["hook"])
+    loaded = (unbound.bound, unbound.step)
+    mc.init(engine="torch")
+    resumed = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb_list=[1e-6])
+    resumed.register_comm_hook(unbound, hook)
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    resumed_opt.load_state_dict(saved["opt"])
+    train(resumed, resumed_opt, *mine, steps=2)
+    return before, loaded, unbound.bound, unbound.step, (flat_params(resumed) - uninterrupted).abs().max().item()
+
+
+def test_hook_built_before_the_process_group_binds_at_its_first_bucket():
+    for before, loaded, bound, step, diff in run_workers(_unbound_worker, 2):
+        assert before == (False, {}, "DDPHookState(not bound yet, step=0)")
+        assert loaded == (False, 2)  # kept until it binds
+        assert bound and step == 4
+        assert diff == 0.0
+
+
 # -- error feedback across DDP's bucket rebuild ---------------------------------------------------
 def _rebuild_worker(rank):
     from mergecomp.compressors.memories import ResidualMemory

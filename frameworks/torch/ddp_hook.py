@@ -9,6 +9,12 @@ Example::
     ...
     torch.save({"model": ddp.state_dict(), "hook": state.state_dict()}, path)   # per rank
 
+When it binds.  The state's collectives need the process group: built while torch.distributed
+is initialized, ``ddp_comm_hook`` binds to it at once (the ranks check that they were built the
+same way); built before (a Lightning or Accelerate script that makes the hook before the
+framework starts the group), it binds at DDP's first bucket, or at :meth:`DDPHookState.bind`,
+which every rank calls.  State loaded before that is applied when it binds.
+
 Each bucket is one merged group of a :class:`mergecomp.pipeline.buckets.BucketStep`, the merged
 step whose groups DDP defines (check finite -> error feedback -> compress -> collective ->
 decode); nothing is re-implemented here.
@@ -29,19 +35,21 @@ bucket's per-element state is assembled from the old buckets' pieces
 (:class:`mergecomp.pipeline.buckets.BucketStep`); low-rank state (PowerSGD's Q) is re-drawn.
 """
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real types.
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+import functools
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
+from mergecomp.exchange.exchange import resolve
 from mergecomp.exchange.plan import Group
 from mergecomp.pipeline.buckets import BucketStep
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.step import HoldsMergedStep
 
-__all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook"]
+__all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
 
 _NONFINITE = ("propagate", "raise", "ignore")
 
@@ -51,31 +59,67 @@ class DDPHookState(HoldsMergedStep):
     whose groups are DDP's buckets, and the futures of the step's buckets.
 
     Args:
-        merged: compresses and communicates each bucket (average over ranks).
+        build: makes the bucket step (its collectives need the process group; see :meth:`bind`).
         params: ``id(parameter) -> index`` of the named parameters; without them parameters
             are numbered in the order the first backward pass hands them over (the same on
             every rank, as DDP builds the same buckets everywhere): register the hook before
             the first backward pass.
+        nonfinite: the ``nonfinite`` option ``build`` uses.
     """
 
-    def __init__(self, merged: BucketStep, params: Optional[Dict[int, int]] = None) -> None:
-        self.merged = merged
+    def __init__(self, build: Callable[[], BucketStep], params: Optional[Dict[int, int]] = None,
+                 nonfinite: str = "propagate") -> None:
+        self._build = build
+        self._merged: Optional[BucketStep] = None
+        self._loaded: Optional[Dict[str, Any]] = None  # loaded before binding: applied by bind()
+        self._nonfinite = nonfinite
         self._index: Dict[int, int] = dict(params or {})
         self._named = params is not None
         self._futures: List[Tuple[torch.futures.Future, torch.Tensor]] = []  # future, bucket buffer
 
     @property
+    def merged(self) -> BucketStep:
+        """The bucket step; RuntimeError before :meth:`bind`."""
+        if self._merged is None:
+            raise RuntimeError("the DDP hook's state is not bound to a process group yet: it binds at DDP's "
+                               "first bucket, or call state.bind() on every rank once torch.distributed is "
+                               "initialized")
+        return self._merged
+
+    @property
+    def bound(self) -> bool:
+        """Whether :meth:`bind` has run."""
+        return self._merged is not None
+
+    def bind(self) -> "DDPHookState":
+        """Bind to the process group (idempotent).  Collective the first time: every rank calls
+        it, or DDP's first bucket does; raises ValueError on every rank if the ranks were built
+        differently, RuntimeError if torch.distributed is not initialized."""
+        if self._merged is None:
+            if not dist.is_initialized():
+                raise RuntimeError("the DDP hook binds to its process group, but torch.distributed is not "
+                                   "initialized (it must be before DDP's first backward pass)")
+            merged = self._build()
+            if self._loaded:
+                merged.load_state_dict(self._loaded)
+            self._merged, self._loaded = merged, None
+        return self
+
+    @property
     def nonfinite(self) -> str:
-        return self.merged.nonfinite
+        return self._nonfinite
 
     @property
     def step(self) -> int:
+        """Steps finished so far (those of a checkpoint loaded before binding included)."""
+        if self._merged is None:
+            return int((self._loaded or {}).get("step", 0))
         return self.merged.step
 
     @property
     def layout(self) -> List[Group]:
-        """The buckets of the last completed step, as groups."""
-        return self.merged.groups
+        """The buckets of the last completed step, as groups (none before binding)."""
+        return self.merged.groups if self.bound else []
 
     def _param_index(self, p: torch.Tensor) -> int:
         i = self._index.get(id(p))
@@ -90,6 +134,7 @@ class DDPHookState(HoldsMergedStep):
 
     # -- one step ----------------------------------------------------------------------------
     def start(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        self.bind()
         if bucket.index() == 0 and self._futures:
             self._fail(RuntimeError("the previous step's buckets were never finished (its backward pass "
                                     "was interrupted); the ranks' collectives are out of step"))
@@ -122,15 +167,26 @@ class DDPHookState(HoldsMergedStep):
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's step, compressor state, error-feedback memory and bucket layout."""
+        """This rank's step, compressor state, error-feedback memory and bucket layout; before
+        binding, the state loaded into it, or ``{}`` (nothing to restore)."""
+        if self._merged is None:
+            return dict(self._loaded or {})
         return self.merged.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (between steps).  If DDP's buckets differ from the saved
-        layout (a fresh DDP starts with its initial buckets), the state is remapped on use."""
-        self.merged.load_state_dict(state)
+        """Restore :meth:`state_dict` (between steps; before binding it is kept and applied by
+        :meth:`bind`; ``{}`` restores nothing).  If DDP's buckets differ from the saved layout (a
+        fresh DDP starts with its initial buckets), the state is remapped on use."""
+        if not state:
+            return
+        if self._merged is None:
+            self._loaded = dict(state)
+        else:
+            self.merged.load_state_dict(state)
 
     def __repr__(self) -> str:
+        if self._merged is None:
+            return f"DDPHookState(not bound yet, step={self.step})"
         return (f"DDPHookState(compressor={self.compressor!r}, memory={self.memory!r}, "
                 f"buckets={len(self.layout)}, step={self.step})")
 
@@ -163,8 +219,9 @@ def ddp_comm_hook(
             or instance, e.g. ``mergecomp.get_compressor("powersgd", rank=4)``; default
             ``"none"`` (lossless: a plain average, like DDP's own allreduce).
         memory: error-feedback memory name or instance; ``None`` = the compressor's default.
-        process_group: the DDP model's process group (default: the world).  The hook's
-            collectives run on it through :class:`~mergecomp.engines.torch_dist.TorchCommunicator`.
+        process_group: the DDP model's process group (default: the world, as it is when the
+            state binds).  The hook's collectives run on it through
+            :class:`~mergecomp.engines.torch_dist.TorchCommunicator`.
         named_parameters: ``model.named_parameters()`` (recommended: stable indices across
             restarts, names in errors).
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
@@ -177,23 +234,43 @@ def ddp_comm_hook(
             ``min_compress_numel``, ``scheme``.  A bucket holding exempt parameters is split in
             two groups (its exempt parameters, the others), copied out of the bucket and back.
 
-    The hook returns each bucket's gradient averaged over ranks, in the bucket's dtype.
+    The hook returns each bucket's gradient averaged over ranks, in the bucket's dtype.  Settings
+    are checked here (ValueError/TypeError naming the option); the state binds to the process
+    group here if torch.distributed is initialized, else at DDP's first bucket (module docstring).
     """
-    from mergecomp.engines.torch_dist import TorchCommunicator
+    compressor, memory, step_options = check_settings(compression, memory, named_parameters is not None, **options)
+    named = None if named_parameters is None else [(n, p) for n, p in named_parameters if p.requires_grad]
+    build = functools.partial(_bucket_step, compressor, memory, process_group, timeout, named or (), step_options)
+    state = DDPHookState(build, None if named is None else {id(p): i for i, (_, p) in enumerate(named)},
+                         step_options.nonfinite)
+    if dist.is_initialized():
+        state.bind()
+    return state, mergecomp_hook
 
+
+def check_settings(compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
+                   named: bool = True, **options) -> Tuple[Compressor, Memory, StepOptions]:
+    """:func:`ddp_comm_hook`'s settings checked and resolved, without building anything
+    (``named``: whether parameter names will be given); ValueError/TypeError naming the option."""
     step_options = StepOptions.create("ddp_comm_hook", options, defaults={"nonfinite": "propagate"},
                                       without=("groups", "scheduler", "average", "prescale", "postscale"))
     if step_options.nonfinite not in _NONFINITE:
         raise ValueError(f"nonfinite must be one of {_NONFINITE} for a DDP hook (a hook cannot skip the "
                          f"optimizer step), got {step_options.nonfinite!r}")
-    if not dist.is_initialized():
-        raise RuntimeError("ddp_comm_hook needs torch.distributed to be initialized (as DDP does)")
-    if step_options.uncompressed and named_parameters is None:
+    if step_options.uncompressed and not named:
         raise ValueError("ddp_comm_hook: uncompressed matches parameter names: pass named_parameters too")
+    compressor, memory = resolve(compression, memory)
+    step_options.check(compressor)
+    return compressor, memory, step_options
+
+
+def _bucket_step(compressor: Compressor, memory: Memory, process_group: Optional[dist.ProcessGroup],
+                 timeout: Optional[float], named: Sequence[Tuple[str, torch.nn.Parameter]],
+                 step_options: StepOptions) -> BucketStep:
+    """The hook's bucket step on ``process_group`` (default: the world as it is now); the
+    parameters' shapes and dtypes as they are now (after the framework moved or cast them)."""
+    from mergecomp.engines.torch_dist import TorchCommunicator
+
     comm = TorchCommunicator(process_group, timeout=timeout)
-    named = None if named_parameters is None else [(n, p) for n, p in named_parameters if p.requires_grad]
-    merged = BucketStep(compression, memory, comm, [n for n, _ in named or ()], [p.shape for _, p in named or ()],
-                        [p.dtype for _, p in named or ()], comm.device, step_options,
-                        FrontEnd("ddp_comm_hook", "parameters"))
-    return DDPHookState(merged, None if named is None else {id(p): i for i, (_, p) in enumerate(named)}), \
-        mergecomp_hook
+    return BucketStep(compressor, memory, comm, [n for n, _ in named], [p.shape for _, p in named],
+                      [p.dtype for _, p in named], comm.device, step_options, FrontEnd("ddp_comm_hook", "parameters"))

@@ -1,0 +1,34 @@
+"""Registering mergecomp's DDP communication hook on a model a framework wrapped in DDP."""
+from __future__ import annotations
+
+from typing import Any, Dict, Union
+
+from torch.nn.parallel import DistributedDataParallel
+
+from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.torch.ddp_hook import DDPHookState, ddp_comm_hook
+
+__all__ = ["attach"]
+
+
+def attach(ddp: DistributedDataParallel, compression: Union[str, Compressor] = "none",
+           memory: Union[str, Memory, None] = None, options: Dict[str, Any] = None,
+           who: str = "mergecomp") -> DDPHookState:
+    """Register :func:`~mergecomp.torch.ddp_comm_hook` on ``ddp`` (on its process group, its
+    module's parameter names) and bind it.  Every rank calls it before the first backward pass.
+    RuntimeError naming ``who`` when ``ddp`` already has a communication hook."""
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"{who}: the mergecomp hook goes on a DistributedDataParallel model, got "
+                        f"{type(ddp).__name__} (FSDP, DeepSpeed and other wrappers are not supported)")
+    state, hook = ddp_comm_hook(compression, memory, process_group=ddp.process_group,
+                                named_parameters=ddp.module.named_parameters(), **(options or {}))
+    try:
+        ddp.register_comm_hook(state, hook)
+    except RuntimeError as err:
+        if "once" not in str(err):
+            raise
+        raise RuntimeError(f"{who}: this DDP model already has a communication hook (e.g. from "
+                           f"DistributedDataParallelKwargs(comm_hook=...) or DDPStrategy(ddp_comm_hook=...)); "
+                           f"mergecomp's replaces it: remove the other one") from err
+    return state.bind()

@@ -1,0 +1,46 @@
+"""mergecomp's DDP communication hook on a model prepared by Hugging Face Accelerate::
+
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    register(accelerator, model, "topk")          # before the first backward pass
+
+``DistributedDataParallelKwargs(comm_hook=...)`` takes only Accelerate's own hook names (any
+other callable is dropped without a word), hence this function.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import accelerate  # noqa: F401  (this module is for Accelerate users: fail early without it)
+
+from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.torch.ddp_hook import DDPHookState
+
+from ._hook import attach
+from ._ranks import AllRanks
+
+__all__ = ["register"]
+
+
+def register(accelerator: "accelerate.Accelerator", model: Any, compression: Union[str, Compressor] = "none",
+             memory: Union[str, Memory, None] = None, checkpoint: bool = True,
+             **options: Any) -> Optional[DDPHookState]:
+    """Register mergecomp's hook on ``model``, the DistributedDataParallel that
+    ``accelerator.prepare`` returned; every process calls it, before the first backward pass.
+
+    Args:
+        compression, memory, options: as :func:`mergecomp.torch.ddp_comm_hook` (``options``:
+            ``nonfinite``, ``compression_warmup_steps``, ``uncompressed``, ...).
+        checkpoint: also ``accelerator.register_for_checkpointing`` every rank's hook state, so
+            ``save_state`` writes it (one file, from the main process) and ``load_state`` gives
+            each rank its own back.
+
+    Returns the hook's state, or None on a single process (nothing to exchange).  TypeError when
+    ``model`` is not a DistributedDataParallel (FSDP, DeepSpeed: not supported).
+    """
+    if accelerator.num_processes == 1:
+        return None
+    state = attach(model, compression, memory, options, who="mergecomp.torch.integrations.accelerate.register")
+    if checkpoint:
+        accelerator.register_for_checkpointing(AllRanks(state, accelerator.device))
+    return state

@@ -1,0 +1,320 @@
+"""mergecomp.torch.integrations with the real frameworks (Lightning, Accelerate, transformers'
+Trainer) on 2 gloo ranks over loopback: each trains a tiny model, the lossless hook ends where
+plain DDP does, a compressor leaves both ranks with the same parameters, the hook runs every step,
+and a run resumed from a checkpoint ends exactly where the uninterrupted one does (and does not
+without mergecomp's state).  One launch per framework; the tests below read its results.  A
+framework that is not installed skips its tests."""
+import contextlib
+import importlib.util
+import logging
+import os
+
+import pytest
+import torch
+from distributed import free_port, run_workers
+
+
+def requires(module):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed (pip install -e '.[integrations]')")
+
+
+#: 64 samples, 8 features, 4 classes; each rank trains on its half, 8 samples a batch
+def make_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    return x, (x @ torch.randn(8, 4, generator=g)).argmax(dim=1)
+
+
+def make_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+@contextlib.contextmanager
+def kept_environment():
+    """The frameworks edit os.environ (Lightning's environment drops WORLD_SIZE at teardown);
+    the pooled workers need theirs back."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def residual_total(record):
+    """Sum of |residual| of every rank's error-feedback memory in a checkpoint record."""
+    return [sum(t.abs().sum().item() for fields in state["memory"].values() for t in fields.values())
+            for state in record["ranks"]]
+
+
+# -- Lightning -----------------------------------------------------------------------------------
+def _lightning(rank, folder, port):
+    import lightning.pytorch as pl
+
+    import mergecomp.torch as mc
+    from mergecomp.torch.integrations.lightning import CHECKPOINT_KEY, MergecompDDPStrategy, MergecompStrategy
+
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    x, y = make_data()
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, exchange=None):
+            super().__init__()
+            self.net, self.exchange = make_net(), exchange
+
+        def training_step(self, batch, index):
+            self.wrapped = self.trainer.strategy.model is not self  # in DDP?
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+            if self.exchange is None:
+                return opt
+            return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
+                                           groups=1)
+
+    def fit(strategy, epochs=2, module=None, ckpt=None, save=None):
+        module = module or Tiny()
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+        with kept_environment():
+            trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(module, loader, ckpt_path=ckpt)
+            if save:
+                trainer.save_checkpoint(save)
+        return flat(module)
+
+    def without_ours(path):
+        """A copy of the checkpoint at ``path`` without mergecomp's entry."""
+        bare = f"{path}.bare"
+        if rank == 0:
+            checkpoint = torch.load(path, weights_only=False)
+            del checkpoint[CHECKPOINT_KEY]
+            torch.save(checkpoint, bare)
+        torch.distributed.barrier()
+        return bare
+
+    out = {"ddp": fit(pl.strategies.DDPStrategy())}
+    # DDP with mergecomp's hook, on CPU
+    out["hook_none"] = fit(MergecompDDPStrategy("none"))
+    strategy, module = MergecompDDPStrategy("topk"), Tiny()
+    out["hook_topk"] = fit(strategy, module=module)
+    out["hook_steps"], out["hook_wrapped"] = strategy.hook_state.step, module.wrapped
+    path = os.path.join(folder, "hook.ckpt")
+    fit(MergecompDDPStrategy("topk"), epochs=1, save=path)
+    out["hook_record"] = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
+    resumed = MergecompDDPStrategy("topk")
+    out["hook_resumed"] = fit(resumed, ckpt=path)
+    out["hook_resumed_steps"] = resumed.hook_state.step
+    out["hook_forgetful"] = fit(MergecompDDPStrategy("topk"), ckpt=without_ours(path))
+
+    # no DDP: mc.DistributedOptimizer exchanges, after mc.init() ran as one process (the README's
+    # script under Lightning's launcher, as rank 0 sees it); the strategy starts mergecomp anew
+    mc.shutdown()
+    mc.init(engine="local")
+    with kept_environment():
+        os.environ["MASTER_PORT"] = str(port)  # Lightning starts the process group again
+        out["opt_none"] = fit(MergecompStrategy(), module=Tiny("none"))
+    out["opt_size"] = mc.size()
+    module = Tiny("topk")
+    out["opt_topk"] = fit(MergecompStrategy(), module=module)
+    out["opt_wrapped"], out["opt_exchanges"] = module.wrapped, module.trainer.optimizers[0].merged.step
+    path = os.path.join(folder, "opt.ckpt")
+    fit(MergecompStrategy(), epochs=1, module=Tiny("topk"), save=path)
+    out["opt_resumed"] = fit(MergecompStrategy(), module=Tiny("topk"), ckpt=path)
+    out["opt_forgetful"] = fit(MergecompStrategy(), module=Tiny("topk"), ckpt=without_ours(path))
+    try:
+        fit(MergecompStrategy(), module=Tiny())
+    except TypeError as err:
+        out["opt_plain"] = str(err)
+    out["refused"] = {}
+    for name, make in {"ddp_comm_hook": lambda: MergecompDDPStrategy(ddp_comm_hook=lambda state, bucket: None),
+                       "groups": lambda: MergecompDDPStrategy("topk", groups=2),
+                       "find_unused_parameters": lambda: MergecompStrategy(find_unused_parameters=True)}.items():
+        try:
+            make()
+        except (TypeError, ValueError) as err:
+            out["refused"][name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory):
+    return run_workers(_lightning, 2, str(tmp_path_factory.mktemp("lightning")), free_port(), timeout=240)
+
+
+@requires("lightning")
+def test_lightning_hook_strategy_trains_on_cpu_like_ddp(lightning):
+    for out in lightning:
+        assert (out["hook_none"] - out["ddp"]).abs().max().item() < 1e-6
+        assert out["hook_steps"] == 8 and out["hook_wrapped"]  # the hook ran every step (DDPStrategy's: CUDA only)
+        assert not torch.equal(out["hook_topk"], out["ddp"])
+    assert torch.equal(lightning[0]["hook_topk"], lightning[1]["hook_topk"])
+
+
+@requires("lightning")
+def test_lightning_hook_strategy_resumes_exactly(lightning):
+    record = lightning[0]["hook_record"]
+    assert record["world_size"] == 2 and [state["rank"] for state in record["ranks"]] == [0, 1]
+    assert all(total > 0 for total in residual_total(record))
+    for out in lightning:
+        assert out["hook_resumed_steps"] == 8
+        assert torch.equal(out["hook_resumed"], out["hook_topk"])
+        assert not torch.equal(out["hook_forgetful"], out["hook_topk"])
+
+
+@requires("lightning")
+def test_lightning_optimizer_strategy_exchanges_once(lightning):
+    for out in lightning:
+        assert out["opt_size"] == 2
+        assert not out["opt_wrapped"] and out["opt_exchanges"] == 8  # one exchange a step: ours, no DDP's
+        assert (out["opt_none"] - out["ddp"]).abs().max().item() < 1e-6
+        assert torch.equal(out["opt_resumed"], out["opt_topk"])
+        assert not torch.equal(out["opt_forgetful"], out["opt_topk"])
+        assert "not a mc.DistributedOptimizer" in out["opt_plain"]
+    assert torch.equal(lightning[0]["opt_topk"], lightning[1]["opt_topk"])
+
+
+@requires("lightning")
+def test_lightning_refuses_what_it_cannot_honour(lightning):
+    refused = lightning[0]["refused"]
+    assert refused["ddp_comm_hook"].startswith("ValueError") and "ddp_comm_hook" in refused["ddp_comm_hook"]
+    assert refused["groups"].startswith("TypeError") and "['groups']" in refused["groups"]
+    assert "find_unused_parameters" in refused["find_unused_parameters"]
+
+
+# -- Accelerate ----------------------------------------------------------------------------------
+def _accelerate(rank, folder):
+    from accelerate import Accelerator
+
+    from mergecomp.torch.integrations.accelerate import register
+
+    x, y = make_data()
+    x, y = x[32 * rank:][:32], y[32 * rank:][:32]
+
+    def run(compression=None, steps=range(6), save=None, load=None):
+        with kept_environment():
+            accelerator = Accelerator(cpu=True)
+            net = make_net()
+            model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
+            state = register(accelerator, model, compression) if compression else None
+            if load:
+                accelerator.load_state(load)
+            for step in steps:
+                batch = slice(8 * (step % 4), 8 * (step % 4) + 8)
+                opt.zero_grad()
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x[batch]), y[batch]))
+                opt.step()
+                if save and step == 2:
+                    accelerator.save_state(save)
+        return flat(net), state
+
+    out = {"ddp": run()[0], "none": run("none")[0]}
+    path = os.path.join(folder, "state")
+    out["topk"], state = run("topk", save=path)
+    out["topk_steps"] = state.step
+    out["record"] = torch.load(os.path.join(path, "custom_checkpoint_0.pkl"), weights_only=False)
+    out["resumed"], state = run("topk", steps=range(3, 6), load=path)
+    out["resumed_steps"] = state.step
+    with kept_environment():
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(make_net())
+        register(accelerator, model, "fp16", checkpoint=False)
+        try:
+            register(accelerator, model, "topk", checkpoint=False)
+        except RuntimeError as err:
+            out["twice"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def accelerate(tmp_path_factory):
+    return run_workers(_accelerate, 2, str(tmp_path_factory.mktemp("accelerate")), timeout=180)
+
+
+@requires("accelerate")
+def test_accelerate_register_trains_like_ddp_and_resumes_exactly(accelerate):
+    for out in accelerate:
+        assert (out["none"] - out["ddp"]).abs().max().item() < 1e-6
+        assert out["topk_steps"] == 6 and not torch.equal(out["topk"], out["ddp"])
+        assert out["resumed_steps"] == 6 and torch.equal(out["resumed"], out["topk"])
+    assert torch.equal(accelerate[0]["topk"], accelerate[1]["topk"])
+    record = accelerate[0]["record"]
+    assert record["world_size"] == 2 and all(total > 0 for total in residual_total(record))
+    assert "already has a communication hook" in accelerate[0]["twice"]
+
+
+# -- transformers' Trainer -----------------------------------------------------------------------
+def _transformers(rank, folder):
+    import shutil
+
+    from transformers import Trainer, TrainingArguments
+
+    from mergecomp.torch.integrations.transformers import STATE_FILE, register
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    x, y = make_data()
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = make_net()
+
+        def forward(self, x, labels):
+            logits = self.net(x)
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    def train(run, compression=None, resume=None):
+        with kept_environment():
+            args = TrainingArguments(output_dir=os.path.join(folder, run), per_device_train_batch_size=8, max_steps=4,
+                                     learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", save_steps=2,
+                                     logging_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True)
+            model = Tiny()
+            trainer = Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)])
+            callback = register(trainer, compression) if compression else None
+            trainer.train(resume_from_checkpoint=resume)
+        return flat(model), callback
+
+    def copied(run, keep_state=True):
+        """``topk``'s checkpoint after step 2, copied to ``run``'s output folder."""
+        target = os.path.join(folder, run, "checkpoint-2")
+        if rank == 0:
+            shutil.copytree(os.path.join(folder, "topk", "checkpoint-2"), target)
+            if not keep_state:
+                os.remove(os.path.join(target, STATE_FILE))
+        torch.distributed.barrier()
+        return target
+
+    out = {"ddp": train("ddp")[0], "none": train("none", "none")[0]}
+    out["topk"], callback = train("topk", "topk")
+    out["topk_steps"] = callback.hook_state.step
+    out["record"] = torch.load(os.path.join(folder, "topk", "checkpoint-2", STATE_FILE), weights_only=True)
+    copied("resumed")
+    out["resumed"], callback = train("resumed", "topk", resume=True)
+    out["resumed_steps"] = callback.hook_state.step
+    out["forgetful"] = train("forgetful", "topk", resume=copied("forgetful", keep_state=False))[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def transformers(tmp_path_factory):
+    return run_workers(_transformers, 2, str(tmp_path_factory.mktemp("transformers")), timeout=180)
+
+
+@requires("transformers")
+@requires("accelerate")
+def test_transformers_trainer_callback_trains_like_ddp_and_resumes_exactly(transformers):
+    for out in transformers:
+        assert (out["none"] - out["ddp"]).abs().max().item() < 1e-6
+        assert out["topk_steps"] == 4 and not torch.equal(out["topk"], out["ddp"])
+        assert out["resumed_steps"] == 4 and torch.equal(out["resumed"], out["topk"])
+        assert not torch.equal(out["forgetful"], out["topk"])
+    assert torch.equal(transformers[0]["topk"], transformers[1]["topk"])
+    record = transformers[0]["record"]
+    assert record["world_size"] == 2 and all(total > 0 for total in residual_total(record))
