@@ -1,0 +1,142 @@
+"""FSDP2 step time on the namespace cluster: FSDP's own reduce-scatter (fp32, or bf16
+``reduce_dtype``) against mergecomp's compressed reduce-scatter (``mc.fsdp.compress``).
+
+Every configuration trains ``bench_adam``'s GPT-2 (4 layers x 256, byte-level; 3.2 M parameters)
+with ``fully_shard`` on each transformer block and on the root, AdamW, one worker per host and one
+thread each, the hosts joined by ``--rate`` links (``mergecomp.bench.cluster``; root).  It reports
+the median step time over ``--steps`` steps after ``--warmup``, each configuration's ratio to
+FSDP fp32 and to FSDP bf16 from the same run, the training loss of the last step, and each
+rank's peak resident memory (``ru_maxrss``).
+
+Configurations: ``fsdp`` (fp32 reduce-scatter), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=
+torch.bfloat16)``), and ``COMPRESSOR[:key=value;...]`` for mergecomp's reduce-scatter.
+
+    python scripts/bench_fsdp.py --configs fsdp-bf16,fp16,qsgd:levels=7,topk --json out.jsonl
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_adam import LR, make_model, random_windows, rank_data  # noqa: E402
+from bench_convergence import parse_spec  # noqa: E402
+
+BASELINES = ("fsdp", "fsdp-bf16")
+CONFIGS = "fp16,qsgd:levels=7,topk"
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--configs", default=CONFIGS, help="comma list of mergecomp compressors (the baselines always run)")
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--warmup", type=int, default=5)
+parser.add_argument("--batch", type=int, default=4, help="windows of 64 bytes per worker and step")
+parser.add_argument("--hosts", type=int, default=2)
+parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
+parser.add_argument("--json", default=None, help="append one JSON record per configuration")
+parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
+def sharded_model(config):
+    """The GPT-2 under fully_shard, and mergecomp's reduce-scatter unless ``config`` is a baseline."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import mergecomp
+    import mergecomp.torch as mc
+
+    model = make_model()
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if config == "fsdp-bf16" else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if config not in BASELINES:
+        name, options = parse_spec(config)
+        mc.fsdp.compress(model, mergecomp.get_compressor(name, **options))
+    return model
+
+
+def worker(args):
+    import mergecomp.torch as mc
+
+    torch.set_num_threads(1)
+    mc.init(engine="torch")
+    rank, world = mc.rank(), mc.size()
+    train, _ = rank_data(rank, world, 1)
+    torch.manual_seed(0)
+    model = sharded_model(args.worker)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    generator = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(args.warmup + args.steps):
+        windows = random_windows(train, generator, args.batch)
+        began = time.perf_counter()
+        opt.zero_grad()
+        loss = model(input_ids=windows, labels=windows).loss
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - began)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peaks = mc.allgather_object(peak_mb)
+    mc.shutdown()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"config": args.worker, "world": world, "step_s": statistics.median(times[args.warmup:]),
+                       "loss": loss.item(), "peak_rss_mb": peaks}, f)
+
+
+def run(args, configs):
+    from mergecomp.bench.cluster import Cluster, install_signal_handlers
+    from mergecomp.bench.runner import loadavg
+
+    install_signal_handlers()
+    with Cluster(args.hosts, None if args.rate in ("none", "unlimited") else args.rate) as cluster, \
+            tempfile.TemporaryDirectory() as scratch:
+        for config in configs:
+            out = os.path.join(scratch, "record.json")
+            load = loadavg()
+            command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
+                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+            codes = cluster.run(command, timeout=1200, threads=1)
+            if any(codes) or not os.path.exists(out):
+                yield {"config": config, "status": f"exit codes {codes}", "rate": args.rate}
+                continue
+            with open(out) as f:
+                record = json.load(f)
+            os.remove(out)
+            yield {**record, "status": "ok", "rate": args.rate, "load_before": load, "load_after": loadavg()}
+
+
+def main():
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    configs = list(BASELINES) + [c for c in args.configs.split(",") if c and c not in BASELINES]
+    records = []
+    for record in run(args, configs):
+        records.append(record)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    base = {r["config"]: r["step_s"] for r in records if r["status"] == "ok" and r["config"] in BASELINES}
+    print(f"FSDP2 GPT-2 4x256, {args.hosts} hosts at {args.rate}, batch {args.batch} x 64 bytes per worker, "
+          f"median of {args.steps} steps")
+    print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | last loss | peak RSS MB (per rank) | load |")
+    print("|---|---:|---:|---:|---:|---|---|")
+    for r in records:
+        if r["status"] != "ok":
+            print(f"| {r['config']} | {r['status']} | | | | | |")
+            continue
+        ratios = [f"{base[b] / r['step_s']:.2f}x" if b in base else "-" for b in BASELINES]
+        print(f"| {r['config']} | {r['step_s']:.3f} | {ratios[0]} | {ratios[1]} | {r['loss']:.3f} | "
+              f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mb'])} | {r['load_before']} / {r['load_after']} |")
+
+
+if __name__ == "__main__":
+    main()
