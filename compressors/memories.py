@@ -282,7 +282,9 @@ class DGCMemory(Memory):
         # compensate() returned: the hierarchical exchange updates with the host's sum)
         fields = self.state[name]
         fields["velocity"].copy_(compensated).index_put_((indices,), compensated[indices] - values)
-        fields["momentum"].index_fill_(0, indices[values != 0], 0)
+        momentum = fields["momentum"]  # cleared where a nonzero value went out, by a put of every
+        # sent entry (selecting the nonzero ones by a mask would wait for a CUDA device)
+        momentum.index_put_((indices,), torch.where(values != 0, 0, momentum[indices]))
 
 
 def warn_double_momentum(memory: Memory, optimizer_momentum: float) -> None:

@@ -34,6 +34,7 @@ from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
 from mergecomp.kernels import codecs
 from mergecomp.kernels.quantize import work_dtype
+from mergecomp.kernels.transfer import pinned, to_device
 from mergecomp.registry import register_compressor
 
 
@@ -139,7 +140,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
             step = int(counter)  # a CPU scalar: no device synchronization
             counter.add_(1)
         generator = torch.Generator().manual_seed(stable_seed(name, step))
-        q = torch.randn(layout.q_numel, generator=generator).to(device=device, dtype=work)
+        q = to_device(torch.randn(layout.q_numel, generator=generator, pin_memory=pinned(device)), device).to(work)
         if self.warm_start:
             state["q"] = q
         return q

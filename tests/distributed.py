@@ -2,9 +2,12 @@
 
 ``run_workers(fn, world_size, *args)`` runs ``fn(rank, *args)`` on ``world_size`` processes
 that set torchrun's environment variables and called ``mergecomp.torch.init()``; the results
-come back in rank order.  A worker that raises makes the call raise with its traceback; a run
-that exceeds ``timeout`` seconds is killed and fails the test (never a hang).  The processes are
-pooled between calls (see :func:`run_workers`): each test seeds what it needs.
+come back in rank order.  The group is gloo's even where CUDA is available (``conftest.py`` sets
+``MERGECOMP_TORCH_BACKEND=gloo``: ``init`` would pick NCCL, which takes one GPU per rank);
+``env={"MERGECOMP_TORCH_BACKEND": "nccl"}`` asks for NCCL, each rank on the GPU of its local
+rank.  A worker that raises makes the call raise with its traceback; a run that exceeds
+``timeout`` seconds is killed and fails the test (never a hang).  The processes are pooled
+between calls (see :func:`run_workers`): each test seeds what it needs.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ def _join_group(rank, world_size, port, env):
     import mergecomp.torch as mc
 
     torch.set_num_threads(1)
+    if os.environ.get("MERGECOMP_TORCH_BACKEND") == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     mc.init(engine="torch")
     return mc
 

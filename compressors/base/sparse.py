@@ -24,6 +24,7 @@ from mergecomp.compressors.base.capabilities import SparseEntries
 from mergecomp.compressors.base.compressor import Compressor, Payload, check_ratio
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.kernels.codecs import indices_above, largest, zero_
+from mergecomp.kernels.transfer import pinned, to_device
 
 __all__ = [
     "SparseCompressor",
@@ -120,9 +121,10 @@ def stable_seed(name: str, step: int) -> int:
 
 def shared_random_indices(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
     """``k`` indices drawn uniformly with replacement from ``[0, numel)``, identical on all ranks
-    for the same seed (CPU generator, then moved to ``device``)."""
+    for the same seed whatever their device (a CPU generator; moved to ``device`` without the
+    host waiting for it, :mod:`mergecomp.kernels.transfer`)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(numel, (k,), generator=generator).to(device)
+    return to_device(torch.randint(numel, (k,), generator=generator, pin_memory=pinned(device)), device)
 
 
 class SparseCompressor(Compressor, SparseEntries):

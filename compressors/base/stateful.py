@@ -28,7 +28,11 @@ class GroupStateful:
         return {name: {k: v.clone() for k, v in fields.items()} for name, fields in self.state.items()}
 
     def load_state_dict(self, state: GroupState) -> None:
-        self.state = {name: {k: v.clone() for k, v in fields.items()} for name, fields in state.items()}
+        """Copies of ``state``'s tensors; an integer scalar (a step counter, read on the host
+        every step) on the CPU, wherever the checkpoint was mapped to (on a CUDA device each
+        read would wait for it)."""
+        self.state = {name: {k: v.to("cpu", copy=True) if v.dim() == 0 and not v.is_floating_point() else v.clone()
+                             for k, v in fields.items()} for name, fields in state.items()}
 
     def keep(self, name: str) -> Any:
         """Called before group ``name``'s state may change this step: what :meth:`restore`

@@ -11,11 +11,26 @@ import torch.distributed as dist
 
 from mergecomp.engines.communicator import Communicator, Handle
 
-__all__ = ["TorchCommunicator", "init_process_group"]
+__all__ = ["TorchCommunicator", "init_process_group", "default_backend", "BACKEND_VARIABLE"]
+
+
+#: the environment variable naming the backend ``init`` takes when none is given
+BACKEND_VARIABLE = "MERGECOMP_TORCH_BACKEND"
+
+
+def default_backend() -> str:
+    """The backend of ``init(backend=None)``: ``MERGECOMP_TORCH_BACKEND`` where set (``gloo``
+    keeps CPU tensors' collectives on a host with GPUs, several ranks on one GPU), else NCCL where
+    CUDA is available, else gloo."""
+    named = os.environ.get(BACKEND_VARIABLE)
+    if named:
+        return named
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def init_process_group(backend: Optional[str], timeout: float) -> None:
-    """Initialise the default process group from torchrun's environment, if not done yet."""
+    """Initialise the default process group from torchrun's environment, if not done yet
+    (``backend`` None: :func:`default_backend`)."""
     if dist.is_initialized():
         return
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -25,7 +40,7 @@ def init_process_group(backend: Optional[str], timeout: float) -> None:
             f"`torchrun --nproc_per_node N script.py` or call torch.distributed.init_process_group first"
         )
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+        backend = default_backend()
     limit = datetime.timedelta(seconds=timeout)
     generation = next(_generations)
     if generation == 0:

@@ -236,8 +236,8 @@ class Exchange:
         if finite is None:
             finite = all_finite(flat)
             job.count("check", 1)
-        else:
-            finite = flat.new_tensor(bool(finite))
+        else:  # filled in on the device (a tensor made from host data waits for a CUDA device)
+            finite = flat.new_full((), bool(finite), dtype=torch.bool)
         if flat.device.type == "cpu":  # no device to sync with: branch instead of a full pass
             if not finite:
                 flat.zero_()

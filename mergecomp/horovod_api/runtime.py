@@ -209,7 +209,8 @@ def init(engine: str = "auto", backend: Optional[str] = None, timeout: Optional[
             (``horovodrun``), ``"mpi"`` (mpi4py, ``mpirun``) or ``"local"`` (one process, no
             communication).  A requested engine whose library is missing raises RuntimeError
             saying how to install it.
-        backend: torch.distributed backend; default NCCL when CUDA is available, else gloo.
+        backend: torch.distributed backend; default ``MERGECOMP_TORCH_BACKEND`` where set, else
+            NCCL when CUDA is available, else gloo.
         timeout: seconds any one collective may take (default ``MERGECOMP_TIMEOUT`` or 300).
         comm: use this communicator instead (advanced: a sub-group, a custom engine).
 

@@ -7,6 +7,7 @@ step's policy (:class:`~mergecomp.pipeline.step.MergedStep`) to the same culprit
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Sequence, Tuple
 
 import torch
@@ -22,6 +23,20 @@ NONFINITE_POLICIES = ("propagate", "raise", "skip", "ignore")
 NONFINITE_GRADIENT, OVERFLOWED = 1, 2
 
 
+def _flags(jobs: Sequence[Job]) -> torch.Tensor:
+    """int32, one per job: why its group is a culprit (:data:`NONFINITE_GRADIENT`,
+    :data:`OVERFLOWED`; 0: it is not).  Made on the device, run by run of jobs whose payloads
+    were or were not checked (indexing by a list of groups would copy it there and wait)."""
+    runs = []
+    for checked, run in itertools.groupby(jobs, key=lambda job: job.overflowed is not None):
+        run = list(run)
+        bits = torch.stack([job.finite for job in run]).logical_not().to(torch.int32) * NONFINITE_GRADIENT
+        if checked:  # casts' payloads only
+            bits += torch.stack([job.overflowed for job in run]).to(torch.int32) * OVERFLOWED
+        runs.append(bits)
+    return torch.cat(runs)
+
+
 class NonfiniteCheck:
     """Agree across ranks on which (rank, group) pairs held NaN/Inf this step, and why.
 
@@ -35,11 +50,7 @@ class NonfiniteCheck:
         device = jobs[0].finite.device if jobs else torch.device("cpu")
         flags = torch.zeros(comm.size, len(jobs), dtype=torch.int32, device=device)
         if jobs:
-            row = torch.stack([job.finite for job in jobs]).logical_not().to(torch.int32) * NONFINITE_GRADIENT
-            checked = [g for g, job in enumerate(jobs) if job.overflowed is not None]  # casts' payloads only
-            if checked:
-                row[checked] += OVERFLOWED * torch.stack([jobs[g].overflowed for g in checked]).to(torch.int32)
-            flags[comm.rank] = row
+            flags[comm.rank] = _flags(jobs)
         self._what = f"non-finite gradient check at step {step} on rank {comm.rank}"
         self._handle = comm.allreduce_async(flags)
 

@@ -13,7 +13,6 @@ optimizer and the TensorFlow front end adapt it.
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -25,6 +24,7 @@ from mergecomp.exchange.job import Job
 from mergecomp.exchange.plan import EXEMPT, Group, GroupPlan, PlanSpec, build_plan, layout
 from mergecomp.kernels import codecs, native
 from mergecomp.pipeline.step import MergedStep, Reduced
+from mergecomp.scheduler.clock import Arrivals
 from mergecomp.scheduler.feed import PlanSearch
 
 __all__ = ["PlannedStep", "DEFAULT_GROUP_BYTES", "DEFAULT_MAX_GROUPS"]
@@ -146,7 +146,8 @@ class PlannedStep(MergedStep):
         #: per group: True while every gradient copied in was found finite, False once one was
         #: not, None when one was copied without a check (the exchange then checks the group)
         self._finite: List[Optional[bool]] = [True] * len(self._groups)
-        self._ready_at = [0.0] * len(self.names)
+        #: this step's arrival times (made at its first arrival: :meth:`_arrivals_clock`)
+        self._arrival_times: Optional[Arrivals] = None
         self._order_seen: List[int] = []
         #: per group: elements written into its buffer by this step's copy-in, pass by pass
         self._copied = [0] * len(self._groups)
@@ -170,7 +171,7 @@ class PlannedStep(MergedStep):
             raise RuntimeError(f"{self.front_end.who}: the gradient of {self.names[i]!r} arrived twice in one step")
         g, offset = self._where[i]
         with self.exchange.clock(ENCODE, self._groups[g].name):
-            self._ready_at[i] = time.perf_counter() - self._encode_spent  # our own hook work excluded
+            self._arrivals_clock().arrived(i)  # our own hook work is left out (own_work)
             self._order_seen.append(i)
             self._put(i, grad, g, offset)
             self._arrived[i] = True
@@ -182,11 +183,23 @@ class PlannedStep(MergedStep):
         if parts is None:
             self._copied[g] += self._copy_in(i, grad, g, offset) * self.shapes[i].numel()
         else:
-            began = time.perf_counter()
-            finite = parts.add(self._position[i], offset, self._part(i, grad, g, offset))  # checked by the kernel
+            with self._arrivals_clock().own_work():
+                finite = parts.add(self._position[i], offset, self._part(i, grad, g, offset))  # checked by the kernel
             self._finite[g] = finite and self._finite[g] is not False
-            self._encode_spent += time.perf_counter() - began
         self._count[g] += 1
+
+    def _arrivals_clock(self) -> Arrivals:
+        """This step's :class:`~mergecomp.scheduler.clock.Arrivals`: CUDA events in the step
+        the scheduler profiles on a CUDA device, host seconds otherwise."""
+        if self._arrival_times is None:
+            profiled = self.search is not None and self.search.profiles_next()
+            self._arrival_times = Arrivals(len(self.names), self.device, events=profiled)
+        return self._arrival_times
+
+    def launch(self, *args, **kwargs) -> Job:
+        """:meth:`MergedStep.launch`, its seconds left out of the arrival times that follow."""
+        with self._arrivals_clock().own_work():
+            return super().launch(*args, **kwargs)
 
     def _parts(self, g: int) -> Optional[FusedParts]:
         """Group ``g``'s :class:`~mergecomp.compressors.base.compressor.FusedParts` this step,
@@ -267,7 +280,7 @@ class PlannedStep(MergedStep):
                              for b in self._buffers]
 
     def _end_step(self, bad: bool) -> None:
-        self._arrivals = (self._ready_at if self._timed_step else None), self._order_seen
+        self._arrivals = (self._arrival_times if self._timed_step else None), self._order_seen
         if (bad or self.exact) and self.search is not None:  # an exact step times no codec
             self.search.skip_sample()
         super()._end_step(bad)
@@ -276,11 +289,11 @@ class PlannedStep(MergedStep):
         """This step's result, with the last step's views where it holds the same groups and
         buffers (the group buffers, reused step after step unless handed out); the observed
         order adopted and the scheduler fed, which may switch plans for the next step."""
-        ready, order_seen = self._arrivals
+        arrivals, order_seen = self._arrivals
         with self.exchange.clock(SCHEDULER):
             self._adopt_order(order_seen)
             if self.search is not None:
-                self.search.observe(ready)
+                self.search.observe(arrivals)
         reduced, last = Reduced(groups, flats), self._last_reduced
         if last is not None and reduced.same_groups_and_buffers(last):
             reduced.views = last.views

@@ -207,16 +207,13 @@ class MergedStep:
         """A step begins: nothing started."""
         self._started: List[Job] = []
         self._outs: List[torch.Tensor] = []
-        self._encode_spent = 0.0  # seconds of this step's launches (the arrival times leave them out)
 
     def launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool] = None,
                copied: int = 0, parts: Optional[FusedParts] = None) -> Job:
         """Start ``group`` from ``flat``, into which ``copied`` elements were written (pass by
         pass) this step, or from its ``parts`` (:meth:`Exchange.start`); ``codec``: the plan's
         (the warm-up and the ``scheme`` option decide how it travels)."""
-        began = time.perf_counter()
         job = self.exchange.start(group, flat, self._started_as(codec), finite, parts)
-        self._encode_spent += time.perf_counter() - began
         job.count("copy-in", 1, copied)
         self._started.append(job)
         self._outs.append(flat)

@@ -5,6 +5,11 @@ step's backward order is known, gives it every finished step's wall time and the
 arrival times, and installs the plans it asks for.  The search covers the tensors that are
 not exempt from compression: its plans leave out the exempt groups, which the step appends
 again (:meth:`~mergecomp.pipeline.planned.PlannedStep.set_plan`).
+
+Its samples are read on the device's clock (:mod:`mergecomp.scheduler.clock`): on a CUDA device
+a step ends, for the scheduler, once the device has done its work (one synchronization per step
+while the scheduler runs; with a NaN/Inf check, the default, the step has already waited for
+its collectives by then), and the profiled step's arrival times are CUDA events.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from mergecomp.exchange.plan import EXEMPT, GroupPlan
+from mergecomp.scheduler.clock import Arrivals, settled_now
 from mergecomp.scheduler.online import MergeScheduler, SchedulerConfig, exchange_scheduler
 
 __all__ = ["PlanSearch"]
@@ -53,25 +59,31 @@ class PlanSearch:
         if cached is not None:
             step.set_plan(cached)
 
-    def observe(self, ready: Optional[List[float]]) -> None:
+    def observe(self, arrivals: Optional[Arrivals]) -> None:
         """A step finished (its results stand): give its wall time (and the tensors' arrival
-        times, ``ready``; None: all at once) to the scheduler, and switch plans when it says so.
-        Warm-up steps are no samples: the search starts once compression has begun."""
-        now = time.perf_counter()
-        previous, self._last_end = self._last_end, now
+        times, ``arrivals``; None: all at once) to the scheduler, and switch plans when it says
+        so.  Warm-up steps are no samples: the search starts once compression has begun."""
         step = self.step
+        now = time.perf_counter() if self.scheduler is None else settled_now(step.device)
+        previous, self._last_end = self._last_end, now
         if self.scheduler is None or previous is None or step.step <= step.warmup_steps:
             return
         order = self._order
-        if ready is None:
+        if arrivals is None:
             since_first = [0.0] * len(order)
         else:
+            ready = arrivals.seconds()
             first = min(ready[i] for i in order)
             since_first = [ready[i] - first for i in order]
         current = self._searched()
         plan = self.scheduler.observe(now - previous, since_first, current)
         if plan is not None and plan != current:
             step.set_plan(plan)
+
+    def profiles_next(self) -> bool:
+        """Whether the step starting now is the one the scheduler profiles, whose arrival times
+        it reads (on a CUDA device they are then stamped with events, :class:`Arrivals`)."""
+        return self.scheduler is not None and self.scheduler.phase == "profile"
 
     def skip_sample(self) -> None:
         """The step in progress is no timing sample (it held NaN/Inf, or state was loaded)."""

@@ -31,6 +31,7 @@ from mergecomp.engines.communicator import Communicator, Handle
 from mergecomp.exchange.exchange import Exchange
 from mergecomp.exchange.plan import Group
 from mergecomp.exchange.schemes import SCHEMES
+from mergecomp.scheduler.clock import settle
 from mergecomp.scheduler.costmodel import CodecCost, Profile, fit_affine
 
 __all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "measure", "probe_sizes", "rehearse",
@@ -178,17 +179,17 @@ def rehearse(compressor: Compressor, memory: Optional[Memory], codec: str, sampl
 def _timed_exchange(exchange: Exchange, group: Group, flat: torch.Tensor, codec: str,
                     device: torch.device) -> Tuple[float, float, float]:
     """Seconds of ``exchange``'s start, its stages, and its finish of ``group`` from ``flat``."""
-    _settle(device)
+    settle(device)
     began = time.perf_counter()
     job = exchange.start(group, flat, codec, finite=True)
-    _settle(device)
+    settle(device)
     started = time.perf_counter()
     while exchange.advance(job):
         pass
-    _settle(device)
+    settle(device)
     advanced = time.perf_counter()
     exchange.finish(job)
-    _settle(device)
+    settle(device)
     return started - began, advanced - started, time.perf_counter() - advanced
 
 
@@ -210,20 +211,14 @@ def replay(comm: Communicator, calls: Sequence[Call], device: torch.device) -> T
     return _fastest(run, device)
 
 
-def _settle(device: torch.device) -> None:
-    """Wait for the device's queued work, so that host clocks time it (a no-op on CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _fastest(run: Callable[[], None], device: torch.device) -> Tuple[float, float]:
     """``(wall, CPU)`` seconds of the faster of two calls of ``run``."""
     times = []
     for _ in range(2):
-        _settle(device)
+        settle(device)
         began, began_cpu = time.perf_counter(), time.process_time()
         run()
-        _settle(device)
+        settle(device)
         times.append((time.perf_counter() - began, time.process_time() - began_cpu))
     return min(times)
 

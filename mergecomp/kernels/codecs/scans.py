@@ -79,11 +79,12 @@ def indices_above(values: torch.Tensor, threshold: torch.Tensor, absolute: bool,
 
 
 def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """``torch.nonzero(mask).view(-1)`` for a contiguous 1-D bool ``mask``, faster when sparse:
-    find the non-zero 8-byte words first, then the set bytes inside those words only."""
+    """``torch.nonzero(mask).view(-1)`` for a contiguous 1-D bool ``mask``, faster when sparse
+    on the CPU: find the non-zero 8-byte words first, then the set bytes inside those words only
+    (on a CUDA device one ``nonzero``: each waits for the device)."""
     n = mask.numel()
     body = n - n % 8
-    if body == 0 or mask.storage_offset() % 8:
+    if body == 0 or mask.storage_offset() % 8 or mask.device.type != "cpu":
         return torch.nonzero(mask).view(-1)
     words = mask[:body].view(torch.uint8).view(torch.int64)
     word_index = torch.nonzero(words).view(-1)

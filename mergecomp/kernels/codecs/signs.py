@@ -81,8 +81,7 @@ def decode_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``positive`` where the element was >= 0, ``negative`` elsewhere: ``numel`` values in
     ``dtype`` on ``packed``'s device, written into ``out`` when given.  Returns them."""
-    values = torch.stack([torch.as_tensor(v, device=packed.device).reshape(())
-                          for v in (negative, positive)]).to(dtype)
+    values = _pair(negative, positive, dtype, packed.device)
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=packed.device)
     return decode_codes(packed, 1, numel, values, out)
@@ -120,9 +119,15 @@ def sign_sum(packed: Sequence[torch.Tensor], sides: Sequence[Tuple[Value, Value]
     bits, each decoded to its own ``(negative, positive)`` pair, summed (:func:`codes_sum`: in
     one pass on the native path, no full-size decode per rank).  ``numel`` values of ``dtype``,
     written into ``out`` when given.  Returns them."""
-    values = [torch.stack([torch.as_tensor(v, device=packed[0].device).reshape(()) for v in side]).to(dtype)
-              for side in sides]
+    values = [_pair(*side, dtype, packed[0].device) for side in sides]
     return codes_sum(packed, 1, values, numel, divisor, out)
+
+
+def _pair(negative: Value, positive: Value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[negative, positive]`` in ``dtype`` on ``device``: a float is filled in there, a tensor
+    moved; never a tensor made on the host and copied, which on a CUDA device waits for it."""
+    return torch.stack([v.reshape(()).to(device=device, dtype=dtype) if isinstance(v, torch.Tensor)
+                        else torch.full((), v, dtype=dtype, device=device) for v in (negative, positive)])
 
 
 def compensated_sign_parts(numel: int, carried: Optional[torch.Tensor], sides: Tuple[float, float],
