@@ -1,0 +1,73 @@
+"""Stage 1: the CUDA tests (``tests/cuda`` of the repository) in a pytest process of their own,
+within a time limit; the counts, the failures and the skip reasons are read back from its JUnit
+XML (``cuda_tests.xml``), its output kept in ``cuda_tests.log``."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Dict, List
+
+__all__ = ["run", "read_junit"]
+
+TESTS = "tests/cuda"
+
+
+def read_junit(path: Path) -> Dict[str, object]:
+    """Counts (``tests``, ``passed``, ``failed``, ``errors``, ``skipped``), the ids of the tests
+    that failed or erred, and the distinct skip reasons, from a pytest JUnit XML file."""
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    failed: List[str] = []
+    reasons: List[str] = []
+    counts = {"tests": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for suite in suites:
+        for case in suite.iter("testcase"):
+            counts["tests"] += 1
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            if case.find("failure") is not None:
+                counts["failed"] += 1
+                failed.append(name)
+            elif case.find("error") is not None:
+                counts["errors"] += 1
+                failed.append(name)
+            elif (skipped := case.find("skipped")) is not None:
+                counts["skipped"] += 1
+                reason = skipped.get("message", "")
+                if reason not in reasons:
+                    reasons.append(reason)
+    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    return {**counts, "failing": failed, "skip_reasons": reasons}
+
+
+def run(repo: Path, out: Path, timeout_s: float) -> Dict[str, object]:
+    """``python -m pytest tests/cuda`` in ``repo`` (each test limited too where pytest-timeout is
+    installed); what :func:`read_junit` reads, the exit code and seconds, or why it gave none."""
+    xml, log = out / "cuda_tests.xml", out / "cuda_tests.log"
+    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", TESTS, "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        command.append(f"--timeout={int(timeout_s * 0.8)}")
+    began = time.perf_counter()
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, cwd=repo, stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # pytest and the workers it spawned
+            process.wait()
+            code = None
+    result: Dict[str, object] = {"command": " ".join(command[1:]), "seconds": time.perf_counter() - began,
+                                 "exit_code": code, "log": log.name}
+    if code is None:
+        result["problem"] = f"timed out after {timeout_s:.0f} s"
+    if xml.exists():
+        result.update(read_junit(xml), junit=xml.name)
+    elif code is not None:
+        result["problem"] = f"pytest exited with {code} and wrote no JUnit XML (see {log.name})"
+    return result

@@ -1,0 +1,77 @@
+"""``scripts/gpu_check.sh`` without a CUDA device (``CUDA_VISIBLE_DEVICES=""``, so the same on
+any machine): every CUDA test skips, the other stages are skipped, the verdict line comes last,
+the summary files are written, exit 0.  And the verdict and JUnit reading on made-up results."""
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from mergecomp.bench.gpu_check.cuda_tests import read_junit
+from mergecomp.bench.gpu_check.report import markdown, verdict
+from mergecomp.bench.gpu_check.run import BUDGET_S
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_check_without_a_cuda_device_skips_every_cuda_test_and_says_so_last(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"gpu_check: no CUDA device: (\d+) tests skipped", last)
+    assert match, done.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    tests = summary["stages"]["tests"]
+    assert summary["status"] == "no-cuda" and summary["verdict"] == last
+    assert tests["tests"] == tests["skipped"] == int(match[1]) > 0  # nothing ran, nothing failed
+    assert "no CUDA device: torch.cuda.is_available() is False" in tests["skip_reasons"]
+    assert summary["stages"]["codecs"]["skipped_stage"] == summary["stages"]["training"]["skipped_stage"]
+    assert last in (out / "summary.md").read_text()
+    assert (out / "cuda_tests.xml").is_file() and (out / "cuda_tests.log").is_file()
+
+
+def summary_of(tests, cuda=True, codecs=None, training=None):
+    return {"device": {"cuda": cuda, "name": "GPU X" if cuda else None, "count": int(cuda), "torch": "2",
+                       "cuda_version": None}, "budget_s": BUDGET_S, "seconds": 300.0,
+            "stages": {"tests": {"command": "pytest", "seconds": 1.0, **tests},
+                       "codecs": codecs or {"seconds": 1.0}, "training": training or {"seconds": 1.0}}}
+
+
+COUNTS = {"tests": 10, "passed": 8, "failed": 0, "errors": 0, "skipped": 2, "failing": [], "skip_reasons": []}
+
+
+def test_the_verdict_passes_quoting_the_numbers_and_fails_naming_what_failed():
+    codecs = {"seconds": 1.0, "repeats": 5, "best": {"ratio": 3.5, "model": "resnet50", "compressor": "topk"},
+              "models": {}}
+    training = {"seconds": 1.0, "steps": 15, "warmup": 5, "models": {"resnet50": {"batch": 64, "rows": [
+        {"config": "torch", "ms_per_step": 10.0, "x_torch": 1.0, "peak_gib": 1.0, "loss": 1.0},
+        {"config": "none", "ms_per_step": 11.0, "x_torch": 1.1, "groups": 4, "peak_gib": 1.0, "loss": 1.0}]}}}
+    status, line = verdict(summary_of(COUNTS, codecs=codecs, training=training))
+    assert status == "pass"
+    assert line == ("gpu_check: PASS on GPU X: 8 CUDA tests passed, 2 skipped; merged vs layer-wise up to 3.50x "
+                    "(topk, resnet50); resnet50 step vs torch: none 1.10x; 300 s")
+    failing = {**COUNTS, "passed": 6, "failed": 1, "errors": 1, "failing": ["m::test_a", "m::test_b"]}
+    status, line = verdict(summary_of(failing, training={"error": "RuntimeError: boom", "seconds": 1.0}))
+    assert status == "fail"
+    assert line == "gpu_check: FAIL on GPU X: 2 of 10 CUDA tests failed (test_a, test_b); training: RuntimeError: boom"
+    status, line = verdict(summary_of({"problem": "timed out after 210 s"}))
+    assert (status, line) == ("fail", "gpu_check: FAIL on GPU X: CUDA tests: timed out after 210 s")
+    skipped = {**COUNTS, "passed": 0, "skipped": 10}
+    assert verdict(summary_of(skipped, cuda=False)) == ("no-cuda", "gpu_check: no CUDA device: 10 tests skipped")
+    summary = summary_of(COUNTS, codecs=codecs, training=training)
+    summary["verdict"] = verdict(summary)[1]
+    assert "| none | 11.00 | 1.10x | 4 |" in markdown(summary)
+
+
+def test_junit_results_are_counted_by_outcome(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite name="pytest" tests="4">'
+                   '<testcase classname="m" name="ok"/>'
+                   '<testcase classname="m" name="bad"><failure message="x"/></testcase>'
+                   '<testcase classname="m" name="broken"><error message="y"/></testcase>'
+                   '<testcase classname="m" name="later"><skipped message="no CUDA device"/></testcase>'
+                   '</testsuite></testsuites>')
+    assert read_junit(xml) == {"tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1,
+                               "failing": ["m::bad", "m::broken"], "skip_reasons": ["no CUDA device"]}
