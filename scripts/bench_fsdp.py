@@ -19,7 +19,6 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_adam import LR, make_model, random_windows, rank_data  # noqa: E402
 from bench_convergence import parse_spec  # noqa: E402
+from bench_time_to_accuracy import run_cluster  # noqa: E402
 
 BASELINES = ("fsdp", "fsdp-bf16")
 CONFIGS = "fp16,qsgd:levels=7,topk"
@@ -91,35 +91,16 @@ def worker(args):
                        "loss": loss.item(), "peak_rss_mb": peaks}, f)
 
 
-def run(args, configs):
-    from mergecomp.bench.cluster import Cluster, install_signal_handlers
-    from mergecomp.bench.runner import loadavg
-
-    install_signal_handlers()
-    with Cluster(args.hosts, None if args.rate in ("none", "unlimited") else args.rate) as cluster, \
-            tempfile.TemporaryDirectory() as scratch:
-        for config in configs:
-            out = os.path.join(scratch, "record.json")
-            load = loadavg()
-            command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
-                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
-            codes = cluster.run(command, timeout=1200, threads=1)
-            if any(codes) or not os.path.exists(out):
-                yield {"config": config, "status": f"exit codes {codes}", "rate": args.rate}
-                continue
-            with open(out) as f:
-                record = json.load(f)
-            os.remove(out)
-            yield {**record, "status": "ok", "rate": args.rate, "load_before": load, "load_after": loadavg()}
-
-
 def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args)
     configs = list(BASELINES) + [c for c in args.configs.split(",") if c and c not in BASELINES]
     records = []
-    for record in run(args, configs):
+    command_of = lambda config, out: [  # noqa: E731
+        sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--batch", str(args.batch)]
+    for record in run_cluster(args, configs, command_of, timeout=1200):
         records.append(record)
         if args.json:
             with open(args.json, "a") as f:

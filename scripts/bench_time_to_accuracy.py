@@ -140,8 +140,10 @@ def worker(args):
             json.dump(record, f)
 
 
-def run_cluster(args, configs):
-    """Every configuration in turn on one cluster; yields each record (``status`` says how it ended)."""
+def run_cluster(args, configs, command_of, timeout):
+    """Every configuration in turn on one cluster of ``args.hosts`` hosts at ``args.rate``, each
+    worker started as ``command_of(config, out)`` (rank 0 writes its JSON record to ``out``); yields
+    each record (``status`` says how it ended) with the rate and the load before and after."""
     from mergecomp.bench.cluster import Cluster, install_signal_handlers
     from mergecomp.bench.runner import loadavg
 
@@ -151,17 +153,21 @@ def run_cluster(args, configs):
         for config in configs:
             out = os.path.join(scratch, "record.json")
             load = loadavg()
-            command = [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
-                       "--steps", str(args.steps), "--batch", str(args.batch), "--after", str(args.after),
-                       "--seed", str(args.seed)]
-            codes = cluster.run(command, timeout=args.timeout, threads=1)
+            codes = cluster.run(command_of(config, out), timeout=timeout, threads=1)
             if any(codes) or not os.path.exists(out):
-                record = {"config": config, "seed": args.seed, "status": f"exit codes {codes}"}
+                record = {"config": config, "status": f"exit codes {codes}"}
             else:
                 with open(out) as f:
                     record = {**json.load(f), "status": "ok"}
                 os.remove(out)
             yield {**record, "rate": args.rate, "load_before": load, "load_after": loadavg()}
+
+
+def worker_command(args):
+    """``command_of`` for :func:`run_cluster`: this script as one configuration's worker."""
+    return lambda config, out: [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
+                                "--steps", str(args.steps), "--batch", str(args.batch), "--after",
+                                str(args.after), "--seed", str(args.seed)]
 
 
 def time_to(record, target):
@@ -247,7 +253,8 @@ def main():
         return
     configs = [BASELINE] + [c for c in args.configs.split(",") if c and c != BASELINE]
     records = []
-    for record in run_cluster(args, configs):
+    for record in run_cluster(args, configs, worker_command(args), args.timeout):
+        record.setdefault("seed", args.seed)
         records.append(record)
         if args.json:
             with open(args.json, "a") as f:
