@@ -59,3 +59,33 @@ def test_compressed_reduce_scatter_against_fsdp_own(world):
         assert out["residual"] > 0, "top-k keeps its error feedback per module and destination"
         assert "rounds" in errors["powersgd"] and "vote" in errors["signsgd"]
         assert "fully_shard" in errors["no_fsdp"]
+
+
+def _overflow_worker(rank, world):
+    """One step normal, one with an Inf in rank 0's gradients: every rank's shard is NaN, the
+    memories are what the first step left."""
+    import math
+
+    from torch.distributed.fsdp import fully_shard
+
+    import mergecomp.torch as mc
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4 * world)
+    fully_shard(model)
+    comm, = mc.fsdp.compress(model, "topk")
+    data = torch.Generator().manual_seed(rank)
+    model(torch.randn(3, 6, generator=data)).pow(2).sum().backward()
+    kept = comm.state_dict()["memory"]
+    model.zero_grad()
+    scale = math.inf if rank == 0 else 1.0
+    (model(torch.randn(3, 6, generator=data)).pow(2).sum() * scale).backward()
+    after = comm.state_dict()["memory"]
+    grads_nan = all(bool(p.grad.to_local().isnan().all()) for p in model.parameters())
+    same = kept.keys() == after.keys() and all(torch.equal(kept[k][f], after[k][f]) for k in kept for f in kept[k])
+    return grads_nan, same, sum(t.numel() for fields in kept.values() for t in fields.values())
+
+
+def test_an_overflow_on_one_rank_makes_every_shard_nan_and_keeps_the_memories():
+    for grads_nan, same, kept in run_workers(_overflow_worker, 2, 2, timeout=120):
+        assert grads_nan and same and kept > 0

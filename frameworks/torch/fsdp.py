@@ -15,10 +15,12 @@ chunks, chunk ``d`` holding the rows of rank ``d``'s shard, in FSDP's ``reduce_d
 :class:`CompressedReduceScatter` (plugged in with FSDP2's public ``set_custom_reduce_scatter``)
 compresses each chunk with the chosen compressor after its error feedback (the memory is keyed by
 module and destination: a full gradient's worth of residual per rank, for compressors that keep
-one), sends chunk ``d``'s payload to rank ``d`` by one all-to-all of packed payload bytes, and
-decodes and sums (or averages) the payloads it receives into its shard: a reduce-scatter of
-``(world - 1) / world`` of the payload bytes per rank.  With the lossless compressor it is
-FSDP's own ``reduce_scatter_tensor``, bit for bit.
+one), sends chunk ``d``'s payload to rank ``d`` by one all-to-all of packed payload bytes (and
+one byte saying whether the sender's gradients were finite), and decodes and sums (or averages)
+the payloads it receives into its shard: a reduce-scatter of ``(world - 1) / world`` of the
+payload bytes per rank.  A non-finite gradient on any rank (a ``GradScaler`` overflow) makes
+every rank's shard NaN, so every rank's scaler skips the step, and leaves the memories as they
+were.  With the lossless compressor it is FSDP's own ``reduce_scatter_tensor``, bit for bit.
 
 Refused with ValueError: compressors of several rounds (PowerSGD: a reduce-scatter has one) and
 majority votes (signSGD, Signum: FSDP needs the average); reduce ops other than sum and average
@@ -38,6 +40,9 @@ from mergecomp.exchange.exchange import resolve
 from mergecomp.kernels.wire import pack_rows, unpack_payload
 
 __all__ = ["CompressedReduceScatter", "compress"]
+
+#: bytes after each packed payload row carrying "the sender's gradients were not finite"
+_FLAG_BYTES = 8
 
 
 class CompressedReduceScatter:
@@ -77,16 +82,26 @@ class CompressedReduceScatter:
             return None
         comm = self._comm(group)
         chunks = input_tensor.view(comm.size, -1)
-        sent = []
+        finite = bool(torch.isfinite(input_tensor).all())
+        sent, updates = [], []
         for dest in range(comm.size):
             key = f"{self.name}.{dest}"
-            compensated = self.memory.compensate(chunks[dest].clone(), key)
+            chunk = chunks[dest].clone() if finite else torch.zeros_like(chunks[dest])
+            compensated = self.memory.compensate(chunk, key) if finite else chunk
             payload, ctx = self.compressor.compress(compensated, key)
-            self.memory.update(compensated, key, self.compressor.decompress(payload, ctx))
-            sent.append(tuple(t.clone() for t in payload))  # scratch may be reused by the next chunk
+            payload = tuple(t.clone() for t in payload)  # scratch may be reused by the next chunk
+            updates.append((compensated, key, payload))
+            sent.append(payload)
         rows, specs = pack_rows(sent)
-        received = comm.alltoall(rows.reshape(-1), f"{self.name}: compressed reduce-scatter").view(comm.size, -1)
-        payloads = [unpack_payload(received[src], specs[comm.rank]) for src in range(comm.size)]
+        flag = torch.full((comm.size, _FLAG_BYTES), int(not finite), dtype=torch.uint8)  # keeps rows 8-aligned
+        received = comm.alltoall(torch.cat([rows, flag], dim=1).reshape(-1),
+                                 f"{self.name}: compressed reduce-scatter").view(comm.size, -1)
+        if bool(received[:, -1].any()):  # a rank's gradients overflowed: every rank's shard is NaN,
+            output_tensor.fill_(float("nan"))  # and every rank's memories stay as they were
+            return None
+        for compensated, key, payload in updates:
+            self.memory.update(compensated, key, self.compressor.decompress(payload, ctx))
+        payloads = [unpack_payload(received[src, :-_FLAG_BYTES], specs[comm.rank]) for src in range(comm.size)]
         output_tensor.copy_(self.compressor.aggregate(payloads, ctx, comm.size, average))
         return None
 
