@@ -89,3 +89,46 @@ def _overflow_worker(rank, world):
 def test_an_overflow_on_one_rank_makes_every_shard_nan_and_keeps_the_memories():
     for grads_nan, same, kept in run_workers(_overflow_worker, 2, 2, timeout=120):
         assert grads_nan and same and kept > 0
+
+
+def _resume_worker(rank, world):
+    """Save after 2 steps (model, optimizer and each module's mergecomp state, per rank), train a
+    3rd step; load into a fresh model and take the 3rd step again: the same parameters."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    import mergecomp.torch as mc
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
+        fully_shard(model[0])
+        fully_shard(model)
+        comms = mc.fsdp.compress(model, "topk")
+        return model, torch.optim.Adam(model.parameters(), lr=0.01), comms
+
+    def step(model, opt, seed):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).pow(2).sum().backward()
+        opt.step()
+
+    model, opt, comms = build()
+    for seed in (10 * rank, 10 * rank + 1):
+        step(model, opt, seed)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                           "mergecomp": [c.state_dict() for c in comms]})
+    step(model, opt, 10 * rank + 2)
+    straight = [p.detach().full_tensor() for p in model.parameters()]
+    model, opt, comms = build()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    for comm, state in zip(comms, saved["mergecomp"]):
+        comm.load_state_dict(state)
+    step(model, opt, 10 * rank + 2)
+    resumed = [p.detach().full_tensor() for p in model.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_resume_with_the_memories_continues_exactly():
+    assert run_workers(_resume_worker, 2, 2, timeout=120) == [True, True]
