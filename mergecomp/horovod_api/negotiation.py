@@ -5,7 +5,7 @@ A collective (:mod:`mergecomp.horovod_api.operations`) is submitted under a name
 the set has submitted that name, whatever else each rank submitted in between: ranks may start
 asynchronous collectives in different orders, and a rank that has joined stands in for the others'
 reductions.  A background thread per process set runs *rounds*: each rank sends what it submitted
-since its last round (name, kind, meta) and whether it still waits on anything, by one
+since its last round (name, kind, meta) and which of its collectives it is blocked on, by one
 ``allgather_object`` on a communicator of its own (so the rounds never interleave with the
 training's collectives); every rank then holds the same table of names and who submitted them,
 and runs the complete ones in the same order, after checking that every rank's meta agrees.
@@ -16,7 +16,7 @@ finished raises ValueError at once on the rank that did it; a name some ranks su
 did not for ``timeout`` seconds (rank 0's clock decides) fails with :class:`MismatchError` naming
 the missing ranks; a round that cannot complete (a rank gone) fails every waiting collective with
 :class:`~mergecomp.engines.communicator.CommunicationError` after the timeout.  The threads stop
-together once no rank waits on anything, and start again at the next submission.
+once everything any rank sent has run, and start again at the next submission.
 """
 from __future__ import annotations
 
@@ -182,14 +182,14 @@ class Coordinator:
                         self._thread = None
                         return
                     new, self._new = self._new, []
-                    busy, waited = bool(self._mine), sorted(n for n in self._waited if n in self._mine)
-                message = ([(r.name, r.kind, r.meta) for r in new], busy, self._expired(), waited)
+                    waited = sorted(n for n in self._waited if n in self._mine)
+                message = ([(r.name, r.kind, r.meta) for r in new], self._expired(), waited)
                 if self.timeline is not None:
                     self.timeline.cycle()
                 messages = self.comm.allgather_object(message, f"the negotiation of collectives{self.label}")
                 ran = self._apply(messages)
-                with self._lock:
-                    if not any(m[1] for m in messages) and not self._table and not self._joined and not self._new:
+                with self._lock:  # nothing any rank sent is unfinished (the same on every rank), nothing to send
+                    if not self._table and not self._joined and not self._new:
                         self._thread = None
                         return
                 if not ran and not any(m[0] for m in messages):
@@ -207,7 +207,7 @@ class Coordinator:
     def _apply(self, messages: List[tuple]) -> bool:
         """Enter every rank's submissions, then run what is complete; True if anything ran."""
         round_index = next(self._round)
-        for rank, (entries, _, _, _) in enumerate(messages):
+        for rank, (entries, _, _) in enumerate(messages):
             for name, kind, meta in entries:
                 if kind == JOIN:
                     self._joined[rank] = round_index
@@ -216,7 +216,7 @@ class Coordinator:
                     if self.comm.rank == 0:
                         self._first_seen.setdefault(name, time.monotonic())
         ran = False
-        for name in messages[0][2]:
+        for name in messages[0][1]:
             if name in self._table:
                 self._finish_missing(name)
                 ran = True
@@ -224,10 +224,10 @@ class Coordinator:
         for name in [n for n, by in self._table.items() if set(by) | set(self._joined) >= everyone]:
             self._run(name)
             ran = True
-        self._stuck_rounds = 0 if ran or any(m[0] for m in messages) or not all(m[3] for m in messages) \
+        self._stuck_rounds = 0 if ran or any(m[0] for m in messages) or not all(m[2] for m in messages) \
             else self._stuck_rounds + 1
         if self._stuck_rounds >= 2 and self._table:
-            self._fail_stuck([m[3] for m in messages])
+            self._fail_stuck([m[2] for m in messages])
             ran = True
         if len(self._joined) == self.comm.size:
             last = max(self._joined, key=lambda r: (self._joined[r], r))
