@@ -20,7 +20,7 @@ Otherwise they are :mod:`mergecomp.horovod_api.collectives`'s functions unchange
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -33,31 +33,36 @@ __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "
            "reducescatter", "grouped_reducescatter"]
 
 
-def _records(tensors: Sequence[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+class _Collective(torch.autograd.Function):
+    """``run(tensors) -> outputs``, whose backward is ``gradient(output grads) -> input grads``."""
 
-
-class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, options: dict, *tensors: torch.Tensor):
-        ctx.options = options
-        return tuple(plain.grouped_allreduce(list(tensors), **options))
+    def forward(ctx, run: Callable, gradient: Callable, *tensors: torch.Tensor):
+        ctx.gradient = gradient
+        return tuple(run(list(tensors)))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        options = {k: v for k, v in ctx.options.items() if k not in ("name", "compression")}
-        return (None, *plain.grouped_allreduce([g.contiguous() for g in grads], **options))
+        return (None, None, *ctx.gradient([g.contiguous() for g in grads]))
+
+
+def _differentiable(tensors: Sequence[torch.Tensor], run: Callable[[List[torch.Tensor]], List[torch.Tensor]],
+                    gradient: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> List[torch.Tensor]:
+    """``run(tensors)``, through :class:`_Collective` when autograd records."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return run(list(tensors))
+    return list(_Collective.apply(run, gradient, *tensors))
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Any = None, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = None) -> List[torch.Tensor]:
     """:func:`mergecomp.horovod_api.collectives.grouped_allreduce`, differentiable."""
-    options = dict(average=average, name=name, compression=compression, op=op, prescale_factor=prescale_factor,
-                   postscale_factor=postscale_factor, process_set=process_set)
-    if not _records(tensors):
-        return plain.grouped_allreduce(list(tensors), **options)
-    return list(_GroupedAllreduce.apply(options, *tensors))
+    reduction = dict(average=average, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                     process_set=process_set)
+    return _differentiable(tensors, lambda ts: plain.grouped_allreduce(ts, name=name, compression=compression,
+                                                                       **reduction),
+                           lambda grads: plain.grouped_allreduce(grads, **reduction))
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -68,32 +73,19 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
                              process_set)[0]
 
 
-class _GroupedAllgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, name: Optional[str], process_set: Any, *tensors: torch.Tensor):
-        ctx.process_set = process_set
-        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
-        ctx.shapes = [t.shape for t in tensors]
-        return tuple(plain.grouped_allgather(list(tensors), name, process_set))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        averaged = plain.grouped_allreduce([g.contiguous() for g in grads], op=Average, process_set=ctx.process_set)
-        row_counts = plain.grouped_allgather([torch.tensor([r]) for r in ctx.rows], process_set=ctx.process_set)
-        mine = resolve(ctx.process_set, "allgather's gradient").rank()
-        parts = []
-        for grad, counts, rows, shape in zip(averaged, row_counts, ctx.rows, ctx.shapes):
-            start = int(counts[:mine].sum())
-            parts.append(grad.narrow(0, start, rows).reshape(shape))
-        return (None, None, *parts)
-
-
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: Any = None) -> List[torch.Tensor]:
     """:func:`mergecomp.horovod_api.collectives.grouped_allgather`, differentiable."""
-    if not _records(tensors):
-        return plain.grouped_allgather(list(tensors), name, process_set)
-    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    rows, shapes = [t.shape[0] if t.dim() else 1 for t in tensors], [t.shape for t in tensors]
+
+    def gradient(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        averaged = plain.grouped_allreduce(grads, op=Average, process_set=process_set)
+        row_counts = plain.grouped_allgather([torch.tensor([r]) for r in rows], process_set=process_set)
+        mine = resolve(process_set, "allgather's gradient").rank()
+        return [grad.narrow(0, int(counts[:mine].sum()), n).reshape(shape)
+                for grad, counts, n, shape in zip(averaged, row_counts, rows, shapes)]
+
+    return _differentiable(tensors, lambda ts: plain.grouped_allgather(ts, name, process_set), gradient)
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any = None) -> torch.Tensor:
@@ -101,26 +93,14 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Any
     return grouped_allgather([tensor], name, process_set)[0]
 
 
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, root_rank: int, name: Optional[str], process_set: Any):
-        ctx.root_rank, ctx.process_set = root_rank, process_set
-        return plain.broadcast(tensor, root_rank, name, process_set)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        averaged = plain.allreduce(grad.contiguous(), op=Average, process_set=ctx.process_set)
-        if rank() != ctx.root_rank:  # a rank of the job, as broadcast's root_rank
-            averaged = torch.zeros_like(averaged)
-        return averaged, None, None, None
-
-
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None, process_set: Any = None
               ) -> torch.Tensor:
     """:func:`mergecomp.horovod_api.collectives.broadcast`, differentiable."""
-    if not _records([tensor]):
-        return plain.broadcast(tensor, root_rank, name, process_set)
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    def gradient(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        averaged = plain.allreduce(grads[0], op=Average, process_set=process_set)
+        return [averaged if rank() == root_rank else torch.zeros_like(averaged)]  # root_rank: a rank of the job
+
+    return _differentiable([tensor], lambda ts: [plain.broadcast(ts[0], root_rank, name, process_set)], gradient)[0]
 
 
 class _Alltoall(torch.autograd.Function):
@@ -140,37 +120,24 @@ class _Alltoall(torch.autograd.Function):
 
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None, process_set: Any = None):
     """:func:`mergecomp.horovod_api.collectives.alltoall`, differentiable."""
-    if not _records([tensor]):
+    if not (torch.is_grad_enabled() and tensor.requires_grad):
         return plain.alltoall(tensor, splits, name, process_set)
     out, received = _Alltoall.apply(tensor, splits, name, process_set)
     return out if splits is None else (out, received)
-
-
-class _GroupedReducescatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, options: dict, *tensors: torch.Tensor):
-        ctx.options = options
-        return tuple(plain.grouped_reducescatter(list(tensors), **options))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        options = ctx.options
-        factor = options["prescale_factor"] * options["postscale_factor"]
-        if options["op"] == Sum:
-            factor *= resolve(options["process_set"], "reducescatter's gradient").size()
-        scaled = [g * factor if factor != 1.0 else g.contiguous() for g in grads]
-        return (None, *plain.grouped_allgather(scaled, process_set=options["process_set"]))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None, compression: Any = None,
                           op: Any = Average, process_set: Any = None, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """:func:`mergecomp.horovod_api.collectives.grouped_reducescatter`, differentiable."""
-    options = dict(name=name, compression=compression, op=op, process_set=process_set,
-                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-    if not _records(tensors):
-        return plain.grouped_reducescatter(list(tensors), **options)
-    return list(_GroupedReducescatter.apply(options, *tensors))
+    def gradient(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        factor = prescale_factor * postscale_factor
+        if op == Sum:
+            factor *= resolve(process_set, "reducescatter's gradient").size()
+        return plain.grouped_allgather([g * factor if factor != 1.0 else g for g in grads], process_set=process_set)
+
+    return _differentiable(tensors, lambda ts: plain.grouped_reducescatter(
+        ts, name, compression, op, process_set, prescale_factor, postscale_factor), gradient)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = None, op: Any = Average,

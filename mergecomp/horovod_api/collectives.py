@@ -61,6 +61,10 @@ class CollectiveHandle:
     def done(self) -> bool:
         return self._done or all(r.done() for r in self._requests)
 
+    def first(self) -> "CollectiveHandle":
+        """The same collectives, whose result is the first one's (a grouped call of one tensor)."""
+        return CollectiveHandle(self._coordinator, self._requests, _first)
+
     def result(self) -> Any:
         if not self._done:
             self._result = self._finish([self._coordinator.wait(r) for r in self._requests])
@@ -171,9 +175,8 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
     """Start an in-place reduction of ``tensor`` over ranks (see :func:`grouped_allreduce_async_`);
     :func:`synchronize` returns ``tensor``."""
-    handle = grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
-    handle._finish = _first
-    return handle
+    return grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor,
+                                    process_set).first()
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -236,9 +239,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = Non
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: Optional[ProcessSet] = None) -> CollectiveHandle:
     """Start :func:`allgather`."""
-    handle = grouped_allgather_async([tensor], name, process_set)
-    handle._finish = _first
-    return handle
+    return grouped_allgather_async([tensor], name, process_set).first()
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None, process_set: Optional[ProcessSet] = None
@@ -374,9 +375,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: An
                         process_set: Optional[ProcessSet] = None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> CollectiveHandle:
     """Start :func:`reducescatter`."""
-    handle = grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor, postscale_factor)
-    handle._finish = _first
-    return handle
+    return grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor, postscale_factor).first()
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = None, op: Any = Average,

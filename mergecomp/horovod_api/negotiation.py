@@ -242,9 +242,13 @@ class Coordinator:
         if request is not None:
             request.finish(result, error)
 
-    def _finish_missing(self, name: str) -> None:
-        by = self._table.pop(name)
+    def _take(self, name: str) -> Dict[int, Tuple[str, tuple]]:
+        """Remove ``name`` from the table (it runs or fails now): who asked for it, and how."""
         self._first_seen.pop(name, None)
+        return self._table.pop(name)
+
+    def _finish_missing(self, name: str) -> None:
+        by = self._take(name)
         missing = sorted(set(range(self.comm.size)) - set(by) - set(self._joined))
         self._finish(name, error=MismatchError(
             f"{describe(name)}: ranks {sorted(by)} asked for it but ranks {missing} did not within {self.timeout:g}s "
@@ -257,16 +261,14 @@ class Coordinator:
         waits = "; ".join(f"rank {r} waits for {', '.join(describe(n) for n in names)}"
                           for r, names in enumerate(waited))
         for name in list(self._table):
-            by = self._table.pop(name)
-            self._first_seen.pop(name, None)
+            by = self._take(name)
             self._finish(name, error=MismatchError(
                 f"{describe(name)}: only ranks {sorted(by)} asked for it, and every rank is blocked waiting "
                 f"({waits}); ranks must call the same collectives"))
         self._stuck_rounds = 0
 
     def _run(self, name: str) -> None:
-        by = self._table.pop(name)
-        self._first_seen.pop(name, None)
+        by = self._take(name)
         kinds = {rank: kind for rank, (kind, _) in by.items()}
         metas = {rank: meta for rank, (_, meta) in by.items()}
         with self._lock:

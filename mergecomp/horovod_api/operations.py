@@ -157,8 +157,7 @@ class Allreduce(Operation):
             else:
                 comm.allreduce_(work, self.kind)
         if self.op == Average:
-            work = (work.div(comm.size, rounding_mode="trunc") if _integer(work.dtype)
-                    else scale(work, 1.0 / comm.size))
+            work = _averaged(work, comm.size)
         work = scale(work, self.postscale)
         with torch.no_grad():
             self.out.copy_(work)
@@ -263,16 +262,27 @@ class Alltoall(Operation):
     def run(self, comm: Communicator, metas: Metas) -> Tuple[torch.Tensor, torch.Tensor]:
         received = [metas[src][2][comm.rank] for src in range(comm.size)]
         longest = max(max(m[2]) for m in metas.values())
-        rest = tuple(self.tensor.shape[1:])
-        padded = self.tensor.new_zeros((comm.size, longest) + rest, device=comm.device)
-        for dest, part in enumerate(self.tensor.split(self.splits)):
-            padded[dest, :self.splits[dest]] = part
-        if padded.numel():
-            blocks = comm.alltoall(padded.reshape(-1), self.kind).view((comm.size, longest) + rest)
-        else:
-            blocks = padded
+        blocks = _exchange_rows(comm, self.tensor, self.splits, longest, self.kind)
         out = torch.cat([blocks[src, :count] for src, count in enumerate(received)]).to(self.tensor.device)
         return out, torch.tensor(received, dtype=torch.int64)
+
+
+def _exchange_rows(comm: Communicator, tensor: torch.Tensor, splits: List[int], longest: int,
+                   what: str) -> torch.Tensor:
+    """``tensor``'s ``splits[d]`` rows for each rank ``d``, padded to ``longest`` rows, sent by one
+    all-to-all: a ``(size, longest, *tensor.shape[1:])`` tensor on ``comm.device``, block ``s``
+    from rank ``s``."""
+    padded = tensor.new_zeros((comm.size, longest) + tuple(tensor.shape[1:]), device=comm.device)
+    for dest, part in enumerate(tensor.split(splits)):
+        padded[dest, :splits[dest]] = part
+    if not padded.numel() or comm.size == 1:
+        return padded
+    return comm.alltoall(padded.reshape(-1), what).view(padded.shape)
+
+
+def _averaged(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """A sum over ``size`` ranks divided by it: truncated toward zero for integers, as Horovod."""
+    return tensor.div(size, rounding_mode="trunc") if _integer(tensor.dtype) else scale(tensor, 1.0 / size)
 
 
 def reducescatter_rows(rows: int, size: int) -> List[int]:
@@ -299,21 +309,12 @@ class Reducescatter(Allreduce):
 
     def run(self, comm: Communicator, metas: Metas) -> torch.Tensor:
         parts = reducescatter_rows(self.tensor.shape[0], comm.size)
-        rest = tuple(self.tensor.shape[1:])
         work = scale(self.tensor, self.prescale)
-        longest = parts[0]
-        padded = work.new_zeros((comm.size, longest) + rest, device=comm.device)
-        for dest, part in enumerate(work.split(parts)):
-            padded[dest, :parts[dest]] = part
-        if padded.numel() and comm.size > 1:
-            blocks = comm.alltoall(padded.reshape(-1), self.kind).view((comm.size, longest) + rest)
-        else:
-            blocks = padded
+        blocks = _exchange_rows(comm, work, parts, parts[0], self.kind)
         wide = torch.float32 if work.dtype in (torch.float16, torch.bfloat16) else work.dtype
         mine = blocks[:, :parts[comm.rank]].to(wide).sum(dim=0)
         if self.op == Average:
-            mine = (mine.div(comm.size, rounding_mode="trunc") if _integer(mine.dtype)
-                    else scale(mine, 1.0 / comm.size))
+            mine = _averaged(mine, comm.size)
         return scale(mine.to(work.dtype), self.postscale).to(self.tensor.device)
 
 
