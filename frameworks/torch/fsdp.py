@@ -37,6 +37,7 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.torch_dist import TorchCommunicator
 from mergecomp.exchange.exchange import resolve
+from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.wire import pack_rows, unpack_payload
 
 __all__ = ["CompressedReduceScatter", "compress"]
@@ -82,24 +83,22 @@ class CompressedReduceScatter:
             return None
         comm = self._comm(group)
         chunks = input_tensor.view(comm.size, -1)
-        finite = bool(torch.isfinite(input_tensor).all())
-        sent, updates = [], []
+        finite = bool(all_finite(input_tensor))
+        sent = []  # (compensated chunk, its memory key, its payload) per destination
         for dest in range(comm.size):
             key = f"{self.name}.{dest}"
-            chunk = chunks[dest].clone() if finite else torch.zeros_like(chunks[dest])
-            compensated = self.memory.compensate(chunk, key) if finite else chunk
+            compensated = self.memory.compensate(chunks[dest].clone(), key) if finite else \
+                torch.zeros_like(chunks[dest])
             payload, ctx = self.compressor.compress(compensated, key)
-            payload = tuple(t.clone() for t in payload)  # scratch may be reused by the next chunk
-            updates.append((compensated, key, payload))
-            sent.append(payload)
-        rows, specs = pack_rows(sent)
+            sent.append((compensated, key, tuple(t.clone() for t in payload)))  # scratch: reused by the next chunk
+        rows, specs = pack_rows([payload for _, _, payload in sent])
         flag = torch.full((comm.size, _FLAG_BYTES), int(not finite), dtype=torch.uint8)  # keeps rows 8-aligned
         received = comm.alltoall(torch.cat([rows, flag], dim=1).reshape(-1),
                                  f"{self.name}: compressed reduce-scatter").view(comm.size, -1)
         if bool(received[:, -1].any()):  # a rank's gradients overflowed: every rank's shard is NaN,
             output_tensor.fill_(float("nan"))  # and every rank's memories stay as they were
             return None
-        for compensated, key, payload in updates:
+        for compensated, key, payload in sent:
             self.memory.update(compensated, key, self.compressor.decompress(payload, ctx))
         payloads = [unpack_payload(received[src, :-_FLAG_BYTES], specs[comm.rank]) for src in range(comm.size)]
         output_tensor.copy_(self.compressor.aggregate(payloads, ctx, comm.size, average))
