@@ -98,6 +98,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
     summable = True
     rounds = 2
     default_memory = "residual"
+    low_rank = True
     #: ``M @ Q`` and ``M^T @ P`` read the group once each; decoding writes it once (the average
     #: is taken on Q and the raw runs as they are written)
     passes = CodecPasses(compress=1, next_round=1, decompress=1, aggregate=1)

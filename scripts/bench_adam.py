@@ -87,10 +87,11 @@ def bits_over_run(opt, steps, refresh):
     at 32, the compressor's on the other steps."""
     import mergecomp
 
-    numel = sum(p.numel() for group in opt.param_groups for p in group["params"])
+    shapes = [p.shape for group in opt.param_groups for p in group["params"]]
     exact = opt.merged.warmup_steps
     exact += (steps - exact) // refresh if refresh else 0
-    return (exact * 32 + (steps - exact) * mergecomp.bits_per_element(opt.compressor, numel)) / steps
+    compressed = mergecomp.bits_per_element(opt.compressor, sum(s.numel() for s in shapes), shapes=shapes)
+    return (exact * 32 + (steps - exact) * compressed) / steps
 
 
 def rank_data(rank, world, held_out_windows=64):

@@ -325,3 +325,42 @@ def _disagree_worker(rank):
 def test_ranks_must_agree_on_the_warm_up():
     with pytest.raises(WorkerError, match="exchange_momentum_after"):
         run_workers(_disagree_worker, 2)
+
+
+def _wire_worker(rank, low_rank):
+    import mergecomp.torch as mc
+    from mergecomp.compressors.none import NoneCompressor
+
+    class Recording(NoneCompressor):
+        """Exact (a power-of-two prescale) but not lossless: the momentum phase scales for it."""
+        sent = []
+
+        def compress_checked(self, tensor, name, shapes=None):
+            self.sent.append(tensor.clone())
+            return super().compress_checked(tensor, name, shapes)
+
+    Recording.low_rank = low_rank
+    x, y = make_data()
+    xs, ys = shard(x, rank), shard(y, rank)
+    model = torch.nn.Linear(16, 4, bias=False)
+    torch.nn.init.normal_(model.weight, generator=torch.Generator().manual_seed(0))
+    codec = Recording(prescale=2.0)
+    opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=codec,
+                                  exchange_momentum_after=AFTER, compression_warmup_steps=AFTER)
+    run(model, opt, xs, ys, AFTER + 1)
+    group, state = opt.param_groups[0], opt.state[model.weight]
+    beta1 = group["betas"][0]
+    grad, = torch.autograd.grad(torch.nn.functional.cross_entropy(model(xs), ys), model.weight)
+    local = (1 - beta1) * grad + beta1 * state["exp_avg"]
+    expected = local if low_rank else local / (state["exp_avg_sq"].sqrt() + group["eps"])
+    del codec.sent[:]
+    run(model, opt, xs, ys, 1)
+    return codec.sent[0], expected.flatten()
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_the_momentum_goes_on_the_wire_divided_by_adams_denominator(low_rank):
+    """A lossy codec gets ``m / (sqrt(v) + eps)``, the update's own scale, in which one codec
+    scale fits every element; a low-rank one gets ``m`` (one tensor: coefficient 1)."""
+    for sent, expected in run_workers(_wire_worker, 2, low_rank, timeout=120):
+        torch.testing.assert_close(sent, expected, rtol=1e-5, atol=1e-7)

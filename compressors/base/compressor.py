@@ -78,6 +78,10 @@ class Compressor(GroupStateful, abc.ABC):
     #: fp16 beyond 65504): after an error-feedback memory compensated the tensor, the exchange
     #: then checks the payload
     may_overflow: bool = False
+    #: approximates each tensor as a low-rank matrix (PowerSGD), so a per-element rescaling
+    #: before it (the momentum exchange's division by Adam's denominator) would break the
+    #: structure it relies on
+    low_rank: bool = False
     #: the passes over the group its operations make (:mod:`mergecomp.exchange.breakdown`)
     passes: CodecPasses = CodecPasses()
     #: step-scoped buffer pool attached by the pipeline; None: plain allocations
@@ -143,8 +147,15 @@ class SummedDecode(Compressor):
         return self.decode_sum(payloads, ctx, world_size if average else 1)
 
 
-def bits_per_element(compressor: Compressor, numel: int, dtype: torch.dtype = torch.float32) -> float:
-    """Bits one rank puts on the wire per input element with ``compressor`` (its first round)."""
-    payload, _ = compressor.compress(torch.zeros(numel, dtype=dtype), "__probe__")
+def bits_per_element(compressor: Compressor, numel: int, dtype: torch.dtype = torch.float32,
+                     shapes: Optional[Sequence[torch.Size]] = None) -> float:
+    """Bits one rank puts on the wire per input element with ``compressor``, every round of it
+    counted, for a group of ``numel`` elements (of tensors ``shapes``, for codecs that use them:
+    PowerSGD's factors)."""
+    payload, ctx = compressor.compress(torch.zeros(numel, dtype=dtype), "__probe__", shapes)
+    sent = sum(t.numel() * t.element_size() for t in payload)
+    for _ in range(1, compressor.rounds):
+        payload, ctx = compressor.next_round(payload, ctx)
+        sent += sum(t.numel() * t.element_size() for t in payload)
     compressor.state.pop("__probe__", None)
-    return 8.0 * sum(t.numel() * t.element_size() for t in payload) / numel
+    return 8.0 * sent / numel

@@ -10,20 +10,26 @@
   the warm-up (for dense codecs: signs, quantizers, casts).
 * **Freeze**, after the ``K``-th update: Adam's second moment ``exp_avg_sq`` stops changing
   (an element that got no gradient in the warm-up takes its tensor's mean, or the mean of all);
-  each tensor gets a coefficient ``c`` (the RMS of the whole momentum over the RMS of its
-  own; 1 for a lossless compressor), so that one codec scale shared by a merged group does not
-  drown small tensors in large ones (1-bit LAMB's scaling); the error-feedback memories start
-  afresh.
+  each tensor gets a coefficient ``c`` (the RMS of the whole wire momentum ``m / d`` below over
+  the RMS of its own; 1 for a lossless compressor), so that one codec scale shared by a merged
+  group does not drown small tensors in large ones (1-bit LAMB's scaling); the error-feedback
+  memories start afresh.
 * **Momentum phase**: as tensor ``p``'s gradient ``g`` arrives (the backward hook) it is
   overwritten by this rank's momentum, in the gradient's loss scale ``S`` (the ``grad_scaler``'s
-  scale, else 1)::
+  scale, else 1), as it goes on the wire::
 
-      x = c * ((1 - beta1) * (±g + S * wd * p) + beta1 * S * m)     (wd * p: Adam's L2 decay only)
+      x = c * ((1 - beta1) * (±g + S * wd * p) + beta1 * S * m) / d     (wd * p: Adam's L2 decay only)
 
-  and ``x`` goes through the merged groups like any gradient: compressed by the chosen
-  compressor with its error feedback, overlapping the backward pass.  A tensor without a
-  gradient this step sends ``c * beta1 * S * m``.  After the exchange ``p.grad = S * m_avg``
-  (the coefficient divided out), which a ``GradScaler`` unscales and clipping may clip.
+  ``d = sqrt(v) + eps``, Adam's denominator (the same on every rank while ``v`` is frozen): the
+  codec sees the update's own scale, where Adam has made the elements comparable, so its
+  shared scales (a sign code's mean, top-k's threshold, TernGrad's maximum) and its error
+  feedback weigh each element by what it will move the parameter.  A low-rank codec
+  (PowerSGD) gets ``d = 1``: the division would break the matrix structure it approximates;
+  a lossless one ``c = d = 1``.  ``x`` goes through the merged groups like any gradient:
+  compressed by the chosen compressor with its error feedback, overlapping the backward pass.
+  A tensor without a gradient this step sends ``c * beta1 * S * m / d``.  After the exchange
+  ``p.grad = S * m_avg`` (``c`` and ``d`` multiplied out), which a ``GradScaler`` unscales and
+  clipping may clip.
 * **Update** (``step()``), per parameter with Adam state, with the group's current lr, betas,
   eps and weight decay: ``m = p.grad``; ``p *= 1 - lr * wd`` (AdamW); ``t += 1``;
   ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t_v) + eps)``, ``t_v`` the update
@@ -36,7 +42,8 @@
   Adam's would have (``1 - beta2**t`` in all).  It costs 32 / R bits per element.
 
 Beyond Adam's two buffers per parameter this keeps one float per tensor (the coefficients) and
-the compressor's error-feedback memory.
+the compressor's error-feedback memory; ``d`` is computed where it is used (one tensor's at a
+time).
 """
 from __future__ import annotations
 
@@ -106,6 +113,9 @@ class MomentumExchange:
         self.refresh_every = refresh_every
         self.grad_scaler = grad_scaler
         self.lossless = exchange.compressor.lossless
+        #: the momentum goes on the wire divided by Adam's denominator (lossy codecs that are not
+        #: low-rank: the update's own scale, in which one codec scale fits every element)
+        self.preconditioned = not self.lossless and not exchange.compressor.low_rank
         #: updates applied so far (warm-up and momentum phase; skipped steps not counted)
         self.updates = 0
         #: per tensor index, once frozen (None before): the momentum's scaling for the wire
@@ -146,27 +156,41 @@ class MomentumExchange:
         group, scale = settings["groups"][i], settings["scale"]
         beta1 = group["betas"][0]
         momentum = state["exp_avg"]
-        refreshing = self.refreshing  # the plain gradient: c, beta1 and m left out
-        c, mix = (1.0, 1.0) if refreshing else (self.coefficients[i], 1 - beta1)
+        refreshing = self.refreshing  # the plain gradient: beta1, m and the wire scaling left out
         if grad is None:
-            return None if refreshing else momentum * (c * beta1 * scale)
-        grad.mul_(-c * mix if group["maximize"] else c * mix)
+            return None if refreshing else self._to_wire(i, momentum * (beta1 * scale))
+        mix = 1.0 if refreshing else 1 - beta1
+        grad.mul_(-mix if group["maximize"] else mix)
         if group["weight_decay"] and not self._decoupled(group):
-            grad.add_(p.detach(), alpha=c * mix * scale * group["weight_decay"])
-        return grad if refreshing else grad.add_(momentum, alpha=c * beta1 * scale)
+            grad.add_(p.detach(), alpha=mix * scale * group["weight_decay"])
+        return grad if refreshing else self._to_wire(i, grad.add_(momentum, alpha=beta1 * scale))
+
+    def _to_wire(self, i: int, momentum: torch.Tensor) -> torch.Tensor:
+        """Tensor ``i``'s momentum as it goes on the wire, in place: ``c * m / d`` (``d`` Adam's
+        denominator, :meth:`_denominator`); ``c * m`` for a low-rank codec; ``m`` for a lossless one."""
+        if self.preconditioned:
+            momentum.div_(self._denominator(i))
+        return momentum if self.lossless else momentum.mul_(self.coefficients[i])
+
+    def _denominator(self, i: int) -> torch.Tensor:
+        """``d = sqrt(v) + eps`` of tensor ``i`` (a new tensor): the same on every rank while the
+        variance is frozen, so dividing by it before the codec and multiplying after is exact."""
+        group = self._settings()["groups"][i]
+        return self.optimizer.state[self.params[i]]["exp_avg_sq"].sqrt().add_(group["eps"])
 
     def _decoupled(self, group: Dict[str, Any]) -> bool:
         """Whether ``group``'s weight decay is AdamW's (decoupled), not Adam's L2 term."""
         return group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
 
     def finished(self, views: Optional[List[torch.Tensor]]) -> None:
-        """The step's exchange finished: its results, ``views[i] = c * S * m_avg``, become
-        ``S * m_avg`` in place (None: a step skipped for NaN/Inf)."""
-        self._step = None
+        """The step's exchange finished: its results, ``views[i] = c * S * m_avg / d`` (as sent,
+        :meth:`_to_wire`), become ``S * m_avg`` in place (None: a step skipped for NaN/Inf)."""
         if views is not None and not self.lossless and not self.refreshing:
-            for view, c in zip(views, self.coefficients):
-                if c != 1.0:
-                    view.div_(c)
+            for i, view in enumerate(views):
+                view.div_(self.coefficients[i])
+                if self.preconditioned and self.optimizer.state.get(self.params[i]):
+                    view.mul_(self._denominator(i))
+        self._step = None
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -209,8 +233,9 @@ class MomentumExchange:
         a token not seen yet) becomes its tensor's mean (the mean over all tensors where its
         tensor's is zero), so that a later gradient, or a codec's error (a sign codec cannot send
         a zero), does not meet a denominator of ``eps``.  Each tensor's coefficient: the RMS of
-        the whole momentum over the RMS of its own (1 for a tensor without state or with a zero
-        momentum, and for a lossless compressor).  Every rank computes the same: Adam's state is
+        the whole momentum as it goes on the wire (``m / d``; ``m`` for a low-rank codec) over
+        the RMS of its own (1 for a tensor without state or with a zero momentum, and for a
+        lossless compressor).  Every rank computes the same: Adam's state is
         the same on every rank.  The error-feedback memories start afresh: their residuals are
         the gradients', not the momentum's."""
         self.exchange.clear_memories()
@@ -223,11 +248,16 @@ class MomentumExchange:
             self.coefficients = [1.0] * len(self.params)
             return
         squares, sizes = [], []
-        for p in self.params:
+        for i, p in enumerate(self.params):
             state = self.optimizer.state.get(p)
-            squares.append(state["exp_avg"].double().square().sum() if state else torch.zeros((), dtype=torch.float64,
-                                                                                                 device=p.device))
-            sizes.append(p.numel() if state else 0)
+            if not state:
+                squares.append(torch.zeros((), dtype=torch.float64, device=p.device))
+                sizes.append(0)
+                continue
+            wire = state["exp_avg"] / self._denominator(i) if self.preconditioned else state["exp_avg"]
+            squares.append(wire.double().square().sum())
+            sizes.append(p.numel())
+        self._step = None
         squares = torch.stack(squares).cpu()
         sizes = torch.tensor(sizes, dtype=torch.float64)
         overall = (squares.sum() / sizes.sum().clamp(min=1)).sqrt()
