@@ -1,4 +1,5 @@
-"""Compressed reduce-scatter for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""Compressed gradient reductions for FSDP2 (``torch.distributed.fsdp.fully_shard``), HSDP built
+on it, and FSDP1 (``FullyShardedDataParallel``).
 
 Example::
 
@@ -22,13 +23,19 @@ payload bytes per rank.  A non-finite gradient on any rank (a ``GradScaler`` ove
 every rank's shard NaN, so every rank's scaler skips the step, and leaves the memories as they
 were.  With the lossless compressor it is FSDP's own ``reduce_scatter_tensor``, bit for bit.
 
+HSDP: shard each replica on a 1-D mesh and pass ``replicate_group=`` (the ranks holding the same
+shard): each module's reduced shard is then averaged over the replicas by a
+:class:`CompressedAllReduce` (FSDP2's ``set_all_reduce_hook``; one payload per rank, allgathered).
+FSDP1: one communication hook for every flat parameter (:class:`_FSDP1Hook`).
+
 Refused with ValueError: compressors of several rounds (PowerSGD: a reduce-scatter has one) and
 majority votes (signSGD, Signum: FSDP needs the average); reduce ops other than sum and average
 (NCCL's pre-multiplied sum).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+import functools
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -40,17 +47,17 @@ from mergecomp.exchange.exchange import resolve
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.wire import pack_rows, unpack_payload
 
-__all__ = ["CompressedReduceScatter", "compress"]
+__all__ = ["CompressedAllReduce", "CompressedReduceScatter", "compress"]
 
 #: bytes after each packed payload row carrying "the sender's gradients were not finite"
 _FLAG_BYTES = 8
 
 
-class CompressedReduceScatter:
-    """FSDP2's ``ReduceScatter`` interface (``allocate``, ``__call__``) for one FSDP module.
-
-    ``state_dict()``/``load_state_dict()`` hold the compressor's and the memory's state (per
-    rank: every rank saves its own)."""
+class _CompressedCollective:
+    """What the compressed reduce-scatter and all-reduce share: the compressor and memory, one
+    communicator per process group, and the round trip of packed payload rows that carry a
+    non-finite flag.  ``state_dict()``/``load_state_dict()`` hold the compressor's and the
+    memory's state (per rank: every rank saves its own)."""
 
     def __init__(self, compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  name: str = "fsdp", timeout: Optional[float] = None) -> None:
@@ -64,45 +71,41 @@ class CompressedReduceScatter:
         self.name, self.timeout = name, timeout
         self._comms: Dict[Any, TorchCommunicator] = {}
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def _comm(self, group: dist.ProcessGroup) -> TorchCommunicator:
+    def _comm(self, group: Optional[dist.ProcessGroup]) -> TorchCommunicator:
         if group not in self._comms:
             self._comms[group] = TorchCommunicator(group, self.timeout)
         return self._comms[group]
 
-    @torch.no_grad()
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op: Any, async_op: bool = False) -> None:
-        average = op == dist.ReduceOp.AVG
-        if not average and op != dist.ReduceOp.SUM:
-            raise ValueError(f"{self.name}: the compressed reduce-scatter sums or averages, not {op}")
-        if self.compressor.lossless:
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
-            return None
-        comm = self._comm(group)
-        chunks = input_tensor.view(comm.size, -1)
-        finite = bool(all_finite(input_tensor))
-        sent = []  # (compensated chunk, its memory key, its payload) per destination
-        for dest in range(comm.size):
-            key = f"{self.name}.{dest}"
-            compensated = self.memory.compensate(chunks[dest].clone(), key) if finite else \
-                torch.zeros_like(chunks[dest])
-            payload, ctx = self.compressor.compress(compensated, key)
-            sent.append((compensated, key, tuple(t.clone() for t in payload)))  # scratch: reused by the next chunk
+    def _encode(self, chunks: torch.Tensor, key: str) -> Tuple[torch.Tensor, list, list, Any]:
+        """Each row of ``chunks`` (2-D, the tensor's parts, one per payload) compensated by its
+        memory, compressed and packed: (rows of payload bytes, each followed by the 8-byte
+        "not finite" flag; what :meth:`_decode` needs: the kept sends, the specs, the context).
+        A sender whose tensor holds NaN/Inf sends zeros and raises the flag."""
+        finite = bool(all_finite(chunks))
+        sent = []  # (compensated chunk, its memory key, its payload) per row
+        for row in range(chunks.shape[0]):
+            name = f"{key}.{row}"
+            compensated = self.memory.compensate(chunks[row].clone(), name) if finite else \
+                torch.zeros_like(chunks[row])
+            payload, ctx = self.compressor.compress(compensated, name)
+            sent.append((compensated, name, tuple(t.clone() for t in payload)))  # scratch: reused by the next row
         rows, specs = pack_rows([payload for _, _, payload in sent])
-        flag = torch.full((comm.size, _FLAG_BYTES), int(not finite), dtype=torch.uint8)  # keeps rows 8-aligned
-        received = comm.alltoall(torch.cat([rows, flag], dim=1).reshape(-1),
-                                 f"{self.name}: compressed reduce-scatter").view(comm.size, -1)
-        if bool(received[:, -1].any()):  # a rank's gradients overflowed: every rank's shard is NaN,
-            output_tensor.fill_(float("nan"))  # and every rank's memories stay as they were
-            return None
-        for compensated, key, payload in sent:
-            self.memory.update(compensated, key, self.compressor.decompress(payload, ctx))
-        payloads = [unpack_payload(received[src, :-_FLAG_BYTES], specs[comm.rank]) for src in range(comm.size)]
-        output_tensor.copy_(self.compressor.aggregate(payloads, ctx, comm.size, average))
-        return None
+        flag = torch.full((len(sent), _FLAG_BYTES), int(not finite), dtype=torch.uint8)  # keeps rows 8-aligned
+        return torch.cat([rows, flag], dim=1), sent, specs, ctx
+
+    def _decode(self, received: torch.Tensor, encoded: Tuple[torch.Tensor, list, list, Any], row: int,
+                out: torch.Tensor, average: bool) -> None:
+        """``out`` = the sum (or mean) of the payloads in ``received``'s rows (one per sender,
+        packed as row ``row`` of :meth:`_encode`), and the memories updated with what was sent;
+        NaN everywhere, memories untouched, when any sender raised its flag."""
+        _, sent, specs, ctx = encoded
+        if bool(received[:, -1].any()):  # a rank's gradients overflowed: every rank's result is NaN,
+            out.fill_(float("nan"))      # and every rank's memories stay as they were
+            return
+        for compensated, name, payload in sent:
+            self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
+        payloads = [unpack_payload(sender[:-_FLAG_BYTES], specs[row]) for sender in received]
+        out.copy_(self.compressor.aggregate(payloads, ctx, received.shape[0], average))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
@@ -112,19 +115,138 @@ class CompressedReduceScatter:
         self.memory.load_state_dict(state["memory"])
 
 
+def _average(op: Any, name: str) -> bool:
+    """Whether reduce op ``op`` averages (SUM: it sums); ValueError for any other."""
+    if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        raise ValueError(f"{name}: the compressed reduction sums or averages, not {op}")
+    return op == dist.ReduceOp.AVG
+
+
+class CompressedReduceScatter(_CompressedCollective):
+    """FSDP2's ``ReduceScatter`` interface (``allocate``, ``__call__``) for one FSDP module:
+    chunk ``d`` of the input compressed (memory key ``<name>.<d>``) and sent to rank ``d`` by one
+    all-to-all of payload bytes; each rank decodes and reduces its shard."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False, key: Optional[str] = None) -> None:
+        average = _average(op, self.name)
+        if self.compressor.lossless:
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return None
+        comm = self._comm(group)
+        encoded = self._encode(input_tensor.view(comm.size, -1), key or self.name)
+        received = comm.alltoall(encoded[0].reshape(-1), f"{self.name}: compressed reduce-scatter")
+        self._decode(received.view(comm.size, -1), encoded, comm.rank, output_tensor, average)
+        return None
+
+
+class CompressedAllReduce(_CompressedCollective):
+    """An in-place all-reduce of one flat tensor over a process group: the tensor compressed once
+    (memory key ``<name>``), the payloads allgathered, each rank decodes and reduces them all.
+    HSDP's replica all-reduce (FSDP2's ``set_all_reduce_hook``) and FSDP1's ``NO_SHARD``."""
+
+    @torch.no_grad()
+    def __call__(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup], average: bool = True,
+                 key: Optional[str] = None) -> None:
+        comm = self._comm(group)
+        if self.compressor.lossless:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+            if average:
+                tensor.div_(comm.size)
+            return
+        encoded = self._encode(tensor.view(1, -1), key or self.name)
+        received = comm.allgather(encoded[0].reshape(-1), f"{self.name}: compressed all-reduce")
+        self._decode(received.view(comm.size, -1), encoded, 0, tensor.view(-1), average)
+
+
+class _FSDP1Hook:
+    """FSDP1's communication hook (``FullyShardedDataParallel.register_comm_hook``): the
+    sharded strategies' ``hook(state, grad, output)`` through a :class:`CompressedReduceScatter`,
+    ``NO_SHARD``'s ``hook(state, grad)`` through a :class:`CompressedAllReduce` (averaged: FSDP1
+    leaves the division to a custom hook).  FSDP1 calls one hook with one state for every flat
+    parameter, unnamed, so each call's memory is keyed by its place in the backward pass
+    (counted from the root's forward); a place whose size changes raises."""
+
+    def __init__(self, root: torch.nn.Module, compression, memory, options: Dict[str, Any]) -> None:
+        self.all_reduce = CompressedAllReduce(compression, memory, name="fsdp1", **options)
+        self.reduce_scatter = CompressedReduceScatter(self.all_reduce.compressor, self.all_reduce.memory,
+                                                      name="fsdp1", **options)
+        self._calls, self._sizes = 0, {}
+        root.register_forward_pre_hook(self._new_pass)
+
+    def _new_pass(self, *_: Any) -> None:
+        self._calls = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.all_reduce.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.all_reduce.load_state_dict(state)
+
+    def __call__(self, group: Optional[dist.ProcessGroup], grad: torch.Tensor,
+                 output: Optional[torch.Tensor] = None) -> None:
+        key = f"fsdp1.{self._calls}"
+        self._calls += 1
+        if self._sizes.setdefault(key, grad.numel()) != grad.numel():
+            raise RuntimeError(f"mc.fsdp: FSDP1's reduction number {self._calls} of this backward pass has "
+                               f"{grad.numel()} elements, {self._sizes[key]} before: the flat parameters must "
+                               f"reduce in the same order every step (their error feedback is kept by place)")
+        if output is None:
+            self.all_reduce(grad, group, average=True, key=key)
+            return
+        self.reduce_scatter(output, grad, group, dist.ReduceOp.SUM, key=key)
+        output.div_(grad.numel() // output.numel())
+
+
 def compress(model: torch.nn.Module, compression: Union[str, Compressor] = "none",
-             memory: Union[str, Memory, None] = None, **options: Any) -> List[CompressedReduceScatter]:
-    """Give every FSDP2 module of ``model`` (``fully_shard`` applied) its own
-    :class:`CompressedReduceScatter`; returns them in ``model.modules()`` order.  ``compression``
-    and ``memory`` are names or instances (a fresh instance per module when given by name)."""
-    from torch.distributed.fsdp import FSDPModule
+             memory: Union[str, Memory, None] = None, replicate_group: Optional[dist.ProcessGroup] = None,
+             **options: Any) -> List[Any]:
+    """Compress the gradient reductions of ``model``'s FSDP modules; returns the objects holding
+    their state (``state_dict()``/``load_state_dict()`` each).
+
+    * FSDP2 (``fully_shard`` applied): every FSDP module gets its own
+      :class:`CompressedReduceScatter`, in ``model.modules()`` order; with ``replicate_group``
+      (HSDP: ``fully_shard`` on a 1-D mesh of the ranks sharing a replica, the process group of
+      the ranks holding the same shard), each module also gets a :class:`CompressedAllReduce` of
+      its shard over that group, as FSDP2's all-reduce hook, right after its reduce-scatter.
+    * FSDP1 (``FullyShardedDataParallel``): one communication hook on the root for every flat
+      parameter; returns its one state holder.
+
+    ``compression`` and ``memory`` are names or instances (a fresh instance per module when
+    given by name).  ValueError: a codec the reduction cannot carry, a model without FSDP,
+    FSDP2 modules on a 2-D mesh (native HSDP: its replica all-reduce cannot be replaced; shard
+    on a 1-D mesh and pass ``replicate_group``), FSDP1 with ``replicate_group``."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     CompressedReduceScatter(compression, memory, **options)  # refuses a codec it cannot carry, model untouched
+    if FullyShardedDataParallel.fsdp_modules(model):
+        if replicate_group is not None:
+            raise ValueError("mc.fsdp.compress: replicate_group is for FSDP2 (fully_shard); FSDP1 refuses "
+                             "communication hooks under its hybrid strategies")
+        hook = _FSDP1Hook(model, compression, memory, options)
+        model.register_comm_hook(getattr(model, "process_group", None), hook)
+        return [hook]
     modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("mc.fsdp.compress: the model has no FSDP2 module; apply "
                          "torch.distributed.fsdp.fully_shard first")
-    comms = [CompressedReduceScatter(compression, memory, name=name, **options) for name, _ in modules]
-    for comm, (_, module) in zip(comms, modules):
-        module.set_custom_reduce_scatter(comm)
-    return comms
+    for name, module in modules:
+        meshes = {getattr(p, "device_mesh", None) for p in module.parameters(recurse=False)}
+        if any(mesh is not None and mesh.ndim > 1 for mesh in meshes):
+            raise ValueError(f"mc.fsdp.compress: FSDP module {name!r} is on a {max(m.ndim for m in meshes if m)}-D "
+                             f"mesh (native HSDP), whose replica all-reduce cannot be replaced; shard on a 1-D "
+                             f"mesh and pass replicate_group= (the ranks holding the same shard)")
+    holders = []
+    for name, module in modules:
+        reduce_scatter = CompressedReduceScatter(compression, memory, name=name, **options)
+        module.set_custom_reduce_scatter(reduce_scatter)
+        holders.append(reduce_scatter)
+        if replicate_group is not None:
+            replicas = CompressedAllReduce(compression, memory, name=f"{name}.replicas", **options)
+            module.set_all_reduce_hook(functools.partial(replicas, group=replicate_group))
+            holders.append(replicas)
+    return holders
