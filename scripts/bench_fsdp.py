@@ -5,13 +5,18 @@ Every configuration trains ``bench_adam``'s GPT-2 (4 layers x 256, byte-level; 3
 with ``fully_shard`` on each transformer block and on the root, AdamW, one worker per host and one
 thread each, the hosts joined by ``--rate`` links (``mergecomp.bench.cluster``; root).  It reports
 the median step time over ``--steps`` steps after ``--warmup``, each configuration's ratio to
-FSDP fp32 and to FSDP bf16 from the same run, the training loss of the last step, and each
-rank's peak resident memory (``ru_maxrss``).
+FSDP fp32 and to FSDP bf16 from the same run, the training loss of the last step, each rank's
+peak resident memory (``ru_maxrss``), and the bytes each rank's interface sent per step and
+parameter (``/proc/net/dev`` of its namespace: TCP/IP headers included; all-gather and
+reduce-scatter together).  ``--param-dtype bf16`` gives every configuration FSDP's
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (the parameters all-gathered and computed in
+bf16, as FSDP users commonly train).
 
 Configurations: ``fsdp`` (fp32 reduce-scatter), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=
 torch.bfloat16)``), and ``COMPRESSOR[:key=value;...]`` for mergecomp's reduce-scatter.
 
     python scripts/bench_fsdp.py --configs fsdp-bf16,fp16,qsgd:levels=7,topk --json out.jsonl
+    python scripts/bench_fsdp.py --hosts 8 --rate 10gbit --steps 5 --configs qsgd:levels=7   # bytes vs ranks
 """
 import argparse
 import json
@@ -39,12 +44,14 @@ parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--batch", type=int, default=4, help="windows of 64 bytes per worker and step")
 parser.add_argument("--hosts", type=int, default=2)
 parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
+parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="FSDP's param_dtype for every configuration")
 parser.add_argument("--json", default=None, help="append one JSON record per configuration")
 parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
 
-def sharded_model(config):
+def sharded_model(config, param_dtype):
     """The GPT-2 under fully_shard, and mergecomp's reduce-scatter unless ``config`` is a baseline."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -52,7 +59,9 @@ def sharded_model(config):
     import mergecomp.torch as mc
 
     model = make_model()
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if config == "fsdp-bf16" else MixedPrecisionPolicy()
+    params = torch.bfloat16 if param_dtype == "bf16" else None
+    reduce = torch.bfloat16 if config == "fsdp-bf16" else (torch.float32 if params else None)
+    policy = MixedPrecisionPolicy(param_dtype=params, reduce_dtype=reduce)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -70,11 +79,13 @@ def worker(args):
     rank, world = mc.rank(), mc.size()
     train, _ = rank_data(rank, world, 1)
     torch.manual_seed(0)
-    model = sharded_model(args.worker)
+    model = sharded_model(args.worker, args.param_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     generator = torch.Generator().manual_seed(rank)
-    times = []
+    times, sent = [], 0
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            sent = -tx_bytes()
         windows = random_windows(train, generator, args.batch)
         began = time.perf_counter()
         opt.zero_grad()
@@ -82,13 +93,26 @@ def worker(args):
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - began)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    peaks = mc.allgather_object(peak_mb)
+    sent += tx_bytes()
+    numel = sum(p.numel() for p in model.parameters())
+    peaks = mc.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    sent = mc.allgather_object(sent / args.steps / numel)
     mc.shutdown()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"config": args.worker, "world": world, "step_s": statistics.median(times[args.warmup:]),
-                       "loss": loss.item(), "peak_rss_mb": peaks}, f)
+                       "loss": loss.item(), "peak_rss_mb": peaks, "sent_bytes_per_param": sent,
+                       "param_dtype": args.param_dtype}, f)
+
+
+def tx_bytes(interface="eth0"):
+    """Bytes this network namespace's ``interface`` has sent (0 where it has none: loopback)."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == interface:
+                return int(fields.split()[8])
+    return 0
 
 
 def main():
@@ -99,7 +123,7 @@ def main():
     records = []
     command_of = lambda config, out: [  # noqa: E731
         sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--batch", str(args.batch)]
+        "--warmup", str(args.warmup), "--batch", str(args.batch), "--param-dtype", args.param_dtype]
     for record in run_cluster(args, configs, command_of, timeout=1200):
         records.append(record)
         if args.json:
@@ -107,16 +131,18 @@ def main():
                 f.write(json.dumps(record) + "\n")
     base = {r["config"]: r["step_s"] for r in records if r["status"] == "ok" and r["config"] in BASELINES}
     print(f"FSDP2 GPT-2 4x256, {args.hosts} hosts at {args.rate}, batch {args.batch} x 64 bytes per worker, "
-          f"median of {args.steps} steps")
-    print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | last loss | peak RSS MB (per rank) | load |")
-    print("|---|---:|---:|---:|---:|---|---|")
+          f"params {args.param_dtype}, median of {args.steps} steps")
+    print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | last loss | peak RSS MB (per rank) "
+          "| bytes sent per step and parameter (per rank) | load |")
+    print("|---|---:|---:|---:|---:|---|---|---|")
     for r in records:
         if r["status"] != "ok":
-            print(f"| {r['config']} | {r['status']} | | | | | |")
+            print(f"| {r['config']} | {r['status']} | | | | | | |")
             continue
         ratios = [f"{base[b] / r['step_s']:.2f}x" if b in base else "-" for b in BASELINES]
         print(f"| {r['config']} | {r['step_s']:.3f} | {ratios[0]} | {ratios[1]} | {r['loss']:.3f} | "
-              f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mb'])} | {r['load_before']} / {r['load_after']} |")
+              f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mb'])} | "
+              f"{', '.join(f'{b:.2f}' for b in r['sent_bytes_per_param'])} | {r['load_before']} / {r['load_after']} |")
 
 
 if __name__ == "__main__":
