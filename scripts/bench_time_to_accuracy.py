@@ -27,6 +27,7 @@ import argparse
 import copy
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -135,7 +136,8 @@ def worker(args):
         record = {"config": args.worker, "steps": steps, "seed": args.seed, "batch": args.batch, "world": world,
                   "after": args.after, "bits_per_element": bits, "step_s": statistics.median(times),
                   "compute_s": compute_s, "train_s": trained,
-                  "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve}
+                  "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         with open(args.out, "w") as f:
             json.dump(record, f)
 
@@ -187,20 +189,21 @@ def report(records):
           f"{base['steps']} steps, {base['rate']} links, seed {base['seed']}; target: DDP fp32's final validation "
           f"loss {base['final_test_loss']:.4f} + 1 % = {target:.4f}\n")
     print("| configuration | steps | step (s) | exchange share of the step | bits per element (run) | validation loss "
-          "| vs DDP fp32 | time to target (s) | vs DDP fp32 | vs DDP fp16 hook | load before/after |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| vs DDP fp32 | time to target (s) | vs DDP fp32 | vs DDP fp16 hook | peak RSS MB (rank 0) | load before/after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         if r["status"] != "ok":
-            print(f"| {r['config']} | {r['status']} |" + " |" * 9)
+            print(f"| {r['config']} | {r['status']} |" + " |" * 10)
             continue
         reached = time_to(r, target)
         bits = "32" if r["config"] == "ddp" else "16" if r["config"] == "ddp-fp16" else \
             "-" if r["bits_per_element"] is None else f"{r['bits_per_element']:.2f}"
+        rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"  # records from before it was measured
         speed = lambda ref: "-" if reached is None or ref is None else f"{ref / reached:.2f}x"  # noqa: E731
         print(f"| {r['config']} | {r['steps']} | {r['step_s']:.3f} | {1 - r['compute_s'] / r['step_s']:.0%} | {bits} | "
               f"{r['final_test_loss']:.4f} | {100 * (r['final_test_loss'] / base['final_test_loss'] - 1):+.2f} % | "
               f"{'not reached' if reached is None else f'{reached:.0f}'} | {speed(base_time)} | {speed(fp16_time)} | "
-              f"{r['load_before']} / {r['load_after']} |")
+              f"{rss} | {r['load_before']} / {r['load_after']} |")
     return target
 
 
