@@ -4,6 +4,16 @@ import torch
 from distributed import run_workers
 
 
+def sgd_steps(model, rank, steps=3):
+    """``steps`` SGD steps on a squared-output loss of this rank's own random inputs (8 features)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
+        opt.step()
+
+
 def _train(rank, compression, steps=3, **options):
     """A 3-layer MLP under fully_shard (each Linear and the root), SGD on rank-own data; the full
     parameters after ``steps`` steps and the compressed reduce-scatters (None: FSDP's own)."""
@@ -18,12 +28,7 @@ def _train(rank, compression, steps=3, **options):
             fully_shard(layer)
     fully_shard(model)
     comms = None if compression is None else mc.fsdp.compress(model, compression, **options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    data = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
-        opt.step()
+    sgd_steps(model, rank, steps)
     return [p.detach().full_tensor() for p in model.parameters()], comms
 
 
@@ -155,12 +160,7 @@ def _hsdp_worker(rank, world):
             fully_shard(model[0], mesh=mesh["shard"])
             fully_shard(model, mesh=mesh["shard"])
             holders = mc.fsdp.compress(model, compression, replicate_group=mesh["replicate"].get_group())
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        data = torch.Generator().manual_seed(rank)
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
-            opt.step()
+        sgd_steps(model, rank)
         return torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()]), holders
 
     native, _ = train(None)
@@ -204,12 +204,7 @@ def _fsdp1_worker(rank, world, strategy):
         kwargs = {"device_id": torch.device("cpu"), "sharding_strategy": getattr(ShardingStrategy, strategy)}
         model = FSDP(torch.nn.Sequential(FSDP(model[0], **kwargs), model[1], FSDP(model[2], **kwargs)), **kwargs)
         holders = [] if compression is None else mc.fsdp.compress(model, compression)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        data = torch.Generator().manual_seed(rank)
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
-            opt.step()
+        sgd_steps(model, rank)
         with FSDP.summon_full_params(model):
             params = torch.cat([p.detach().flatten() for p in model.parameters()])
         return params, holders
