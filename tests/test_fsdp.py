@@ -96,11 +96,17 @@ def test_an_overflow_on_one_rank_makes_every_shard_nan_and_keeps_the_memories():
         assert grads_nan and same and kept > 0
 
 
-def _resume_worker(rank, world):
-    """Save after 2 steps (model, optimizer and each module's mergecomp state, per rank), train a
-    3rd step; load into a fresh model and take the 3rd step again: the same parameters."""
+def _resume_worker(rank, world, flow, path):
+    """Save after 2 steps (model, optimizer and the memories), train a 3rd step; load into a
+    fresh model and take the 3rd step again: the same parameters.  ``flow``: ``"holders"`` (each
+    reduction's state_dict, kept in memory), ``"dcp"`` (torch.distributed.checkpoint: FSDP's
+    sharded state dicts and ``Reductions.state_dict()``, each rank its entry), ``"full"``
+    (``Reductions.full_state_dict()`` written by rank 0 alone, read by every rank)."""
     import copy
 
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
     import mergecomp.torch as mc
@@ -110,33 +116,59 @@ def _resume_worker(rank, world):
         model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
         fully_shard(model[0])
         fully_shard(model)
-        comms = mc.fsdp.compress(model, "topk")
-        return model, torch.optim.Adam(model.parameters(), lr=0.01), comms
+        reductions = mc.fsdp.compress(model, "topk")
+        return model, torch.optim.Adam(model.parameters(), lr=0.01), reductions
 
     def step(model, opt, seed):
         opt.zero_grad()
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).pow(2).sum().backward()
         opt.step()
 
-    model, opt, comms = build()
+    model, opt, reductions = build()
     for seed in (10 * rank, 10 * rank + 1):
         step(model, opt, seed)
-    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
-                           "mergecomp": [c.state_dict() for c in comms]})
+    model_state, opt_state = get_state_dict(model, opt)
+    if flow == "dcp":
+        dcp.save({"model": model_state, "optim": opt_state, "mergecomp": reductions.state_dict()}, checkpoint_id=path)
+    else:
+        saved = copy.deepcopy({"model": model_state, "optim": opt_state})
+        if flow == "holders":
+            saved["mergecomp"] = [r.state_dict() for r in reductions]
+        else:
+            full = reductions.full_state_dict()
+            if rank == 0:
+                torch.save(full, f"{path}.pt")
+    dist.barrier()
     step(model, opt, 10 * rank + 2)
     straight = [p.detach().full_tensor() for p in model.parameters()]
-    model, opt, comms = build()
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    for comm, state in zip(comms, saved["mergecomp"]):
-        comm.load_state_dict(state)
+
+    model, opt, reductions = build()
+    model_state, opt_state = get_state_dict(model, opt)
+    if flow == "dcp":
+        saved = {"model": model_state, "optim": opt_state, "mergecomp": reductions.state_dict()}
+        dcp.load(saved, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    if flow == "holders":
+        for reduction, state in zip(reductions, saved["mergecomp"]):
+            reduction.load_state_dict(state)
+    else:
+        reductions.load_state_dict(saved["mergecomp"] if flow == "dcp" else torch.load(f"{path}.pt"))
     step(model, opt, 10 * rank + 2)
     resumed = [p.detach().full_tensor() for p in model.parameters()]
-    return all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    fresh = build()[2]
+    try:
+        fresh.load_state_dict({"rank7": b""})
+        missing = ""
+    except KeyError as err:
+        missing = str(err)
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), missing
 
 
-def test_resume_with_the_memories_continues_exactly():
-    assert run_workers(_resume_worker, 2, 2, timeout=120) == [True, True]
+@pytest.mark.parametrize("flow", ["holders", "dcp", "full"])
+def test_resume_with_the_memories_continues_exactly(flow, tmp_path):
+    for exact, missing in run_workers(_resume_worker, 2, 2, flow, str(tmp_path / "checkpoint"), timeout=120):
+        assert exact
+        assert "rank" in missing and "rank7" in missing
 
 
 def _hsdp_worker(rank, world):

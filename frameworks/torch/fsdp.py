@@ -35,6 +35,7 @@ majority votes (signSGD, Signum: FSDP needs the average); reduce ops other than 
 from __future__ import annotations
 
 import functools
+import io
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -47,7 +48,7 @@ from mergecomp.exchange.exchange import resolve
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.wire import pack_rows, unpack_payload
 
-__all__ = ["CompressedAllReduce", "CompressedReduceScatter", "compress"]
+__all__ = ["CompressedAllReduce", "CompressedReduceScatter", "Reductions", "compress"]
 
 #: bytes after each packed payload row carrying "the sender's gradients were not finite"
 _FLAG_BYTES = 8
@@ -202,11 +203,59 @@ class _FSDP1Hook:
         output.div_(grad.numel() // output.numel())
 
 
+class Reductions(list):
+    """What :func:`compress` returns: the holders of the model's compressed reductions, in order
+    (each with ``state_dict()``/``load_state_dict()``), and their checkpoint for FSDP's flows.
+
+    The memories are every rank's own (a residual of what that rank sent), so a checkpoint keeps
+    one entry per rank, ``"rank<r>"``: a ``BytesIO`` of that rank's states, which
+    ``torch.distributed.checkpoint`` saves from each rank and loads back in place.  They resume
+    on the same number of ranks only."""
+
+    def state_dict(self) -> Dict[str, io.BytesIO]:
+        """This rank's entry: save it beside FSDP's sharded state dicts
+        (``dcp.save({"model": ..., "optim": ..., "mergecomp": reductions.state_dict()})``);
+        to load, pass the same dict to ``dcp.load`` and its ``"mergecomp"`` value to
+        :meth:`load_state_dict`."""
+        blob = io.BytesIO()
+        torch.save([holder.state_dict() for holder in self], blob)
+        blob.seek(0)
+        return {f"rank{_rank()}": blob}
+
+    def full_state_dict(self) -> Dict[str, bytes]:
+        """Every rank's entry as bytes, on every rank (one ``all_gather_object``): for a
+        checkpoint that rank 0 writes alone, beside a full state dict; every rank loads it
+        (``torch.load(weights_only=True)`` reads bytes) and takes its own."""
+        entries: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(entries, {name: blob.getvalue() for name, blob in self.state_dict().items()})
+        return {name: blob for entry in entries for name, blob in entry.items()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load this rank's entry of ``state`` (from either method; a ``BytesIO`` or bytes)."""
+        name = f"rank{_rank()}"
+        if name not in state:
+            raise KeyError(f"mc.fsdp: the checkpoint has no entry for {name} (it has {sorted(state)}): the "
+                           f"memories resume on the ranks that saved them")
+        blob = state[name]
+        blob = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray)) else blob
+        blob.seek(0)
+        states = torch.load(blob, weights_only=True)
+        if len(states) != len(self):
+            raise ValueError(f"mc.fsdp: {name}'s checkpoint holds {len(states)} reductions' states, the model "
+                             f"has {len(self)}")
+        for holder, held in zip(self, states):
+            holder.load_state_dict(held)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def compress(model: torch.nn.Module, compression: Union[str, Compressor] = "none",
              memory: Union[str, Memory, None] = None, replicate_group: Optional[dist.ProcessGroup] = None,
-             **options: Any) -> List[Any]:
+             **options: Any) -> Reductions:
     """Compress the gradient reductions of ``model``'s FSDP modules; returns the objects holding
-    their state (``state_dict()``/``load_state_dict()`` each).
+    their state, as :class:`Reductions` (checkpoints).
 
     * FSDP2 (``fully_shard`` applied): every FSDP module gets its own
       :class:`CompressedReduceScatter`, in ``model.modules()`` order; with ``replicate_group``
@@ -229,7 +278,7 @@ def compress(model: torch.nn.Module, compression: Union[str, Compressor] = "none
                              "communication hooks under its hybrid strategies")
         hook = _FSDP1Hook(model, compression, memory, options)
         model.register_comm_hook(getattr(model, "process_group", None), hook)
-        return [hook]
+        return Reductions([hook])
     modules = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError("mc.fsdp.compress: the model has no FSDP2 module; apply "
@@ -240,7 +289,7 @@ def compress(model: torch.nn.Module, compression: Union[str, Compressor] = "none
             raise ValueError(f"mc.fsdp.compress: FSDP module {name!r} is on a {max(m.ndim for m in meshes if m)}-D "
                              f"mesh (native HSDP), whose replica all-reduce cannot be replaced; shard on a 1-D "
                              f"mesh and pass replicate_group= (the ranks holding the same shard)")
-    holders = []
+    holders = Reductions()
     for name, module in modules:
         reduce_scatter = CompressedReduceScatter(compression, memory, name=name, **options)
         module.set_custom_reduce_scatter(reduce_scatter)
