@@ -86,10 +86,11 @@ def bits_over_run(opt, steps, refresh):
     """Bits per element sent over ``steps`` steps: the warm-up's and the variance refreshes'
     at 32, the compressor's on the other steps."""
     import mergecomp
+    from mergecomp.torch.momentum_exchange import refreshes
 
     shapes = [p.shape for group in opt.param_groups for p in group["params"]]
     exact = opt.merged.warmup_steps
-    exact += (steps - exact) // refresh if refresh else 0
+    exact += refreshes(steps - exact, refresh)
     compressed = mergecomp.bits_per_element(opt.compressor, sum(s.numel() for s in shapes), shapes=shapes)
     return (exact * 32 + (steps - exact) * compressed) / steps
 

@@ -47,8 +47,9 @@ def reference(world, steps, kind, after=AFTER, refresh=None):
     """The algorithm on one process: each rank's gradient computed here; the averaged gradient
     through torch's Adam for ``after`` updates, then each rank's momentum
     ``(1 - b1) * (g + wd * p [Adam]) + b1 * m`` averaged, and Adam's update with the variance of
-    update ``after``; every ``refresh``-th update after that, the averaged gradient refreshes
-    the variance with the weight of ``refresh`` steps."""
+    update ``after``; at the phase's updates 1, 2, 4, ... below ``refresh`` and every
+    ``refresh``-th after that, the averaged gradient refreshes the variance with the weight of
+    the steps since it was last written."""
     x, y = make_data()
     model = make_model()
     opt = make_adam(model, kind)
@@ -69,7 +70,9 @@ def reference(world, steps, kind, after=AFTER, refresh=None):
                 opt.step()
             else:
                 lr, decay = group["lr"], group["weight_decay"]
-                refreshing = refresh and (t - after + 1) % refresh == 0
+                n = t - after + 1  # refreshed at the phase's updates 1, 2, 4, ... below R, then every R
+                refreshing = refresh and (n % refresh == 0 or (n < refresh and n & (n - 1) == 0))
+                gap = t + 1 - written
                 if refreshing:
                     written = t + 1
                 for k, p in enumerate(model.parameters()):
@@ -85,8 +88,7 @@ def reference(world, steps, kind, after=AFTER, refresh=None):
                     average = sum(sent) / world
                     if refreshing:
                         state["exp_avg"].lerp_(average, 1 - beta1)
-                        state["exp_avg_sq"].mul_(beta2 ** refresh).addcmul_(average, average,
-                                                                            value=1 - beta2 ** refresh)
+                        state["exp_avg_sq"].mul_(beta2 ** gap).addcmul_(average, average, value=1 - beta2 ** gap)
                     else:
                         state["exp_avg"].copy_(average)
                     state["step"] += 1

@@ -35,11 +35,13 @@
   ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t_v) + eps)``, ``t_v`` the update
   that last wrote ``v``.  The optimizer's step pre/post hooks run around it as around the
   class's own step.
-* **Refresh** (``variance_refresh_every=R``): every ``R``-th update of the momentum phase sends
+* **Refresh** (``variance_refresh_every=R``): on a growing interval (:func:`last_write`: the
+  momentum phase's updates 1, 2, 4, ... below ``R``, then every ``R``-th) a step sends
   the plain gradient exactly (the codec ``"exempt"``: no coefficient, no error feedback) and
-  updates ``m = beta1 m + (1 - beta1) g`` and ``v = beta2**R v + (1 - beta2**R) g**2``, the one
-  sample standing for the ``R`` steps since the last write, so that ``v`` keeps the weights
-  Adam's would have (``1 - beta2**t`` in all).  It costs 32 / R bits per element.
+  updates ``m = beta1 m + (1 - beta1) g`` and ``v = beta2**k v + (1 - beta2**k) g**2``, the one
+  sample standing for the ``k`` updates since the last write, so that ``v`` keeps the weights
+  Adam's would have (``1 - beta2**t`` in all).  It costs about 32 / R bits per element, and
+  32 bits for each of the log2(R) early refreshes.
 
 Beyond Adam's two buffers per parameter this keeps one float per tensor (the coefficients) and
 the compressor's error-feedback memory; ``d`` is computed where it is used (one tensor's at a
@@ -60,6 +62,24 @@ OPTION = "exchange_momentum_after"
 REFRESH_OPTION = "variance_refresh_every"
 #: Adam options the frozen-variance update does not implement, with the values it accepts
 _UNSUPPORTED = {"amsgrad": (False,), "fused": (None, False), "capturable": (False,), "differentiable": (False,)}
+
+
+def last_write(n: int, every: Optional[int]) -> int:
+    """The momentum-phase update (numbered from 1) that last wrote the variance at or before
+    update ``n``; 0: the freeze.  With a refresh interval ``every`` the variance is refreshed on
+    a growing interval, at updates 1, 2, 4, 8, ... (doubling while below ``every``), then at
+    every multiple of ``every``: densely while the gradients still change fast after the
+    warm-up, at ``every`` after that (0/1 Adam's observation that the variance settles)."""
+    if every is None or n < 1:
+        return 0
+    return every * (n // every) if n >= every else 1 << (n.bit_length() - 1)
+
+
+def refreshes(n: int, every: Optional[int]) -> int:
+    """How many of the momentum phase's first ``n`` updates refresh the variance."""
+    if every is None or n < 1:
+        return 0
+    return (min(n, every - 1).bit_length()) + n // every
 
 
 def check_after(after: Any, option: str = OPTION) -> int:
@@ -129,10 +149,10 @@ class MomentumExchange:
 
     @property
     def refreshing(self) -> bool:
-        """Whether this step refreshes the variance: the momentum phase's every
-        ``refresh_every``-th update, whose gradients travel exactly."""
-        return (self.active and self.refresh_every is not None
-                and (self.updates - self.after + 1) % self.refresh_every == 0)
+        """Whether this step refreshes the variance (:func:`last_write`), its gradients
+        travelling exactly."""
+        n = self.updates - self.after + 1  # this update's number in the momentum phase
+        return self.active and n >= 1 and last_write(n, self.refresh_every) == n
 
     # -- backward: the gradient becomes this rank's momentum ---------------------------------
     def _settings(self) -> Dict[str, Any]:
@@ -197,10 +217,10 @@ class MomentumExchange:
     def update(self) -> None:
         """The frozen-variance Adam update from ``p.grad`` (the averaged momentum), for every
         exchanged parameter with Adam state and a gradient."""
-        since = self.updates - self.after  # momentum-phase updates before this one
-        refreshing, every = self.refreshing, self.refresh_every
-        # steps since the variance was last written (frozen, or refreshed): 0 on a refresh
-        stale = since + 1 - (every * ((since + 1) // every) if every else 0)
+        n, every = self.updates - self.after + 1, self.refresh_every  # this update's number in the phase
+        refreshing = self.refreshing
+        gap = n - last_write(n - 1, every)  # on a refresh: the updates it stands for
+        stale = n - last_write(n, every)  # updates since the variance was last written: 0 on a refresh
         for group in self.optimizer.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
@@ -209,9 +229,9 @@ class MomentumExchange:
                 if not state or p.grad is None or id(p) not in self._exchanged:
                     continue
                 momentum, variance = state["exp_avg"], state["exp_avg_sq"]
-                if refreshing:  # p.grad: the averaged gradient, standing for the last `every` steps
+                if refreshing:  # p.grad: the averaged gradient, standing for the last `gap` updates
                     momentum.lerp_(p.grad, 1 - beta1)
-                    variance.mul_(beta2 ** every).addcmul_(p.grad, p.grad, value=1 - beta2 ** every)
+                    variance.mul_(beta2 ** gap).addcmul_(p.grad, p.grad, value=1 - beta2 ** gap)
                 else:
                     momentum.copy_(p.grad)
                 step = float(state["step"]) + 1
