@@ -148,10 +148,15 @@ class MomentumExchange:
         return self.coefficients is not None
 
     @property
+    def _phase_update(self) -> int:
+        """This update's number in the momentum phase (from 1; 0 or less during the warm-up)."""
+        return self.updates - self.after + 1
+
+    @property
     def refreshing(self) -> bool:
         """Whether this step refreshes the variance (:func:`last_write`), its gradients
         travelling exactly."""
-        n = self.updates - self.after + 1  # this update's number in the momentum phase
+        n = self._phase_update
         return self.active and n >= 1 and last_write(n, self.refresh_every) == n
 
     # -- backward: the gradient becomes this rank's momentum ---------------------------------
@@ -217,8 +222,7 @@ class MomentumExchange:
     def update(self) -> None:
         """The frozen-variance Adam update from ``p.grad`` (the averaged momentum), for every
         exchanged parameter with Adam state and a gradient."""
-        n, every = self.updates - self.after + 1, self.refresh_every  # this update's number in the phase
-        refreshing = self.refreshing
+        n, every, refreshing = self._phase_update, self.refresh_every, self.refreshing
         gap = n - last_write(n - 1, every)  # on a refresh: the updates it stands for
         stale = n - last_write(n, every)  # updates since the variance was last written: 0 on a refresh
         for group in self.optimizer.param_groups:
