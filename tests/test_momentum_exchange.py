@@ -2,6 +2,7 @@
 equals a one-process reference of the algorithm bit for bit, every averaging compressor keeps the
 ranks identical, resume continues exactly, a GradScaler's overflow skips the step everywhere,
 bad options raise."""
+import contextlib
 import io
 import math
 
@@ -101,28 +102,33 @@ def reference(world, steps, kind, after=AFTER, refresh=None):
     return flat_params(model)
 
 
-def _lossless_worker(rank, world, kind, groups, refresh):
+def _lossless_worker(rank, world, kind, groups, refresh, fused):
     import mergecomp.torch as mc
+    from mergecomp.kernels import native
 
     x, y = make_data()
     model = make_model()
     opt = mc.DistributedOptimizer(make_adam(model, kind), model.named_parameters(), groups=groups,
                                   exchange_momentum_after=AFTER, variance_refresh_every=refresh)
-    run(model, opt, shard(x, rank, world), shard(y, rank, world), STEPS, make_schedule(opt))
+    with contextlib.nullcontext() if fused else native.disabled():
+        run(model, opt, shard(x, rank, world), shard(y, rank, world), STEPS, make_schedule(opt))
     return flat_params(model), opt.momentum_exchange.active
 
 
-@pytest.mark.parametrize("world,kind,groups,refresh", [(2, "AdamW", 2, None), (2, "Adam", "layerwise", None),
-                                                       (3, "AdamW", 1, None), (2, "AdamW", 2, 2), (2, "Adam", 1, 3)])
-def test_lossless_equals_the_one_process_reference(world, kind, groups, refresh):
+@pytest.mark.parametrize("world,kind,groups,refresh,fused", [
+    (2, "AdamW", 2, None, False), (2, "Adam", "layerwise", None, False), (3, "AdamW", 1, None, False),
+    (2, "AdamW", 2, 2, False), (2, "Adam", 1, 3, False), (2, "AdamW", 2, 2, True)])
+def test_lossless_equals_the_one_process_reference(world, kind, groups, refresh, fused):
+    """Bit for bit on the torch path; within an ulp or so of each step with the fused update
+    kernel (its square root is correctly rounded, torch's is not)."""
     expected = reference(world, STEPS, kind, refresh=refresh)
     without_freeze = reference(world, STEPS, kind, after=STEPS)  # Adam throughout: the test can fail
-    assert not torch.equal(expected, without_freeze)
+    assert (expected - without_freeze).abs().max() > 1e-4
     if refresh:
         assert not torch.equal(expected, reference(world, STEPS, kind))
-    for params, active in run_workers(_lossless_worker, world, world, kind, groups, refresh):
+    for params, active in run_workers(_lossless_worker, world, world, kind, groups, refresh, fused):
         assert active
-        if world == 2:
+        if world == 2 and not fused:
             assert torch.equal(params, expected)
         else:  # three ranks' sum: the collective's order of additions
             torch.testing.assert_close(params, expected, rtol=0, atol=1e-6)

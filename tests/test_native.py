@@ -1,4 +1,5 @@
 """The native fp32 CPU codec kernels (mergecomp.kernels.native) against the eager torch reference."""
+import contextlib
 import os
 import shutil
 import subprocess
@@ -730,3 +731,37 @@ def test_low_rank_takes_factors_of_any_layout_and_refuses_mismatched_ones():
     torch.testing.assert_close(low_rank(p, q, torch.empty(6, 5)), p @ q.t())
     with pytest.raises(ValueError, match="p \\(m, r\\) and qt \\(r, n\\)"):
         native.low_rank(torch.randn(6, 3), torch.randn(2, 5), None, torch.empty(6, 5))
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+def test_frozen_adam_steps_match_their_torch_path(n):
+    """The momentum exchange's three steps (onto the wire, back, the update) in one pass each:
+    each result within 1e-6 of the size of its terms from the same arithmetic in fp64, as the
+    torch path is (the kernel's square root is correctly rounded, torch's is not, so the two
+    paths are not bit for bit)."""
+    from mergecomp.kernels import frozen_adam
+
+    g, m, p = torch.randn(n), torch.randn(n), torch.randn(n)
+    v = torch.rand(n).square_() + 1e-12
+    mix, weight, eps, c, keep, correction, step = 0.1, 0.9 * 3.0, 1e-8, 1.7, 1 - 1e-4, 0.3, -1e-3
+    d = v.double().sqrt() + eps
+    denom = v.double().sqrt() / correction + eps
+
+    def update():
+        param, momentum = p.clone(), torch.zeros(n)
+        frozen_adam.frozen_update(param, g, momentum, v, keep, correction, eps, step)
+        assert torch.equal(momentum, g)
+        return param
+
+    expected = [  # (run, exact, size of its terms)
+        (lambda: frozen_adam.momentum_to_wire(g.clone(), m, v, mix, weight, eps, c),
+         (g.double() * mix + m.double() * weight) / d * c, (g.double().abs() * mix + m.double().abs() * weight) / d * c),
+        (lambda: frozen_adam.momentum_from_wire(g.clone(), v, eps, c), g.double() / c * d, g.double().abs() / c * d),
+        (update, p.double() * keep + step * g.double() / denom, p.double().abs() * keep + abs(step) * g.double().abs() / denom),
+    ]
+    for run, exact, size in expected:
+        for fused in (True, False):
+            with contextlib.nullcontext() if fused else native.disabled():
+                result = run()
+            assert ((result.double() - exact).abs() <= 1e-6 * size).all(), ("fused" if fused else "torch", n)

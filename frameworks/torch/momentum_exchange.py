@@ -55,6 +55,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from mergecomp.exchange.exchange import Exchange
+from mergecomp.kernels import frozen_adam
 
 __all__ = ["MomentumExchange"]
 
@@ -185,16 +186,24 @@ class MomentumExchange:
         if grad is None:
             return None if refreshing else self._to_wire(i, momentum * (beta1 * scale))
         mix = 1.0 if refreshing else 1 - beta1
-        grad.mul_(-mix if group["maximize"] else mix)
-        if group["weight_decay"] and not self._decoupled(group):
-            grad.add_(p.detach(), alpha=mix * scale * group["weight_decay"])
-        return grad if refreshing else self._to_wire(i, grad.add_(momentum, alpha=beta1 * scale))
+        mix = -mix if group["maximize"] else mix
+        if group["weight_decay"] and not self._decoupled(group):  # Adam's L2 term joins the gradient
+            grad.mul_(mix).add_(p.detach(), alpha=mix * scale * group["weight_decay"])
+            mix = 1.0
+        if refreshing:
+            return grad.mul_(mix)
+        if self.preconditioned:
+            return frozen_adam.momentum_to_wire(grad, momentum, state["exp_avg_sq"], mix, beta1 * scale, group["eps"],
+                                                self.coefficients[i])
+        return self._to_wire(i, grad.mul_(mix).add_(momentum, alpha=beta1 * scale))
 
     def _to_wire(self, i: int, momentum: torch.Tensor) -> torch.Tensor:
         """Tensor ``i``'s momentum as it goes on the wire, in place: ``c * m / d`` (``d`` Adam's
-        denominator, :meth:`_denominator`); ``c * m`` for a low-rank codec; ``m`` for a lossless one."""
+        denominator ``sqrt(v) + eps``); ``c * m`` for a low-rank codec; ``m`` for a lossless one."""
         if self.preconditioned:
-            momentum.div_(self._denominator(i))
+            state, eps = self.optimizer.state[self.params[i]], self._settings()["groups"][i]["eps"]
+            return frozen_adam.momentum_to_wire(momentum, momentum, state["exp_avg_sq"], 0.0, 1.0, eps,
+                                                self.coefficients[i])
         return momentum if self.lossless else momentum.mul_(self.coefficients[i])
 
     def _denominator(self, i: int) -> torch.Tensor:
@@ -212,9 +221,12 @@ class MomentumExchange:
         :meth:`_to_wire`), become ``S * m_avg`` in place (None: a step skipped for NaN/Inf)."""
         if views is not None and not self.lossless and not self.refreshing:
             for i, view in enumerate(views):
-                view.div_(self.coefficients[i])
-                if self.preconditioned and self.optimizer.state.get(self.params[i]):
-                    view.mul_(self._denominator(i))
+                state = self.optimizer.state.get(self.params[i])
+                if self.preconditioned and state:
+                    frozen_adam.momentum_from_wire(view, state["exp_avg_sq"], self._settings()["groups"][i]["eps"],
+                                                   self.coefficients[i])
+                else:
+                    view.div_(self.coefficients[i])
         self._step = None
 
     # -- step ------------------------------------------------------------------------------------
@@ -233,17 +245,15 @@ class MomentumExchange:
                 if not state or p.grad is None or id(p) not in self._exchanged:
                     continue
                 momentum, variance = state["exp_avg"], state["exp_avg_sq"]
+                averaged = p.grad
                 if refreshing:  # p.grad: the averaged gradient, standing for the last `gap` updates
-                    momentum.lerp_(p.grad, 1 - beta1)
                     variance.mul_(beta2 ** gap).addcmul_(p.grad, p.grad, value=1 - beta2 ** gap)
-                else:
-                    momentum.copy_(p.grad)
+                    averaged = momentum.lerp_(p.grad, 1 - beta1)
                 step = float(state["step"]) + 1
                 state["step"] += 1
-                if decay and self._decoupled(group):
-                    p.mul_(1 - lr * decay)
-                denom = (variance.sqrt() / math.sqrt(1 - beta2 ** (step - stale))).add_(eps)
-                p.addcdiv_(momentum, denom, value=-lr / (1 - beta1 ** step))
+                keep = 1 - lr * decay if decay and self._decoupled(group) else 1.0
+                frozen_adam.frozen_update(p.detach(), averaged, momentum, variance, keep,
+                                          math.sqrt(1 - beta2 ** (step - stale)), eps, -lr / (1 - beta1 ** step))
 
     def counted(self) -> None:
         """An update was applied (warm-up or momentum phase); the one that ends the warm-up

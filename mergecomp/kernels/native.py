@@ -39,12 +39,12 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
            "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "cast_half_finite",
-           "zero_fill", "low_rank"]
+           "zero_fill", "low_rank", "momentum_to_wire", "momentum_from_wire", "frozen_adam_update"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 25
+_ABI_VERSION = 26
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -111,6 +111,9 @@ _SIGNATURES = {
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
     "mc_low_rank": ([_P, _P, _I64, _I64, _I32, _P, _P, _I32, _I32], None),
+    "mc_momentum_to_wire": ([_P, _P, _P, _I64, _F32, _F32, _F32, _F32, _I32], None),
+    "mc_momentum_from_wire": ([_P, _P, _I64, _F32, _F32, _I32], None),
+    "mc_frozen_adam_update": ([_P, _P, _P, _P, _I64, _F32, _F32, _F32, _F32, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
 }
 #: OpenMP runtimes torch may run its operators on (GNU, LLVM, Intel: each has GOMP_parallel)
@@ -581,3 +584,33 @@ def low_rank(p: torch.Tensor, qt: torch.Tensor, x: Optional[torch.Tensor], out: 
                            None if x is None else _buf("x", x, torch.float32, m * n),
                            _buf("out", out, torch.float32, m * n), int(stream), _threads())
     return out
+
+
+def momentum_to_wire(grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor, mix: float,
+                     weight: float, eps: float, coefficient: float) -> torch.Tensor:
+    """``grad = (grad * mix + momentum * weight) / (sqrt(variance) + eps) * coefficient`` in
+    place, one pass (fp32, same numel); returns ``grad``."""
+    n = grad.numel()
+    _library().mc_momentum_to_wire(_buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
+                                   _buf("variance", variance, torch.float32, n), n, mix, weight, eps, coefficient,
+                                   _threads())
+    return grad
+
+
+def momentum_from_wire(wire: torch.Tensor, variance: torch.Tensor, eps: float, coefficient: float) -> torch.Tensor:
+    """``wire = wire / coefficient * (sqrt(variance) + eps)`` in place, one pass; returns ``wire``."""
+    n = wire.numel()
+    _library().mc_momentum_from_wire(_buf("wire", wire, torch.float32, n), _buf("variance", variance, torch.float32, n),
+                                     n, coefficient, eps, _threads())
+    return wire
+
+
+def frozen_adam_update(param: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor,
+                       keep: float, correction: float, eps: float, step: float) -> None:
+    """``momentum = grad``; ``param = param * keep + step * (grad / (sqrt(variance) / correction
+    + eps))``, one pass over the four fp32 tensors of one numel."""
+    n = param.numel()
+    _library().mc_frozen_adam_update(_buf("param", param, torch.float32, n), _buf("grad", grad, torch.float32, n),
+                                     _buf("momentum", momentum, torch.float32, n),
+                                     _buf("variance", variance, torch.float32, n), n, keep, correction, eps, step,
+                                     _threads())

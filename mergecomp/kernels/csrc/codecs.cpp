@@ -712,7 +712,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 25; }
+int mc_abi_version() { return 26; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1172,5 +1172,49 @@ void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count,
   }
 }
 
-}  // extern "C"
+// The momentum exchange's elementwise steps (frameworks/torch/momentum_exchange.py): Adam with
+// its variance v frozen between refreshes, the momentum sent divided by d = sqrt(v) + eps.  Each
+// is one pass where torch's operators make three to six; every product, quotient and sum is
+// rounded on its own in torch's order and the square root correctly (torch's CPU square root
+// is not: the paths agree to an ulp or so).
 
+// In place over g: g = (((g * mix + m * weight) / (sqrt(v) + eps)) * c), this rank's momentum
+// as it goes on the wire.
+void mc_momentum_to_wire(float* g, const float* m, const float* v, int64_t n, float mix, float weight, float eps,
+                         float c, int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t stop = std::min(n, last * BLOCK);
+#pragma omp simd
+    for (int64_t i = first * BLOCK; i < stop; ++i) {
+      const float mixed = g[i] * mix + m[i] * weight;
+      g[i] = (mixed / (std::sqrt(v[i]) + eps)) * c;
+    }
+  });
+}
+
+// In place over x, the exchange's average of what mc_momentum_to_wire sent: x = (x / c) *
+// (sqrt(v) + eps), the averaged momentum.
+void mc_momentum_from_wire(float* x, const float* v, int64_t n, float c, float eps, int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t stop = std::min(n, last * BLOCK);
+#pragma omp simd
+    for (int64_t i = first * BLOCK; i < stop; ++i) x[i] = (x[i] / c) * (std::sqrt(v[i]) + eps);
+  });
+}
+
+// Adam's update with the variance frozen: m = g (the averaged momentum); p = p * keep (AdamW's
+// decoupled decay; keep = 1 without); p = p + step * (m / (sqrt(v) / k + eps)), k the square
+// root of the variance's bias correction.
+void mc_frozen_adam_update(float* p, const float* g, float* m, const float* v, int64_t n, float keep, float k,
+                           float eps, float step, int threads) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t stop = std::min(n, last * BLOCK);
+#pragma omp simd
+    for (int64_t i = first * BLOCK; i < stop; ++i) {
+      m[i] = g[i];
+      p[i] = p[i] * keep + step * (g[i] / (std::sqrt(v[i]) / k + eps));
+    }
+  });
+}
+
+}  // extern "C"
