@@ -15,7 +15,7 @@ Configurations: ``ddp`` (DDP, fp32 allreduce, ``bucket_cap_mb=25``), ``ddp-fp16`
 ``fp16_compress_hook``), ``ddp-powersgd[:RANK]`` (PyTorch's ``powerSGD_hook``, serialized per
 bucket so it runs on gloo, ``start_powerSGD_iter=--after``), and mergecomp as in
 ``bench_adam``: ``COMPRESSOR[:args]@MODE`` (``grad``: gradients exchanged; ``momentum/R``:
-``exchange_momentum_after=--after``, ``variance_refresh_every=R``), always ``groups="auto"``.
+``exchange_momentum_after=--after``, ``variance_refresh_every=R``), with ``groups=--groups``.
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -49,6 +49,7 @@ parser.add_argument("--configs", default=CONFIGS, help=f"comma list; {BASELINE} 
 parser.add_argument("--steps", type=int, default=2000)
 parser.add_argument("--batch", type=int, default=4, help="windows of 64 bytes per worker and step")
 parser.add_argument("--after", type=int, default=30, help="exchange_momentum_after; PowerSGD's start_powerSGD_iter")
+parser.add_argument("--groups", default="auto", help="mergecomp's groups= ('auto' or a number of groups)")
 parser.add_argument("--seed", type=int, default=0, help="the seed to run, or (--report) to report")
 parser.add_argument("--hosts", type=int, default=2)
 parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
@@ -108,7 +109,8 @@ def worker(args):
         finish = dist.destroy_process_group
     else:
         mc.init(engine="torch")
-        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, args.after, groups="auto")
+        groups = int(args.groups) if args.groups.isdigit() else args.groups
+        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, args.after, groups=groups)
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
         net = model
         bits = bits_over_run(opt, steps, refresh)
@@ -134,6 +136,7 @@ def worker(args):
     finish()
     if rank == 0:
         record = {"config": args.worker, "steps": steps, "seed": args.seed, "batch": args.batch, "world": world,
+                  "groups": None if config.startswith("ddp") else args.groups,
                   "after": args.after, "bits_per_element": bits, "step_s": statistics.median(times),
                   "compute_s": compute_s, "train_s": trained,
                   "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
@@ -168,7 +171,7 @@ def run_cluster(args, configs, command_of, timeout):
 def worker_command(args):
     """``command_of`` for :func:`run_cluster`: this script as one configuration's worker."""
     return lambda config, out: [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
-                                "--steps", str(args.steps), "--batch", str(args.batch), "--after",
+                                "--steps", str(args.steps), "--batch", str(args.batch), "--groups", args.groups, "--after",
                                 str(args.after), "--seed", str(args.seed)]
 
 

@@ -44,8 +44,9 @@
   32 bits for each of the log2(R) early refreshes.
 
 Beyond Adam's two buffers per parameter this keeps one float per tensor (the coefficients) and
-the compressor's error-feedback memory; ``d`` is computed where it is used (one tensor's at a
-time).
+the compressor's error-feedback memory; ``d`` is computed where it is used, never kept.  The
+elementwise work of each step (``x`` onto the wire, ``m_avg`` back from it, the update) is one
+pass each of a fused kernel on contiguous fp32 CPU tensors (:mod:`mergecomp.kernels.frozen_adam`).
 """
 from __future__ import annotations
 
