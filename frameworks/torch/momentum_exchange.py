@@ -192,7 +192,7 @@ class MomentumExchange:
             grad.mul_(mix).add_(p.detach(), alpha=mix * scale * group["weight_decay"])
             mix = 1.0
         if refreshing:
-            return grad.mul_(mix)
+            return grad if mix == 1.0 else grad.mul_(mix)
         if self.preconditioned:
             return frozen_adam.momentum_to_wire(grad, momentum, state["exp_avg_sq"], mix, beta1 * scale, group["eps"],
                                                 self.coefficients[i])
