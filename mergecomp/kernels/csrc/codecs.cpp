@@ -78,6 +78,17 @@ void parallel_blocks(int64_t n, int threads, Body body) {
   parallel_for((n + BLOCK - 1) / BLOCK, BLOCK, threads, body);
 }
 
+// body(i) for every element i of [0, n), block by block (parallel_blocks), each block's loop
+// vectorized: for kernels whose elements are independent.
+template <typename Body>
+void parallel_elements(int64_t n, int threads, Body body) {
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t stop = std::min(n, last * BLOCK);
+#pragma omp simd
+    for (int64_t i = first * BLOCK; i < stop; ++i) body(i);
+  });
+}
+
 // A 32-bit integer hash (lowbias32, Wellons: full avalanche, a bijection of the counter) of
 // the counter keyed by a 64-bit seed.  One round is enough for stochastic rounding: only the
 // marginal of each draw matters, and neighbouring counters give unrelated words.
@@ -876,11 +887,7 @@ void mc_momentum_signs(const float* x, float* m, float weight, int64_t n, uint8_
 // EF-SignSGD): out[i] = v[i] - (v[i] >= 0 ? positive : negative), v less its sign decode (the
 // bits are not read).  out may be v (updated in place).
 void mc_sign_residual(const float* v, int64_t n, float negative, float positive, float* out, int threads) {
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    const int64_t stop = std::min(n, last * BLOCK);
-#pragma omp simd
-    for (int64_t i = first * BLOCK; i < stop; ++i) out[i] = v[i] - (v[i] >= 0.0f ? positive : negative);
-  });
+  parallel_elements(n, threads, [=](int64_t i) { out[i] = v[i] - (v[i] >= 0.0f ? positive : negative); });
 }
 
 // The majority vote of `voters` (1..255) packed sign-bit streams of n elements each:
@@ -1182,24 +1189,16 @@ void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count,
 // as it goes on the wire.
 void mc_momentum_to_wire(float* g, const float* m, const float* v, int64_t n, float mix, float weight, float eps,
                          float c, int threads) {
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    const int64_t stop = std::min(n, last * BLOCK);
-#pragma omp simd
-    for (int64_t i = first * BLOCK; i < stop; ++i) {
-      const float mixed = g[i] * mix + m[i] * weight;
-      g[i] = (mixed / (std::sqrt(v[i]) + eps)) * c;
-    }
+  parallel_elements(n, threads, [=](int64_t i) {
+    const float mixed = g[i] * mix + m[i] * weight;
+    g[i] = (mixed / (std::sqrt(v[i]) + eps)) * c;
   });
 }
 
 // In place over x, the exchange's average of what mc_momentum_to_wire sent: x = (x / c) *
 // (sqrt(v) + eps), the averaged momentum.
 void mc_momentum_from_wire(float* x, const float* v, int64_t n, float c, float eps, int threads) {
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    const int64_t stop = std::min(n, last * BLOCK);
-#pragma omp simd
-    for (int64_t i = first * BLOCK; i < stop; ++i) x[i] = (x[i] / c) * (std::sqrt(v[i]) + eps);
-  });
+  parallel_elements(n, threads, [=](int64_t i) { x[i] = (x[i] / c) * (std::sqrt(v[i]) + eps); });
 }
 
 // Adam's update with the variance frozen: m = g (the averaged momentum); p = p * keep (AdamW's
@@ -1207,13 +1206,9 @@ void mc_momentum_from_wire(float* x, const float* v, int64_t n, float c, float e
 // root of the variance's bias correction.
 void mc_frozen_adam_update(float* p, const float* g, float* m, const float* v, int64_t n, float keep, float k,
                            float eps, float step, int threads) {
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    const int64_t stop = std::min(n, last * BLOCK);
-#pragma omp simd
-    for (int64_t i = first * BLOCK; i < stop; ++i) {
-      m[i] = g[i];
-      p[i] = p[i] * keep + step * (g[i] / (std::sqrt(v[i]) / k + eps));
-    }
+  parallel_elements(n, threads, [=](int64_t i) {
+    m[i] = g[i];
+    p[i] = p[i] * keep + step * (g[i] / (std::sqrt(v[i]) / k + eps));
   });
 }
 
