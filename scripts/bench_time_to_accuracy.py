@@ -210,17 +210,17 @@ def report(records):
     return target
 
 
-def label(config):
-    """A configuration's name for people: ``onebit@momentum/64*1.25`` -> ``mergecomp onebit,
-    momentum (R=64), 1.25x the steps``."""
-    config, _, factor = config.partition("*")
+def label(record):
+    """A record's configuration for people: ``onebit@momentum/64*1.25`` -> ``mergecomp onebit,
+    momentum exchanged (R=64), 1.25x the steps``, with its ``groups=`` for lossless mergecomp."""
+    config, _, factor = record["config"].partition("*")
     names = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook", "ddp-powersgd": "DDP + PowerSGD hook (rank 1)"}
     if config in names:
         name = names[config]
     else:
         spec, _, mode = config.partition("@")
         mode, _, refresh = mode.partition("/")
-        name = (f"mergecomp {spec}" + (" (lossless), groups=auto" if spec == "none" else "")
+        name = (f"mergecomp {spec}" + (f" (lossless), groups={record.get('groups') or 'auto'}" if spec == "none" else "")
                 + (f", momentum exchanged (R={refresh})" if mode == "momentum" else ""))
     return name + (f", {factor}x the steps" if factor else "")
 
@@ -234,7 +234,7 @@ def plot(records, target, path):
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     done = [r for r in records if r["status"] == "ok"]
     for r in done:
-        ax.plot([p["seconds"] for p in r["curve"]], [p["test_loss"] for p in r["curve"]], label=label(r["config"]))
+        ax.plot([p["seconds"] for p in r["curve"]], [p["test_loss"] for p in r["curve"]], label=label(r))
     ax.axhline(target, color="grey", linestyle=":", label="target: DDP fp32's final loss + 1 %")
     ax.set_ylim(min(p["test_loss"] for r in done for p in r["curve"]) * 0.99, target * 1.35)
     ax.set_xlabel("training time (s)")
