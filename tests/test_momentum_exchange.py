@@ -185,15 +185,21 @@ def _auto_worker(rank, world):
     model = make_model()
     opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="onebit",
                                   exchange_momentum_after=AFTER)  # groups="auto": the scheduler searches
+    installed, set_plan = [], opt.merged.set_plan
+    opt.merged.set_plan = lambda plan: (installed.append(tuple(plan.codec_names())), set_plan(plan))
     run(model, opt, shard(x, rank, world), shard(y, rank, world), 30)
     gathered = mc.allgather(flat_params(model).unsqueeze(0))
-    return bool((gathered == gathered[0]).all()), opt.schedule_report()["phase"]
+    return bool((gathered == gathered[0]).all()), opt.schedule_report(), installed
 
 
 def test_the_scheduler_searches_the_momentum_phase_on_three_ranks():
-    for identical, phase in run_workers(_auto_worker, 3, 3):
+    """It searches, and only plans that send every group with the compressor: a probe sending a
+    group as fp16 or uncompressed would hand the momentum that group's whole residual at once."""
+    for identical, report, installed in run_workers(_auto_worker, 3, 3):
         assert identical
-        assert phase != "fixed"
+        assert report["phase"] != "fixed" and len(installed) > 1
+        tried = [tuple(c["codecs"]) for c in report["candidates"]] + installed
+        assert not [codecs for codecs in tried if {"fp16", "none"} & set(codecs)], tried
 
 
 def _resume_worker(rank, compression, who_loads, save_at, refresh):

@@ -57,13 +57,23 @@ import torch
 
 from mergecomp.exchange.exchange import Exchange
 from mergecomp.kernels import frozen_adam
+from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 
-__all__ = ["MomentumExchange"]
+__all__ = ["MomentumExchange", "SEARCH"]
 
 OPTION = "exchange_momentum_after"
 REFRESH_OPTION = "variance_refresh_every"
 #: Adam options the frozen-variance update does not implement, with the values it accepts
 _UNSUPPORTED = {"amsgrad": (False,), "fused": (None, False), "capturable": (False,), "differentiable": (False,)}
+
+
+#: ``groups="auto"``'s search with the momentum exchange, unless the user gives ``scheduler=``:
+#: the configured compressor (by any scheme) on every group, never fp16 or uncompressed.  A group
+#: sent exactly for a probe hands the momentum its whole error-feedback residual at once (with
+#: a sign code several times the momentum's norm) and its memory starts again from zero when it
+#: returns to the codec; on GPT-2 4x256 (batch 2, 2,000 steps) such probes left 1-bit SGD 25 %
+#: behind the same search without them.
+SEARCH = SchedulerConfig(codecs=tuple(c for c in SEARCHED if c not in ("fp16", "none")))
 
 
 def last_write(n: int, every: Optional[int]) -> int:

@@ -49,6 +49,7 @@ from mergecomp.pipeline.step import HoldsMergedStep
 from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
+from .momentum_exchange import SEARCH as MOMENTUM_SEARCH
 from .momentum_exchange import MomentumExchange, check_after
 from .named_parameters import collect_parameters
 
@@ -108,7 +109,9 @@ class DistributedOptimizer(HoldsMergedStep):
             each rank exchanges its momentum, not its gradient, through the same merged groups
             and compressor; ``p.grad`` then holds the averaged momentum, and the update is
             Adam's with the frozen variance (:mod:`frameworks.torch.momentum_exchange`; for
-            compressed exchange with Adam, see docs/compressors.md).
+            compressed exchange with Adam, see docs/compressors.md).  With ``groups="auto"``
+            the search then sends every group with the compressor (``momentum_exchange.SEARCH``)
+            unless ``scheduler=`` says otherwise.
         variance_refresh_every: with ``exchange_momentum_after``: every this many updates of the
             momentum phase, the gradients travel exactly and refresh the variance (as the last
             that many steps of Adam would have moved it); None: frozen for good.
@@ -175,6 +178,8 @@ class DistributedOptimizer(HoldsMergedStep):
             or LocalCommunicator(communicator().timeout)
         warmup = 0 if exchange_momentum_after is None else check_after(exchange_momentum_after)
         defaults = {"nonfinite": "propagate", "compression_warmup_steps": warmup}
+        if exchange_momentum_after is not None:
+            defaults["scheduler"] = MOMENTUM_SEARCH
         step_options = StepOptions.create("DistributedOptimizer", options, defaults=defaults,
                                           fixed={"groups": groups, **scaling(op, factor, comm.size)})
         self.merged = PlannedStep(
