@@ -10,9 +10,9 @@ weight decay 0.1), a linear LR warm-up over the first 5 % of the steps then a co
 10 %; 2 workers (gloo over loopback) x batch 8, ``groups=1``.
 
 A configuration is ``COMPRESSOR[:key=value;...]@MODE``, MODE ``grad`` (gradients exchanged,
-the compressor's default memory; ``grad+averaged`` with ``memory="averaged"``) or ``momentum``
-(``exchange_momentum_after=--after``, lossless warm-up; ``momentum/R``: with
-``variance_refresh_every=R``).  ``none@grad`` is the baseline and runs unless
+the compressor's default memory) or ``momentum`` (``exchange_momentum_after=--after``, lossless
+warm-up; ``momentum/R``: with ``variance_refresh_every=R``), either with ``+MEMORY[:key=value;...]``
+for another error-feedback memory (``grad+averaged``, ``momentum+residual:beta=0.9/64``).  ``none@grad`` is the baseline and runs unless
 ``--no-baseline``.  Bits per element count the lossless warm-up and refreshes at 32.
 
     python scripts/bench_adam.py --json docs/img/data/adam_gpt2_4x256_stdlib_bytes_2workers.jsonl
@@ -72,9 +72,13 @@ def wrap_adamw(model, config, steps, after, groups=1):
     spec, _, mode = config.partition("@")
     name, options = parse_spec(spec)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    kwargs = {"memory": "averaged"} if mode == "grad+averaged" else {}
     mode, _, refresh = mode.partition("/")
     refresh = int(refresh) if refresh else None
+    mode, _, memory = mode.partition("+")
+    kwargs = {}
+    if memory:
+        memory_name, memory_options = parse_spec(memory)
+        kwargs["memory"] = mergecomp.get_memory(memory_name, **memory_options)
     if mode == "momentum":
         kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh)
     compressor = mergecomp.get_compressor(name, **options)
