@@ -11,8 +11,9 @@ weight decay 0.1), a linear LR warm-up over the first 5 % of the steps then a co
 
 A configuration is ``COMPRESSOR[:key=value;...]@MODE``, MODE ``grad`` (gradients exchanged,
 the compressor's default memory) or ``momentum`` (``exchange_momentum_after=--after``, lossless
-warm-up; ``momentum/R``: with ``variance_refresh_every=R``), either with ``+MEMORY[:key=value;...]``
-for another error-feedback memory (``grad+averaged``, ``momentum+residual:beta=0.9/64``).  ``none@grad`` is the baseline and runs unless
+warm-up; ``momentum/R``: with ``variance_refresh_every=R``), either with
+``+MEMORY[:key=value;...]`` for another error-feedback memory (``grad+averaged``,
+``momentum+residual:beta=0.9/64``).  ``none@grad`` is the baseline and runs unless
 ``--no-baseline``.  Bits per element count the lossless warm-up and refreshes at 32.
 
     python scripts/bench_adam.py --json docs/img/data/adam_gpt2_4x256_stdlib_bytes_2workers.jsonl
