@@ -58,9 +58,14 @@ def make_model():
     return GPT2LMHeadModel(config)
 
 
+def lr_warmup(steps):
+    """The LR warm-up of :func:`schedule`: 5 % of the steps."""
+    return max(1, steps // 20)
+
+
 def schedule(steps):
-    """Linear warm-up over 5 % of the steps, then cosine decay to 10 % of the peak."""
-    warm = max(1, steps // 20)
+    """Linear warm-up over :func:`lr_warmup` steps, then cosine decay to 10 % of the peak."""
+    warm = lr_warmup(steps)
     return lambda t: (t + 1) / warm if t < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (t - warm) / (steps - warm)))
 
 

@@ -13,9 +13,10 @@ exchange, mostly waiting on the network.
 
 Configurations: ``ddp`` (DDP, fp32 allreduce, ``bucket_cap_mb=25``), ``ddp-fp16`` (PyTorch's
 ``fp16_compress_hook``), ``ddp-powersgd[:RANK]`` (PyTorch's ``powerSGD_hook``, serialized per
-bucket so it runs on gloo, ``start_powerSGD_iter=--after``), and mergecomp as in
-``bench_adam``: ``COMPRESSOR[:args]@MODE`` (``grad``: gradients exchanged; ``momentum/R``:
+bucket so it runs on gloo, ``start_powerSGD_iter=--after``), and mergecomp as in ``bench_adam``:
+``COMPRESSOR[:args]@MODE`` (``grad``: gradients exchanged; ``momentum/R``:
 ``exchange_momentum_after=--after``, ``variance_refresh_every=R``), with ``groups=--groups``.
+``--after`` defaults to each configuration's LR warm-up (5 % of its steps).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -36,8 +37,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, make_model, random_windows, rank_data,  # noqa: E402
-                        schedule, wrap_adamw)
+from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, lr_warmup, make_model, random_windows,  # noqa: E402
+                        rank_data, schedule, wrap_adamw)
 
 BASELINE = "ddp"
 CONFIGS = "ddp-fp16,ddp-powersgd,none@grad,onebit@momentum/64,efsignsgd@momentum/64"
@@ -48,7 +49,9 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
 parser.add_argument("--configs", default=CONFIGS, help=f"comma list; {BASELINE} always runs first")
 parser.add_argument("--steps", type=int, default=2000)
 parser.add_argument("--batch", type=int, default=4, help="windows of 64 bytes per worker and step")
-parser.add_argument("--after", type=int, default=30, help="exchange_momentum_after; PowerSGD's start_powerSGD_iter")
+parser.add_argument("--after", type=int, default=None,
+                    help="exchange_momentum_after and PowerSGD's start_powerSGD_iter; default: the configuration's "
+                         "LR warm-up (5 %% of its steps)")
 parser.add_argument("--groups", default="auto", help="mergecomp's groups= ('auto' or a number of groups)")
 parser.add_argument("--seed", type=int, default=0, help="the seed to run, or (--report) to report")
 parser.add_argument("--hosts", type=int, default=2)
@@ -97,6 +100,7 @@ def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config, _, factor = args.worker.partition("*")
     steps = round(args.steps * float(factor or 1))
+    after = args.after or lr_warmup(steps)
     train, held_out = rank_data(rank, world, EVAL_WINDOWS)
     torch.manual_seed(args.seed)
     model = make_model()
@@ -105,12 +109,12 @@ def worker(args):
     if config.startswith("ddp"):
         import torch.distributed as dist
 
-        net, opt, lr_schedule = wrap_ddp(model, config, steps, args.after)
+        net, opt, lr_schedule = wrap_ddp(model, config, steps, after)
         finish = dist.destroy_process_group
     else:
         mc.init(engine="torch")
         groups = int(args.groups) if args.groups.isdigit() else args.groups
-        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, args.after, groups=groups)
+        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, after, groups=groups)
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
         net = model
         bits = bits_over_run(opt, steps, refresh)
@@ -137,7 +141,7 @@ def worker(args):
     if rank == 0:
         record = {"config": args.worker, "steps": steps, "seed": args.seed, "batch": args.batch, "world": world,
                   "groups": None if config.startswith("ddp") else args.groups,
-                  "after": args.after, "bits_per_element": bits, "step_s": statistics.median(times),
+                  "after": after, "bits_per_element": bits, "step_s": statistics.median(times),
                   "compute_s": compute_s, "train_s": trained,
                   "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -170,9 +174,10 @@ def run_cluster(args, configs, command_of, timeout):
 
 def worker_command(args):
     """``command_of`` for :func:`run_cluster`: this script as one configuration's worker."""
+    after = ["--after", str(args.after)] if args.after else []
     return lambda config, out: [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
-                                "--steps", str(args.steps), "--batch", str(args.batch), "--groups", args.groups, "--after",
-                                str(args.after), "--seed", str(args.seed)]
+                                "--steps", str(args.steps), "--batch", str(args.batch), "--groups", args.groups,
+                                "--seed", str(args.seed), *after]
 
 
 def time_to(record, target):
