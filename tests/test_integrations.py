@@ -64,15 +64,20 @@ def _lightning(rank, folder, port):
     x, y = make_data()
 
     class Tiny(pl.LightningModule):
-        def __init__(self, exchange=None):
+        def __init__(self, exchange=None, momentum_after=None):
             super().__init__()
-            self.net, self.exchange = make_net(), exchange
+            self.net, self.exchange, self.momentum_after = make_net(), exchange, momentum_after
 
         def training_step(self, batch, index):
             self.wrapped = self.trainer.strategy.model is not self  # in DDP?
             return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self):
+            if self.momentum_after:  # AdamW with its momentum exchanged after a lossless warm-up
+                opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+                return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
+                                               groups=1, exchange_momentum_after=self.momentum_after,
+                                               variance_refresh_every=2)
             opt = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
             if self.exchange is None:
                 return opt
@@ -129,6 +134,13 @@ def _lightning(rank, folder, port):
     fit(MergecompStrategy(), epochs=1, module=Tiny("topk"), save=path)
     out["opt_resumed"] = fit(MergecompStrategy(), module=Tiny("topk"), ckpt=path)
     out["opt_forgetful"] = fit(MergecompStrategy(), module=Tiny("topk"), ckpt=without_ours(path))
+    # AdamW's momentum exchanged from update 3 on (epoch 1 ends at update 4): resumed in the phase
+    module = Tiny("onebit", momentum_after=3)
+    out["adam_onebit"] = fit(MergecompStrategy(), module=module)
+    out["adam_phase"] = module.trainer.optimizers[0].momentum_exchange.active
+    path = os.path.join(folder, "adam.ckpt")
+    fit(MergecompStrategy(), epochs=1, module=Tiny("onebit", momentum_after=3), save=path)
+    out["adam_resumed"] = fit(MergecompStrategy(), module=Tiny("onebit", momentum_after=3), ckpt=path)
     try:
         fit(MergecompStrategy(), module=Tiny())
     except TypeError as err:
@@ -179,6 +191,19 @@ def test_lightning_optimizer_strategy_exchanges_once(lightning):
         assert not torch.equal(out["opt_forgetful"], out["opt_topk"])
         assert "not a mc.DistributedOptimizer" in out["opt_plain"]
     assert torch.equal(lightning[0]["opt_topk"], lightning[1]["opt_topk"])
+
+
+@requires("lightning")
+def test_lightning_optimizer_strategy_exchanges_adams_momentum(lightning):
+    """AdamW with exchange_momentum_after and 1-bit SGD under MergecompStrategy: the momentum
+    phase runs, the ranks agree, and a run resumed inside the phase ends where the uninterrupted
+    one does."""
+    start = flat(make_net())
+    for out in lightning:
+        assert out["adam_phase"]
+        assert not torch.equal(out["adam_onebit"], start) and torch.isfinite(out["adam_onebit"]).all()
+        assert torch.equal(out["adam_resumed"], out["adam_onebit"])
+    assert torch.equal(lightning[0]["adam_onebit"], lightning[1]["adam_onebit"])
 
 
 @requires("lightning")
