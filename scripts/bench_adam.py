@@ -63,15 +63,17 @@ def lr_warmup(steps):
     return max(1, steps // 20)
 
 
-def schedule(steps):
-    """Linear warm-up over :func:`lr_warmup` steps, then cosine decay to 10 % of the peak."""
-    warm = lr_warmup(steps)
+def schedule(steps, warm=None):
+    """Linear warm-up over ``warm`` steps (default :func:`lr_warmup`), then cosine decay to 10 %
+    of the peak."""
+    warm = warm or lr_warmup(steps)
     return lambda t: (t + 1) / warm if t < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (t - warm) / (steps - warm)))
 
 
-def wrap_adamw(model, config, steps, after, groups=1):
+def wrap_adamw(model, config, steps, after, groups=1, warm=None):
     """AdamW (lr ``LR``, weight decay ``DECAY``) in ``mc.DistributedOptimizer`` as ``config``
-    says, with the LR schedule of ``steps`` steps: (optimizer, scheduler, refresh interval or None)."""
+    says, with the LR schedule of ``steps`` steps (its warm-up ``warm``): (optimizer, scheduler,
+    refresh interval or None)."""
     import mergecomp
     import mergecomp.torch as mc
 
@@ -89,7 +91,7 @@ def wrap_adamw(model, config, steps, after, groups=1):
         kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh)
     compressor = mergecomp.get_compressor(name, **options)
     opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor, groups=groups, **kwargs)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps)), refresh
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps, warm)), refresh
 
 
 def bits_over_run(opt, steps, refresh):

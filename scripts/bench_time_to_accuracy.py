@@ -52,6 +52,9 @@ parser.add_argument("--batch", type=int, default=4, help="windows of 64 bytes pe
 parser.add_argument("--after", type=int, default=None,
                     help="exchange_momentum_after and PowerSGD's start_powerSGD_iter; default: the configuration's "
                          "LR warm-up (5 %% of its steps)")
+parser.add_argument("--lr-warmup", type=int, default=None, help="LR warm-up updates; default: 5 %% of the steps")
+parser.add_argument("--stop", type=int, default=None,
+                    help="train only each configuration's first STOP updates (its schedule unchanged): early training")
 parser.add_argument("--groups", default="auto", help="mergecomp's groups= ('auto' or a number of groups)")
 parser.add_argument("--seed", type=int, default=0, help="the seed to run, or (--report) to report")
 parser.add_argument("--hosts", type=int, default=2)
@@ -80,7 +83,7 @@ def step_without_exchange(model, train, batch, repeats=10):
     return statistics.median(times[2:])
 
 
-def wrap_ddp(model, config, steps, after):
+def wrap_ddp(model, config, steps, after, warm):
     """``model`` in DDP with the hook ``config`` names, and AdamW: (module to call, optimizer, scheduler)."""
     from mergecomp.bench.runner import ddp_with_hook
 
@@ -88,7 +91,7 @@ def wrap_ddp(model, config, steps, after):
     mode = "ddp-powersgd-serial" if mode == "ddp-powersgd" else mode  # the stock hook aborts on gloo
     ddp, _ = ddp_with_hook(model, mode, int(rank or 1), max(2, after))
     adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=DECAY)
-    return ddp, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps))
+    return ddp, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm))
 
 
 def worker(args):
@@ -100,7 +103,8 @@ def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config, _, factor = args.worker.partition("*")
     steps = round(args.steps * float(factor or 1))
-    after = args.after or lr_warmup(steps)
+    warm = args.lr_warmup or lr_warmup(steps)
+    after = args.after or warm
     train, held_out = rank_data(rank, world, EVAL_WINDOWS)
     torch.manual_seed(args.seed)
     model = make_model()
@@ -109,12 +113,12 @@ def worker(args):
     if config.startswith("ddp"):
         import torch.distributed as dist
 
-        net, opt, lr_schedule = wrap_ddp(model, config, steps, after)
+        net, opt, lr_schedule = wrap_ddp(model, config, steps, after, warm)
         finish = dist.destroy_process_group
     else:
         mc.init(engine="torch")
         groups = int(args.groups) if args.groups.isdigit() else args.groups
-        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, after, groups=groups)
+        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, after, groups=groups, warm=warm)
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
         net = model
         bits = bits_over_run(opt, steps, refresh)
@@ -124,7 +128,8 @@ def worker(args):
             mc.shutdown()
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, times, trained = [], [], 0.0
-    for step in range(1, steps + 1):
+    trained_steps = min(steps, args.stop or steps)
+    for step in range(1, trained_steps + 1):
         windows = random_windows(train, generator, args.batch)
         began = time.perf_counter()
         opt.zero_grad()
@@ -133,7 +138,7 @@ def worker(args):
         lr_schedule.step()
         times.append(time.perf_counter() - began)
         trained += times[-1]
-        if step % EVAL_EVERY == 0 or step == steps:
+        if step % EVAL_EVERY == 0 or step == trained_steps:
             with torch.no_grad():
                 loss = model(input_ids=held_out, labels=held_out).loss.item()
             curve.append({"step": step, "seconds": trained, "test_loss": loss})
@@ -141,7 +146,8 @@ def worker(args):
     if rank == 0:
         record = {"config": args.worker, "steps": steps, "seed": args.seed, "batch": args.batch, "world": world,
                   "groups": None if config.startswith("ddp") else args.groups,
-                  "after": after, "bits_per_element": bits, "step_s": statistics.median(times),
+                  "after": after, "lr_warmup": warm, "stop": args.stop, "bits_per_element": bits,
+                  "step_s": statistics.median(times),
                   "compute_s": compute_s, "train_s": trained,
                   "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -174,10 +180,11 @@ def run_cluster(args, configs, command_of, timeout):
 
 def worker_command(args):
     """``command_of`` for :func:`run_cluster`: this script as one configuration's worker."""
-    after = ["--after", str(args.after)] if args.after else []
+    options = [(f"--{name.replace('_', '-')}", str(value)) for name, value in
+               (("after", args.after), ("lr_warmup", args.lr_warmup), ("stop", args.stop)) if value]
     return lambda config, out: [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
                                 "--steps", str(args.steps), "--batch", str(args.batch), "--groups", args.groups,
-                                "--seed", str(args.seed), *after]
+                                "--seed", str(args.seed), *(x for option in options for x in option)]
 
 
 def time_to(record, target):
