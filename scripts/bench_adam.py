@@ -13,8 +13,10 @@ A configuration is ``COMPRESSOR[:key=value;...]@MODE``, MODE ``grad`` (gradients
 the compressor's default memory) or ``momentum`` (``exchange_momentum_after=--after``, lossless
 warm-up; ``momentum/R``: with ``variance_refresh_every=R``), either with
 ``+MEMORY[:key=value;...]`` for another error-feedback memory (``grad+averaged``,
-``momentum+residual:beta=0.9/64``).  ``none@grad`` is the baseline and runs unless
-``--no-baseline``.  Bits per element count the lossless warm-up and refreshes at 32.
+``momentum+residual:beta=0.9/64``), and with a suffix ``^fp16`` for the warm-up and the
+refreshes sent as fp16 (``compression_warmup_codec="fp16"``).  ``none@grad`` is the baseline
+and runs unless ``--no-baseline``.  Bits per element count the warm-up and refreshes at 32
+(16 with ``^fp16``).
 
     python scripts/bench_adam.py --json docs/img/data/adam_gpt2_4x256_stdlib_bytes_2workers.jsonl
     python scripts/bench_adam.py --configs onebit@momentum,topk@momentum --steps 500 --seeds 0
@@ -80,10 +82,11 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None):
     spec, _, mode = config.partition("@")
     name, options = parse_spec(spec)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    mode, _, warmup_codec = mode.partition("^")
     mode, _, refresh = mode.partition("/")
     refresh = int(refresh) if refresh else None
     mode, _, memory = mode.partition("+")
-    kwargs = {}
+    kwargs = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
     if memory:
         memory_name, memory_options = parse_spec(memory)
         kwargs["memory"] = mergecomp.get_memory(memory_name, **memory_options)
@@ -96,7 +99,7 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None):
 
 def bits_over_run(opt, steps, refresh):
     """Bits per element sent over ``steps`` steps: the warm-up's and the variance refreshes'
-    at 32, the compressor's on the other steps."""
+    at 32 (16 as fp16), the compressor's on the other steps."""
     import mergecomp
     from mergecomp.torch.momentum_exchange import refreshes
 
@@ -104,7 +107,8 @@ def bits_over_run(opt, steps, refresh):
     exact = opt.merged.warmup_steps
     exact += refreshes(steps - exact, refresh)
     compressed = mergecomp.bits_per_element(opt.compressor, sum(s.numel() for s in shapes), shapes=shapes)
-    return (exact * 32 + (steps - exact) * compressed) / steps
+    warmup_bits = 16 if opt.merged.options.compression_warmup_codec == "fp16" else 32
+    return (exact * warmup_bits + (steps - exact) * compressed) / steps
 
 
 def rank_data(rank, world, held_out_windows=64):

@@ -44,13 +44,20 @@ def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=()):
             schedule.step()
 
 
-def reference(world, steps, kind, after=AFTER, refresh=None):
+def average(tensors, half=False):
+    """The ranks' average as the exchange computes it: summed as they are, or (``half``) cast to
+    fp16 and summed in fp16 (``compression_warmup_codec="fp16"``), divided in fp32."""
+    return sum(t.half() if half else t for t in tensors).float() / len(tensors)
+
+
+def reference(world, steps, kind, after=AFTER, refresh=None, half=False):
     """The algorithm on one process: each rank's gradient computed here; the averaged gradient
     through torch's Adam for ``after`` updates, then each rank's momentum
     ``(1 - b1) * (g + wd * p [Adam]) + b1 * m`` averaged, and Adam's update with the variance of
     update ``after``; at the phase's updates 1, 2, 4, ... below ``refresh`` and every
     ``refresh``-th after that, the averaged gradient refreshes the variance with the weight of
-    the steps since it was last written."""
+    the steps since it was last written.  ``half``: the warm-up's and the refreshes' averages
+    are taken in fp16."""
     x, y = make_data()
     model = make_model()
     opt = make_adam(model, kind)
@@ -67,7 +74,7 @@ def reference(world, steps, kind, after=AFTER, refresh=None):
         with torch.no_grad():
             if t < after:
                 for k, p in enumerate(model.parameters()):
-                    p.grad = sum(grads[k] for grads in local) / world
+                    p.grad = average([grads[k] for grads in local], half)
                 opt.step()
             else:
                 lr, decay = group["lr"], group["weight_decay"]
@@ -86,12 +93,12 @@ def reference(world, steps, kind, after=AFTER, refresh=None):
                         if kind == "Adam":
                             g.add_(p, alpha=(1 if refreshing else 1 - beta1) * decay)
                         sent.append(g if refreshing else g.add_(state["exp_avg"], alpha=beta1))
-                    average = sum(sent) / world
+                    mean = average(sent, half and refreshing)
                     if refreshing:
-                        state["exp_avg"].lerp_(average, 1 - beta1)
-                        state["exp_avg_sq"].mul_(beta2 ** gap).addcmul_(average, average, value=1 - beta2 ** gap)
+                        state["exp_avg"].lerp_(mean, 1 - beta1)
+                        state["exp_avg_sq"].mul_(beta2 ** gap).addcmul_(mean, mean, value=1 - beta2 ** gap)
                     else:
-                        state["exp_avg"].copy_(average)
+                        state["exp_avg"].copy_(mean)
                     state["step"] += 1
                     if kind == "AdamW":
                         p.mul_(1 - lr * decay)
@@ -102,14 +109,15 @@ def reference(world, steps, kind, after=AFTER, refresh=None):
     return flat_params(model)
 
 
-def _lossless_worker(rank, world, kind, groups, refresh, fused):
+def _lossless_worker(rank, world, kind, groups, refresh, fused, half=False):
     import mergecomp.torch as mc
     from mergecomp.kernels import native
 
     x, y = make_data()
     model = make_model()
     opt = mc.DistributedOptimizer(make_adam(model, kind), model.named_parameters(), groups=groups,
-                                  exchange_momentum_after=AFTER, variance_refresh_every=refresh)
+                                  exchange_momentum_after=AFTER, variance_refresh_every=refresh,
+                                  compression_warmup_codec="fp16" if half else "none")
     with contextlib.nullcontext() if fused else native.disabled():
         run(model, opt, shard(x, rank, world), shard(y, rank, world), STEPS, make_schedule(opt))
     return flat_params(model), opt.momentum_exchange.active
@@ -132,6 +140,13 @@ def test_lossless_equals_the_one_process_reference(world, kind, groups, refresh,
             assert torch.equal(params, expected)
         else:  # three ranks' sum: the collective's order of additions
             torch.testing.assert_close(params, expected, rtol=0, atol=1e-6)
+
+
+def test_an_fp16_warmup_and_fp16_refreshes_equal_the_reference_with_fp16_averages():
+    expected = reference(2, STEPS, "AdamW", refresh=2, half=True)
+    assert not torch.equal(expected, reference(2, STEPS, "AdamW", refresh=2))
+    for params, active in run_workers(_lossless_worker, 2, 2, "AdamW", 2, 2, False, True):
+        assert active and torch.equal(params, expected)
 
 
 def _compressor_worker(rank, names, scheme, refresh, world=2):

@@ -72,9 +72,28 @@ def _core(rank):
     got += run(warm, range(2, 5))
     # two separate runs: the plain average for steps 0-1, a fresh DGC from step 2 on
     want = run(merged("none"), range(2)) + run(merged("dgc"), range(2, 5))
+    # compression_warmup_codec="fp16": the warm-up's groups are the fp16 codec's average, with
+    # no error feedback (DGC starts as fresh as after the exact warm-up)
+    half = merged("dgc", compression_warmup_steps=2, compression_warmup_codec="fp16")
+    got_half = run(half, range(2))
+    half_state = len(half.exchange.memory.state)
+    got_half += run(half, range(2, 5))
+    want_half = run(merged("fp16"), range(2)) + want[2:]
+    # a gradient beyond fp16's range in such a warm-up is a non-finite step, named, not an Inf
+    huge = merged("dgc", compression_warmup_steps=2, compression_warmup_codec="fp16", nonfinite="raise")
+    for i, g in enumerate(step_grads(rank, 0)):
+        huge.add(i, g * 1e6 if i == 0 and rank == 1 else g)
+    try:
+        huge.finish()
+        overflow = None
+    except FloatingPointError as err:
+        overflow = str(err)
     return {"equal": [all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got, want)],
             "compressed": [not torch.equal(a, b) for a, b in zip(got[2], run(merged("none"), [2])[0])],
-            "state_after_warmup": state_after_warmup}
+            "state_after_warmup": state_after_warmup,
+            "half": [all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got_half, want_half)],
+            "half_differs": not all(torch.equal(a, b) for a, b in zip(got_half[0], got[0])),
+            "half_state": half_state, "overflow": overflow}
 
 
 def _optimizer(rank):
@@ -95,6 +114,9 @@ def _optimizer(rank):
     out["bias"] = (exact_grads(model, opt, x, y, rank, 3), opt.merged.exempt, opt.plan.codec_names())
     model = make_model()
     out["small"] = exact_grads(model, wrapped(model, groups=2, min_compress_numel=200), x, y, rank, 3)
+    model = make_model()
+    opt = wrapped(model, groups=2, uncompressed=["*.bias"], compression_warmup_steps=2, compression_warmup_codec="fp16")
+    out["half_bias"] = exact_grads(model, opt, x, y, rank, 3)
 
     # checkpoint inside the warm-up (K=3, saved after step 2), resumed by a fresh optimizer
     model = make_model()
@@ -137,7 +159,8 @@ def _optimizer(rank):
 
     errors = {}
     for case, options in {"negative": {"compression_warmup_steps": -1},
-                          "numel": {"min_compress_numel": -5}}.items():
+                          "numel": {"min_compress_numel": -5},
+                          "codec": {"compression_warmup_codec": "bf16"}}.items():
         try:
             wrapped(make_model(), **options)
         except ValueError as err:
@@ -171,6 +194,14 @@ def test_warmup_steps_are_the_plain_average_then_compression_starts_clean(result
         assert out["warmup"] == [ALL, ALL, set()]
 
 
+def test_an_fp16_warmup_sends_the_fp16_average_outside_error_feedback(results):
+    for rank, out in enumerate(results):
+        core = out["core"]
+        assert core["half"] == [True] * 5 and core["half_differs"] and core["half_state"] == 0
+        assert "rank 1" in core["overflow"] and "overflowed the 16-bit cast" in core["overflow"]
+        assert out["half_bias"] == [BIASES] * 3  # uncompressed tensors stay exact, the others do not
+
+
 def test_exempt_parameters_get_the_exact_average_while_the_others_are_compressed(results):
     for out in results:
         exact, exempt, codecs = out["bias"]
@@ -202,4 +233,5 @@ def test_bad_options_name_the_option(results):
     errors = results[0]["errors"]
     assert "compression_warmup_steps must be an int >= 0, got -1" in errors["negative"]
     assert "min_compress_numel must be an int >= 0, got -5" in errors["numel"]
+    assert "compression_warmup_codec must be one of ('none', 'fp16'), got 'bf16'" in errors["codec"]
     assert len(errors["unmatched"]) == 1 and "pattern(s) ['*.gamma'] match none" in errors["unmatched"][0]

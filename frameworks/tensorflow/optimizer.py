@@ -99,8 +99,8 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
         options: mergecomp's own, as keywords, as in :class:`~.reducer.GradientReducer`:
             ``memory``, ``nonfinite`` (``"raise"``, ``"propagate"`` or ``"ignore"``; default
             ``"propagate"`` for a ``keras.optimizers.LossScaleOptimizer``, else ``"raise"``),
-            ``scheduler``, ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``,
-            ``scheme``.
+            ``scheduler``, ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed``,
+            ``min_compress_numel``, ``scheme``.
 
     Mixed precision (``mixed_float16``): wrap the ``LossScaleOptimizer``, as in
     ``DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt))``; the gradients are then

@@ -55,7 +55,7 @@ class GradientReducer:
             and the variables; ``"propagate"``: every rank's gradients come back NaN and the
             error-feedback memory is put back, so a ``LossScaleOptimizer`` skips the step on
             every rank; ``"ignore"``), ``scheduler``, ``compression_warmup_steps``,
-            ``uncompressed`` (Keras: names are variables' ``path``, e.g. ``"dense/bias"``),
+            ``compression_warmup_codec``, ``uncompressed`` (Keras: names are variables' ``path``, e.g. ``"dense/bias"``),
             ``min_compress_numel``, ``scheme``.
     """
 

@@ -230,7 +230,7 @@ def ddp_comm_hook(
             groups): ``nonfinite`` (default ``"propagate"``: every bucket's result is NaN on
             every rank, so a ``GradScaler`` skips the step everywhere and lowers its scale, as
             with DDP's own allreduce; a hook cannot skip the optimizer step, so no ``"skip"``),
-            ``compression_warmup_steps``, ``uncompressed`` (needs ``named_parameters``),
+            ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed`` (needs ``named_parameters``),
             ``min_compress_numel``, ``scheme``.  A bucket holding exempt parameters is split in
             two groups (its exempt parameters, the others), copied out of the bucket and back.
 

@@ -113,7 +113,8 @@ class DistributedOptimizer(HoldsMergedStep):
             the search then sends every group with the compressor (``momentum_exchange.SEARCH``)
             unless ``scheduler=`` says otherwise.
         variance_refresh_every: with ``exchange_momentum_after``: every this many updates of the
-            momentum phase, the gradients travel exactly and refresh the variance (as the last
+            momentum phase, the gradients travel as in the warm-up (exactly, or as fp16 under
+            ``compression_warmup_codec="fp16"``) and refresh the variance (as the last
             that many steps of Adam would have moved it); None: frozen for good.
         grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
             the loss (the momentum is sent in the gradient's loss scale).
@@ -122,7 +123,7 @@ class DistributedOptimizer(HoldsMergedStep):
             rank's averaged gradients become NaN, so ``torch.amp.GradScaler`` skips the same
             step everywhere, and error-feedback and compressor state are left as before the
             step; ``"skip"`` skips the step on every rank, counted in :attr:`skipped_steps`),
-            ``scheduler``, ``compression_warmup_steps``, ``uncompressed``,
+            ``scheduler``, ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed``,
             ``min_compress_numel``, ``scheme`` (see docs/compressors.md).
 
     After ``loss.backward()`` in which every parameter got its gradient, ``p.grad`` holds the

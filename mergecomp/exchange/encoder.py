@@ -109,8 +109,7 @@ class Encoder:
         memory: the first-stage error-feedback memory.
         clock: the exchange's stopwatch (:mod:`mergecomp.exchange.breakdown`).
         workspace: the codecs' scratch buffers, or None.
-        check_finite: a payload that may overflow (a cast) is checked where error feedback
-            compensated it (:attr:`Job.overflowed`).
+        check_finite: a payload that may overflow (a cast) is checked (:attr:`Job.overflowed`).
         average: results are the mean over ranks (else the sum).
     """
 
@@ -158,10 +157,10 @@ class Encoder:
     def encode(self, job: Job) -> None:
         """Encode the elements of ``job.span`` as one payload (a part of the group as a shard,
         :meth:`~mergecomp.compressors.base.capabilities.ShardedEncode.compress_shard`).  A
-        payload that may overflow is checked where error feedback compensated it, or where the
-        encode is the gradient's NaN/Inf check
-        (:attr:`Job.checked_by_encode`: a payload found not finite is zeroed, and the gradient
-        checked again to tell NaN/Inf from an overflow)."""
+        payload that may overflow is checked (in the encode's own pass where it has one); where
+        the encode is also the gradient's NaN/Inf check (:attr:`Job.checked_by_encode`), a
+        payload found not finite is zeroed, and the gradient checked again to tell NaN/Inf from
+        an overflow."""
         (start, stop), compensated, compressor = job.span, job.compensated, job.compressor
         job.count("encode", compressor.passes.compress, stop - start)
         finite = None
@@ -170,8 +169,7 @@ class Encoder:
         else:
             job.payload, job.ctx = encode_shard(compressor, compensated[start:stop], job.group.name, start,
                                                 compensated.numel())
-        if job.checked_by_encode or (compressor.may_overflow and self.check_finite and job.feedback
-                                     and self.memory.feeds_back):
+        if job.checked_by_encode or (compressor.may_overflow and self.check_finite):
             if finite is None:
                 finite = all_finite(job.payload[0])
                 job.count("check", 1, stop - start)

@@ -18,7 +18,7 @@ skips the check too.
 
 A group sent with the codec :data:`~mergecomp.exchange.plan.EXEMPT` skips the memory: its
 gradient is allreduced as it is, and neither the memory nor the compressor state of any group
-changes.
+changes (:data:`~mergecomp.exchange.plan.WARMUP_FP16` likewise, cast to fp16).
 
 :meth:`Exchange.start` returns the group's :class:`~mergecomp.exchange.job.Job` right after its
 first collective is issued; :meth:`Exchange.finish` waits for it, runs what is left, and returns
@@ -40,7 +40,7 @@ from mergecomp.engines.communicator import Communicator
 from mergecomp.exchange.breakdown import DECODE, ENCODE, Stopwatch
 from mergecomp.exchange.encoder import Encoder
 from mergecomp.exchange.job import Job
-from mergecomp.exchange.plan import CODECS, COMPRESSED, EXEMPT, Group
+from mergecomp.exchange.plan import CODECS, COMPRESSED, UNFED, Group
 from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, TWO_PHASE, Scheme
 from mergecomp.compressors.horovod_codec import HorovodCodec, is_horovod_codec
 from mergecomp.kernels.codecs import all_finite
@@ -128,16 +128,17 @@ class Exchange:
     # -- routes -------------------------------------------------------------------------------
     def codec(self, name: str) -> Compressor:
         """The compressor behind codec ``name`` (``"compressed"``, a sharded scheme's name,
-        ``"fp16"``, ``"none"`` or ``"exempt"``)."""
+        ``"fp16"``, ``"none"``, or a route outside error feedback, ``"exempt"`` or
+        ``"warm-up-fp16"``: :data:`~mergecomp.exchange.plan.UNFED`)."""
         if name in SHARDED:
             if self.compressor.rounds > 1:
                 raise ValueError(f"the {name} scheme needs a single-round compressor; "
                                  f"{self.compressor.name!r} takes {self.compressor.rounds} rounds")
             return self.compressor
         if name not in self._codecs:
-            if name not in (*CODECS, EXEMPT):
-                raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, EXEMPT)}, got {name!r}")
-            self._codecs[name] = get_compressor("none" if name == EXEMPT else name)
+            if name not in (*CODECS, *UNFED):
+                raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, *UNFED)}, got {name!r}")
+            self._codecs[name] = get_compressor(UNFED.get(name, name))
             self._codecs[name].workspace = self.workspace
         return self._codecs[name]
 

@@ -16,7 +16,7 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.engines.communicator import Communicator, Handle
 from mergecomp.exchange.breakdown import STAGES
-from mergecomp.exchange.plan import Group
+from mergecomp.exchange.plan import UNFED, Group
 
 __all__ = ["Job"]
 
@@ -54,8 +54,8 @@ class Job:
         #: the gradient's NaN/Inf check is left to the encode (a cast that checks its payload
         #: in its own pass, with no error feedback to keep NaN out of)
         self.checked_by_encode = False
-        #: the error-feedback memory takes part (every route but ``"exempt"``)
-        self.feedback = route != "exempt"
+        #: the error-feedback memory takes part (every route but those of :data:`UNFED`)
+        self.feedback = route not in UNFED
         #: what the encoder made: this rank's payload and its ctx
         self.payload: Payload = ()
         self.ctx: Any = None

@@ -22,8 +22,8 @@ import torch
 if TYPE_CHECKING:
     from mergecomp.compressors.base.compressor import Compressor
 
-__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "Exemptions", "GroupPlan", "Group", "has_codec_choice", "layout",
-           "remap_state", "build_plan", "group_name"]
+__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "Exemptions", "GroupPlan", "Group",
+           "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
@@ -36,6 +36,12 @@ CODECS = (COMPRESSED, "fp16", "none")
 #: compression warm-up: a plain allreduce of the gradient as it is, outside error feedback and
 #: compressor state (the scheduler never picks it)
 EXEMPT = "exempt"
+#: route of every group in a compression warm-up under ``compression_warmup_codec="fp16"``
+#: (the uncompressed tensors' groups excepted): a cast to fp16, outside error feedback and
+#: compressor state as :data:`EXEMPT` is
+WARMUP_FP16 = "warm-up-fp16"
+#: the routes outside error feedback and compressor state, by the codec that encodes them
+UNFED = {EXEMPT: "none", WARMUP_FP16: "fp16"}
 
 
 def has_codec_choice(compressor: "Compressor") -> bool:

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.exchange.plan import Exemptions, PlanSpec
+from mergecomp.exchange.plan import EXEMPT, WARMUP_FP16, Exemptions, PlanSpec
 from mergecomp.exchange.schemes import OPTIONS, SHARDED
 from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES
 from mergecomp.scheduler.online import SchedulerConfig
 
-__all__ = ["StepOptions", "FrontEnd"]
+__all__ = ["StepOptions", "FrontEnd", "WARMUP_CODECS"]
+
+#: ``compression_warmup_codec``'s values, by the route the warm-up's groups then take
+WARMUP_CODECS = {"none": EXEMPT, "fp16": WARMUP_FP16}
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class StepOptions:
             ``"exempt"``: the plain average, which neither the error-feedback memory nor the
             compressor state sees, so both start clean when compression begins.  The scheduler
             takes no sample until then.
+        compression_warmup_codec: what those steps send: ``"none"`` (the gradients as they are,
+            the default) or ``"fp16"`` (cast to fp16, half the bytes, still outside error feedback
+            and compressor state; a value beyond fp16's range is a non-finite step under
+            ``nonfinite``).  It applies to every group but those of ``uncompressed`` and
+            ``min_compress_numel`` tensors, and to the momentum exchange's variance refreshes.
         uncompressed, min_compress_numel: tensors whose name matches one of these patterns
             (fnmatch, e.g. ``"*.bias"``), or with fewer elements, are exempt from compression:
             they travel in groups of their own sent with the codec ``"exempt"``.
@@ -68,6 +76,7 @@ class StepOptions:
     nonfinite: str = "raise"
     scheduler: Optional[SchedulerConfig] = None
     compression_warmup_steps: int = 0
+    compression_warmup_codec: str = "none"
     uncompressed: Sequence[str] = ()
     min_compress_numel: int = 0
     scheme: Optional[str] = None
@@ -81,6 +90,9 @@ class StepOptions:
         warmup = self.compression_warmup_steps
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"compression_warmup_steps must be an int >= 0, got {warmup!r}")
+        if self.compression_warmup_codec not in WARMUP_CODECS:
+            raise ValueError(f"compression_warmup_codec must be one of {tuple(WARMUP_CODECS)}, got "
+                             f"{self.compression_warmup_codec!r}")
         if self.scheme is not None and self.scheme not in OPTIONS:
             raise ValueError(f"scheme must be one of {OPTIONS} or None, got {self.scheme!r}")
         object.__setattr__(self, "scheduler", self.scheduler or SchedulerConfig())
@@ -118,7 +130,8 @@ class StepOptions:
         """What every rank must share, for :func:`~mergecomp.pipeline.agreement.check_ranks_agree`."""
         return {"groups": repr(("auto", self.scheduler) if self.groups == "auto" else self.groups),
                 "nonfinite": self.nonfinite, "scaling": (self.prescale, self.postscale),
-                "compression_warmup_steps": self.compression_warmup_steps, "scheme": self.scheme,
+                "compression_warmup_steps": self.compression_warmup_steps,
+                "compression_warmup_codec": self.compression_warmup_codec, "scheme": self.scheme,
                 "uncompressed and min_compress_numel": repr(self.exemptions)}
 
 

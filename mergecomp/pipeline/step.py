@@ -37,7 +37,7 @@ from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, remap_
 from mergecomp.exchange.schemes import SHARDED
 from mergecomp.pipeline.agreement import check_ranks_agree
 from mergecomp.pipeline.nonfinite import OVERFLOWED, NonfiniteCheck
-from mergecomp.pipeline.options import FrontEnd, StepOptions
+from mergecomp.pipeline.options import WARMUP_CODECS, FrontEnd, StepOptions
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep"]
 
@@ -138,9 +138,9 @@ class MergedStep:
             **options.described(), **({"groups": self.groups_agreed} if self.groups_agreed else {}),
             **dict(front_end.agree)}, front_end.who)
         self._plan, self._groups = GroupPlan(()), []
-        #: set by a front end before a step's first tensor: this step sends every group with
-        #: the codec ``"exempt"`` (the plain average, outside error feedback), as in the
-        #: compression warm-up; cleared when the step ends
+        #: set by a front end before a step's first tensor: this step sends every group as the
+        #: compression warm-up does (outside error feedback, with ``compression_warmup_codec``);
+        #: cleared when the step ends
         self.exact = False
         self._reset()
 
@@ -220,8 +220,11 @@ class MergedStep:
         return job
 
     def _started_as(self, codec: str) -> str:
-        """The codec a group of the plan's ``codec`` is started with this step."""
-        return self._sent_as(codec) if self.compressing else EXEMPT
+        """The codec a group of the plan's ``codec`` is started with this step: outside
+        compression, an exempt group's stays ``"exempt"``, the others take the warm-up's."""
+        if self.compressing:
+            return self._sent_as(codec)
+        return EXEMPT if codec == EXEMPT else WARMUP_CODECS[self.options.compression_warmup_codec]
 
     def _sent_as(self, codec: str) -> str:
         """The codec a group of the plan's ``codec`` is started with: ``"compressed"`` travels by

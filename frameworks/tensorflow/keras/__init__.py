@@ -37,7 +37,8 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
                          scale_local_gradients: bool = True, **options):
     """:func:`mergecomp.tensorflow.DistributedOptimizer` with ``horovod.tensorflow.keras``'s
     positional order; mergecomp's own options (``memory``, ``nonfinite``, ``scheduler``,
-    ``compression_warmup_steps``, ``uncompressed``, ``min_compress_numel``, ``scheme``) as keywords."""
+    ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed``, ``min_compress_numel``,
+    ``scheme``) as keywords."""
     return _optimizer.DistributedOptimizer(
         optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
         sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step, op=op,
