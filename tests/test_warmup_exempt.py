@@ -157,6 +157,22 @@ def _optimizer(rank):
         exact.append({n for n, p in model.module.named_parameters() if torch.equal(p.grad, want[n])})
     out["ddp"] = exact
 
+    # the DDP hook with an fp16 warm-up: its buckets cast (close to the exact average, not equal
+    # to it), the exempt biases exact
+    model, _ = ddp(make_model(), "topk", compression_warmup_steps=2, compression_warmup_codec="fp16",
+                   uncompressed=["*.bias"])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    half = []
+    for _ in range(2):
+        want = exact_average(model.module, x, y)
+        sgd.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        sgd.step()
+        half.append(({n for n, p in model.module.named_parameters() if torch.equal(p.grad, want[n])},
+                     all(bool((p.grad - want[n]).abs().max() <= 1e-3 * want[n].abs().max())  # fp16's rounding
+                         for n, p in model.module.named_parameters())))
+    out["ddp_half"] = half
+
     errors = {}
     for case, options in {"negative": {"compression_warmup_steps": -1},
                           "numel": {"min_compress_numel": -5},
@@ -200,6 +216,7 @@ def test_an_fp16_warmup_sends_the_fp16_average_outside_error_feedback(results):
         assert core["half"] == [True] * 5 and core["half_differs"] and core["half_state"] == 0
         assert "rank 1" in core["overflow"] and "overflowed the 16-bit cast" in core["overflow"]
         assert out["half_bias"] == [BIASES] * 3  # uncompressed tensors stay exact, the others do not
+        assert out["ddp_half"] == [(BIASES, True)] * 2
 
 
 def test_exempt_parameters_get_the_exact_average_while_the_others_are_compressed(results):
