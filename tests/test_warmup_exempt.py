@@ -45,6 +45,21 @@ def exact_grads(model, opt, x, y, rank, steps):
     return exact
 
 
+def ddp_errors(model, x, y, rank, steps):
+    """Per step of ``model`` (in DDP) under SGD, each parameter's largest error against the exact
+    averaged gradient, relative to the largest element of that average."""
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = []
+    for _ in range(steps):
+        want = exact_average(model.module, x, y)
+        sgd.zero_grad()
+        torch.nn.functional.cross_entropy(model(shard(x, rank)), shard(y, rank)).backward()
+        sgd.step()
+        errors.append({n: float((p.grad - want[n]).abs().max() / want[n].abs().max())
+                       for n, p in model.module.named_parameters()})
+    return errors
+
+
 def _core(rank):
     """MergedStep with DGC (momentum in the memory): K warm-up steps, then the compressor."""
     from steps import planned
@@ -147,31 +162,13 @@ def _optimizer(rank):
     # the DDP hook: warm-up, then exempt parameters (split out of DDP's buckets) stay exact
     model, _ = ddp(make_model(), "topk", compression_warmup_steps=2, uncompressed=["*.bias"],
                    min_compress_numel=200)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    exact = []
-    for _ in range(4):
-        want = exact_average(model.module, x, y)
-        sgd.zero_grad()
-        torch.nn.functional.cross_entropy(model(xs), ys).backward()
-        sgd.step()
-        exact.append({n for n, p in model.module.named_parameters() if torch.equal(p.grad, want[n])})
-    out["ddp"] = exact
-
-    # the DDP hook with an fp16 warm-up: its buckets cast (close to the exact average, not equal
-    # to it), the exempt biases exact
+    out["ddp"] = [{n for n, e in errors.items() if e == 0} for errors in ddp_errors(model, x, y, rank, 4)]
+    # with an fp16 warm-up: its buckets cast (close to the exact average, not equal to it), the
+    # exempt biases exact
     model, _ = ddp(make_model(), "topk", compression_warmup_steps=2, compression_warmup_codec="fp16",
                    uncompressed=["*.bias"])
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    half = []
-    for _ in range(2):
-        want = exact_average(model.module, x, y)
-        sgd.zero_grad()
-        torch.nn.functional.cross_entropy(model(xs), ys).backward()
-        sgd.step()
-        half.append(({n for n, p in model.module.named_parameters() if torch.equal(p.grad, want[n])},
-                     all(bool((p.grad - want[n]).abs().max() <= 1e-3 * want[n].abs().max())  # fp16's rounding
-                         for n, p in model.module.named_parameters())))
-    out["ddp_half"] = half
+    out["ddp_half"] = [({n for n, e in errors.items() if e == 0}, max(errors.values()) <= 1e-3)  # fp16's rounding
+                       for errors in ddp_errors(model, x, y, rank, 2)]
 
     errors = {}
     for case, options in {"negative": {"compression_warmup_steps": -1},
