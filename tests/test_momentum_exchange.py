@@ -337,11 +337,23 @@ def _bad_options_worker(rank):
             errors.append(str(e))
         else:
             errors.append(None)
-    return errors
+    # memory=None: the residual memory for an unbiased quantizer with the option, its own without
+    memories = [mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=name,
+                                        **kwargs).memory.name
+                for name, kwargs in (("qsgd", {"exchange_momentum_after": AFTER}),
+                                     ("qsgd", {"exchange_momentum_after": AFTER, "memory": "none"}),
+                                     ("qsgd", {}), ("onebit", {"exchange_momentum_after": AFTER}),
+                                     ("none", {"exchange_momentum_after": AFTER}))]
+    return errors, memories
+
+
+def test_an_unbiased_quantizer_gets_error_feedback_by_default():
+    for _, memories in run_workers(_bad_options_worker, 2):
+        assert memories == ["residual", "none", "none", "residual", "none"]
 
 
 def test_bad_options_raise_naming_the_option():
-    for errors in run_workers(_bad_options_worker, 2):
+    for errors, _ in run_workers(_bad_options_worker, 2):
         sgd, vote, amsgrad, zero, op_sum, scaler_alone, not_scaler, dgc, refresh_zero, refresh_alone = errors
         assert "exchange_momentum_after" in sgd and "SGD" in sgd
         assert "signsgd" in vote and "majority vote" in vote

@@ -56,11 +56,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from mergecomp.exchange.exchange import Exchange
+from mergecomp.exchange.exchange import Exchange, resolve
 from mergecomp.kernels import frozen_adam
 from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 
-__all__ = ["MomentumExchange", "SEARCH"]
+__all__ = ["MomentumExchange", "SEARCH", "default_memory"]
 
 OPTION = "exchange_momentum_after"
 REFRESH_OPTION = "variance_refresh_every"
@@ -93,6 +93,17 @@ def refreshes(n: int, every: Optional[int]) -> int:
     if every is None or n < 1:
         return 0
     return (min(n, every - 1).bit_length()) + n // every
+
+
+def default_memory(compression: Any) -> Optional[str]:
+    """The error-feedback memory ``memory=None`` means with this option: the compressor's default,
+    but ``"residual"`` for a lossy compressor whose default is none (the unbiased quantizers
+    ``qsgd`` and ``terngrad``, the casts).  Each step's averaged momentum, codec noise included,
+    is the next step's starting point, so noise that no error feedback cancels accumulates: on
+    GPT-2 4x256 (AdamW, 2,000 steps) 4-bit QSGD ended 84 % behind AdamW without a memory and
+    0.67 % with the residual one, TernGrad 45 % and 1.15 %."""
+    compressor, _ = resolve(compression, "none")
+    return "residual" if compressor.default_memory == "none" and not compressor.lossless else None
 
 
 def check_after(after: Any, option: str = OPTION) -> int:

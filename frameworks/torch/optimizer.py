@@ -51,6 +51,7 @@ from mergecomp.registry import Compression
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import SEARCH as MOMENTUM_SEARCH
 from .momentum_exchange import MomentumExchange, check_after
+from .momentum_exchange import default_memory as default_momentum_memory
 from .named_parameters import collect_parameters
 
 __all__ = ["DistributedOptimizer"]
@@ -103,7 +104,9 @@ class DistributedOptimizer(HoldsMergedStep):
             optimizer sparse); True silences the warning.
         process_set: the ranks that exchange (a set from ``mc.add_process_set``; default all); a
             rank outside it steps on its own gradients, as under Horovod.
-        memory: error-feedback memory name or instance; ``None`` = the compressor's default.
+        memory: error-feedback memory name or instance; ``None`` = the compressor's default (with
+            ``exchange_momentum_after``, ``"residual"`` where that default is none for a lossy
+            compressor: ``momentum_exchange.default_memory``).
         exchange_momentum_after: for ``torch.optim.Adam`` or ``AdamW`` only: after this many
             updates (the warm-up, gradients exchanged as without it) Adam's variance freezes and
             each rank exchanges its momentum, not its gradient, through the same merged groups
@@ -181,6 +184,7 @@ class DistributedOptimizer(HoldsMergedStep):
         defaults = {"nonfinite": "propagate", "compression_warmup_steps": warmup}
         if exchange_momentum_after is not None:
             defaults["scheduler"] = MOMENTUM_SEARCH
+            memory = default_momentum_memory(compression) if memory is None else memory
         step_options = StepOptions.create("DistributedOptimizer", options, defaults=defaults,
                                           fixed={"groups": groups, **scaling(op, factor, comm.size)})
         self.merged = PlannedStep(
