@@ -72,6 +72,16 @@ def schedule(steps, warm=None):
     return lambda t: (t + 1) / warm if t < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (t - warm) / (steps - warm)))
 
 
+def parse_config(config):
+    """``COMPRESSOR[:args]@MODE[+MEMORY[:args]][/R][^CODEC]`` -> (compressor spec, mode, memory
+    spec or None, refresh interval R or None, warm-up codec or None)."""
+    spec, _, mode = config.partition("@")
+    mode, _, warmup_codec = mode.partition("^")
+    mode, _, refresh = mode.partition("/")
+    mode, _, memory = mode.partition("+")
+    return spec, mode, memory or None, int(refresh) if refresh else None, warmup_codec or None
+
+
 def wrap_adamw(model, config, steps, after, groups=1, warm=None):
     """AdamW (lr ``LR``, weight decay ``DECAY``) in ``mc.DistributedOptimizer`` as ``config``
     says, with the LR schedule of ``steps`` steps (its warm-up ``warm``): (optimizer, scheduler,
@@ -79,13 +89,9 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None):
     import mergecomp
     import mergecomp.torch as mc
 
-    spec, _, mode = config.partition("@")
+    spec, mode, memory, refresh, warmup_codec = parse_config(config)
     name, options = parse_spec(spec)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    mode, _, warmup_codec = mode.partition("^")
-    mode, _, refresh = mode.partition("/")
-    refresh = int(refresh) if refresh else None
-    mode, _, memory = mode.partition("+")
     kwargs = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
     if memory:
         memory_name, memory_options = parse_spec(memory)
@@ -99,15 +105,18 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None):
 
 def bits_over_run(opt, steps, refresh):
     """Bits per element sent over ``steps`` steps: the warm-up's and the variance refreshes'
-    at 32 (16 as fp16), the compressor's on the other steps."""
+    at their codec's bits (32, or 16 as fp16), the compressor's on the other steps."""
     import mergecomp
+    from mergecomp.pipeline.options import WARMUP_CODECS
     from mergecomp.torch.momentum_exchange import refreshes
 
     shapes = [p.shape for group in opt.param_groups for p in group["params"]]
     exact = opt.merged.warmup_steps
     exact += refreshes(steps - exact, refresh)
-    compressed = mergecomp.bits_per_element(opt.compressor, sum(s.numel() for s in shapes), shapes=shapes)
-    warmup_bits = 16 if opt.merged.options.compression_warmup_codec == "fp16" else 32
+    numel = sum(s.numel() for s in shapes)
+    compressed = mergecomp.bits_per_element(opt.compressor, numel, shapes=shapes)
+    warmup = opt.exchange.codec(WARMUP_CODECS[opt.merged.options.compression_warmup_codec])
+    warmup_bits = mergecomp.bits_per_element(warmup, numel, shapes=shapes)
     return (exact * warmup_bits + (steps - exact) * compressed) / steps
 
 
@@ -130,7 +139,7 @@ def run_one(rank, world, config, seed, args, data):
     import mergecomp.torch as mc
 
     train, held_out = data
-    mode = config.partition("@")[2]
+    mode = parse_config(config)[1]
     torch.manual_seed(seed)
     model = make_model()
     opt, lr_schedule, refresh = wrap_adamw(model, config, args.steps, args.after)

@@ -38,8 +38,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, lr_warmup, make_model, random_windows,  # noqa: E402
-                        rank_data, schedule, wrap_adamw)
+from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, lr_warmup, make_model, parse_config,  # noqa: E402
+                        random_windows, rank_data, schedule, wrap_adamw)
 
 BASELINE = "ddp"
 CONFIGS = "ddp-fp16,ddp-powersgd,none@grad,onebit@momentum/64,efsignsgd@momentum/64"
@@ -231,9 +231,7 @@ def label(record):
     if config in names:
         name = names[config]
     else:
-        spec, _, mode = config.partition("@")
-        mode, _, warmup_codec = mode.partition("^")
-        mode, _, refresh = mode.partition("/")
+        spec, mode, _, refresh, warmup_codec = parse_config(config)
         name = (f"mergecomp {spec}" + (f" (lossless), groups={record.get('groups') or 'auto'}" if spec == "none" else "")
                 + (f", momentum exchanged (R={refresh})" if mode == "momentum" else "")
                 + (f", {warmup_codec} warm-up" if warmup_codec else ""))
