@@ -16,6 +16,9 @@ __all__ = ["TorchCommunicator", "init_process_group", "default_backend", "BACKEN
 
 #: the environment variable naming the backend ``init`` takes when none is given
 BACKEND_VARIABLE = "MERGECOMP_TORCH_BACKEND"
+#: allgather into one flat tensor: ``all_gather_single`` where torch has it (it deprecates the
+#: older name), ``all_gather_into_tensor`` before that (torch 2.11, for one)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def default_backend() -> str:
@@ -104,7 +107,7 @@ class TorchCommunicator(Communicator):
     def allgather_async(self, tensor: torch.Tensor) -> Handle:
         flat = _movable(tensor.reshape(-1))
         out = flat.new_empty(self.size * flat.numel())
-        work = dist.all_gather_single(out, flat, group=self.group, async_op=True)
+        work = _all_gather_single(out, flat, group=self.group, async_op=True)
         return self._handle(work, out.view(tensor.dtype).view(self.size, -1),
                             self._describe("torch all_gather_single", tensor))
 
