@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from mergecomp.bench.gpu_check.cuda_tests import read_junit
+from mergecomp.bench.gpu_check.cuda_tests import read_junit, read_log
 from mergecomp.bench.gpu_check.report import markdown, verdict
 from mergecomp.bench.gpu_check.run import BUDGET_S
 
@@ -75,3 +75,15 @@ def test_junit_results_are_counted_by_outcome(tmp_path):
                    '</testsuite></testsuites>')
     assert read_junit(xml) == {"tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1,
                                "failing": ["m::bad", "m::broken"], "skip_reasons": ["no CUDA device"]}
+
+
+def test_a_run_stopped_before_its_junit_xml_is_counted_from_its_log(tmp_path):
+    log = tmp_path / "cuda_tests.log"
+    log.write_text("tests/cuda/test_a.py::test_ok[fp16] PASSED                    [  1%]\n"
+                   "tests/cuda/test_a.py::test_bad FAILED                         [  2%]\n"
+                   "tests/cuda/test_b.py::test_skip SKIPPED (no CUDA)             [  3%]\n"
+                   "tests/cuda/test_b.py::test_broken ERROR                       [  4%]\n"
+                   "FAILED tests/cuda/test_a.py::test_bad - AssertionError\n")
+    assert read_log(log) == {"tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1,
+                             "failing": ["tests/cuda/test_a.py::test_bad", "tests/cuda/test_b.py::test_broken"],
+                             "skip_reasons": []}

@@ -50,16 +50,16 @@ def average(tensors, half=False):
     return sum(t.half() if half else t for t in tensors).float() / len(tensors)
 
 
-def reference(world, steps, kind, after=AFTER, refresh=None, half=False):
+def reference(world, steps, kind, after=AFTER, refresh=None, half=False, device="cpu"):
     """The algorithm on one process: each rank's gradient computed here; the averaged gradient
     through torch's Adam for ``after`` updates, then each rank's momentum
     ``(1 - b1) * (g + wd * p [Adam]) + b1 * m`` averaged, and Adam's update with the variance of
     update ``after``; at the phase's updates 1, 2, 4, ... below ``refresh`` and every
     ``refresh``-th after that, the averaged gradient refreshes the variance with the weight of
     the steps since it was last written.  ``half``: the warm-up's and the refreshes' averages
-    are taken in fp16."""
-    x, y = make_data()
-    model = make_model()
+    are taken in fp16.  Computed on ``device``; the parameters returned on the CPU."""
+    x, y = (t.to(device) for t in make_data())
+    model = make_model().to(device)
     opt = make_adam(model, kind)
     schedule = make_schedule(opt)
     group = opt.param_groups[0]
@@ -106,21 +106,21 @@ def reference(world, steps, kind, after=AFTER, refresh=None, half=False):
                     denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** written)).add_(group["eps"])
                     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
         schedule.step()
-    return flat_params(model)
+    return flat_params(model).cpu()
 
 
-def _lossless_worker(rank, world, kind, groups, refresh, fused, half=False):
+def _lossless_worker(rank, world, kind, groups, refresh, fused, half=False, device="cpu"):
     import mergecomp.torch as mc
     from mergecomp.kernels import native
 
-    x, y = make_data()
-    model = make_model()
+    x, y = (t.to(device) for t in make_data())
+    model = make_model().to(device)
     opt = mc.DistributedOptimizer(make_adam(model, kind), model.named_parameters(), groups=groups,
                                   exchange_momentum_after=AFTER, variance_refresh_every=refresh,
                                   compression_warmup_codec="fp16" if half else "none")
     with contextlib.nullcontext() if fused else native.disabled():
         run(model, opt, shard(x, rank, world), shard(y, rank, world), STEPS, make_schedule(opt))
-    return flat_params(model), opt.momentum_exchange.active
+    return flat_params(model).cpu(), opt.momentum_exchange.active
 
 
 @pytest.mark.parametrize("world,kind,groups,refresh,fused", [
@@ -149,16 +149,16 @@ def test_an_fp16_warmup_and_fp16_refreshes_equal_the_reference_with_fp16_average
         assert active and torch.equal(params, expected)
 
 
-def _compressor_worker(rank, names, scheme, refresh, world=2):
+def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warmup_codec="none"):
     import mergecomp.torch as mc
 
-    x, y = make_data()
+    x, y = (t.to(device) for t in make_data())
     out = {}
     for name in names:
-        model = make_model()
+        model = make_model().to(device)
         opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=name, groups=2,
                                       exchange_momentum_after=AFTER, scheme=scheme, compression_warmup_steps=2,
-                                      variance_refresh_every=refresh)
+                                      variance_refresh_every=refresh, compression_warmup_codec=warmup_codec)
         xs, ys = shard(x, rank, world), shard(y, rank, world)
         before = torch.nn.functional.cross_entropy(model(x), y).item()
         run(model, opt, xs, ys, 20)
@@ -260,20 +260,22 @@ def test_resume_continues_exactly(compression, who_loads, save_at, refresh):
         assert torch.equal(resumed, uninterrupted)
 
 
-def _scaler_worker(rank, poison_rank):
+def _scaler_worker(rank, poison_rank, device="cpu"):
     import mergecomp.torch as mc
 
-    x, y = make_data()
+    x, y = (t.to(device) for t in make_data())
     xs, ys = shard(x, rank), shard(y, rank)
     results = []
     for use_scaler in (False, True):
-        model = make_model()
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000) if use_scaler else None
+        model = make_model().to(device)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 10,
+                                      growth_interval=1000) if use_scaler else None
         opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="none", groups=2,
                                       exchange_momentum_after=AFTER, grad_scaler=scaler)
         poison = (AFTER + 2,) if use_scaler and rank == poison_rank else ()
         run(model, opt, xs, ys, STEPS + (1 if use_scaler else 0), scaler=scaler, poison=poison)
-        results.append((flat_params(model), opt.momentum_exchange.updates, scaler.get_scale() if scaler else None))
+        results.append((flat_params(model).cpu(), opt.momentum_exchange.updates,
+                        scaler.get_scale() if scaler else None))
     return results
 
 

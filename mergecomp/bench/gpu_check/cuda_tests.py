@@ -1,10 +1,12 @@
 """Stage 1: the CUDA tests (``tests/cuda`` of the repository) in a pytest process of their own,
 within a time limit; the counts, the failures and the skip reasons are read back from its JUnit
-XML (``cuda_tests.xml``), its output kept in ``cuda_tests.log``."""
+XML (``cuda_tests.xml``), its output kept in ``cuda_tests.log`` (one line per test: a run stopped
+at its time limit is read from there)."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Dict, List
 
-__all__ = ["run", "read_junit"]
+__all__ = ["run", "read_junit", "read_log"]
 
 TESTS = "tests/cuda"
 
@@ -45,11 +47,28 @@ def read_junit(path: Path) -> Dict[str, object]:
     return {**counts, "failing": failed, "skip_reasons": reasons}
 
 
+def read_log(path: Path) -> Dict[str, object]:
+    """What :func:`read_junit` reads, from the per-test lines of ``pytest -v``'s output: for a
+    run stopped before it wrote its JUnit XML (the tests it finished; no skip reasons)."""
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failed: List[str] = []
+    outcomes = {"PASSED": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped"}
+    for line in path.read_text(errors="replace").splitlines():
+        match = re.match(r"(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)\b", line)
+        if match:
+            counts["tests"] += 1
+            counts[outcomes[match.group(2)]] += 1
+            if match.group(2) in ("FAILED", "ERROR"):
+                failed.append(match.group(1))
+    return {**counts, "failing": failed, "skip_reasons": []}
+
+
 def run(repo: Path, out: Path, timeout_s: float) -> Dict[str, object]:
     """``python -m pytest tests/cuda`` in ``repo`` (each test limited too where pytest-timeout is
     installed); what :func:`read_junit` reads, the exit code and seconds, or why it gave none."""
     xml, log = out / "cuda_tests.xml", out / "cuda_tests.log"
-    command = [sys.executable, "-m", "pytest", "-q", "-rfEs", TESTS, "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    command = [sys.executable, "-m", "pytest", "-v", "-rfEs", "--durations=15", TESTS, "-p", "no:cacheprovider",
+               f"--junitxml={xml}"]
     if importlib.util.find_spec("pytest_timeout") is not None:
         command.append(f"--timeout={int(timeout_s * 0.8)}")
     began = time.perf_counter()
@@ -68,6 +87,8 @@ def run(repo: Path, out: Path, timeout_s: float) -> Dict[str, object]:
         result["problem"] = f"timed out after {timeout_s:.0f} s"
     if xml.exists():
         result.update(read_junit(xml), junit=xml.name)
-    elif code is not None:
-        result["problem"] = f"pytest exited with {code} and wrote no JUnit XML (see {log.name})"
+    else:
+        result.update(read_log(log))
+        if code is not None:
+            result["problem"] = f"pytest exited with {code} and wrote no JUnit XML (see {log.name})"
     return result

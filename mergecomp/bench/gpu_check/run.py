@@ -21,7 +21,7 @@ from mergecomp.bench.gpu_check import codec_times, cuda_tests, report, step_time
 __all__ = ["BUDGET_S", "device_info", "main"]
 
 #: seconds each stage may take on one H100
-BUDGET_S = {"tests": 210, "codecs": 150, "training": 75}
+BUDGET_S = {"tests": 270, "codecs": 150, "training": 75}
 DEFAULT_OUT = "gpu_check_out"
 
 

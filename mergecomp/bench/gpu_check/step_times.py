@@ -6,8 +6,11 @@ first plain (``torch``: no mergecomp), then wrapped in ``mergecomp.torch.Distrib
 on one process (the local engine: every collective is the identity, so what is measured is
 mergecomp's own work on the GPU: copies into the groups, encode, memory, decode) with fixed
 groups of about 25 MB for ``none`` and a few compressors, and with ``groups="auto"`` (the
-online scheduler's search runs first, untimed, and its choice is reported).  Each
-configuration runs ``warmup`` untimed steps, then ``steps`` steps between two CUDA events.
+online scheduler's search runs first, untimed, and its choice is reported); then with AdamW,
+plain (``torch adamw``) and with 1-bit SGD exchanging Adam's momentum from update
+:data:`MOMENTUM_AFTER` on (the timed steps are all in that phase).  Each configuration runs
+``warmup`` untimed steps, then ``steps`` steps between two CUDA events; ``x_torch`` is against
+plain torch with the same optimizer.
 """
 from __future__ import annotations
 
@@ -21,11 +24,14 @@ __all__ = ["MODELS", "CONFIGS", "run"]
 
 #: model -> batch size
 MODELS = {"resnet50": 64, "gpt2-small": 8}
-#: (label, compressor or None for plain torch, groups)
-CONFIGS: Sequence[Tuple[str, Optional[str], object]] = (
-    ("torch", None, None), ("none", "none", None), ("fp16", "fp16", None), ("topk", "topk", None),
-    ("powersgd", "powersgd", None), ("topk auto", "topk", "auto"))
+#: (label, compressor or None for plain torch, groups, optimizer: "sgd" or "adamw")
+CONFIGS: Sequence[Tuple[str, Optional[str], object, str]] = (
+    ("torch", None, None, "sgd"), ("none", "none", None, "sgd"), ("fp16", "fp16", None, "sgd"),
+    ("topk", "topk", None, "sgd"), ("powersgd", "powersgd", None, "sgd"), ("topk auto", "topk", "auto", "sgd"),
+    ("torch adamw", None, None, "adamw"), ("onebit momentum", "onebit", None, "adamw"))
 WARMUP, STEPS = 5, 15
+#: AdamW's updates before its momentum is exchanged (``exchange_momentum_after``): inside the warm-up
+MOMENTUM_AFTER = 2
 #: steps the scheduler may take to choose a plan before the timed steps
 SEARCH_STEPS = 60
 
@@ -38,18 +44,22 @@ def _train(step: Callable[[], torch.Tensor], count: int) -> torch.Tensor:
     return loss
 
 
-def time_config(model: torch.nn.Module, batch, compression: Optional[str], groups, steps: int = STEPS,
-                warmup: int = WARMUP) -> Dict[str, object]:
-    """ms per step of ``model`` on ``batch`` (plain SGD, or under a DistributedOptimizer with
-    ``compression`` and ``groups``), its final loss, peak memory and, with ``groups="auto"``,
-    the scheduler's choice."""
+def time_config(model: torch.nn.Module, batch, compression: Optional[str], groups, optimizer: str = "sgd",
+                steps: int = STEPS, warmup: int = WARMUP) -> Dict[str, object]:
+    """ms per step of ``model`` on ``batch`` (plain SGD or AdamW, or under a DistributedOptimizer
+    with ``compression`` and ``groups``; AdamW's momentum exchanged), its final loss, peak memory
+    and, with ``groups="auto"``, the scheduler's choice."""
     import mergecomp.torch as mc
     from mergecomp.bench.models import loss as loss_of
 
     data, target = batch
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if optimizer == "adamw":
+        opt, options = torch.optim.AdamW(model.parameters(), lr=1e-4), {"exchange_momentum_after": MOMENTUM_AFTER}
+    else:
+        opt, options = torch.optim.SGD(model.parameters(), lr=1e-3), {}
     if compression is not None:
-        opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups=groups)
+        opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups=groups,
+                                      **options)
 
     def step() -> torch.Tensor:
         opt.zero_grad()
@@ -86,7 +96,7 @@ def time_config(model: torch.nn.Module, batch, compression: Optional[str], group
 
 
 def run(device: torch.device, budget_s: float, models: Dict[str, int] = MODELS,
-        configs: Sequence[Tuple[str, Optional[str], object]] = CONFIGS,
+        configs: Sequence[Tuple[str, Optional[str], object, str]] = CONFIGS,
         log: Callable[[str], None] = print) -> Dict[str, object]:
     """Every configuration on every model until ``budget_s`` seconds have passed (those not
     started by then are listed as skipped); ``{"skipped_stage": why}`` without ``transformers``."""
@@ -108,17 +118,19 @@ def run(device: torch.device, budget_s: float, models: Dict[str, int] = MODELS,
             batch = tuple(t.to(device) for t in make_batch(batch_size, torch.Generator().manual_seed(0)))
             rows: List[Dict[str, object]] = []
             log(f"  {name}: batch {batch_size}, {sum(p.numel() for p in model.parameters()):,} parameters")
-            for label, compression, groups in configs:
+            for label, compression, groups, optimizer in configs:
                 if time.perf_counter() - began > budget_s:
                     result["skipped"].append(f"{name}/{label}")
                     continue
                 model.load_state_dict(initial)
-                row = {"config": label, **time_config(model, batch, compression, groups)}
+                row = {"config": label, "compression": compression, "optimizer": optimizer,
+                       **time_config(model, batch, compression, groups, optimizer)}
                 rows.append(row)
-                log(f"    {label:10s} {row['ms_per_step']:8.2f} ms/step  loss {row['loss']:.3f}  "
+                log(f"    {label:15s} {row['ms_per_step']:8.2f} ms/step  loss {row['loss']:.3f}  "
                     f"peak {row['peak_gib']:.1f} GiB" + (f"  chose {row['chosen']}" if "chosen" in row else ""))
-            base = next((r["ms_per_step"] for r in rows if r["config"] == "torch"), None)
+            plain = {r["optimizer"]: r["ms_per_step"] for r in rows if r["compression"] is None}
             for row in rows:
+                base = plain.get(row["optimizer"])
                 row["x_torch"] = None if not base else row["ms_per_step"] / base
             result["models"][name] = {"batch": batch_size, "rows": rows}
             del model, initial, batch
