@@ -1,6 +1,6 @@
 """The GPU check: the CUDA tests, merged against layer-wise codec times, training step times;
 ``summary.json`` and ``summary.md`` in OUT_DIR (default ``./gpu_check_out``) and one verdict
-line, printed last.  Under 8 minutes on one H100; seconds without a CUDA device.
+line, printed last.  About 2 minutes on one H200 (stage budgets: 8 minutes); seconds without a CUDA device.
 
     bash scripts/gpu_check.sh [OUT_DIR]         (or: python scripts/gpu_check.py [OUT_DIR])
 
