@@ -103,12 +103,24 @@ def _core(rank):
         overflow = None
     except FloatingPointError as err:
         overflow = str(err)
+    # an exact step sent as fp16 after compression began (the momentum exchange's variance
+    # refresh) that overflows is skipped and leaves the compressor's memory as it was
+    kept = merged("dgc", compression_warmup_codec="fp16", nonfinite="skip")
+    run(kept, range(2))  # compressed: DGC's memory fills
+    before = {g: {k: v.clone() for k, v in fields.items()} for g, fields in kept.exchange.memory.state_dict().items()}
+    kept.exact = True
+    for i, g in enumerate(step_grads(rank, 2)):
+        kept.add(i, g * 1e6 if i == 0 and rank == 1 else g)
+    skipped = kept.finish() is None
+    after = kept.exchange.memory.state_dict()
+    memory_kept = bool(before) and after.keys() == before.keys() and all(
+        torch.equal(after[g][k], v) for g, fields in before.items() for k, v in fields.items())
     return {"equal": [all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got, want)],
             "compressed": [not torch.equal(a, b) for a, b in zip(got[2], run(merged("none"), [2])[0])],
             "state_after_warmup": state_after_warmup,
             "half": [all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got_half, want_half)],
             "half_differs": not all(torch.equal(a, b) for a, b in zip(got_half[0], got[0])),
-            "half_state": half_state, "overflow": overflow}
+            "half_state": half_state, "overflow": overflow, "refresh_overflow": (skipped, memory_kept)}
 
 
 def _optimizer(rank):
@@ -212,6 +224,8 @@ def test_an_fp16_warmup_sends_the_fp16_average_outside_error_feedback(results):
         core = out["core"]
         assert core["half"] == [True] * 5 and core["half_differs"] and core["half_state"] == 0
         assert "rank 1" in core["overflow"] and "overflowed the 16-bit cast" in core["overflow"]
+        assert core["refresh_overflow"] == (True, True), rank  # skipped; the memory kept on every rank
+        assert "error feedback" not in core["overflow"]  # the warm-up's payload holds none
         assert out["half_bias"] == [BIASES] * 3  # uncompressed tensors stay exact, the others do not
         assert out["ddp_half"] == [(BIASES, True)] * 2
 

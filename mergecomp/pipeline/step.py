@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -277,7 +277,8 @@ class MergedStep:
         self._end_step(bool(bad))
         self.exact = False
         if bad:
-            return self._nonfinite(bad, Reduced(groups, flats), step)
+            fed = {job.group.name for job in jobs if job.feedback}
+            return self._nonfinite(bad, Reduced(groups, flats), step, fed)
         self.exchange.commit()
         if self.options.postscale != 1.0:
             for flat in flats:
@@ -307,18 +308,26 @@ class MergedStep:
         self.timings.forget()
         self._reset()
 
-    def _nonfinite(self, bad: List[Tuple[int, str, int]], reduced: Reduced, step: int) -> Optional[Reduced]:
+    def _nonfinite(self, bad: List[Tuple[int, str, int]], reduced: Reduced, step: int,
+                   fed: Set[str]) -> Optional[Reduced]:
         """Apply the policy to a step in which ``bad`` (rank, group name, why: the bits of
-        :class:`~mergecomp.pipeline.nonfinite.NonfiniteCheck`) held NaN/Inf.  A group whose payload
-        overflowed here starts its error feedback afresh, under every policy."""
+        :class:`~mergecomp.pipeline.nonfinite.NonfiniteCheck`) held NaN/Inf.  A group whose
+        error-compensated payload overflowed here (its name in ``fed``: its route fed the memory
+        this step) starts its error feedback afresh, under every policy; one that overflowed on
+        a route outside error feedback (the fp16 warm-up) keeps its memory."""
         who, policy = self.front_end.who, self.nonfinite
         if policy == "propagate":
             self.exchange.rollback()
-        self.exchange.forget([name for rank, name, why in bad if rank == self.comm.rank and why & OVERFLOWED])
-        where = "; ".join(f"rank {rank}, group {name!r}" + (
-            ": its values, finite, overflowed the 16-bit cast for the wire (error feedback included), so its "
-            "memory starts afresh"
-            if why & OVERFLOWED else "") for rank, name, why in bad)
+        self.exchange.forget([name for rank, name, why in bad
+                              if rank == self.comm.rank and why & OVERFLOWED and name in fed])
+
+        def overflow(name: str) -> str:
+            if name not in fed:
+                return ": its values, finite, overflowed the 16-bit cast for the wire"
+            return (": its values, finite, overflowed the 16-bit cast for the wire (error feedback included), "
+                    "so its memory starts afresh")
+        where = "; ".join(f"rank {rank}, group {name!r}" + (overflow(name) if why & OVERFLOWED else "")
+                          for rank, name, why in bad)
         if policy == "propagate":  # its results are NaN (_finish): every rank's GradScaler skips it
             logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", who, step, where)
             return reduced
