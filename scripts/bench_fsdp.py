@@ -13,10 +13,16 @@ reduce-scatter together).  ``--param-dtype bf16`` gives every configuration FSDP
 bf16, as FSDP users commonly train).
 
 Configurations: ``fsdp`` (fp32 reduce-scatter), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=
-torch.bfloat16)``), and ``COMPRESSOR[:key=value;...]`` for mergecomp's reduce-scatter.
+torch.bfloat16)``), and ``COMPRESSOR[:key=value;...][+MEMORY]`` for mergecomp's reduce-scatter.
+
+``--converge`` trains as ``bench_adam`` does instead (its seed, batch of 8, AdamW with weight
+decay, warm-up + cosine LR schedule over ``--steps``, validation loss on the held-out windows
+every 50 steps, the last four averaged) and reports each configuration's validation loss against
+FSDP fp32's: accuracy, on any ``--rate`` (``loopback`` needs no root).
 
     python scripts/bench_fsdp.py --configs fsdp-bf16,fp16,qsgd:levels=7,topk --json out.jsonl
     python scripts/bench_fsdp.py --hosts 8 --rate 10gbit --steps 5 --configs qsgd:levels=7   # bytes vs ranks
+    python scripts/bench_fsdp.py --converge --rate loopback --steps 2000 --warmup 0 --batch 8 --configs qsgd:levels=7+averaged
 """
 import argparse
 import json
@@ -29,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adam import LR, make_model, random_windows, rank_data  # noqa: E402
+from bench_adam import DECAY, EVAL_EVERY, LR, make_model, random_windows, rank_data, schedule  # noqa: E402
 from bench_convergence import parse_spec  # noqa: E402
 from bench_time_to_accuracy import run_cluster  # noqa: E402
 
@@ -46,6 +52,10 @@ parser.add_argument("--hosts", type=int, default=2)
 parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
 parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
                     help="FSDP's param_dtype for every configuration")
+parser.add_argument("--converge", action="store_true", help="train as bench_adam does and report validation loss")
+parser.add_argument("--seed", type=int, default=0, help="with --converge: bench_adam's seed")
+parser.add_argument("--no-baselines", action="store_true",
+                    help="run only --configs; the baselines' ratios come from the records in --json")
 parser.add_argument("--json", default=None, help="append one JSON record per configuration")
 parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -66,8 +76,9 @@ def sharded_model(config, param_dtype):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     if config not in BASELINES:
-        name, options = parse_spec(config)
-        mc.fsdp.compress(model, mergecomp.get_compressor(name, **options))
+        spec, _, memory = config.partition("+")
+        name, options = parse_spec(spec)
+        mc.fsdp.compress(model, mergecomp.get_compressor(name, **options), memory=memory or None)
     return model
 
 
@@ -77,12 +88,17 @@ def worker(args):
     torch.set_num_threads(1)
     mc.init(engine="torch")
     rank, world = mc.rank(), mc.size()
-    train, _ = rank_data(rank, world, 1)
-    torch.manual_seed(0)
+    train, held_out = rank_data(rank, world, 64 if args.converge else 1)
+    torch.manual_seed(args.seed if args.converge else 0)
     model = sharded_model(args.worker, args.param_dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    generator = torch.Generator().manual_seed(rank)
-    times, sent = [], 0
+    if args.converge:  # bench_adam's training
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+        lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args.warmup + args.steps))
+        generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    else:
+        opt, lr_schedule = torch.optim.AdamW(model.parameters(), lr=LR), None
+        generator = torch.Generator().manual_seed(rank)
+    times, sent, curve = [], 0, []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             sent = -tx_bytes()
@@ -93,6 +109,11 @@ def worker(args):
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - began)
+        if lr_schedule is not None:
+            lr_schedule.step()
+            if (step + 1) % EVAL_EVERY == 0 or step + 1 == args.warmup + args.steps:
+                with torch.no_grad():
+                    curve.append({"step": step + 1, "test_loss": model(input_ids=held_out, labels=held_out).loss.item()})
     sent += tx_bytes()
     numel = sum(p.numel() for p in model.parameters())
     peaks = mc.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -102,7 +123,10 @@ def worker(args):
         with open(args.out, "w") as f:
             json.dump({"config": args.worker, "world": world, "step_s": statistics.median(times[args.warmup:]),
                        "loss": loss.item(), "peak_rss_mb": peaks, "sent_bytes_per_param": sent,
-                       "param_dtype": args.param_dtype}, f)
+                       "param_dtype": args.param_dtype,
+                       **({"seed": args.seed, "steps": args.warmup + args.steps, "curve": curve,
+                           "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:])}
+                          if args.converge else {})}, f)
 
 
 def tx_bytes(interface="eth0"):
@@ -115,21 +139,53 @@ def tx_bytes(interface="eth0"):
     return 0
 
 
+def earlier_baselines(args):
+    """The last record of each baseline in ``--json`` run as this run is (seed, steps, ranks,
+    parameter dtype, and ``--converge`` or not)."""
+    if not args.json or not os.path.exists(args.json):
+        return []
+    steps = args.warmup + args.steps
+    found = {}
+    with open(args.json) as f:
+        for line in f:
+            r = json.loads(line)
+            if (r.get("config") in BASELINES and r.get("status") == "ok" and r.get("world") == args.hosts
+                    and r.get("param_dtype") == args.param_dtype and ("curve" in r) == args.converge
+                    and (not args.converge or (r.get("seed"), r.get("steps")) == (args.seed, steps))):
+                found[r["config"]] = r
+    return list(found.values())
+
+
 def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    configs = list(BASELINES) + [c for c in args.configs.split(",") if c and c not in BASELINES]
-    records = []
+    configs = [] if args.no_baselines else list(BASELINES)
+    configs += [c for c in args.configs.split(",") if c and c not in configs]
+    records = earlier_baselines(args) if args.no_baselines else []
     command_of = lambda config, out: [  # noqa: E731
         sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--batch", str(args.batch), "--param-dtype", args.param_dtype]
+        "--warmup", str(args.warmup), "--batch", str(args.batch), "--param-dtype", args.param_dtype,
+        "--seed", str(args.seed), *(["--converge"] if args.converge else [])]
     for record in run_cluster(args, configs, command_of, timeout=1200):
-        records.append(record)
+        records = [r for r in records if r["config"] != record["config"]] + [record]
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(record) + "\n")
     base = {r["config"]: r["step_s"] for r in records if r["status"] == "ok" and r["config"] in BASELINES}
+    if args.converge:
+        reference = next((r["final_test_loss"] for r in records if r["status"] == "ok" and r["config"] == "fsdp"), None)
+        print(f"FSDP2 GPT-2 4x256, AdamW, {args.hosts} workers x batch {args.batch}, {args.warmup + args.steps} steps, "
+              f"seed {args.seed}: validation loss")
+        print("| configuration | validation loss | vs FSDP fp32 | step s |")
+        print("|---|---:|---:|---:|")
+        for r in records:
+            if r["status"] == "ok":
+                versus = "-" if reference is None else f"{100 * (r['final_test_loss'] / reference - 1):+.2f} %"
+                print(f"| {r['config']} | {r['final_test_loss']:.4f} | {versus} | {r['step_s']:.3f} |")
+            else:
+                print(f"| {r['config']} | {r['status']} | | |")
+        return
     print(f"FSDP2 GPT-2 4x256, {args.hosts} hosts at {args.rate}, batch {args.batch} x 64 bytes per worker, "
           f"params {args.param_dtype}, median of {args.steps} steps")
     print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | last loss | peak RSS MB (per rank) "
