@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_convergence import free_port, load_stdlib_bytes, parse_spec  # noqa: E402
+from bench_convergence import StdlibBytes, free_port, load_stdlib_bytes, parse_spec  # noqa: E402
 
 CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsignsgd@momentum,topk@momentum,"
            "powersgd@momentum,qsgd@momentum")
@@ -166,7 +166,7 @@ def run_one(rank, world, config, seed, args, data):
     return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode.startswith("momentum") else None,
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
             "refresh": refresh, "bits_per_element": bits_over_run(opt, args.steps, refresh),
-            "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
+            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,
             "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok"}
 
 

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_adam import DECAY, EVAL_EVERY, LR, make_model, random_windows, rank_data, schedule  # noqa: E402
-from bench_convergence import parse_spec  # noqa: E402
+from bench_convergence import StdlibBytes, parse_spec  # noqa: E402
 from bench_time_to_accuracy import run_cluster  # noqa: E402
 
 BASELINES = ("fsdp", "fsdp-bf16")
@@ -125,7 +125,7 @@ def worker(args):
                        "loss": loss.item(), "peak_rss_mb": peaks, "sent_bytes_per_param": sent,
                        "param_dtype": args.param_dtype,
                        **({"seed": args.seed, "steps": args.warmup + args.steps, "curve": curve,
-                           "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:])}
+                           "final_test_loss": StdlibBytes.final_loss(curve)}
                           if args.converge else {})}, f)
 
 

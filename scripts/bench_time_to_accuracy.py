@@ -38,6 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_convergence import StdlibBytes  # noqa: E402
 from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, lr_warmup, make_model, parse_config,  # noqa: E402
                         random_windows, rank_data, schedule, wrap_adamw)
 
@@ -150,7 +151,7 @@ def worker(args):
                   "after": after, "lr_warmup": warm, "stop": args.stop, "bits_per_element": bits,
                   "step_s": statistics.median(times),
                   "compute_s": compute_s, "train_s": trained,
-                  "final_test_loss": statistics.fmean(p["test_loss"] for p in curve[-4:]), "curve": curve,
+                  "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         with open(args.out, "w") as f:
             json.dump(record, f)
