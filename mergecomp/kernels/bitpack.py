@@ -121,18 +121,17 @@ def decode(packed: torch.Tensor, bits: int, n: int, values: torch.Tensor,
     if values.dim() != 1 or values.numel() != 1 << bits:
         raise ValueError(f"decode needs {1 << bits} values for {bits}-bit codes, got shape "
                          f"{tuple(values.shape)}")
-    codes = _table(bits, values.device).view(torch.uint8).view(256, per)
-    rows = values[codes.long()]  # (256, per): the values of every possible byte
     # Gather each row as one wide word where the row's bytes allow it: index_select is several
     # times faster on a 1-D table of 16-byte words than on a (256, 4) float table.
-    row_bytes = per * rows.element_size()
+    row_bytes = per * values.element_size()
     lane = next(t for t in _GATHER_LANES if row_bytes % _itemsize(t) == 0)
-    table = rows.view(torch.uint8).view(lane).view(256, -1)
-    if table.shape[1] > 1 and packed.is_cuda:
+    if row_bytes > _itemsize(lane) and packed.is_cuda:
         # CUDA gathers rows of several words ~15x slower than single words (an H200: 9.4 ms
         # against 0.66 ms this way for 124 M 1-bit codes to fp32): look each code up on its own
         return torch.index_select(values, 0, unpack(packed, bits, n).to(torch.int32), out=out)
-    table = table.squeeze(1)
+    codes = _table(bits, values.device).view(torch.uint8).view(256, per)
+    rows = values[codes.long()]  # (256, per): the values of every possible byte
+    table = rows.view(torch.uint8).view(lane).view(256, -1).squeeze(1)
     index = packed.reshape(-1).to(torch.int32)
     if out is None:
         return torch.index_select(table, 0, index).view(values.dtype).view(-1)[:n]
