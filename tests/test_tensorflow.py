@@ -296,6 +296,8 @@ def _single_worker(rank):
     out["built"] = error(lambda: mct.DistributedOptimizer(used))
     out["type"] = error(lambda: mct.DistributedOptimizer(tf.Variable(1.0)))
     out["compressor"] = error(lambda: mct.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="nope"))
+    out["momentum"] = error(lambda: mct.DistributedOptimizer(keras.optimizers.AdamW(1e-3), compression="onebit",
+                                                             exchange_momentum_after=30))
     reducer = mct.GradientReducer("none", groups=1)
     other = make_model()
     out["other_model"] = error(lambda: [mct.allreduce_gradients(reducer, [tf.zeros_like(v) for v in m.trainable_variables],
@@ -313,4 +315,5 @@ def test_scheduler_and_errors_in_one_process():
     assert "ValueError" in out["built"] and "before it is used" in out["built"]
     assert "TypeError" in out["type"] and "keras.optimizers.Optimizer" in out["type"]
     assert "unknown compressor 'nope'" in out["compressor"]
+    assert "NotImplementedError" in out["momentum"] and "exchange_momentum_after" in out["momentum"]
     assert "ValueError" in out["other_model"] and "one reducer per model" in out["other_model"]

@@ -151,6 +151,17 @@ def _check_keras_optimizer(optimizer) -> None:
             "LossScaleOptimizer instead: DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer))")
 
 
+def _refuse_momentum_exchange(options: Dict[str, Any]) -> None:
+    """NotImplementedError naming the option for the torch front end's momentum exchange: it
+    reads and writes Adam's two moments every step, and Keras 3's Adam keeps them in private
+    lists with no public accessor."""
+    for option in ("exchange_momentum_after", "variance_refresh_every"):
+        if option in options:
+            raise NotImplementedError(
+                f"{option} is mergecomp.torch's (torch.optim.Adam/AdamW): Keras 3's Adam keeps its moments "
+                f"private, so mergecomp.tensorflow exchanges gradients only")
+
+
 def _loss_scaled(optimizer) -> bool:
     import keras
 
@@ -172,6 +183,7 @@ def make_distributed(optimizer, compression: Any = Compression.none, sparse_as_d
     :func:`DistributedOptimizer` returns) and give it its reducer; returns it.  ``options``:
     :class:`~.reducer.GradientReducer`'s keywords (``memory``, ``nonfinite``, ``scheduler`` ...)."""
     _check_keras_optimizer(optimizer)
+    _refuse_momentum_exchange(options)
     if hasattr(optimizer, "mergecomp_reducer"):
         raise TypeError("the optimizer is already a mergecomp DistributedOptimizer")
     check_process_set(process_set)
@@ -220,6 +232,7 @@ class DistributedGradientTape:
                  reducer: Optional[GradientReducer] = None, **options) -> None:
         check_devices(device_dense, device_sparse, "DistributedGradientTape")
         check_horovod_args(op, gradient_predivide_factor)
+        _refuse_momentum_exchange(options)
         check_process_set(process_set)
         self._tape = gradtape
         self._reducer = reducer
