@@ -83,11 +83,14 @@ class _CompressedCollective:
         "not finite" flag; what :meth:`_decode` needs: the kept sends, the specs, the context).
         A sender whose tensor holds NaN/Inf sends zeros and raises the flag."""
         finite = bool(all_finite(chunks))
+        passthrough = self.memory.passthrough  # no error feedback: the chunks are compressed as they are
         sent = []  # (compensated chunk, its memory key, its payload) per row
         for row in range(chunks.shape[0]):
             name = f"{key}.{row}"
-            compensated = self.memory.compensate(chunks[row].clone(), name) if finite else \
-                torch.zeros_like(chunks[row])
+            if not finite:
+                compensated = torch.zeros_like(chunks[row])
+            else:
+                compensated = chunks[row] if passthrough else self.memory.compensate(chunks[row].clone(), name)
             payload, ctx = self.compressor.compress(compensated, name)
             sent.append((compensated, name, tuple(t.clone() for t in payload)))  # scratch: reused by the next row
         rows, specs = pack_rows([payload for _, _, payload in sent])
@@ -103,8 +106,9 @@ class _CompressedCollective:
         if bool(received[:, -1].any()):  # a rank's gradients overflowed: every rank's result is NaN,
             out.fill_(float("nan"))      # and every rank's memories stay as they were
             return
-        for compensated, name, payload in sent:
-            self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
+        if not self.memory.passthrough:  # the own payloads decoded only for a memory that keeps their error
+            for compensated, name, payload in sent:
+                self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
         payloads = [unpack_payload(sender[:-_FLAG_BYTES], specs[row]) for sender in received]
         out.copy_(self.compressor.aggregate(payloads, ctx, received.shape[0], average))
 
