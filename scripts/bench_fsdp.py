@@ -10,7 +10,8 @@ peak resident memory (``ru_maxrss``), and the bytes each rank's interface sent p
 parameter (``/proc/net/dev`` of its namespace: TCP/IP headers included; all-gather and
 reduce-scatter together).  ``--param-dtype bf16`` gives every configuration FSDP's
 ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (the parameters all-gathered and computed in
-bf16, as FSDP users commonly train).
+bf16, as FSDP users commonly train); ``--no-reshard`` gives every configuration
+``reshard_after_forward=False`` (one all-gather a step: ZeRO-2's traffic).
 
 Configurations: ``fsdp`` (fp32 reduce-scatter), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=
 torch.bfloat16)``), and ``COMPRESSOR[:key=value;...][+MEMORY]`` for mergecomp's reduce-scatter.
@@ -52,6 +53,9 @@ parser.add_argument("--hosts", type=int, default=2)
 parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
 parser.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
                     help="FSDP's param_dtype for every configuration")
+parser.add_argument("--no-reshard", action="store_true",
+                    help="fully_shard(reshard_after_forward=False): the parameters all-gathered once a step, kept "
+                         "from forward to backward (ZeRO-2's traffic)")
 parser.add_argument("--converge", action="store_true", help="train as bench_adam does and report validation loss")
 parser.add_argument("--seed", type=int, default=0, help="with --converge: bench_adam's seed")
 parser.add_argument("--no-baselines", action="store_true",
@@ -61,8 +65,9 @@ parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
 
-def sharded_model(config, param_dtype):
-    """The GPT-2 under fully_shard, and mergecomp's reduce-scatter unless ``config`` is a baseline."""
+def sharded_model(config, param_dtype, reshard=True):
+    """The GPT-2 under fully_shard (``reshard``: its ``reshard_after_forward``), and mergecomp's
+    reduce-scatter unless ``config`` is a baseline."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import mergecomp
@@ -73,8 +78,8 @@ def sharded_model(config, param_dtype):
     reduce = torch.bfloat16 if config == "fsdp-bf16" else (torch.float32 if params else None)
     policy = MixedPrecisionPolicy(param_dtype=params, reduce_dtype=reduce)
     for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     if config not in BASELINES:
         spec, _, memory = config.partition("+")
         name, options = parse_spec(spec)
@@ -90,7 +95,7 @@ def worker(args):
     rank, world = mc.rank(), mc.size()
     train, held_out = rank_data(rank, world, 64 if args.converge else 1)
     torch.manual_seed(args.seed if args.converge else 0)
-    model = sharded_model(args.worker, args.param_dtype)
+    model = sharded_model(args.worker, args.param_dtype, not args.no_reshard)
     if args.converge:  # bench_adam's training
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
         lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args.warmup + args.steps))
@@ -123,7 +128,7 @@ def worker(args):
         with open(args.out, "w") as f:
             json.dump({"config": args.worker, "world": world, "step_s": statistics.median(times[args.warmup:]),
                        "loss": loss.item(), "peak_rss_mb": peaks, "sent_bytes_per_param": sent,
-                       "param_dtype": args.param_dtype,
+                       "param_dtype": args.param_dtype, "reshard_after_forward": not args.no_reshard,
                        **({"seed": args.seed, "steps": args.warmup + args.steps, "curve": curve,
                            "final_test_loss": StdlibBytes.final_loss(curve)}
                           if args.converge else {})}, f)
@@ -151,6 +156,7 @@ def earlier_baselines(args):
             r = json.loads(line)
             if (r.get("config") in BASELINES and r.get("status") == "ok" and r.get("world") == args.hosts
                     and r.get("param_dtype") == args.param_dtype and ("curve" in r) == args.converge
+                    and r.get("reshard_after_forward", True) == (not args.no_reshard)
                     and (not args.converge or (r.get("seed"), r.get("steps")) == (args.seed, steps))):
                 found[r["config"]] = r
     return list(found.values())
@@ -166,7 +172,8 @@ def main():
     command_of = lambda config, out: [  # noqa: E731
         sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--batch", str(args.batch), "--param-dtype", args.param_dtype,
-        "--seed", str(args.seed), *(["--converge"] if args.converge else [])]
+        "--seed", str(args.seed), *(["--converge"] if args.converge else []),
+        *(["--no-reshard"] if args.no_reshard else [])]
     for record in run_cluster(args, configs, command_of, timeout=1200):
         records = [r for r in records if r["config"] != record["config"]] + [record]
         if args.json:
@@ -187,7 +194,7 @@ def main():
                 print(f"| {r['config']} | {r['status']} | | |")
         return
     print(f"FSDP2 GPT-2 4x256, {args.hosts} hosts at {args.rate}, batch {args.batch} x 64 bytes per worker, "
-          f"params {args.param_dtype}, median of {args.steps} steps")
+          f"params {args.param_dtype}, reshard_after_forward={not args.no_reshard}, median of {args.steps} steps")
     print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | last loss | peak RSS MB (per rank) "
           "| bytes sent per step and parameter (per rank) | load |")
     print("|---|---:|---:|---:|---:|---|---|---|")
