@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_convergence import StdlibBytes, free_port, load_stdlib_bytes, parse_spec  # noqa: E402
+from bench_convergence import StdlibBytes, compressor_of, free_port, load_stdlib_bytes, memory_of  # noqa: E402
 
 CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsignsgd@momentum,topk@momentum,"
            "powersgd@momentum,qsgd@momentum")
@@ -86,20 +86,17 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None):
     """AdamW (lr ``LR``, weight decay ``DECAY``) in ``mc.DistributedOptimizer`` as ``config``
     says, with the LR schedule of ``steps`` steps (its warm-up ``warm``): (optimizer, scheduler,
     refresh interval or None)."""
-    import mergecomp
     import mergecomp.torch as mc
 
     spec, mode, memory, refresh, warmup_codec = parse_config(config)
-    name, options = parse_spec(spec)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     kwargs = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
     if memory:
-        memory_name, memory_options = parse_spec(memory)
-        kwargs["memory"] = mergecomp.get_memory(memory_name, **memory_options)
+        kwargs["memory"] = memory_of(memory)
     if mode == "momentum":
         kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh)
-    compressor = mergecomp.get_compressor(name, **options)
-    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor, groups=groups, **kwargs)
+    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor_of(spec), groups=groups,
+                                  **kwargs)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps, warm)), refresh
 
 
@@ -111,7 +108,7 @@ def bits_over_run(opt, steps, refresh):
     from mergecomp.torch.momentum_exchange import refreshes
 
     shapes = [p.shape for group in opt.param_groups for p in group["params"]]
-    exact = opt.merged.warmup_steps
+    exact = min(opt.merged.warmup_steps, steps)
     exact += refreshes(steps - exact, refresh)
     numel = sum(s.numel() for s in shapes)
     compressed = mergecomp.bits_per_element(opt.compressor, numel, shapes=shapes)

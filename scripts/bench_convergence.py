@@ -190,20 +190,33 @@ def parse_spec(spec: str):
     return base, {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in options.split(";") if o)}
 
 
+def compressor_of(spec: str):
+    """The registry's compressor for ``"NAME[:key=value;...]"`` (:func:`parse_spec`)."""
+    import mergecomp
+
+    name, options = parse_spec(spec)
+    return mergecomp.get_compressor(name, **options)
+
+
+def memory_of(spec: str):
+    """The registry's error-feedback memory for ``"NAME[:key=value;...]"`` (:func:`parse_spec`)."""
+    import mergecomp
+
+    name, options = parse_spec(spec)
+    return mergecomp.get_memory(name, **options)
+
+
 def train_one(rank, world, name, seed, args, task):
     """One configuration on this rank (mergecomp already initialised); rank 0 returns the record."""
-    import mergecomp
     import mergecomp.torch as mc
 
     torch.manual_seed(seed)
     model = task.model()
-    compressor_name, compressor_args = parse_spec(name)
-    compressor = mergecomp.get_compressor(compressor_name, **compressor_args)
+    compressor = compressor_of(name)
     memory = args.memory or compressor.default_memory
-    memory_name, memory_args = parse_spec(memory)
-    optimizer, lr = task.optimizer(model.parameters(), compressor, memory_name, args)
+    optimizer, lr = task.optimizer(model.parameters(), compressor, parse_spec(memory)[0], args)
     optimizer = mc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compressor,
-                                        memory=mergecomp.get_memory(memory_name, **memory_args), groups=1,
+                                        memory=memory_of(memory), groups=1,
                                         compression_warmup_steps=args.warmup_steps,
                                         uncompressed=[p for p in args.uncompressed.split(",") if p])
     mc.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -14,7 +14,7 @@ bf16, as FSDP users commonly train); ``--no-reshard`` gives every configuration
 ``reshard_after_forward=False`` (one all-gather a step: ZeRO-2's traffic).
 
 Configurations: ``fsdp`` (fp32 reduce-scatter), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=
-torch.bfloat16)``), and ``COMPRESSOR[:key=value;...][+MEMORY]`` for mergecomp's reduce-scatter.
+torch.bfloat16)``), and ``COMPRESSOR[:key=value;...][+MEMORY[:key=value;...]]`` for mergecomp's reduce-scatter.
 
 ``--converge`` trains as ``bench_adam`` does instead (its seed, batch of 8, AdamW with weight
 decay, warm-up + cosine LR schedule over ``--steps``, validation loss on the held-out windows
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_adam import DECAY, EVAL_EVERY, LR, make_model, random_windows, rank_data, schedule  # noqa: E402
-from bench_convergence import StdlibBytes, parse_spec  # noqa: E402
+from bench_convergence import StdlibBytes, compressor_of, memory_of  # noqa: E402
 from bench_time_to_accuracy import run_cluster  # noqa: E402
 
 BASELINES = ("fsdp", "fsdp-bf16")
@@ -70,7 +70,6 @@ def sharded_model(config, param_dtype, reshard=True):
     reduce-scatter unless ``config`` is a baseline."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    import mergecomp
     import mergecomp.torch as mc
 
     model = make_model()
@@ -82,8 +81,7 @@ def sharded_model(config, param_dtype, reshard=True):
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     if config not in BASELINES:
         spec, _, memory = config.partition("+")
-        name, options = parse_spec(spec)
-        mc.fsdp.compress(model, mergecomp.get_compressor(name, **options), memory=memory or None)
+        mc.fsdp.compress(model, compressor_of(spec), memory=memory_of(memory) if memory else None)
     return model
 
 

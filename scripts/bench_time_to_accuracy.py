@@ -105,6 +105,7 @@ def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config, _, factor = args.worker.partition("*")
     steps = round(args.steps * float(factor or 1))
+    trained_steps = min(steps, args.stop or steps)  # the schedule is `steps` long either way
     warm = args.lr_warmup or lr_warmup(steps)
     after = args.after or warm
     train, held_out = rank_data(rank, world, EVAL_WINDOWS)
@@ -123,14 +124,13 @@ def worker(args):
         opt, lr_schedule, refresh = wrap_adamw(model, config, steps, after, groups=groups, warm=warm)
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
         net = model
-        bits = bits_over_run(opt, steps, refresh)
+        bits = bits_over_run(opt, trained_steps, refresh)
 
         def finish():
             opt.remove_hooks()
             mc.shutdown()
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     curve, times, trained = [], [], 0.0
-    trained_steps = min(steps, args.stop or steps)
     for step in range(1, trained_steps + 1):
         windows = random_windows(train, generator, args.batch)
         began = time.perf_counter()
