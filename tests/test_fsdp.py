@@ -66,6 +66,34 @@ def test_compressed_reduce_scatter_against_fsdp_own(world):
         assert "fully_shard" in errors["no_fsdp"]
 
 
+def _cast_worker(rank, world):
+    """fp16 through the compressed reduce-scatter, without a memory and with the residual one,
+    against the fp16 rounding of every rank's chunk summed in fp32 by hand."""
+    import torch.distributed as dist
+
+    import mergecomp.torch as mc
+
+    inputs = [torch.randn(world * 7, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    expected = sum(x.view(world, 7)[rank].half().float() for x in inputs)
+    out = {}
+    for memory in ("none", "residual"):
+        reduce_scatter = mc.fsdp.CompressedReduceScatter("fp16", memory)
+        given = inputs[rank].clone()
+        shard = torch.empty(7)
+        reduce_scatter(shard, given, None, dist.ReduceOp.SUM)
+        kept = reduce_scatter.state_dict()["memory"]
+        residual = sum(t.abs().sum() for fields in kept.values() for t in fields.values())
+        out[memory] = (torch.equal(shard, expected), torch.equal(given, inputs[rank]), float(residual))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_cast_without_memory_reduces_what_every_rank_sent(world):
+    for out in run_workers(_cast_worker, world, world, timeout=120):
+        assert out["none"][:2] == (True, True) and out["none"][2] == 0.0, out
+        assert out["residual"][:2] == (True, True) and out["residual"][2] > 0, out
+
+
 def _overflow_worker(rank, world):
     """One step normal, one with an Inf in rank 0's gradients: every rank's shard is NaN, the
     memories are what the first step left."""
