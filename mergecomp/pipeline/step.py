@@ -322,10 +322,8 @@ class MergedStep:
                               if rank == self.comm.rank and why & OVERFLOWED and name in fed])
 
         def overflow(name: str) -> str:
-            if name not in fed:
-                return ": its values, finite, overflowed the 16-bit cast for the wire"
-            return (": its values, finite, overflowed the 16-bit cast for the wire (error feedback included), "
-                    "so its memory starts afresh")
+            return ": its values, finite, overflowed the 16-bit cast for the wire" + (
+                " (error feedback included), so its memory starts afresh" if name in fed else "")
         where = "; ".join(f"rank {rank}, group {name!r}" + (overflow(name) if why & OVERFLOWED else "")
                           for rank, name, why in bad)
         if policy == "propagate":  # its results are NaN (_finish): every rank's GradScaler skips it
