@@ -94,7 +94,8 @@ class _CompressedCollective:
             payload, ctx = self.compressor.compress(compensated, name)
             sent.append((compensated, name, tuple(t.clone() for t in payload)))  # scratch: reused by the next row
         rows, specs = pack_rows([payload for _, _, payload in sent])
-        flag = torch.full((len(sent), _FLAG_BYTES), int(not finite), dtype=torch.uint8)  # keeps rows 8-aligned
+        # on the payloads' device; _FLAG_BYTES keeps the rows 8-aligned
+        flag = torch.full((len(sent), _FLAG_BYTES), int(not finite), dtype=torch.uint8, device=rows.device)
         return torch.cat([rows, flag], dim=1), sent, specs, ctx
 
     def _decode(self, received: torch.Tensor, encoded: Tuple[torch.Tensor, list, list, Any], row: int,

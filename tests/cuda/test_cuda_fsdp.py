@@ -1,0 +1,116 @@
+"""``mc.fsdp.compress`` on CUDA: FSDP2 (``fully_shard``) on two processes sharing one GPU through
+gloo (which moves CUDA tensors through host memory); the compressed reduce-scatter's payloads,
+flags and shards on the GPU."""
+import pytest
+import torch
+from distributed import run_workers
+
+pytestmark = pytest.mark.cuda
+
+def _train(rank, device, compression, dtype=None, steps=3):
+    """A 3-layer MLP under fully_shard on ``device`` (``dtype``: a MixedPrecisionPolicy with it as
+    parameter and reduce dtype), SGD on rank-own data; the full parameters on the CPU after
+    ``steps`` steps and the reductions (None: FSDP's own reduce-scatter)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import mergecomp.torch as mc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mp_policy=policy)
+    reductions = None if compression is None else mc.fsdp.compress(model, compression)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8, generator=data).to(device)).float().pow(2).sum().backward()
+        opt.step()
+    return [p.detach().full_tensor().cpu() for p in model.parameters()], reductions
+
+
+def _compare_worker(rank, world, device, compression, dtype=None):
+    """``compression``'s parameters after 3 steps beside FSDP's own (on the CPU), and the devices
+    its error-feedback state lives on."""
+    device = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    own, _ = _train(rank, device, None, dtype)
+    params, reductions = _train(rank, device, compression, dtype)
+    kept = {t.device.type for r in reductions for fields in r.state_dict()["memory"].values() for t in fields.values()}
+    return own, params, kept
+
+
+def _average_worker(rank, world, device):
+    """torch's own reduce-scatter with ReduceOp.AVG (FSDP2's choice for fp32 and bf16) on this
+    device: the shard and the mean every rank's chunk should give."""
+    import torch.distributed as dist
+
+    inputs = [torch.arange(world * 3, dtype=torch.float32) * (r + 1) for r in range(world)]
+    shard = torch.empty(3, device=device)
+    dist.reduce_scatter_tensor(shard, inputs[rank].to(device), op=dist.ReduceOp.AVG)
+    return shard.cpu(), sum(x.view(world, 3)[rank] for x in inputs) / world
+
+
+def _overflow_worker(rank, world, device):
+    """One normal step, then an Inf in rank 0's gradients: every rank's shard NaN, memories kept."""
+    import math
+
+    from torch.distributed.fsdp import fully_shard
+
+    import mergecomp.torch as mc
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4 * world).to(device)
+    fully_shard(model)
+    reductions = mc.fsdp.compress(model, "topk")
+    data = torch.Generator().manual_seed(rank)
+    model(torch.randn(3, 6, generator=data).to(device)).pow(2).sum().backward()
+    kept = {k: {f: t.cpu() for f, t in fields.items()} for k, fields in reductions[0].state_dict()["memory"].items()}
+    model.zero_grad()
+    (model(torch.randn(3, 6, generator=data).to(device)).pow(2).sum() * (math.inf if rank == 0 else 1.0)).backward()
+    after = reductions[0].state_dict()["memory"]
+    nan = all(bool(p.grad.to_local().isnan().all()) for p in model.parameters())
+    same = kept.keys() == after.keys() and all(torch.equal(kept[k][f], after[k][f].cpu()) for k in kept for f in kept[k])
+    return nan, same
+
+
+#: the largest difference from FSDP's own parameters after 3 steps each compressor may show (0: none)
+GAPS = {"none": 0.0, "fp16": 1e-3, "qsgd": 0.1, "topk": 1.0, "efsignsgd": 1.0}
+
+
+def check_compare(results, compression, gap_bound):
+    """What every device must show (the CPU's run of it: ``tests/test_fsdp.py``): ranks agree,
+    the lossless path is FSDP's own bit for bit, a lossy one departs from it within its bound;
+    the largest departure."""
+    own, first, _ = results[0]
+    for _, params, _ in results:
+        assert all(torch.equal(a, b) for a, b in zip(params, first)), f"{compression}: ranks disagree"
+    gap = max(float((a - b).abs().max()) for a, b in zip(first, own))
+    if gap_bound == 0.0:
+        assert gap == 0.0, f"{compression}: lossless must be FSDP's own reduce-scatter bit for bit, off by {gap}"
+    else:
+        assert 0 < gap < gap_bound, f"{compression}: {gap} from FSDP's own (bound {gap_bound})"
+    return gap
+
+
+def test_torch_reduce_scatter_averages_on_the_gpu():
+    """The reference the next test compares with: gloo's reduce-scatter of CUDA tensors with AVG."""
+    for shard, expected in run_workers(_average_worker, 2, 2, "cuda", timeout=120):
+        assert torch.equal(shard, expected), (shard, expected)
+
+
+@pytest.mark.parametrize("compression", list(GAPS))
+def test_fsdp2_compressed_reduce_scatter_on_a_shared_gpu(compression):
+    results = run_workers(_compare_worker, 2, 2, "cuda", compression, timeout=120)
+    check_compare(results, compression, GAPS[compression])
+    assert compression == "none" or results[0][2] <= {"cuda"}, "the error feedback stays on the GPU"
+
+
+def test_bf16_parameters_and_reduction_on_a_shared_gpu():
+    results = run_workers(_compare_worker, 2, 2, "cuda", "qsgd", torch.bfloat16, timeout=120)
+    check_compare(results, "qsgd bf16", 0.1)
+
+
+def test_an_overflow_on_one_rank_makes_every_shard_nan_on_the_gpu():
+    for nan, same in run_workers(_overflow_worker, 2, 2, "cuda", timeout=120):
+        assert nan and same
