@@ -182,6 +182,15 @@ def test_every_averaging_compressor_keeps_ranks_identical_and_learns(scheme, ref
             assert math.isfinite(after) and after < before, (name, before, after)
 
 
+def test_an_8_bit_qsgd_warmup_and_refreshes_keep_ranks_identical_and_learn():
+    """``compression_warmup_codec="qsgd"``: the warm-up's and the refreshes' gradients arrive
+    quantized (each rank draws its own rounding), and every rank still averages the same."""
+    for result in run_workers(_compressor_worker, 2, ["onebit", "topk"], None, 3, 2, "cpu", "qsgd", timeout=300):
+        for name, (identical, before, after, _) in result.items():
+            assert identical, name
+            assert math.isfinite(after) and after < before, (name, before, after)
+
+
 @pytest.mark.parametrize("scheme", [None, "two-phase"])
 def test_four_ranks_stay_identical_and_learn(scheme):
     """Four ranks, the variance refreshed: a sign code, a sparsifier, a quantizer and a low-rank

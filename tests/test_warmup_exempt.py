@@ -94,6 +94,11 @@ def _core(rank):
     half_state = len(half.exchange.memory.state)
     got_half += run(half, range(2, 5))
     want_half = run(merged("fp16"), range(2)) + want[2:]
+    # compression_warmup_codec="qsgd": 8-bit QSGD, allgathered, outside error feedback likewise
+    eight = merged("dgc", compression_warmup_steps=2, compression_warmup_codec="qsgd")
+    got_eight = run(eight, range(2))
+    eight_state = len(eight.exchange.memory.state)
+    got_eight += run(eight, range(2, 5))
     # a gradient beyond fp16's range in such a warm-up is a non-finite step, named, not an Inf
     huge = merged("dgc", compression_warmup_steps=2, compression_warmup_codec="fp16", nonfinite="raise")
     for i, g in enumerate(step_grads(rank, 0)):
@@ -120,7 +125,10 @@ def _core(rank):
             "state_after_warmup": state_after_warmup,
             "half": [all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got_half, want_half)],
             "half_differs": not all(torch.equal(a, b) for a, b in zip(got_half[0], got[0])),
-            "half_state": half_state, "overflow": overflow, "refresh_overflow": (skipped, memory_kept)}
+            "half_state": half_state, "overflow": overflow, "refresh_overflow": (skipped, memory_kept),
+            "eight": got_eight[:2], "eight_state": eight_state, "eight_then_fresh": [
+                all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got_eight[2:], want[2:])],
+            "exact": got[:2]}
 
 
 def _optimizer(rank):
@@ -219,6 +227,24 @@ def test_warmup_steps_are_the_plain_average_then_compression_starts_clean(result
         assert out["warmup"] == [ALL, ALL, set()]
 
 
+def test_a_qsgd_warmup_sends_the_8_bit_average_outside_error_feedback(results):
+    """Every rank gets the same average, within QSGD's 8-bit rounding of the exact one (each
+    group is one bucket here: one level is its norm / 64 on each rank), and compression then
+    starts as fresh as after the exact warm-up."""
+    groups = ((3, 2), (1, 0))
+    for out in results:
+        core = out["core"]
+        assert core["eight_state"] == 0 and core["eight_then_fresh"] == [True] * 3
+        for step, (got, exact) in enumerate(zip(core["eight"], core["exact"])):
+            grads = [step_grads(rank, step) for rank in range(len(results))]
+            for group in groups:
+                level = max(float(torch.cat([g[i].flatten() for i in group]).norm()) / 64 for g in grads)
+                for i in group:
+                    assert torch.equal(got[i], results[0]["core"]["eight"][step][i]), "ranks agree"
+                    error = float((got[i] - exact[i]).abs().max())
+                    assert 0 < error <= level, (step, i, error, level)
+
+
 def test_an_fp16_warmup_sends_the_fp16_average_outside_error_feedback(results):
     for rank, out in enumerate(results):
         core = out["core"]
@@ -261,5 +287,5 @@ def test_bad_options_name_the_option(results):
     errors = results[0]["errors"]
     assert "compression_warmup_steps must be an int >= 0, got -1" in errors["negative"]
     assert "min_compress_numel must be an int >= 0, got -5" in errors["numel"]
-    assert "compression_warmup_codec must be one of ('none', 'fp16'), got 'bf16'" in errors["codec"]
+    assert "compression_warmup_codec must be one of ('none', 'fp16', 'qsgd'), got 'bf16'" in errors["codec"]
     assert len(errors["unmatched"]) == 1 and "pattern(s) ['*.gamma'] match none" in errors["unmatched"][0]

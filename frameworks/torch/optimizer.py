@@ -116,8 +116,8 @@ class DistributedOptimizer(HoldsMergedStep):
             the search then sends every group with the compressor (``momentum_exchange.SEARCH``)
             unless ``scheduler=`` says otherwise.
         variance_refresh_every: with ``exchange_momentum_after``: every this many updates of the
-            momentum phase, the gradients travel as in the warm-up (exactly, or as fp16 under
-            ``compression_warmup_codec="fp16"``) and refresh the variance (as the last
+            momentum phase, the gradients travel as in the warm-up (exactly, or as
+            ``compression_warmup_codec`` says) and refresh the variance (as the last
             that many steps of Adam would have moved it); None: frozen for good.
         grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
             the loss (the momentum is sent in the gradient's loss scale).

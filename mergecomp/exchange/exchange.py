@@ -18,7 +18,8 @@ skips the check too.
 
 A group sent with the codec :data:`~mergecomp.exchange.plan.EXEMPT` skips the memory: its
 gradient is allreduced as it is, and neither the memory nor the compressor state of any group
-changes (:data:`~mergecomp.exchange.plan.WARMUP_FP16` likewise, cast to fp16).
+changes (:data:`~mergecomp.exchange.plan.WARMUP_FP16` and ``WARMUP_QSGD`` likewise, cast to fp16 or
+quantized by QSGD and allgathered).
 
 :meth:`Exchange.start` returns the group's :class:`~mergecomp.exchange.job.Job` right after its
 first collective is issued; :meth:`Exchange.finish` waits for it, runs what is left, and returns
@@ -128,8 +129,8 @@ class Exchange:
     # -- routes -------------------------------------------------------------------------------
     def codec(self, name: str) -> Compressor:
         """The compressor behind codec ``name`` (``"compressed"``, a sharded scheme's name,
-        ``"fp16"``, ``"none"``, or a route outside error feedback, ``"exempt"`` or
-        ``"warm-up-fp16"``: :data:`~mergecomp.exchange.plan.UNFED`)."""
+        ``"fp16"``, ``"none"``, or a route outside error feedback, ``"exempt"``,
+        ``"warm-up-fp16"`` or ``"warm-up-qsgd"``: :data:`~mergecomp.exchange.plan.UNFED`)."""
         if name in SHARDED:
             if self.compressor.rounds > 1:
                 raise ValueError(f"the {name} scheme needs a single-round compressor; "

@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from mergecomp.compressors.base.compressor import Compressor
 
-__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "Exemptions", "GroupPlan", "Group",
+__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "WARMUP_QSGD", "Exemptions", "GroupPlan", "Group",
            "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
@@ -40,8 +40,11 @@ EXEMPT = "exempt"
 #: (the uncompressed tensors' groups excepted): a cast to fp16, outside error feedback and
 #: compressor state as :data:`EXEMPT` is
 WARMUP_FP16 = "warm-up-fp16"
+#: the same under ``compression_warmup_codec="qsgd"``: QSGD's default 8-bit levels (unbiased,
+#: allgathered), outside error feedback and compressor state
+WARMUP_QSGD = "warm-up-qsgd"
 #: the routes outside error feedback and compressor state, by the codec that encodes them
-UNFED = {EXEMPT: "none", WARMUP_FP16: "fp16"}
+UNFED = {EXEMPT: "none", WARMUP_FP16: "fp16", WARMUP_QSGD: "qsgd"}
 
 
 def has_codec_choice(compressor: "Compressor") -> bool:

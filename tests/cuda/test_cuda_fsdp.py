@@ -7,6 +7,7 @@ from distributed import run_workers
 
 pytestmark = pytest.mark.cuda
 
+
 def _train(rank, device, compression, dtype=None, steps=3):
     """A 3-layer MLP under fully_shard on ``device`` (``dtype``: a MixedPrecisionPolicy with it as
     parameter and reduce dtype), SGD on rank-own data; the full parameters on the CPU after
@@ -31,8 +32,8 @@ def _train(rank, device, compression, dtype=None, steps=3):
 
 
 def _compare_worker(rank, world, device, compression, dtype=None):
-    """``compression``'s parameters after 3 steps beside FSDP's own (on the CPU), and the devices
-    its error-feedback state lives on."""
+    """FSDP's own parameters after 3 steps and ``compression``'s (both copied to the CPU), and
+    the devices its error-feedback state lives on."""
     device = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     own, _ = _train(rank, device, None, dtype)
     params, reductions = _train(rank, device, compression, dtype)
