@@ -13,10 +13,10 @@ A configuration is ``COMPRESSOR[:key=value;...]@MODE``, MODE ``grad`` (gradients
 the compressor's default memory) or ``momentum`` (``exchange_momentum_after=--after``, lossless
 warm-up; ``momentum/R``: with ``variance_refresh_every=R``), either with
 ``+MEMORY[:key=value;...]`` for another error-feedback memory (``grad+averaged``,
-``momentum+residual:beta=0.9/64``), and with a suffix ``^fp16`` for the warm-up and the
-refreshes sent as fp16 (``compression_warmup_codec="fp16"``).  ``none@grad`` is the baseline
-and runs unless ``--no-baseline``.  Bits per element count the warm-up and refreshes at 32
-(16 with ``^fp16``).
+``momentum+residual:beta=0.9/64``), and with a suffix ``^fp16`` or ``^qsgd`` for the warm-up
+and the refreshes sent as fp16 or 8-bit QSGD (``compression_warmup_codec``).  ``none@grad`` is
+the baseline and runs unless ``--no-baseline``.  Bits per element count the warm-up and
+refreshes at 32 (16 with ``^fp16``, 8.06 with ``^qsgd``).
 
     python scripts/bench_adam.py --json docs/img/data/adam_gpt2_4x256_stdlib_bytes_2workers.jsonl
     python scripts/bench_adam.py --configs onebit@momentum,topk@momentum --steps 500 --seeds 0
@@ -102,7 +102,7 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None):
 
 def bits_over_run(opt, steps, refresh):
     """Bits per element sent over ``steps`` steps: the warm-up's and the variance refreshes'
-    at their codec's bits (32, or 16 as fp16), the compressor's on the other steps."""
+    at their codec's bits (32, 16 as fp16, 8.06 as QSGD), the compressor's on the other steps."""
     import mergecomp
     from mergecomp.pipeline.options import WARMUP_CODECS
     from mergecomp.torch.momentum_exchange import refreshes

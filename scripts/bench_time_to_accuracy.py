@@ -15,8 +15,8 @@ Configurations: ``ddp`` (DDP, fp32 allreduce, ``bucket_cap_mb=25``), ``ddp-fp16`
 ``fp16_compress_hook``), ``ddp-powersgd[:RANK]`` (PyTorch's ``powerSGD_hook``, serialized per
 bucket so it runs on gloo, ``start_powerSGD_iter=--after``), and mergecomp as in ``bench_adam``:
 ``COMPRESSOR[:args]@MODE`` (``grad``: gradients exchanged; ``momentum/R``:
-``exchange_momentum_after=--after``, ``variance_refresh_every=R``; ``^fp16``: the warm-up and
-the refreshes sent as fp16), with ``groups=--groups``.
+``exchange_momentum_after=--after``, ``variance_refresh_every=R``; ``^fp16`` or ``^qsgd``: the
+warm-up and the refreshes sent as fp16 or 8-bit QSGD), with ``groups=--groups``.
 ``--after`` defaults to each configuration's LR warm-up (5 % of its steps).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).

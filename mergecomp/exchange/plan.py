@@ -22,8 +22,8 @@ import torch
 if TYPE_CHECKING:
     from mergecomp.compressors.base.compressor import Compressor
 
-__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "WARMUP_QSGD", "Exemptions", "GroupPlan", "Group",
-           "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
+__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "WARMUP_QSGD", "Exemptions", "GroupPlan",
+           "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
