@@ -87,3 +87,21 @@ def test_a_run_stopped_before_its_junit_xml_is_counted_from_its_log(tmp_path):
     assert read_log(log) == {"tests": 4, "passed": 1, "failed": 1, "errors": 1, "skipped": 1,
                              "failing": ["tests/cuda/test_a.py::test_bad", "tests/cuda/test_b.py::test_broken"],
                              "skip_reasons": []}
+
+
+def test_a_run_past_its_budget_is_interrupted_and_still_reports_its_failures(tmp_path):
+    """The stage's pytest is stopped as by Ctrl-C when its time is up: the failure so far
+    and its traceback reach the JUnit XML and the log (a kill would leave neither)."""
+    from mergecomp.bench.gpu_check.cuda_tests import REPORT_S, run
+
+    (tmp_path / "tests" / "cuda").mkdir(parents=True)
+    (tmp_path / "tests" / "cuda" / "test_slow.py").write_text(
+        "import time\n\n"
+        "def test_bad():\n    assert 1 == 2, 'the reason'\n\n"
+        "def test_slow():\n    time.sleep(120)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run(tmp_path, out, REPORT_S + 10)
+    assert result["problem"].startswith("timed out") and result["seconds"] < REPORT_S + 10
+    assert result["failing"] == ["tests.cuda.test_slow::test_bad"] and "junit" in result, result
+    assert "the reason" in (out / "cuda_tests.log").read_text()

@@ -1,6 +1,6 @@
 """Stage 1: the CUDA tests (``tests/cuda`` of the repository) in a pytest process of their own,
 within a time limit; the counts, the failures and the skip reasons are read back from its JUnit
-XML (``cuda_tests.xml``), its output kept in ``cuda_tests.log`` (one line per test: a run stopped
+XML (``cuda_tests.xml``), its output kept in ``cuda_tests.log`` (one line per test: a run killed
 at its time limit is read from there)."""
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from typing import Dict, List
 __all__ = ["run", "read_junit", "read_log"]
 
 TESTS = "tests/cuda"
+#: seconds of the budget kept for pytest to report after an interrupt (its failures' tracebacks
+#: and the JUnit XML of the tests it finished), before it is killed
+REPORT_S = 20
 
 
 def read_junit(path: Path) -> Dict[str, object]:
@@ -65,7 +68,10 @@ def read_log(path: Path) -> Dict[str, object]:
 
 def run(repo: Path, out: Path, timeout_s: float) -> Dict[str, object]:
     """``python -m pytest tests/cuda`` in ``repo`` (each test limited too where pytest-timeout is
-    installed); what :func:`read_junit` reads, the exit code and seconds, or why it gave none."""
+    installed); what :func:`read_junit` reads, the exit code and seconds, or why it gave none.
+    At ``timeout_s - REPORT_S`` seconds pytest is interrupted (SIGINT, as Ctrl-C), so that it
+    still reports the failures so far and writes its JUnit XML; killed if it has not exited
+    ``REPORT_S`` seconds later."""
     xml, log = out / "cuda_tests.xml", out / "cuda_tests.log"
     command = [sys.executable, "-m", "pytest", "-v", "-rfEs", "--durations=15", TESTS, "-p", "no:cacheprovider",
                f"--junitxml={xml}"]
@@ -76,10 +82,14 @@ def run(repo: Path, out: Path, timeout_s: float) -> Dict[str, object]:
         process = subprocess.Popen(command, cwd=repo, stdout=output, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            code = process.wait(timeout=timeout_s)
+            code = process.wait(timeout=max(timeout_s - REPORT_S, 1))
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # pytest and the workers it spawned
-            process.wait()
+            os.killpg(process.pid, signal.SIGINT)  # pytest and the workers it spawned
+            try:
+                process.wait(timeout=REPORT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
             code = None
     result: Dict[str, object] = {"command": " ".join(command[1:]), "seconds": time.perf_counter() - began,
                                  "exit_code": code, "log": log.name}
