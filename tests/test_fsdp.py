@@ -4,32 +4,35 @@ import torch
 from distributed import run_workers
 
 
-def sgd_steps(model, rank, steps=3):
-    """``steps`` SGD steps on a squared-output loss of this rank's own random inputs (8 features)."""
+def sgd_steps(model, rank, steps=3, device="cpu"):
+    """``steps`` SGD steps on a squared-output loss (in fp32) of this rank's own random inputs
+    (8 features, drawn on the CPU, moved to ``device``)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.randn(4, 8, generator=data)).pow(2).sum().backward()
+        model(torch.randn(4, 8, generator=data).to(device)).float().pow(2).sum().backward()
         opt.step()
 
 
-def _train(rank, compression, steps=3, **options):
-    """A 3-layer MLP under fully_shard (each Linear and the root), SGD on rank-own data; the full
-    parameters after ``steps`` steps and the compressed reduce-scatters (None: FSDP's own)."""
-    from torch.distributed.fsdp import fully_shard
+def _train(rank, compression, steps=3, device="cpu", dtype=None, **options):
+    """A 3-layer MLP on ``device`` under fully_shard (each Linear and the root; ``dtype``: the
+    MixedPrecisionPolicy's parameter and reduce dtype), SGD on rank-own data; the full parameters
+    (on the CPU) after ``steps`` steps and the compressed reduce-scatters (None: FSDP's own)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import mergecomp.torch as mc
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     comms = None if compression is None else mc.fsdp.compress(model, compression, **options)
-    sgd_steps(model, rank, steps)
-    return [p.detach().full_tensor() for p in model.parameters()], comms
+    sgd_steps(model, rank, steps, device)
+    return [p.detach().full_tensor().cpu() for p in model.parameters()], comms
 
 
 def _compare_worker(rank, world):
@@ -94,9 +97,9 @@ def test_a_cast_without_memory_reduces_what_every_rank_sent(world):
         assert out["residual"][:2] == (True, True) and out["residual"][2] > 0, out
 
 
-def _overflow_worker(rank, world):
-    """One step normal, one with an Inf in rank 0's gradients: every rank's shard is NaN, the
-    memories are what the first step left."""
+def _overflow_worker(rank, world, device="cpu"):
+    """One step normal, one with an Inf in rank 0's gradients (on ``device``): every rank's shard
+    is NaN, the memories are what the first step left."""
     import math
 
     from torch.distributed.fsdp import fully_shard
@@ -104,15 +107,15 @@ def _overflow_worker(rank, world):
     import mergecomp.torch as mc
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(6, 4 * world)
+    model = torch.nn.Linear(6, 4 * world).to(device)
     fully_shard(model)
     comm, = mc.fsdp.compress(model, "topk")
     data = torch.Generator().manual_seed(rank)
-    model(torch.randn(3, 6, generator=data)).pow(2).sum().backward()
+    model(torch.randn(3, 6, generator=data).to(device)).pow(2).sum().backward()
     kept = comm.state_dict()["memory"]
     model.zero_grad()
     scale = math.inf if rank == 0 else 1.0
-    (model(torch.randn(3, 6, generator=data)).pow(2).sum() * scale).backward()
+    (model(torch.randn(3, 6, generator=data).to(device)).pow(2).sum() * scale).backward()
     after = comm.state_dict()["memory"]
     grads_nan = all(bool(p.grad.to_local().isnan().all()) for p in model.parameters())
     same = kept.keys() == after.keys() and all(torch.equal(kept[k][f], after[k][f]) for k in kept for f in kept[k])

@@ -50,8 +50,9 @@ class StepOptions:
             the default), ``"fp16"`` (cast to fp16, half the bytes; a value beyond fp16's range
             is a non-finite step under ``nonfinite``) or ``"qsgd"`` (QSGD's default unbiased
             8-bit levels with one norm per 512 elements, about a quarter of the bytes,
-            allgathered); either still outside error feedback and compressor state.  It applies to every group but those of ``uncompressed`` and
-            ``min_compress_numel`` tensors, and to the momentum exchange's variance refreshes.
+            allgathered); both still outside error feedback and compressor state.  It applies
+            to every group but those of ``uncompressed`` and ``min_compress_numel`` tensors, and
+            to the momentum exchange's variance refreshes.
         uncompressed, min_compress_numel: tensors whose name matches one of these patterns
             (fnmatch, e.g. ``"*.bias"``), or with fewer elements, are exempt from compression:
             they travel in groups of their own sent with the codec ``"exempt"``.

@@ -4,39 +4,17 @@ flags and shards on the GPU."""
 import pytest
 import torch
 from distributed import run_workers
+from test_fsdp import _overflow_worker, _train
 
 pytestmark = pytest.mark.cuda
-
-
-def _train(rank, device, compression, dtype=None, steps=3):
-    """A 3-layer MLP under fully_shard on ``device`` (``dtype``: a MixedPrecisionPolicy with it as
-    parameter and reduce dtype), SGD on rank-own data; the full parameters on the CPU after
-    ``steps`` steps and the reductions (None: FSDP's own reduce-scatter)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    import mergecomp.torch as mc
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).to(device)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-    for layer in (model[0], model[2], model):
-        fully_shard(layer, mp_policy=policy)
-    reductions = None if compression is None else mc.fsdp.compress(model, compression)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    data = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, 8, generator=data).to(device)).float().pow(2).sum().backward()
-        opt.step()
-    return [p.detach().full_tensor().cpu() for p in model.parameters()], reductions
 
 
 def _compare_worker(rank, world, device, compression, dtype=None):
     """FSDP's own parameters after 3 steps and ``compression``'s (both copied to the CPU), and
     the devices its error-feedback state lives on."""
     device = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
-    own, _ = _train(rank, device, None, dtype)
-    params, reductions = _train(rank, device, compression, dtype)
+    own, _ = _train(rank, None, device=device, dtype=dtype)
+    params, reductions = _train(rank, compression, device=device, dtype=dtype)
     kept = {t.device.type for r in reductions for fields in r.state_dict()["memory"].values() for t in fields.values()}
     return own, params, kept
 
@@ -50,29 +28,6 @@ def _average_worker(rank, world, device):
     shard = torch.empty(3, device=device)
     dist.reduce_scatter_tensor(shard, inputs[rank].to(device), op=dist.ReduceOp.AVG)
     return shard.cpu(), sum(x.view(world, 3)[rank] for x in inputs) / world
-
-
-def _overflow_worker(rank, world, device):
-    """One normal step, then an Inf in rank 0's gradients: every rank's shard NaN, memories kept."""
-    import math
-
-    from torch.distributed.fsdp import fully_shard
-
-    import mergecomp.torch as mc
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(6, 4 * world).to(device)
-    fully_shard(model)
-    reductions = mc.fsdp.compress(model, "topk")
-    data = torch.Generator().manual_seed(rank)
-    model(torch.randn(3, 6, generator=data).to(device)).pow(2).sum().backward()
-    kept = {k: {f: t.cpu() for f, t in fields.items()} for k, fields in reductions[0].state_dict()["memory"].items()}
-    model.zero_grad()
-    (model(torch.randn(3, 6, generator=data).to(device)).pow(2).sum() * (math.inf if rank == 0 else 1.0)).backward()
-    after = reductions[0].state_dict()["memory"]
-    nan = all(bool(p.grad.to_local().isnan().all()) for p in model.parameters())
-    same = kept.keys() == after.keys() and all(torch.equal(kept[k][f], after[k][f].cpu()) for k in kept for f in kept[k])
-    return nan, same
 
 
 #: the largest difference from FSDP's own parameters after 3 steps each compressor may show (0: none)
@@ -113,5 +68,5 @@ def test_bf16_parameters_and_reduction_on_a_shared_gpu():
 
 
 def test_an_overflow_on_one_rank_makes_every_shard_nan_on_the_gpu():
-    for nan, same in run_workers(_overflow_worker, 2, 2, "cuda", timeout=120):
-        assert nan and same
+    for nan, same, kept in run_workers(_overflow_worker, 2, 2, "cuda", timeout=120):
+        assert nan and same and kept > 0
