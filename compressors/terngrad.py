@@ -5,9 +5,12 @@ The gradient is first clipped at ``clip`` standard deviations (GRACE style: ``c 
 2 elements).  With ``s = max |x|``, element ``x`` is sent as ``t = sign(x) * Bernoulli(|x| / s)``
 and decodes to ``t * s``: unbiased whenever no element was clipped.
 
-Wire: the codes ``t + 1`` at 2 bits per element packed in uint8 (``ceil(n / 4)`` bytes) and the
-fp32 scalar ``s``: ``2 + 32 / n`` bits per element.  Not summable (allgathered).
-Defaults: ``clip=2.5``; no error-feedback memory.
+Wire: the codes ``t + 1`` and the fp32 scalar ``s``; with ``packing="2bit"`` (the default) the
+codes at 2 bits each (``ceil(n / 4)`` bytes, :mod:`mergecomp.kernels.bitpack`): ``2 + 32 / n``
+bits per element; with ``packing="base3"`` five to a byte in base 3 (``ceil(n / 5)`` bytes,
+:mod:`mergecomp.kernels.tritpack`): ``1.6 + 32 / n`` bits, a fifth fewer bytes for one more pass
+over the codes on each side.  Not summable (allgathered).
+Defaults: ``clip=2.5``, ``packing="2bit"``; no error-feedback memory.
 """
 from __future__ import annotations
 
@@ -18,34 +21,39 @@ import torch
 from mergecomp.compressors.base.capabilities import ShardedEncode
 from mergecomp.compressors.base.compressor import Payload, SummedDecode
 from mergecomp.compressors.base.passes import CodecPasses
-from mergecomp.kernels import bitpack
+from mergecomp.kernels import tritpack
 from mergecomp.kernels.codecs import codes_sum, moments, stochastic_codes
 from mergecomp.kernels.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
 Ctx = Tuple[int, torch.dtype]
+#: codes per byte of each packing
+_PACKINGS = {"2bit": 4, "base3": tritpack.PER_BYTE}
 
 
 @register_compressor("terngrad")
 class TernGradCompressor(SummedDecode, ShardedEncode):
-    shard_alignment = 4  # whole bytes of 2-bit codes
-    passes = CodecPasses(compress=2, aggregate=1)  # the moments, then the codes
-
-    def __init__(self, clip: Optional[float] = 2.5) -> None:
+    def __init__(self, clip: Optional[float] = 2.5, packing: str = "2bit") -> None:
         super().__init__()
         if clip is not None:
             clip = float(clip)
             if not clip > 0:
                 raise ValueError(f"terngrad clip must be positive or None, got {clip}")
+        if packing not in _PACKINGS:
+            raise ValueError(f"terngrad packing must be one of {tuple(_PACKINGS)}, got {packing!r}")
         self.clip = clip
+        self.packing = packing
+        self.shard_alignment = _PACKINGS[packing]  # shards of whole bytes of codes
+        # the moments, then the codes; base 3 packs them in a pass of its own and decodes per rank
+        self.passes = (CodecPasses(compress=2, aggregate=1) if packing == "2bit"
+                       else CodecPasses(compress=3, aggregate=None))
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
         numel = tensor.numel()
         work = work_dtype(tensor.dtype)
         if numel == 0:
-            return (bitpack.pack(tensor.new_empty(0, dtype=torch.uint8), 2),
-                    torch.zeros(1, device=tensor.device)), (numel, tensor.dtype)
+            return (tensor.new_empty(0, dtype=torch.uint8), torch.zeros(1, device=tensor.device)), (numel, tensor.dtype)
         stats = moments(tensor)  # min, max and squared deviations: one pass where fused
         low, high = stats.extremes()
         s = torch.maximum(-low, high)
@@ -58,18 +66,27 @@ class TernGradCompressor(SummedDecode, ShardedEncode):
         # |x| / s clamped to 1 does the clipping.
         sent = scalar.to(work)
         inverse = torch.where(sent > 0, 1 / sent, 0)
-        # t + 1 in {0, 1, 2}, packed at 2 bits
-        codes = stochastic_codes(tensor, inverse, numel, -1, 1, 1, 2, empty=self.scratch)
+        # t + 1 in {0, 1, 2}: packed at 2 bits as they are drawn, or drawn as bytes then packed in base 3
+        if self.packing == "2bit":
+            codes = stochastic_codes(tensor, inverse, numel, -1, 1, 1, 2, empty=self.scratch)
+        else:
+            codes = tritpack.pack(stochastic_codes(tensor, inverse, numel, -1, 1, 1, 8, empty=self.scratch))
         return (codes, scalar), (numel, tensor.dtype)
 
     def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
-        """Every payload's codes decoded to its own ``{-s, 0, s}``, in one pass
-        (:func:`mergecomp.kernels.codecs.codes_sum`)."""
+        """Every payload's codes decoded to its own ``{-s, 0, s}`` and summed: one pass
+        (:func:`mergecomp.kernels.codecs.codes_sum`) for 2-bit codes; for base 3 a gather per
+        rank (:func:`mergecomp.kernels.tritpack.decode`), added in rank order."""
         numel, dtype = ctx
         values = []
         for _, scalar in payloads:
             s = scalar.to(dtype).reshape(())
             zero = torch.zeros((), dtype=dtype, device=s.device)
-            values.append(torch.stack([-s, zero, s, zero]))
-        return codes_sum([packed for packed, _ in payloads], 2, values, numel, divisor,
-                         self.scratch(numel, dtype, payloads[0][0].device))
+            values.append(torch.stack([-s, zero, s] if self.packing == "base3" else [-s, zero, s, zero]))
+        out = self.scratch(numel, dtype, payloads[0][0].device)
+        if self.packing == "2bit":
+            return codes_sum([packed for packed, _ in payloads], 2, values, numel, divisor, out)
+        tritpack.decode(payloads[0][0], numel, values[0], out)
+        for (packed, _), table in zip(payloads[1:], values[1:]):
+            out.add_(tritpack.decode(packed, numel, table))
+        return out.div_(divisor) if divisor != 1 else out

@@ -29,7 +29,6 @@ the convergence-safety options (``compression_warmup_steps``, ``uncompressed``).
     python scripts/bench_convergence.py --compressors none,topk,dgc --steps 300 --seeds 1
 """
 import argparse
-import ast
 import json
 import os
 import socket
@@ -185,9 +184,12 @@ TASKS = {"digits": Digits, "lm": StdlibBytes}
 
 
 def parse_spec(spec: str):
-    """``"randk:ratio=0.1;seed=3"`` -> ``("randk", {"ratio": 0.1, "seed": 3})``."""
+    """``"randk:ratio=0.1;seed=3"`` -> ``("randk", {"ratio": 0.1, "seed": 3})`` (values that are
+    not Python literals stay strings: ``"terngrad:packing=base3"``)."""
+    from mergecomp.compressor_args import keyword_args
+
     base, _, options = spec.partition(":")
-    return base, {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in options.split(";") if o)}
+    return base, keyword_args([o for o in options.split(";") if o])
 
 
 def compressor_of(spec: str):

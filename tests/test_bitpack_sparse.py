@@ -1,4 +1,5 @@
-"""The vectorized kernels under the compressors: bit packing and the threshold top-k selection.
+"""The vectorized kernels under the compressors: bit packing, base-3 packing and the threshold
+top-k selection.
 
 Both are checked against plain reference implementations (the straightforward versions they
 replaced), exhaustively where the input space is small.
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from mergecomp.compressors.base.sparse import SparseCompressor, num_selected, topk_abs_indices, topk_indices
-from mergecomp.kernels import bitpack, native
+from mergecomp.kernels import bitpack, native, tritpack
 from mergecomp.kernels.codecs import majority_vote, pack_signs
 from mergecomp.kernels.codecs.scans import _flat_nonzero
 from mergecomp.kernels.quantize import stochastic_round_
@@ -76,6 +77,37 @@ def test_decode_is_a_lookup(bits, dtype):
         assert torch.equal(out, values[codes])
     with pytest.raises(ValueError, match="values"):
         bitpack.decode(torch.zeros(1, dtype=torch.uint8), bits, 1, torch.zeros(3))
+
+
+def reference_trits(n):
+    """Every byte 0..242 as its five base-3 digits, least significant first, repeated to n codes."""
+    digits = [(b // 3 ** j) % 3 for b in range(243) for j in range(5)]
+    return torch.tensor((digits * (n // len(digits) + 1))[:n], dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("n", list(range(0, 12)) + [1215, 1216, 100_003])
+def test_trits_pack_five_to_a_byte(n):
+    codes = reference_trits(n)
+    expected = [sum(int(c) * 3 ** j for j, c in enumerate(codes[i:i + 5])) for i in range(0, n, 5)]
+    for src in (codes, codes.to(torch.int8), codes.long(), codes.repeat_interleave(2)[::2]):
+        packed = tritpack.pack(src)
+        assert packed.dtype == torch.uint8 and packed.numel() == tritpack.packed_size(n) == -(-n // 5)
+        assert packed.tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_trits_decode_is_a_lookup(dtype):
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 4, 5, 6, 1003):
+        codes = torch.randint(0, 3, (n,), generator=g)
+        values = (torch.randn(3, generator=g) * 10).to(dtype)
+        packed = tritpack.pack(codes)
+        out = tritpack.decode(packed, n, values)
+        assert out.dtype == dtype and torch.equal(out, values[codes])
+        into = torch.full((n,), float("nan"), dtype=dtype)
+        assert tritpack.decode(packed, n, values, into) is into and torch.equal(into, values[codes])
+    with pytest.raises(ValueError, match="3 values"):
+        tritpack.decode(torch.zeros(1, dtype=torch.uint8), 1, torch.zeros(4))
 
 
 def reference_threshold_topk(magnitude, k):

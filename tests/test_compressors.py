@@ -412,6 +412,25 @@ def test_terngrad_clipping_and_ternary_codes():
     assert torch.all((out == 0) | (torch.sign(out) == torch.sign(x)))
 
 
+@pytest.mark.parametrize("n", [0, 1, 4, 5, 6, 1003, 100_003])
+def test_terngrad_base3_packing_carries_the_same_codes_in_fewer_bytes(n, codec_path):
+    """Five codes to a byte: ``ceil(n / 5)`` bytes where 2-bit codes take ``ceil(n / 4)``; from
+    the same random state both packings decode to the same tensor, alone and summed over ranks."""
+    x = torch.randn(n)
+    decoded, summed = {}, {}
+    for packing in ("2bit", "base3"):
+        c = make("terngrad", packing=packing)
+        torch.manual_seed(3)
+        (packed, scalar), ctx = c.compress(x, "g")
+        assert packed.dtype == torch.uint8
+        assert packed.numel() == (-(-n // 5) if packing == "base3" else bitpack.packed_size(n, 2))
+        decoded[packing] = c.decompress((packed, scalar), ctx).clone()
+        other = c.compress(2 * x, "g")[0]
+        summed[packing] = c.decode_sum([(packed, scalar), other], ctx, 2).clone()
+    assert torch.equal(decoded["2bit"], decoded["base3"])
+    assert torch.equal(summed["2bit"], summed["base3"])
+
+
 @pytest.mark.parametrize("dtype, spread", [(torch.float32, 1.0), (torch.float16, 30.0)], ids=str)
 def test_terngrad_clips_at_the_std_of_a_gradient_with_a_large_mean(dtype, spread):
     x = (1e4 + spread * torch.randn(20_000, dtype=torch.float64)).to(dtype)
@@ -620,6 +639,7 @@ K = num_selected(N_BITS, 0.01)
     ("efsignsgd", {}, 1, 1 + 32 / N_BITS),
     ("onebit", {}, 1, 1 + 64 / N_BITS),
     ("terngrad", {}, 2, 2 + 32 / N_BITS),
+    ("terngrad", {"packing": "base3"}, 1.6, 8 * -(-N_BITS // 5) / N_BITS + 32 / N_BITS),
     ("qsgd", {}, 8 + 32 / 512, 8 + 32 / 512),
     ("qsgd", {"bucket_size": None}, 8, 8 + 32 / N_BITS),
     ("qsgd", {"levels": 7}, 4 + 32 / 512, 4 + 32 / 512),
@@ -651,6 +671,7 @@ def test_bits_per_element(name, kwargs, nominal, exact):
     ("qsgd", {"bucket_size": 0}, "bucket_size"),
     ("terngrad", {"clip": 0}, "clip"),
     ("terngrad", {"clip": -1.0}, "clip"),
+    ("terngrad", {"packing": "3bit"}, "packing"),
     ("signum", {"beta": 1.0}, "beta"),
     ("signum", {"beta": -0.1}, "beta"),
     ("powersgd", {"rank": 0}, "rank"),

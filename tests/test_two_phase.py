@@ -107,13 +107,15 @@ def _worker(rank):
             applied = sum(run(step, rank, range(STEPS)))
             out[name]["gap"] = (applied + residual_total(comm, step)
                                 - mean_grads(size, range(STEPS))).abs().max().item()
-    # 4-bit QSGD with odd buckets: shards of whole buckets, each packed on its own
-    torch.manual_seed(rank)
-    step = make_step(comm, mergecomp.get_compressor("qsgd", levels=7, bucket_size=7), "two-phase",
-                     memory="residual")
-    applied = run(step, rank, range(STEPS))
-    rows = comm.allgather(torch.cat(applied))
-    out["qsgd4"] = {"identical": bool((rows == rows[0]).all()),
+    # packed codes whose shards must start at whole bytes or buckets: 4-bit QSGD with odd
+    # buckets, TernGrad five codes to a byte (base 3)
+    for key, compressor in (("qsgd4", mergecomp.get_compressor("qsgd", levels=7, bucket_size=7)),
+                            ("terngrad_base3", mergecomp.get_compressor("terngrad", packing="base3"))):
+        torch.manual_seed(rank)
+        step = make_step(comm, compressor, "two-phase", memory="residual")
+        applied = run(step, rank, range(STEPS))
+        rows = comm.allgather(torch.cat(applied))
+        out[key] = {"identical": bool((rows == rows[0]).all()),
                     "gap": (sum(applied) + residual_total(comm, step)
                             - mean_grads(size, range(STEPS))).abs().max().item()}
     # majority votes: the vote travels exactly, so both schemes give the same result
@@ -173,9 +175,12 @@ def test_every_allgathered_compressor_gives_identical_results_and_conserves_the_
     assert results[0][name]["second_stage"] == (["residual"] if memory != "none" else [])
 
 
-def test_four_bit_qsgd_with_odd_buckets_is_identical_and_conserves(results):
+@pytest.mark.parametrize("key", ["qsgd4", "terngrad_base3"])
+def test_packed_shards_are_identical_and_conserve(results, key):
+    """Shards start at whole packed bytes (4-bit QSGD's odd buckets, base-3 TernGrad's five
+    codes): ranks agree and nothing is lost."""
     for out in results:
-        assert out["qsgd4"]["identical"] and out["qsgd4"]["gap"] < 1e-4, out["qsgd4"]
+        assert out[key]["identical"] and out[key]["gap"] < 1e-4, out[key]
 
 
 def test_majority_vote_is_the_same_in_both_schemes(results):
