@@ -412,6 +412,23 @@ def test_terngrad_clipping_and_ternary_codes():
     assert torch.all((out == 0) | (torch.sign(out) == torch.sign(x)))
 
 
+@pytest.mark.parametrize("name, kwargs", [(n, {}) for n in sorted(EXPECTED_NAMES)] + [
+    ("none", {"prescale": 2.0}), ("fp16", {"prescale": 2.0}), ("bf16", {"prescale": 2.0}),
+    ("terngrad", {"packing": "base3"}), ("qsgd", {"levels": 7})])
+def test_decompress_leaves_the_payload_as_it_was(name, kwargs, codec_path):
+    """An error-feedback memory decodes this rank's own payload before the payload is sent: the
+    decode must not change it (``none`` with a prescale once multiplied it in place, and the
+    momentum exchange then averaged twice the momentum)."""
+    c = make(name, **kwargs)
+    x = torch.randn(4099)
+    payload, ctx = c.compress(x, "g", [torch.Size([4099])])
+    for _ in range(1, c.rounds):  # a one-rank exchange of the earlier rounds
+        payload, ctx = c.next_round(payload, ctx)
+    sent = [t.clone() for t in payload]
+    c.decompress(payload, ctx)
+    assert all(torch.equal(a, b) for a, b in zip(payload, sent))
+
+
 @pytest.mark.parametrize("n", [0, 1, 4, 5, 6, 1003, 100_003])
 def test_terngrad_base3_packing_carries_the_same_codes_in_fewer_bytes(n, codec_path):
     """Five codes to a byte: ``ceil(n / 5)`` bytes where 2-bit codes take ``ceil(n / 4)``; from

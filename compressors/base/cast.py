@@ -70,5 +70,8 @@ class CastCompressor(Compressor, CheckedEncode):
 
     def decompress(self, payload: Payload, ctx: torch.dtype) -> torch.Tensor:
         wire = payload[0]
-        out = wire if wire.dtype == ctx else self.scratch(wire.numel(), ctx, wire.device).copy_(wire)
-        return out if self.prescale == 1.0 else out.mul_(self.prescale)
+        if self.prescale == 1.0:
+            return wire if wire.dtype == ctx else self.scratch(wire.numel(), ctx, wire.device).copy_(wire)
+        # never in place: a memory decodes this rank's payload before the payload is sent
+        out = self.scratch(wire.numel(), ctx, wire.device)
+        return torch.mul(wire, self.prescale, out=out) if wire.dtype == ctx else out.copy_(wire).mul_(self.prescale)
