@@ -1,5 +1,9 @@
 """Top-k sparsification: send the k = ratio * n largest-magnitude elements (values + int32 indices).
 
+The values go in the gradient's dtype, or with ``value_dtype="fp16"`` / ``"bf16"`` cast to it
+(48 bits per kept element instead of 64 for fp32 gradients; the rounding stays in the error-feedback
+memory, and an fp16 value beyond its range is an overflow as for the fp16 cast).
+
 ``selection="exact"`` uses ``torch.topk``; ``"threshold"`` (default) estimates the k-th largest
 magnitude from a sample and runs the exact top-k only among the candidates above it, which keeps
 a merged 25 M-element buffer fast (see :func:`mergecomp.compressors.base.sparse.topk_indices`).  Error feedback:
@@ -21,15 +25,22 @@ from mergecomp.kernels.codecs import compensated_above, fused_scan_served, keep_
 from mergecomp.registry import register_compressor
 
 _SELECTIONS = ("exact", "threshold")
+#: ``value_dtype`` names and the dtypes they send
+_VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @register_compressor("topk")
 class TopKCompressor(SparseCompressor, FusedEncode):
-    def __init__(self, ratio: float = 0.01, selection: str = "threshold") -> None:
+    def __init__(self, ratio: float = 0.01, selection: str = "threshold", value_dtype: Optional[str] = None) -> None:
         super().__init__(ratio)
         if selection not in _SELECTIONS:
             raise ValueError(f"topk selection must be one of {_SELECTIONS}, got {selection!r}")
+        if value_dtype is not None and value_dtype not in _VALUE_DTYPES:
+            raise ValueError(f"topk value_dtype must be None or one of {tuple(_VALUE_DTYPES)}, got {value_dtype!r}")
         self.selection = selection
+        self.value_dtype = value_dtype
+        #: the dtype the values are cast to on the wire (None: sent as they are)
+        self._wire_dtype = None if value_dtype is None else _VALUE_DTYPES[value_dtype]
         # compress: the threshold scan (the sample and the k values are small); exact: ``abs``
         # and ``topk``.  The fused encode: one pass, which writes the residual too.
         self._passes = CodecPasses(compress=1 if selection == "threshold" else 2, aggregate=1, fused_update=0)
@@ -37,6 +48,21 @@ class TopKCompressor(SparseCompressor, FusedEncode):
     @property
     def passes(self) -> CodecPasses:
         return self._passes
+
+    @property
+    def may_overflow(self) -> bool:
+        """Values cast to fp16 or bf16, whose largest values are below fp32's."""
+        return self._wire_dtype is not None
+
+    def compress(self, tensor: torch.Tensor, name: str,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Tuple[int, torch.dtype]]:
+        (values, indices), ctx = super().compress(tensor, name, shapes)
+        return (self._on_wire(values), indices), ctx
+
+    def _on_wire(self, values: torch.Tensor) -> torch.Tensor:
+        """The values as sent: cast to ``value_dtype`` (when it is set and not theirs)."""
+        wire = self._wire_dtype
+        return values if wire is None or values.dtype == wire else values.to(wire)
 
     def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
         return topk_abs_indices(tensor, k, self.selection)
@@ -84,4 +110,7 @@ class TopKCompressor(SparseCompressor, FusedEncode):
             out[indices] = 0
             if corrected is not None:  # momentum factor masking where a value went out
                 corrected.index_fill_(0, indices[values != 0], 0)
-        return (values, indices.to(torch.int32)), (n, tensor.dtype), lambda: None
+        sent = self._on_wire(values)
+        if sent is not values:  # the cast's rounding stays in the residual (k entries)
+            out.index_put_((indices.long(),), values - sent.to(values.dtype))
+        return (sent, indices.to(torch.int32)), (n, tensor.dtype), lambda: None

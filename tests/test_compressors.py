@@ -429,6 +429,21 @@ def test_decompress_leaves_the_payload_as_it_was(name, kwargs, codec_path):
     assert all(torch.equal(a, b) for a, b in zip(payload, sent))
 
 
+@pytest.mark.parametrize("value_dtype", ["fp16", "bf16"])
+def test_topk_values_in_half_precision_keep_their_rounding_in_the_residual(value_dtype, codec_path):
+    """``value_dtype``: the values travel in it, decode to the gradient's dtype, and what the
+    cast rounded off stays in the residual: decoded + residual is the compensated gradient."""
+    c, memory = make("topk", ratio=0.05, value_dtype=value_dtype), mergecomp.get_memory("residual")
+    grad = torch.randn(20_000) / 3
+    payload = encode(c, memory, grad.clone(), codec_path)
+    assert payload[0].dtype == getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[value_dtype])
+    decoded = c.decompress(payload, (grad.numel(), torch.float32))
+    residual = memory.state_dict()["g"]["residual"]
+    assert not torch.equal(decoded[payload[1].long()], grad[payload[1].long()])  # rounded
+    assert torch.equal(decoded + residual, grad)
+    assert c.may_overflow and not make("topk").may_overflow
+
+
 @pytest.mark.parametrize("n", [0, 1, 4, 5, 6, 1003, 100_003])
 def test_terngrad_base3_packing_carries_the_same_codes_in_fewer_bytes(n, codec_path):
     """Five codes to a byte: ``ceil(n / 5)`` bytes where 2-bit codes take ``ceil(n / 4)``; from
@@ -661,6 +676,7 @@ K = num_selected(N_BITS, 0.01)
     ("qsgd", {"bucket_size": None}, 8, 8 + 32 / N_BITS),
     ("qsgd", {"levels": 7}, 4 + 32 / 512, 4 + 32 / 512),
     ("topk", {"ratio": 0.01}, 64 * 0.01, 64 * K / N_BITS),
+    ("topk", {"ratio": 0.01, "value_dtype": "fp16"}, 48 * 0.01, 48 * K / N_BITS),
     ("dgc", {"ratio": 0.01}, 64 * 0.01, 64 * K / N_BITS),
     ("randk", {"ratio": 0.01}, 32 * 0.01, 32 * K / N_BITS),
     ("powersgd", {}, 32, 32),  # no shapes: one 1-D tensor, sent raw
@@ -679,6 +695,7 @@ def test_bits_per_element(name, kwargs, nominal, exact):
     ("topk", {"ratio": 0}, "ratio"),
     ("topk", {"ratio": 1.5}, "ratio"),
     ("topk", {"selection": "random"}, "selection"),
+    ("topk", {"value_dtype": "fp8"}, "value_dtype"),
     ("dgc", {"ratio": -0.1}, "ratio"),
     ("randk", {"ratio": 0}, "ratio"),
     ("randk", {"unbiased": "yes"}, "unbiased"),
@@ -889,14 +906,17 @@ def test_fused_encode_matches_compensate_compress_feed_bit_for_bit(name, n, code
     (1_000_000, 0.1, None),  # the sampled threshold leaves fewer than k candidates
     (100_003, 0.01, 1),      # more candidates than the scan kept aside
 ])
-def test_topk_fused_encode_matches_compensate_compress_feed_bit_for_bit(n, ratio, capacity, codec_path, monkeypatch):
+@pytest.mark.parametrize("value_dtype", [None, "fp16"])
+def test_topk_fused_encode_matches_compensate_compress_feed_bit_for_bit(n, ratio, capacity, value_dtype, codec_path,
+                                                                        monkeypatch):
     """The one-pass scan of gradient + residual gives top-k's payload and residual bit for bit,
-    in its usual case and in both fallbacks (the candidates too few, or more than it kept)."""
+    in its usual case and in both fallbacks (the candidates too few, or more than it kept); with
+    fp16 values the residual keeps their rounding on both routes."""
     import mergecomp.compressors.topk as topk_module
 
     if capacity is not None:
         monkeypatch.setattr(topk_module, "candidate_capacity", lambda k: capacity)
-    fused_c, plain_c = make("topk", ratio=ratio), make("topk", ratio=ratio)
+    fused_c, plain_c = (make("topk", ratio=ratio, value_dtype=value_dtype) for _ in range(2))
     fused_m, plain_m = mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
     for step in range(3):  # the first without a residual
         grad = torch.randn(n) * (step + 1)

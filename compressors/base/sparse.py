@@ -1,9 +1,9 @@
 """Sparse payloads (values + int32 indices), written once for every sparsifier.
 
 Wire format of a :class:`SparseCompressor` payload: ``(values, indices)``, ``values`` in the
-gradient's dtype and ``indices`` int32, both of length ``k = max(1, ceil(ratio * numel))``
-(:func:`num_selected`, exact) — a function of numel and ratio only, so every rank sends the same
-number of bytes.
+gradient's dtype (top-k's ``value_dtype`` casts them) and ``indices`` int32, both of length
+``k = max(1, ceil(ratio * numel))`` (:func:`num_selected`, exact) — a function of numel and ratio
+only, so every rank sends the same number of bytes.
 
 Also here: a fast top-k selection for large merged buffers (a threshold estimated from a strided
 sample, then an exact top-k among the candidates above it, found by
@@ -163,7 +163,7 @@ class SparseCompressor(Compressor, SparseEntries):
 
     def aggregate(self, payloads, ctx, world_size, average):
         # One scatter-add over all ranks' entries instead of one dense decode per rank.
-        values = torch.cat([p[0] for p in payloads])
+        values = torch.cat([p[0] for p in payloads]).to(ctx[1])  # values sent in half precision: divided in full
         indices = torch.cat([p[1] for p in payloads])
         if average:  # k values per rank, not the dense buffer
             values = values.div_(world_size)
