@@ -11,7 +11,8 @@ weight decay 0.1), a linear LR warm-up over the first 5 % of the steps then a co
 
 A configuration is ``COMPRESSOR[:key=value;...]@MODE``, MODE ``grad`` (gradients exchanged,
 the compressor's default memory) or ``momentum`` (``exchange_momentum_after=--after``, lossless
-warm-up; ``momentum/R``: with ``variance_refresh_every=R``), either with
+warm-up; ``momentum/R``: with ``variance_refresh_every=R``) or ``increment`` (the same with
+``exchange_momentum_as="increment"``: only the gradient's share of the momentum sent), each with
 ``+MEMORY[:key=value;...]`` for another error-feedback memory (``grad+averaged``,
 ``momentum+residual:beta=0.9/64``), and with a suffix ``^fp16`` or ``^qsgd`` for the warm-up
 and the refreshes sent as fp16 or 8-bit QSGD (``compression_warmup_codec``).  ``none@grad`` is
@@ -93,8 +94,8 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None):
     kwargs = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
     if memory:
         kwargs["memory"] = memory_of(memory)
-    if mode == "momentum":
-        kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh)
+    if mode in ("momentum", "increment"):
+        kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh, exchange_momentum_as=mode)
     opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor_of(spec), groups=groups,
                                   **kwargs)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps, warm)), refresh
@@ -160,7 +161,7 @@ def run_one(rank, world, config, seed, args, data):
                 "error_feedback": sum(held(h) for k, h in opt.exchange.holders().items() if k != "compressor") / 1e6,
                 "compressor": held(opt.compressor) / 1e6,
                 "group_buffers": sum(b.nbytes for b in opt.merged.buffers) / 1e6}
-    return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode.startswith("momentum") else None,
+    return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode != "grad" else None,
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
             "refresh": refresh, "bits_per_element": bits_over_run(opt, args.steps, refresh),
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,

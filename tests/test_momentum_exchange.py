@@ -149,7 +149,7 @@ def test_an_fp16_warmup_and_fp16_refreshes_equal_the_reference_with_fp16_average
         assert active and torch.equal(params, expected)
 
 
-def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warmup_codec="none"):
+def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warmup_codec="none", send="momentum"):
     import mergecomp.torch as mc
 
     x, y = (t.to(device) for t in make_data())
@@ -158,7 +158,8 @@ def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warm
         model = make_model().to(device)
         opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=name, groups=2,
                                       exchange_momentum_after=AFTER, scheme=scheme, compression_warmup_steps=2,
-                                      variance_refresh_every=refresh, compression_warmup_codec=warmup_codec)
+                                      variance_refresh_every=refresh, compression_warmup_codec=warmup_codec,
+                                      exchange_momentum_as=send)
         xs, ys = shard(x, rank, world), shard(y, rank, world)
         before = torch.nn.functional.cross_entropy(model(x), y).item()
         run(model, opt, xs, ys, 20)
@@ -177,6 +178,17 @@ AVERAGING = [n for n in mergecomp.compressor_names() if not mergecomp.get_compre
 def test_every_averaging_compressor_keeps_ranks_identical_and_learns(scheme, refresh):
     names = [n for n in AVERAGING if scheme is None or mergecomp.get_compressor(n).rounds == 1]
     for result in run_workers(_compressor_worker, 2, names, scheme, refresh, timeout=300):
+        for name, (identical, before, after, _) in result.items():
+            assert identical, name
+            assert math.isfinite(after) and after < before, (name, before, after)
+
+
+@pytest.mark.parametrize("scheme", [None, "two-phase"])
+def test_sending_the_increment_keeps_ranks_identical_and_learns(scheme):
+    """``exchange_momentum_as="increment"`` with a sign code, a sparsifier, a quantizer and a
+    low-rank codec, the variance refreshed, each with its error feedback."""
+    names = ["onebit", "topk", "qsgd"] + (["powersgd"] if scheme is None else [])
+    for result in run_workers(_compressor_worker, 2, names, scheme, 3, 2, "cpu", "none", "increment", timeout=300):
         for name, (identical, before, after, _) in result.items():
             assert identical, name
             assert math.isfinite(after) and after < before, (name, before, after)
@@ -226,7 +238,7 @@ def test_the_scheduler_searches_the_momentum_phase_on_three_ranks():
         assert not [codecs for codecs in tried if {"fp16", "none"} & set(codecs)], tried
 
 
-def _resume_worker(rank, compression, who_loads, save_at, refresh):
+def _resume_worker(rank, compression, who_loads, save_at, refresh, send="momentum"):
     import mergecomp.torch as mc
 
     x, y = make_data()
@@ -235,7 +247,8 @@ def _resume_worker(rank, compression, who_loads, save_at, refresh):
     def fresh():
         model = make_model()
         opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=compression,
-                                      groups=2, exchange_momentum_after=AFTER, variance_refresh_every=refresh)
+                                      groups=2, exchange_momentum_after=AFTER, variance_refresh_every=refresh,
+                                      exchange_momentum_as=send)
         return model, opt
 
     model, opt = fresh()
@@ -257,14 +270,16 @@ def _resume_worker(rank, compression, who_loads, save_at, refresh):
     return flat_params(model), uninterrupted, opt.momentum_exchange.active
 
 
-@pytest.mark.parametrize("compression,who_loads,save_at,refresh", [
-    ("topk", "every rank", AFTER + 2, None),  # momentum phase: the residuals of the momentum, per rank
-    ("onebit", "every rank", AFTER - 1, 2),   # saved in the warm-up: the freeze happens after resuming
-    ("none", "rank 0", AFTER + 2, None),      # rank 0's checkpoint, broadcast: phase and coefficients
-    ("efsignsgd", "every rank", AFTER + 1, 3),  # refreshes on both sides of the checkpoint
+@pytest.mark.parametrize("compression,who_loads,save_at,refresh,send", [
+    ("topk", "every rank", AFTER + 2, None, "momentum"),  # momentum phase: the residuals of the momentum, per rank
+    ("onebit", "every rank", AFTER - 1, 2, "momentum"),   # saved in the warm-up: the freeze happens after resuming
+    ("none", "rank 0", AFTER + 2, None, "momentum"),      # rank 0's checkpoint, broadcast: phase and coefficients
+    ("efsignsgd", "every rank", AFTER + 1, 3, "momentum"),  # refreshes on both sides of the checkpoint
+    ("powersgd", "every rank", AFTER + 2, 3, "increment"),  # the increments' residuals and PowerSGD's Q
 ])
-def test_resume_continues_exactly(compression, who_loads, save_at, refresh):
-    for resumed, uninterrupted, active in run_workers(_resume_worker, 2, compression, who_loads, save_at, refresh):
+def test_resume_continues_exactly(compression, who_loads, save_at, refresh, send):
+    for resumed, uninterrupted, active in run_workers(_resume_worker, 2, compression, who_loads, save_at, refresh,
+                                                      send):
         assert active
         assert torch.equal(resumed, uninterrupted)
 
@@ -339,6 +354,8 @@ def _bad_options_worker(rank):
         (lambda: make_adam(model), {"compression": "dgc"}),
         (lambda: make_adam(model), {"variance_refresh_every": 0}),
         (lambda: make_adam(model), {"exchange_momentum_after": None, "variance_refresh_every": 5}),
+        (lambda: make_adam(model), {"exchange_momentum_as": "gradient"}),
+        (lambda: make_adam(model), {"exchange_momentum_after": None, "exchange_momentum_as": "increment"}),
     ]
     for make, kwargs in cases:
         kwargs = {"exchange_momentum_after": AFTER, **kwargs}
@@ -365,7 +382,8 @@ def test_an_unbiased_quantizer_gets_error_feedback_by_default():
 
 def test_bad_options_raise_naming_the_option():
     for errors, _ in run_workers(_bad_options_worker, 2):
-        sgd, vote, amsgrad, zero, op_sum, scaler_alone, not_scaler, dgc, refresh_zero, refresh_alone = errors
+        (sgd, vote, amsgrad, zero, op_sum, scaler_alone, not_scaler, dgc, refresh_zero, refresh_alone, send_bad,
+         send_alone) = errors
         assert "exchange_momentum_after" in sgd and "SGD" in sgd
         assert "signsgd" in vote and "majority vote" in vote
         assert "amsgrad" in amsgrad
@@ -376,6 +394,8 @@ def test_bad_options_raise_naming_the_option():
         assert "'dgc'" in dgc and "residual" in dgc
         assert "variance_refresh_every" in refresh_zero and "0" in refresh_zero
         assert "variance_refresh_every" in refresh_alone and "exchange_momentum_after" in refresh_alone
+        assert "exchange_momentum_as" in send_bad and "'gradient'" in send_bad and "increment" in send_bad
+        assert "exchange_momentum_as" in send_alone and "exchange_momentum_after" in send_alone
 
 
 def _disagree_worker(rank):
@@ -390,7 +410,7 @@ def test_ranks_must_agree_on_the_warm_up():
         run_workers(_disagree_worker, 2)
 
 
-def _wire_worker(rank, low_rank):
+def _wire_worker(rank, low_rank, send="momentum"):
     import mergecomp.torch as mc
     from mergecomp.compressors.none import NoneCompressor
 
@@ -409,21 +429,35 @@ def _wire_worker(rank, low_rank):
     torch.nn.init.normal_(model.weight, generator=torch.Generator().manual_seed(0))
     codec = Recording(prescale=2.0)
     opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=codec,
-                                  exchange_momentum_after=AFTER, compression_warmup_steps=AFTER)
+                                  exchange_momentum_after=AFTER, compression_warmup_steps=AFTER,
+                                  exchange_momentum_as=send)
     run(model, opt, xs, ys, AFTER + 1)
     group, state = opt.param_groups[0], opt.state[model.weight]
     beta1 = group["betas"][0]
     grad, = torch.autograd.grad(torch.nn.functional.cross_entropy(model(xs), ys), model.weight)
-    local = (1 - beta1) * grad + beta1 * state["exp_avg"]
+    before = state["exp_avg"].clone()
+    local = (1 - beta1) * grad + (0 if send == "increment" else beta1 * before)
     expected = local if low_rank else local / (state["exp_avg_sq"].sqrt() + group["eps"])
     del codec.sent[:]
     run(model, opt, xs, ys, 1)
-    return codec.sent[0], expected.flatten()
+    averaged = beta1 * before + (1 - beta1) * mc.allgather(grad.unsqueeze(0)).mean(0)
+    return codec.sent[0], expected.flatten(), state["exp_avg"], averaged
 
 
 @pytest.mark.parametrize("low_rank", [False, True])
 def test_the_momentum_goes_on_the_wire_divided_by_adams_denominator(low_rank):
     """A lossy codec gets ``m / (sqrt(v) + eps)``, the update's own scale, in which one codec
     scale fits every element; a low-rank one gets ``m`` (one tensor: coefficient 1)."""
-    for sent, expected in run_workers(_wire_worker, 2, low_rank, timeout=120):
+    for sent, expected, momentum, averaged in run_workers(_wire_worker, 2, low_rank, timeout=120):
         torch.testing.assert_close(sent, expected, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(momentum, averaged, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_the_increment_sends_only_the_gradients_share_and_adds_the_rest_after(low_rank):
+    """``exchange_momentum_as="increment"``: the wire holds ``(1 - b1) * g`` (over Adam's
+    denominator where the momentum would be), and the momentum after the exchange is still
+    ``b1 * m + (1 - b1) * mean(g)``."""
+    for sent, expected, momentum, averaged in run_workers(_wire_worker, 2, low_rank, "increment", timeout=120):
+        torch.testing.assert_close(sent, expected, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(momentum, averaged, rtol=1e-5, atol=1e-7)

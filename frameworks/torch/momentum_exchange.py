@@ -30,6 +30,12 @@
   A tensor without a gradient this step sends ``c * beta1 * S * m / d``.  After the exchange
   ``p.grad = S * m_avg`` (``c`` and ``d`` multiplied out), which a ``GradScaler`` unscales and
   clipping may clip.
+* **Increment** (``exchange_momentum_as="increment"``): ``beta1 * S * m``, the averaged momentum
+  of the last update and the same on every rank, is left out of ``x`` and added after the
+  exchange: each rank sends only its gradient's share ``c * (1 - beta1) * (±g + S * wd * p) / d``
+  (zeros for a tensor without a gradient), and the compressor's error feedback then holds what
+  the gradients lost, as PowerSGD's own recipe (error feedback on the gradient, momentum on the
+  average) has it.  The default, ``"momentum"``, sends all of ``x`` (1-bit Adam's choice).
 * **Update** (``step()``), per parameter with Adam state, with the group's current lr, betas,
   eps and weight decay: ``m = p.grad``; ``p *= 1 - lr * wd`` (AdamW); ``t += 1``;
   ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t_v) + eps)``, ``t_v`` the update
@@ -64,6 +70,9 @@ __all__ = ["MomentumExchange", "SEARCH", "default_memory"]
 
 OPTION = "exchange_momentum_after"
 REFRESH_OPTION = "variance_refresh_every"
+SEND_OPTION = "exchange_momentum_as"
+#: what each rank puts on the wire in the momentum phase (:class:`MomentumExchange`'s ``send``)
+SENDS = ("momentum", "increment")
 #: Adam options the frozen-variance update does not implement, with the values it accepts
 _UNSUPPORTED = {"amsgrad": (False,), "fused": (None, False), "capturable": (False,), "differentiable": (False,)}
 
@@ -126,16 +135,20 @@ class MomentumExchange:
             average momentum, DGC's memory would apply momentum to it again; its memories start
             afresh when the variance freezes).
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, or None.
+        send: ``"momentum"`` (this rank's whole momentum ``x``) or ``"increment"`` (only its
+            gradient's share; ``beta1 * m``, the same on every rank, added after the exchange).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], after: Any,
                  exchange: Exchange, grad_scaler: Any = None,
-                 refresh_every: Optional[int] = None) -> None:
+                 refresh_every: Optional[int] = None, send: str = "momentum") -> None:
         if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
             raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
         check_after(after)
         if refresh_every is not None:
             check_after(refresh_every, REFRESH_OPTION)
+        if send not in SENDS:
+            raise ValueError(f"{SEND_OPTION} must be one of {SENDS}, got {send!r}")
         if exchange.compressor.votes:
             raise ValueError(f"{OPTION}: compressor {exchange.compressor.name!r} returns a majority vote, not the "
                              f"average the momentum needs; use 'efsignsgd' or 'onebit' for signs")
@@ -160,6 +173,9 @@ class MomentumExchange:
         #: the momentum goes on the wire divided by Adam's denominator (lossy codecs that are not
         #: low-rank: the update's own scale, in which one codec scale fits every element)
         self.preconditioned = not self.lossless and not exchange.compressor.low_rank
+        #: only the gradient's share goes on the wire (a lossless exchange sends the momentum:
+        #: the same average either way)
+        self.increment = send == "increment" and not self.lossless
         #: updates applied so far (warm-up and momentum phase; skipped steps not counted)
         self.updates = 0
         #: per tensor index, once frozen (None before): the momentum's scaling for the wire
@@ -206,8 +222,11 @@ class MomentumExchange:
         beta1 = group["betas"][0]
         momentum = state["exp_avg"]
         refreshing = self.refreshing  # the plain gradient: beta1, m and the wire scaling left out
+        weight = 0.0 if self.increment else beta1 * scale  # of m in x
         if grad is None:
-            return None if refreshing else self._to_wire(i, momentum * (beta1 * scale))
+            if refreshing:
+                return None
+            return torch.zeros_like(momentum) if self.increment else self._to_wire(i, momentum * weight)
         mix = 1.0 if refreshing else 1 - beta1
         mix = -mix if group["maximize"] else mix
         if group["weight_decay"] and not self._decoupled(group):  # Adam's L2 term joins the gradient
@@ -216,9 +235,9 @@ class MomentumExchange:
         if refreshing:
             return grad if mix == 1.0 else grad.mul_(mix)
         if self.preconditioned:
-            return frozen_adam.momentum_to_wire(grad, momentum, state["exp_avg_sq"], mix, beta1 * scale, group["eps"],
+            return frozen_adam.momentum_to_wire(grad, momentum, state["exp_avg_sq"], mix, weight, group["eps"],
                                                 self.coefficients[i])
-        return self._to_wire(i, grad.mul_(mix).add_(momentum, alpha=beta1 * scale))
+        return self._to_wire(i, grad.mul_(mix) if self.increment else grad.mul_(mix).add_(momentum, alpha=weight))
 
     def _to_wire(self, i: int, momentum: torch.Tensor) -> torch.Tensor:
         """Tensor ``i``'s momentum as it goes on the wire, in place: ``c * m / d`` (``d`` Adam's
@@ -241,15 +260,20 @@ class MomentumExchange:
 
     def finished(self, views: Optional[List[torch.Tensor]]) -> None:
         """The step's exchange finished: its results, ``views[i] = c * S * m_avg / d`` (as sent,
-        :meth:`_to_wire`), become ``S * m_avg`` in place (None: a step skipped for NaN/Inf)."""
+        :meth:`_to_wire`), become ``S * m_avg`` in place (None: a step skipped for NaN/Inf); with
+        ``send="increment"`` the views hold the increments' average, to which ``S * beta1 * m``
+        is added."""
         if views is not None and not self.lossless and not self.refreshing:
+            settings = self._settings()
             for i, view in enumerate(views):
                 state = self.optimizer.state.get(self.params[i])
+                group = settings["groups"][i]
                 if self.preconditioned and state:
-                    frozen_adam.momentum_from_wire(view, state["exp_avg_sq"], self._settings()["groups"][i]["eps"],
-                                                   self.coefficients[i])
+                    frozen_adam.momentum_from_wire(view, state["exp_avg_sq"], group["eps"], self.coefficients[i])
                 else:
                     view.div_(self.coefficients[i])
+                if self.increment and state:
+                    view.add_(state["exp_avg"], alpha=group["betas"][0] * settings["scale"])
         self._step = None
 
     # -- step ------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import SEARCH as MOMENTUM_SEARCH
+from .momentum_exchange import SEND_OPTION as MOMENTUM_SEND_OPTION
 from .momentum_exchange import MomentumExchange, check_after
 from .momentum_exchange import default_memory as default_momentum_memory
 from .named_parameters import collect_parameters
@@ -119,6 +120,10 @@ class DistributedOptimizer(HoldsMergedStep):
             momentum phase, the gradients travel as in the warm-up (exactly, or as
             ``compression_warmup_codec`` says) and refresh the variance (as the last
             that many steps of Adam would have moved it); None: frozen for good.
+        exchange_momentum_as: with ``exchange_momentum_after``: ``"momentum"`` (default: each
+            rank sends its whole momentum, as 1-bit Adam does) or ``"increment"`` (only its
+            gradient's share; the momentum's common part, the same on every rank, is added
+            after the exchange: for PowerSGD, docs/compressors.md).
         grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
             the loss (the momentum is sent in the gradient's loss scale).
         options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`):
@@ -159,6 +164,7 @@ class DistributedOptimizer(HoldsMergedStep):
         memory: Union[str, Memory, None] = None,
         exchange_momentum_after: Optional[int] = None,
         variance_refresh_every: Optional[int] = None,
+        exchange_momentum_as: str = "momentum",
         grad_scaler: Any = None,
         **options,
     ) -> None:
@@ -170,6 +176,8 @@ class DistributedOptimizer(HoldsMergedStep):
                              f"when gradients are exchanged)")
         if variance_refresh_every is not None and exchange_momentum_after is None:
             raise ValueError(f"variance_refresh_every is only used with {MOMENTUM_OPTION}")
+        if exchange_momentum_as != "momentum" and exchange_momentum_after is None:
+            raise ValueError(f"{MOMENTUM_SEND_OPTION} is only used with {MOMENTUM_OPTION}")
         self._check_passes(backward_passes_per_step)
         # The optimizer as torch built it (param_groups, state, defaults, hook registries), shared.
         self.__dict__.update(vars(optimizer))
@@ -193,7 +201,8 @@ class DistributedOptimizer(HoldsMergedStep):
             FrontEnd("DistributedOptimizer", "parameters",
                      agree=(("backward_passes_per_step", backward_passes_per_step),
                             (MOMENTUM_OPTION, exchange_momentum_after),
-                            ("variance_refresh_every", variance_refresh_every))))
+                            ("variance_refresh_every", variance_refresh_every),
+                            (MOMENTUM_SEND_OPTION, exchange_momentum_as))))
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
@@ -204,7 +213,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self._should_synchronize = True
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if exchange_momentum_after is None else MomentumExchange(
-            self, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler, variance_refresh_every)
+            self, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler, variance_refresh_every,
+            exchange_momentum_as)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod
