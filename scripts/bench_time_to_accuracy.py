@@ -235,6 +235,7 @@ def label(record):
         spec, mode, _, refresh, warmup_codec = parse_config(config)
         name = (f"mergecomp {spec}" + (f" (lossless), groups={record.get('groups') or 'auto'}" if spec == "none" else "")
                 + (f", momentum exchanged (R={refresh})" if mode == "momentum" else "")
+                + (f", momentum exchanged as increments (R={refresh})" if mode == "increment" else "")
                 + (f", {warmup_codec} warm-up" if warmup_codec else ""))
     return name + (f", {factor}x the steps" if factor else "")
 
