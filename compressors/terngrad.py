@@ -44,9 +44,8 @@ class TernGradCompressor(SummedDecode, ShardedEncode):
         self.clip = clip
         self.packing = packing
         self.shard_alignment = _PACKINGS[packing]  # shards of whole bytes of codes
-        # the moments, then the codes; base 3 packs them in a pass of its own and decodes per rank
-        self.passes = (CodecPasses(compress=2, aggregate=1) if packing == "2bit"
-                       else CodecPasses(compress=3, aggregate=None))
+        # the moments, then the codes (base 3: then their packing, a pass of its own); the decode
+        self.passes = CodecPasses(compress=2 if packing == "2bit" else 3, aggregate=1)
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
@@ -74,19 +73,15 @@ class TernGradCompressor(SummedDecode, ShardedEncode):
         return (codes, scalar), (numel, tensor.dtype)
 
     def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
-        """Every payload's codes decoded to its own ``{-s, 0, s}`` and summed: one pass
-        (:func:`mergecomp.kernels.codecs.codes_sum`) for 2-bit codes; for base 3 a gather per
-        rank (:func:`mergecomp.kernels.tritpack.decode`), added in rank order."""
+        """Every payload's codes decoded to its own ``{-s, 0, s}`` and summed, in one pass
+        (:func:`mergecomp.kernels.codecs.codes_sum`, :func:`mergecomp.kernels.tritpack.decode_sum`)."""
         numel, dtype = ctx
         values = []
         for _, scalar in payloads:
             s = scalar.to(dtype).reshape(())
             zero = torch.zeros((), dtype=dtype, device=s.device)
             values.append(torch.stack([-s, zero, s] if self.packing == "base3" else [-s, zero, s, zero]))
-        out = self.scratch(numel, dtype, payloads[0][0].device)
+        packed, out = [codes for codes, _ in payloads], self.scratch(numel, dtype, payloads[0][0].device)
         if self.packing == "2bit":
-            return codes_sum([packed for packed, _ in payloads], 2, values, numel, divisor, out)
-        tritpack.decode(payloads[0][0], numel, values[0], out)
-        for (packed, _), table in zip(payloads[1:], values[1:]):
-            out.add_(tritpack.decode(packed, numel, table))
-        return out.div_(divisor) if divisor != 1 else out
+            return codes_sum(packed, 2, values, numel, divisor, out)
+        return tritpack.decode_sum(packed, numel, values, divisor, out)

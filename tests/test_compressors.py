@@ -187,7 +187,7 @@ def test_aggregate_of_three_ranks(name, n):
 
 @pytest.mark.parametrize("average", [True, False])
 @pytest.mark.parametrize("name, kwargs", [("onebit", {}), ("efsignsgd", {}), ("qsgd", {}), ("qsgd", {"levels": 7}),
-                                          ("terngrad", {})])
+                                          ("terngrad", {}), ("terngrad", {"packing": "base3"})])
 def test_one_pass_aggregate_is_decode_add_divide_bit_for_bit(name, kwargs, average, codec_path):
     """The compressors that sum every rank's decode in one pass (no per-rank temporaries) give
     what decoding each payload, adding in rank order and dividing gives."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mergecomp
-from mergecomp.kernels import bitpack, native
+from mergecomp.kernels import bitpack, native, tritpack
 from mergecomp.kernels.codecs import decode_signs, majority_vote, pack_signs
 from mergecomp.kernels.quantize import bucket_norms
 
@@ -429,6 +429,23 @@ def test_codes_sum_is_the_sum_of_decodes_bit_for_bit(ranks, n, bits):
         assert torch.equal(out, expected.div_(divisor) if divisor != 1 else expected), divisor
     with pytest.raises(ValueError, match="values per rank"):
         native.codes_sum(packed, bits, values[:, :1], n, 1.0, out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 5, 6, 32721, (1 << 20) + 7])  # a block and a byte split, streamed stores
+def test_trits_sum_is_the_sum_of_decodes_bit_for_bit(ranks, n):
+    """Base-3 codes: every rank's decode added in rank order, then divided, as the eager gathers
+    do (:func:`mergecomp.kernels.tritpack.decode_sum` with the kernels off)."""
+    packed = [tritpack.pack(torch.randint(0, 3, (n,), dtype=torch.uint8)) for _ in range(ranks)]
+    values = list(torch.randn(ranks, 3))
+    for divisor in (1, ranks, 3):
+        out = native.trits_sum(packed, torch.stack(values), n, divisor, torch.full((n,), float("nan")))
+        with native.disabled():
+            expected = tritpack.decode_sum(packed, n, values, divisor, torch.empty(n))
+        assert torch.equal(out, expected), divisor
+    with pytest.raises(ValueError, match="3 values per rank"):
+        native.trits_sum(packed, torch.zeros(ranks, 4), n, 1.0, out)
 
 
 @needs_kernels

@@ -37,14 +37,14 @@ from mergecomp.kernels.bitpack import packed_size
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
-           "momentum_signs", "majority_vote", "codes_sum", "levels_sum",
+           "momentum_signs", "majority_vote", "codes_sum", "trits_sum", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "cast_half_finite",
            "zero_fill", "low_rank", "momentum_to_wire", "momentum_from_wire", "frozen_adam_update"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 26
+_ABI_VERSION = 27
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -103,6 +103,7 @@ _SIGNATURES = {
     "mc_moments": ([_P, _I64, _P, _I32], None),
     "mc_majority_vote": ([_P, _I32, _I64, _P, _I32], None),
     "mc_codes_sum": ([_P, _I32, _P, _I32, _I64, _F32, _P, _I32], None),
+    "mc_trits_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
     "mc_levels_sum": ([_P, _I32, _I64, _I32, _F32, _P, _I64, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _I32], _I64),
@@ -443,6 +444,20 @@ def codes_sum(packed: Sequence[torch.Tensor], bits: int, values: torch.Tensor, n
                          f"shape {tuple(values.shape)} for {len(packed)} rank(s)")
     _library().mc_codes_sum(_streams("packed", packed, *_code_layout(n, bits)), bits, values.data_ptr(), len(packed),
                             n, float(divisor), _buf("out", out, torch.float32, n), _threads())
+    return out
+
+
+def trits_sum(packed: Sequence[torch.Tensor], values: torch.Tensor, n: int, divisor: float,
+              out: torch.Tensor) -> torch.Tensor:
+    """``out = (sum_r values[r, code_r]) / divisor``: rank ``r``'s ``n`` base-3 codes (five to a
+    byte, :mod:`mergecomp.kernels.tritpack`) decoded through its own ``values[r]`` (3 of them),
+    summed in rank order in one pass.  Returns ``out``."""
+    values = values.to(torch.float32).contiguous()
+    if not packed or values.shape != (len(packed), 3):
+        raise ValueError(f"trits_sum needs 3 values per rank, got values of shape {tuple(values.shape)} for "
+                         f"{len(packed)} rank(s)")
+    _library().mc_trits_sum(_streams("packed", packed, torch.uint8, -(-n // 5)), values.data_ptr(), len(packed), n,
+                            float(divisor), _buf("out", out, torch.float32, n), _threads())
     return out
 
 

@@ -27,6 +27,8 @@
 namespace {
 
 constexpr int64_t BLOCK = 1 << 15;  // elements per block: a multiple of 8
+// mc_trits_sum's elements per block: a multiple of 5 (codes a byte) and of 16 (64-byte stores)
+constexpr int64_t TRIT_BLOCK = 80 * 409;
 constexpr int64_t MIN_PER_THREAD = 1 << 18;
 
 // The OpenMP runtime torch runs its own operators on (mc_use_openmp), when the process has one:
@@ -457,16 +459,16 @@ void divide_range(float* out, int64_t first, int64_t stop, float divisor) {
   }
 }
 
-// mc_codes_sum over the blocks [first, last), Per codes a byte (tables: 256 x Per per rank): each
-// block summed in out, or for an output of STREAM_MIN elements or more in a cache-resident
-// buffer then streamed to out.
-template <int Per>
+// mc_codes_sum over the blocks [first, last) of Block elements, Per codes a byte (tables: 256 x
+// Per per rank): each block summed in out, or for an output of STREAM_MIN elements or more in a
+// cache-resident buffer then streamed to out.
+template <int Per, int64_t Block = BLOCK>
 void codes_sum_blocks(const uint8_t* const* packed, const float* tables, int ranks, int64_t n, float divisor,
                       float* out, int64_t first, int64_t last) {
   const bool stream = n >= STREAM_MIN;
-  std::vector<float> sums(stream ? BLOCK : 0);
+  std::vector<float> sums(stream ? Block : 0);
   for (int64_t b = first; b < last; ++b) {
-    const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start), full = len / Per;
+    const int64_t start = b * Block, len = std::min(Block, n - start), full = len / Per;
     float* dst = stream ? sums.data() : out + start;
     for (int r = 0; r < ranks; ++r) {
       const uint8_t* src = packed[r] + start / Per;
@@ -723,7 +725,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 26; }
+int mc_abi_version() { return 27; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -952,6 +954,21 @@ void mc_codes_sum(const uint8_t* const* packed, int bits, const float* values, i
   } else {
     parallel_blocks(n, threads, [=](int64_t first, int64_t last) { codes_sum_blocks<2>(packed, t, ranks, n, divisor, out, first, last); });
   }
+}
+
+// n base-3 codes of each rank, five to a byte (c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4), decoded through
+// its own 3 values (values + 3 r), summed in rank order and divided: one pass over out, as
+// mc_codes_sum (TernGrad's packing="base3").
+void mc_trits_sum(const uint8_t* const* packed, const float* values, int ranks, int64_t n, float divisor,
+                  float* out, int threads) {
+  std::vector<float> tables(static_cast<size_t>(ranks) * 256 * 5, 0.0f);  // bytes above 242: unused
+  for (int r = 0; r < ranks; ++r)
+    for (int byte = 0; byte < 243; ++byte)
+      for (int j = 0, rest = byte; j < 5; ++j, rest /= 3) tables[(r * 256 + byte) * 5 + j] = values[3 * r + rest % 3];
+  const float* t = tables.data();
+  parallel_for((n + TRIT_BLOCK - 1) / TRIT_BLOCK, TRIT_BLOCK, threads, [=](int64_t first, int64_t last) {
+    codes_sum_blocks<5, TRIT_BLOCK>(packed, t, ranks, n, divisor, out, first, last);
+  });
 }
 
 // out[0, n) = 0, streamed above STREAM_MIN elements (stream_out): the dense output a sparse
