@@ -8,8 +8,8 @@ and decodes to ``t * s``: unbiased whenever no element was clipped.
 Wire: the codes ``t + 1`` and the fp32 scalar ``s``; with ``packing="2bit"`` (the default) the
 codes at 2 bits each (``ceil(n / 4)`` bytes, :mod:`mergecomp.kernels.bitpack`): ``2 + 32 / n``
 bits per element; with ``packing="base3"`` five to a byte in base 3 (``ceil(n / 5)`` bytes,
-:mod:`mergecomp.kernels.tritpack`): ``1.6 + 32 / n`` bits, a fifth fewer bytes for one more pass
-over the codes on each side.  Not summable (allgathered).
+:mod:`mergecomp.kernels.tritpack`): ``1.6 + 32 / n`` bits, a fifth fewer bytes, drawn and decoded
+in one pass each as the 2-bit codes are.  Not summable (allgathered).
 Defaults: ``clip=2.5``, ``packing="2bit"``; no error-feedback memory.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mergecomp.compressors.base.capabilities import ShardedEncode
 from mergecomp.compressors.base.compressor import Payload, SummedDecode
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.kernels import tritpack
-from mergecomp.kernels.codecs import codes_sum, moments, stochastic_codes
+from mergecomp.kernels.codecs import codes_sum, moments, stochastic_codes, stochastic_trits
 from mergecomp.kernels.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
@@ -44,8 +44,8 @@ class TernGradCompressor(SummedDecode, ShardedEncode):
         self.clip = clip
         self.packing = packing
         self.shard_alignment = _PACKINGS[packing]  # shards of whole bytes of codes
-        # the moments, then the codes (base 3: then their packing, a pass of its own); the decode
-        self.passes = CodecPasses(compress=2 if packing == "2bit" else 3, aggregate=1)
+        # the moments, then the codes; the decode
+        self.passes = CodecPasses(compress=2, aggregate=1)
 
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, Ctx]:
@@ -65,11 +65,11 @@ class TernGradCompressor(SummedDecode, ShardedEncode):
         # |x| / s clamped to 1 does the clipping.
         sent = scalar.to(work)
         inverse = torch.where(sent > 0, 1 / sent, 0)
-        # t + 1 in {0, 1, 2}: packed at 2 bits as they are drawn, or drawn as bytes then packed in base 3
+        # t + 1 in {0, 1, 2}, packed at 2 bits or in base 3 as they are drawn
         if self.packing == "2bit":
             codes = stochastic_codes(tensor, inverse, numel, -1, 1, 1, 2, empty=self.scratch)
         else:
-            codes = tritpack.pack(stochastic_codes(tensor, inverse, numel, -1, 1, 1, 8, empty=self.scratch))
+            codes = stochastic_trits(tensor, inverse, numel, -1, 1, 1, empty=self.scratch)
         return (codes, scalar), (numel, tensor.dtype)
 
     def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:

@@ -432,6 +432,21 @@ def test_codes_sum_is_the_sum_of_decodes_bit_for_bit(ranks, n, bits):
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", [1, 5, 6, 32721, (1 << 20) + 7])
+@pytest.mark.parametrize("bucket", [1 << 30, 301])
+def test_stochastic_trits_pack_the_int8_codes_of_the_same_draws(n, bucket):
+    """Drawn and packed in base 3 in one pass: the bytes tritpack packs from the int8 codes
+    the same seed draws."""
+    x = torch.randn(n)
+    scales = torch.rand(-(-n // bucket)) + 0.5
+    torch.manual_seed(1)
+    codes = native.stochastic_codes(x, scales, bucket, -1, 1, 1, 8, torch.empty(n, dtype=torch.int8))
+    torch.manual_seed(1)
+    trits = native.stochastic_trits(x, scales, bucket, -1, 1, 1, torch.empty(-(-n // 5), dtype=torch.uint8))
+    assert torch.equal(trits, tritpack.pack(codes))
+
+
+@needs_kernels
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 @pytest.mark.parametrize("n", [1, 5, 6, 32721, (1 << 20) + 7])  # a block and a byte split, streamed stores
 def test_trits_sum_is_the_sum_of_decodes_bit_for_bit(ranks, n):

@@ -37,14 +37,14 @@ from mergecomp.kernels.bitpack import packed_size
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
-           "momentum_signs", "majority_vote", "codes_sum", "trits_sum", "levels_sum",
+           "momentum_signs", "majority_vote", "codes_sum", "trits_sum", "stochastic_trits", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "cast_half_finite",
            "zero_fill", "low_rank", "momentum_to_wire", "momentum_from_wire", "frozen_adam_update"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 27
+_ABI_VERSION = 28
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -93,6 +93,7 @@ _P, _I64, _F32, _U64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ct
 _SIGNATURES = {
     "mc_abi_version": ([], _I32),
     "mc_stochastic_codes": ([_P, _I64, _P, _I64, _F32, _F32, _F32, _U64, _I32, _P, _I32], None),
+    "mc_stochastic_trits": ([_P, _I64, _P, _I64, _F32, _F32, _F32, _U64, _P, _I32], None),
     "mc_qsgd_encode": ([_P, _I64, _I64, _I32, _U64, _I32, _P, _P, _I32], None),
     "mc_pack_signs": ([_P, _I64, _P, _P, _I32], None),
     "mc_compensated_signs": ([_P, _P, _F32, _F32, _P, _I64, _P, _P, _I32], None),
@@ -247,6 +248,19 @@ def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: flo
                                    _buf("scales", scales, torch.float32, _per_bucket(n, bucket)), bucket,
                                    lo, hi, float(shift), _seed(), bits,
                                    _buf("out", out, *_code_layout(n, bits)), _threads())
+    return out
+
+
+def stochastic_trits(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: float, hi: float, shift: int,
+                     out: torch.Tensor) -> torch.Tensor:
+    """:func:`stochastic_codes`' codes, which must lie in ``{0, 1, 2}``, packed five to a byte in
+    base 3 as :func:`mergecomp.kernels.tritpack.pack` lays them out (``out``: ``ceil(n / 5)``
+    uint8), from the same draws.  Returns ``out``."""
+    n, bucket = x.numel(), max(int(bucket), 1)
+    scales = scales.to(torch.float32).contiguous()
+    _library().mc_stochastic_trits(_buf("x", x, torch.float32, n), n,
+                                   _buf("scales", scales, torch.float32, _per_bucket(n, bucket)), bucket,
+                                   lo, hi, float(shift), _seed(), _buf("out", out, torch.uint8, -(-n // 5)), _threads())
     return out
 
 

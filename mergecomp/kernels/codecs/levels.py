@@ -6,11 +6,11 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.kernels import bitpack, native
+from mergecomp.kernels import bitpack, native, tritpack
 from mergecomp.kernels.quantize import bucket_norms, per_bucket_scale, stochastic_round_, work_dtype
 from mergecomp.kernels.workspace import fresh
 
-__all__ = ["decode_codes", "codes_sum", "stochastic_codes", "qsgd_encode", "scale_levels", "levels_sum"]
+__all__ = ["decode_codes", "codes_sum", "stochastic_codes", "stochastic_trits", "qsgd_encode", "scale_levels", "levels_sum"]
 
 
 def decode_codes(packed: torch.Tensor, bits: int, numel: int, values: torch.Tensor,
@@ -64,6 +64,17 @@ def stochastic_codes(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: int
         codes = stochastic_round_(scaled, shift, empty=empty)
         return empty(n, torch.int8, x.device).copy_(codes).clamp_(lo + shift, hi + shift)
     return bitpack.pack(stochastic_round_(scaled.clamp_(lo, hi), shift, empty=empty), bits)
+
+
+def stochastic_trits(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: int, hi: int, shift: int,
+                     empty: Optional[Callable] = None) -> torch.Tensor:
+    """:func:`stochastic_codes`' codes (in ``{0, 1, 2}`` after ``shift``) packed five to a byte in
+    base 3 (:mod:`mergecomp.kernels.tritpack`): drawn and packed in one pass on the native path
+    (the same codes as its int8 ones), else drawn as int8 and packed.  ``empty`` as there."""
+    if native.usable(x):
+        return native.stochastic_trits(x, scales, bucket, lo, hi, shift,
+                                       (empty or fresh)(tritpack.packed_size(x.numel()), torch.uint8, x.device))
+    return tritpack.pack(stochastic_codes(x, scales, bucket, lo, hi, shift, 8, empty))
 
 
 def qsgd_encode(x: torch.Tensor, bucket: int, levels: int, bits: int = 8,

@@ -126,6 +126,18 @@ inline void round_run(const float* src, const uint16_t* r, int64_t len, float s,
   }
 }
 
+// round_run over elements [start, start + len) of x, in runs of one bucket (scales: one per
+// bucket of `bucket` elements), with the draws of element start on: dst[0, len).
+inline void round_range(const float* x, int64_t start, int64_t len, const float* scales, int64_t bucket, float lo,
+                        float hi, float shift, uint64_t seed, std::vector<uint32_t>& draws, int8_t* dst) {
+  const uint16_t* r = draw16(start, len, seed, draws);
+  for (int64_t i = 0; i < len;) {
+    const int64_t g = start + i, stop = std::min(len, i + (bucket - g % bucket));
+    round_run(x + g, r + i, stop - i, scales[g / bucket], lo, hi, shift, dst + i);
+    i = stop;
+  }
+}
+
 // Packs `count` codes (each < 2**bits, one per byte, zero-padded to a multiple of 8 / bits)
 // into count * bits / 8 bytes of `out`.
 void pack_codes(const uint8_t* codes, int64_t count, int bits, uint8_t* out) {
@@ -725,7 +737,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 27; }
+int mc_abi_version() { return 28; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -740,18 +752,33 @@ void mc_stochastic_codes(const float* x, int64_t n, const float* scales, int64_t
     std::vector<uint8_t> codes(bits == 8 ? 0 : BLOCK);
     for (int64_t b = first; b < last; ++b) {
       const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
-      const uint16_t* r = draw16(start, len, seed, draws);
       int8_t* dst = bits == 8 ? reinterpret_cast<int8_t*>(out + start)
                               : reinterpret_cast<int8_t*>(codes.data());
-      for (int64_t i = 0; i < len;) {  // runs of one bucket
-        const int64_t g = start + i, stop = std::min(len, i + (bucket - g % bucket));
-        round_run(x + g, r + i, stop - i, scales[g / bucket], lo, hi, shift, dst + i);
-        i = stop;
-      }
+      round_range(x, start, len, scales, bucket, lo, hi, shift, seed, draws, dst);
       if (bits != 8) {
         const int64_t per = 8 / bits, padded = (len + per - 1) / per * per;
         std::fill(codes.begin() + len, codes.begin() + padded, 0);
         pack_codes(codes.data(), padded, bits, out + start / per);
+      }
+    }
+  });
+}
+
+// mc_stochastic_codes' codes (in {0, 1, 2}: TernGrad's) packed five to a byte in base 3
+// (c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4, ceil(n / 5) bytes), the same draws element by element.
+void mc_stochastic_trits(const float* x, int64_t n, const float* scales, int64_t bucket, float lo, float hi,
+                         float shift, uint64_t seed, uint8_t* out, int threads) {
+  parallel_for((n + TRIT_BLOCK - 1) / TRIT_BLOCK, TRIT_BLOCK, threads, [=](int64_t first, int64_t last) {
+    std::vector<uint32_t> draws;
+    std::vector<uint8_t> codes(TRIT_BLOCK);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t start = b * TRIT_BLOCK, len = std::min(TRIT_BLOCK, n - start), bytes = (len + 4) / 5;
+      round_range(x, start, len, scales, bucket, lo, hi, shift, seed, draws, reinterpret_cast<int8_t*>(codes.data()));
+      std::fill(codes.begin() + len, codes.begin() + bytes * 5, 0);
+      uint8_t* dst = out + start / 5;
+      for (int64_t k = 0; k < bytes; ++k) {
+        const uint8_t* c = codes.data() + 5 * k;
+        dst[k] = static_cast<uint8_t>(c[0] + 3 * (c[1] + 3 * (c[2] + 3 * (c[3] + 3 * c[4]))));
       }
     }
   });
