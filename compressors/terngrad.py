@@ -22,7 +22,7 @@ from mergecomp.compressors.base.capabilities import ShardedEncode
 from mergecomp.compressors.base.compressor import Payload, SummedDecode
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.kernels import tritpack
-from mergecomp.kernels.codecs import codes_sum, moments, stochastic_codes, stochastic_trits
+from mergecomp.kernels.codecs import codes_sum, moments, stochastic_codes, stochastic_trits, trits_sum
 from mergecomp.kernels.quantize import work_dtype
 from mergecomp.registry import register_compressor
 
@@ -74,7 +74,7 @@ class TernGradCompressor(SummedDecode, ShardedEncode):
 
     def decode_sum(self, payloads: Sequence[Payload], ctx: Ctx, divisor: int) -> torch.Tensor:
         """Every payload's codes decoded to its own ``{-s, 0, s}`` and summed, in one pass
-        (:func:`mergecomp.kernels.codecs.codes_sum`, :func:`mergecomp.kernels.tritpack.decode_sum`)."""
+        (:func:`mergecomp.kernels.codecs.codes_sum`, :func:`mergecomp.kernels.codecs.trits_sum`)."""
         numel, dtype = ctx
         values = []
         for _, scalar in payloads:
@@ -84,4 +84,4 @@ class TernGradCompressor(SummedDecode, ShardedEncode):
         packed, out = [codes for codes, _ in payloads], self.scratch(numel, dtype, payloads[0][0].device)
         if self.packing == "2bit":
             return codes_sum(packed, 2, values, numel, divisor, out)
-        return tritpack.decode_sum(packed, numel, values, divisor, out)
+        return trits_sum(packed, values, numel, divisor, out)

@@ -10,7 +10,7 @@ import torch
 
 import mergecomp
 from mergecomp.kernels import bitpack, native, tritpack
-from mergecomp.kernels.codecs import decode_signs, majority_vote, pack_signs
+from mergecomp.kernels.codecs import decode_signs, majority_vote, pack_signs, trits_sum
 from mergecomp.kernels.quantize import bucket_norms
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
@@ -451,13 +451,13 @@ def test_stochastic_trits_pack_the_int8_codes_of_the_same_draws(n, bucket):
 @pytest.mark.parametrize("n", [1, 5, 6, 32721, (1 << 20) + 7])  # a block and a byte split, streamed stores
 def test_trits_sum_is_the_sum_of_decodes_bit_for_bit(ranks, n):
     """Base-3 codes: every rank's decode added in rank order, then divided, as the eager gathers
-    do (:func:`mergecomp.kernels.tritpack.decode_sum` with the kernels off)."""
+    do (:func:`mergecomp.kernels.codecs.trits_sum` with the kernels off)."""
     packed = [tritpack.pack(torch.randint(0, 3, (n,), dtype=torch.uint8)) for _ in range(ranks)]
     values = list(torch.randn(ranks, 3))
     for divisor in (1, ranks, 3):
         out = native.trits_sum(packed, torch.stack(values), n, divisor, torch.full((n,), float("nan")))
         with native.disabled():
-            expected = tritpack.decode_sum(packed, n, values, divisor, torch.empty(n))
+            expected = trits_sum(packed, values, n, divisor, torch.empty(n))
         assert torch.equal(out, expected), divisor
     with pytest.raises(ValueError, match="3 values per rank"):
         native.trits_sum(packed, torch.zeros(ranks, 4), n, 1.0, out)

@@ -34,6 +34,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 from mergecomp.kernels.bitpack import packed_size
+from mergecomp.kernels.tritpack import packed_size as trit_bytes
 
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
@@ -260,7 +261,8 @@ def stochastic_trits(x: torch.Tensor, scales: torch.Tensor, bucket: int, lo: flo
     scales = scales.to(torch.float32).contiguous()
     _library().mc_stochastic_trits(_buf("x", x, torch.float32, n), n,
                                    _buf("scales", scales, torch.float32, _per_bucket(n, bucket)), bucket,
-                                   lo, hi, float(shift), _seed(), _buf("out", out, torch.uint8, -(-n // 5)), _threads())
+                                   lo, hi, float(shift), _seed(), _buf("out", out, torch.uint8, trit_bytes(n)),
+                                   _threads())
     return out
 
 
@@ -470,7 +472,7 @@ def trits_sum(packed: Sequence[torch.Tensor], values: torch.Tensor, n: int, divi
     if not packed or values.shape != (len(packed), 3):
         raise ValueError(f"trits_sum needs 3 values per rank, got values of shape {tuple(values.shape)} for "
                          f"{len(packed)} rank(s)")
-    _library().mc_trits_sum(_streams("packed", packed, torch.uint8, -(-n // 5)), values.data_ptr(), len(packed), n,
+    _library().mc_trits_sum(_streams("packed", packed, torch.uint8, trit_bytes(n)), values.data_ptr(), len(packed), n,
                             float(divisor), _buf("out", out, torch.float32, n), _threads())
     return out
 

@@ -5,18 +5,16 @@
 ``i // 5``, so a byte holds ``c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4`` (at most 242): 1.6 bits per
 code, where :mod:`mergecomp.kernels.bitpack`'s 2-bit codes take 2 (log2(3) = 1.585 is the bound).
 ``decode(packed, n, values)`` returns ``values[code]`` for each code in one gather, through a
-table of the five values of every possible byte; ``decode_sum`` adds several ranks' decodes, in
-one pass of the native kernel (:func:`mergecomp.kernels.native.trits_sum`) where it serves.
+table of the five values of every possible byte (several ranks' decodes summed:
+:func:`mergecomp.kernels.codecs.trits_sum`).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 
-from mergecomp.kernels import native
-
-__all__ = ["PER_BYTE", "pack", "decode", "decode_sum", "packed_size"]
+__all__ = ["PER_BYTE", "pack", "decode", "packed_size"]
 
 #: codes per byte
 PER_BYTE = 5
@@ -77,16 +75,3 @@ def decode(packed: torch.Tensor, n: int, values: torch.Tensor, out: Optional[tor
     if n > full * PER_BYTE:
         out[full * PER_BYTE:] = rows[index[full]][:n - full * PER_BYTE]
     return out
-
-
-def decode_sum(packed: Sequence[torch.Tensor], n: int, values: Sequence[torch.Tensor], divisor: int,
-               out: torch.Tensor) -> torch.Tensor:
-    """``sum_r decode(packed[r], n, values[r]) / divisor`` into ``out`` (``n`` elements of the
-    values' dtype), added in rank order: one pass over ``out`` on the native path, else a
-    gather per rank.  Returns ``out``."""
-    if native.usable(out, *packed):
-        return native.trits_sum(packed, torch.stack(list(values)), n, divisor, out)
-    decode(packed[0], n, values[0], out)
-    for codes, table in zip(packed[1:], values[1:]):
-        out.add_(decode(codes, n, table))
-    return out.div_(divisor) if divisor != 1 else out

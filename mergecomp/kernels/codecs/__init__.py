@@ -22,7 +22,7 @@ compressor asks :func:`parts_served` or :func:`fused_scan_served` and takes its 
 where they are not.  Compressors reach the kernels only through this package.
 """
 from mergecomp.kernels.codecs.levels import (codes_sum, decode_codes, levels_sum, qsgd_encode, scale_levels,
-                                             stochastic_codes, stochastic_trits)
+                                             stochastic_codes, stochastic_trits, trits_sum)
 from mergecomp.kernels.codecs.products import low_rank
 from mergecomp.kernels.codecs.scans import all_finite, cast_finite, copy_finite, indices_above, zero_
 from mergecomp.kernels.codecs.selection import compensated_above, fused_scan_served, keep_largest, largest
@@ -32,7 +32,8 @@ from mergecomp.kernels.codecs.signs import (compensated_sign_parts, compensated_
 from mergecomp.kernels.codecs.sums import moments
 
 __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs", "decode_signs", "majority_vote",
-           "sign_sum", "decode_codes", "codes_sum", "levels_sum", "stochastic_codes", "stochastic_trits", "qsgd_encode", "scale_levels",
+           "sign_sum", "decode_codes", "codes_sum", "trits_sum", "levels_sum", "stochastic_codes", "stochastic_trits",
+           "qsgd_encode", "scale_levels",
            "moments", "all_finite", "cast_finite", "copy_finite", "indices_above", "zero_", "low_rank",
            "compensated_sign_parts", "momentum_sign_parts", "parts_served", "streamed", "largest",
            "compensated_above", "keep_largest", "fused_scan_served"]

@@ -10,7 +10,8 @@ from mergecomp.kernels import bitpack, native, tritpack
 from mergecomp.kernels.quantize import bucket_norms, per_bucket_scale, stochastic_round_, work_dtype
 from mergecomp.kernels.workspace import fresh
 
-__all__ = ["decode_codes", "codes_sum", "stochastic_codes", "stochastic_trits", "qsgd_encode", "scale_levels", "levels_sum"]
+__all__ = ["decode_codes", "codes_sum", "trits_sum", "stochastic_codes", "stochastic_trits", "qsgd_encode",
+           "scale_levels", "levels_sum"]
 
 
 def decode_codes(packed: torch.Tensor, bits: int, numel: int, values: torch.Tensor,
@@ -38,6 +39,19 @@ def codes_sum(packed: Sequence[torch.Tensor], bits: int, values: Sequence[torch.
     decode_codes(packed[0], bits, numel, values[0], out)
     for codes, table in zip(packed[1:], values[1:]):
         out.add_(decode_codes(codes, bits, numel, table, torch.empty_like(out)))
+    return out.div_(divisor) if divisor != 1 else out
+
+
+def trits_sum(packed: Sequence[torch.Tensor], values: Sequence[torch.Tensor], numel: int, divisor: int,
+              out: torch.Tensor) -> torch.Tensor:
+    """:func:`codes_sum` for base-3 codes five to a byte (:mod:`mergecomp.kernels.tritpack`), each
+    rank's through its own 3 values: one pass over ``out`` on the native path, else a gather per
+    rank into a temporary.  Returns ``out``."""
+    if native.usable(out, *packed):
+        return native.trits_sum(packed, torch.stack(list(values)), numel, divisor, out)
+    tritpack.decode(packed[0], numel, values[0], out)
+    for codes, table in zip(packed[1:], values[1:]):
+        out.add_(tritpack.decode(codes, numel, table))
     return out.div_(divisor) if divisor != 1 else out
 
 
