@@ -13,12 +13,17 @@ summed ``Q`` (columns normalized, which leaves the iteration unchanged) is the w
 next step, in ``state[name]["q"]`` (all matrices' ``Q`` concatenated, flat); the first ``Q`` is
 drawn from a generator seeded with ``stable_seed(name, 0)``, so it is the same on every rank.
 Wire, per element of a compressed matrix: ``(m + n) * r / (m * n)`` of the gradient's element.
-fp16/bf16 gradients are multiplied in fp32 and sent in their own dtype.
+fp16/bf16 gradients are multiplied in fp32 and sent in their own dtype.  ``factor_dtype="bf16"``
+sends both rounds (factors and raw elements) in bf16 instead: half the bits of fp32 gradients,
+so rank ``2r`` for the wire of rank ``r``; this rank's rounding of ``Q`` and of its raw elements
+is in what it decodes, hence in the error-feedback memory (the rounding of the sums is not).
+fp16 is not offered: the summed ``Q`` of the second round could overflow it unchecked.
 
 Note: ``ctx`` holds this rank's input tensor (round 2 needs the local ``M``, and ``decompress``
 of the local payload returns this rank's own approximation, local raw elements included, for
 the error-feedback memory); the input must stay unchanged until the last round.
-Defaults: ``rank=1``, ``warm_start=True``, ``min_compression_rate=2``, memory ``residual``.
+Defaults: ``rank=1``, ``warm_start=True``, ``min_compression_rate=2``, ``factor_dtype=None``
+(the gradient's dtype), memory ``residual``.
 """
 from __future__ import annotations
 
@@ -55,7 +60,8 @@ class Layout(NamedTuple):
 class PowerSGDCtx(NamedTuple):
     name: str
     numel: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the gradient's
+    wire: torch.dtype  # the payloads'
     layout: Layout
     tensor: torch.Tensor  # this rank's input
     ps: Tuple[torch.Tensor, ...] = ()  # round 2: the orthogonalized summed P's (work dtype)
@@ -104,7 +110,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
     passes = CodecPasses(compress=1, next_round=1, decompress=1, aggregate=1)
 
     def __init__(self, rank: int = 1, warm_start: bool = True,
-                 min_compression_rate: float = 2.0) -> None:
+                 min_compression_rate: float = 2.0, factor_dtype: Optional[str] = None) -> None:
         super().__init__()
         if isinstance(rank, bool) or int(rank) != rank or rank < 1:
             raise ValueError(f"powersgd rank must be a positive integer, got {rank!r}")
@@ -113,9 +119,15 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         min_compression_rate = float(min_compression_rate)
         if not min_compression_rate >= 0:
             raise ValueError(f"powersgd min_compression_rate must be >= 0, got {min_compression_rate}")
+        if factor_dtype not in (None, "bf16"):
+            raise ValueError(f"powersgd factor_dtype must be None or 'bf16' (fp16 could overflow in the "
+                             f"summed second round), got {factor_dtype!r}")
         self.rank = int(rank)
         self.warm_start = warm_start
         self.min_compression_rate = min_compression_rate
+        self.factor_dtype = factor_dtype
+        #: the dtype both rounds are sent in (None: the gradient's)
+        self._wire_dtype = None if factor_dtype is None else torch.bfloat16
 
     # -- helpers ------------------------------------------------------------------------------
     def _split(self, flat: torch.Tensor, layout: Layout, dim: int) -> List[torch.Tensor]:
@@ -150,8 +162,10 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
     def _matrix(ctx: PowerSGDCtx, offset: int, m: int, n: int, work: torch.dtype) -> torch.Tensor:
         return ctx.tensor[offset:offset + m * n].view(m, n).to(work)
 
-    def _raw(self, tensor: torch.Tensor, layout: Layout) -> List[torch.Tensor]:
-        return [tensor[offset:offset + length] for offset, length in layout.raw]
+    @staticmethod
+    def _rounded_raw(ctx: PowerSGDCtx) -> List[torch.Tensor]:
+        """This rank's raw elements as sent (rounded to the wire dtype)."""
+        return [ctx.tensor[offset:offset + length].to(ctx.wire) for offset, length in ctx.layout.raw]
 
     # -- the pipeline -------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str,
@@ -162,14 +176,15 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
             raise ValueError(f"powersgd: shapes {shapes} do not add up to the {numel} elements "
                              f"of group {name!r}")
         layout = _layout(shapes, self.rank, self.min_compression_rate)
-        ctx = PowerSGDCtx(name, numel, tensor.dtype, layout, tensor)
+        wire = self._wire_dtype or tensor.dtype
+        ctx = PowerSGDCtx(name, numel, tensor.dtype, wire, layout, tensor)
         work = work_dtype(tensor.dtype)
         parts = []
         if layout.matrices:
             q = self._initial_q(name, layout, work, tensor.device)
             for (offset, m, n), qi in zip(layout.matrices, self._split(q, layout, 2)):
-                parts.append((self._matrix(ctx, offset, m, n, work) @ qi).view(-1).to(tensor.dtype))
-        parts += self._raw(tensor, layout)
+                parts.append((self._matrix(ctx, offset, m, n, work) @ qi).view(-1).to(wire))
+        parts += self._rounded_raw(ctx)
         # always a fresh tensor: the allreduce sums in place
         payload = torch.cat(parts) if parts else tensor.new_empty(0)
         return (payload,), ctx
@@ -179,7 +194,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         flat = summed[0]
         p_numel = layout.p_numel
         ps = _orthogonalize([p.to(work) for p in self._split(flat[:p_numel], layout, 1)])
-        qs = [(self._matrix(ctx, offset, m, n, work).t() @ p).view(-1).to(ctx.dtype)
+        qs = [(self._matrix(ctx, offset, m, n, work).t() @ p).view(-1).to(ctx.wire)
               for (offset, m, n), p in zip(layout.matrices, ps)]
         payload = torch.cat(qs) if qs else flat.new_empty(0)
         return (payload,), ctx._replace(ps=tuple(ps), raw_sum=flat[p_numel:])
@@ -203,25 +218,26 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         ``minuend``'s matrix less it, written once (:func:`mergecomp.kernels.codecs.low_rank`; past the
         cache for a large group, whose output is read only once it is whole)."""
         stream = codecs.streamed(ctx.numel)
+        q_flat = q_flat.to(work_dtype(ctx.dtype))
         for (offset, m, n), p, q in zip(ctx.layout.matrices, ctx.ps, self._split(q_flat, ctx.layout, 2)):
             rows = slice(offset, offset + m * n)
             codecs.low_rank(p, q, out[rows].view(m, n), None if minuend is None else minuend[rows].view(m, n), stream)
 
     def decompress(self, payload: Payload, ctx: PowerSGDCtx) -> torch.Tensor:
-        """This rank's own approximation: ``P @ Q_local^T`` and its own raw elements."""
-        return self._reconstruct(payload[0], ctx, self._raw(ctx.tensor, ctx.layout))
+        """This rank's own approximation: ``P @ Q_local^T`` and its own raw elements, as sent."""
+        return self._reconstruct(payload[0], ctx, self._rounded_raw(ctx))
 
     def subtract_decoded(self, payload: Payload, ctx: PowerSGDCtx, minuend: torch.Tensor,
                          out: Callable[[], torch.Tensor]) -> bool:
         """``minuend - P @ Q_local^T`` for the matrices (each written once) and ``minuend`` less
-        its own raw elements (zeros where finite) for the raw runs; fp32 groups only."""
+        its own raw elements as sent (zeros where finite and sent in fp32) for the raw runs; fp32
+        groups only."""
         if ctx.raw_sum is None or work_dtype(ctx.dtype) != ctx.dtype or minuend.numel() != ctx.numel:
             return False
         residual = out()
         self._write_products(payload[0], ctx, residual, minuend)
-        for offset, length in ctx.layout.raw:
-            sent = minuend[offset:offset + length]
-            torch.sub(sent, sent, out=residual[offset:offset + length])
+        for (offset, length), sent in zip(ctx.layout.raw, self._rounded_raw(ctx)):
+            torch.sub(minuend[offset:offset + length], sent, out=residual[offset:offset + length])
         return True
 
     def aggregate(self, payloads: Sequence[Payload], ctx: PowerSGDCtx, world_size: int,

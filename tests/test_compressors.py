@@ -652,6 +652,40 @@ def test_powersgd_low_precision(dtype):
     torch.testing.assert_close(result.float(), x.float(), rtol=0.05, atol=0.05 * x.float().abs().max().item())
 
 
+def test_powersgd_bf16_factors_halve_the_wire_and_keep_their_rounding_in_the_memory():
+    """``factor_dtype="bf16"``: both rounds in bf16 (half the bits of fp32 factors); this
+    rank's decode is of its rounded ``Q`` and raw elements, so the residual holds the rounding,
+    on the one-pass and the decode-then-subtract route alike."""
+    shapes = [torch.Size([64, 48]), torch.Size([48]), torch.Size([32, 40])]
+    numel = sum(math.prod(s) for s in shapes)
+    assert bits_per_element(make("powersgd", rank=4, factor_dtype="bf16"), numel, shapes=shapes) == \
+        bits_per_element(make("powersgd", rank=4), numel, shapes=shapes) / 2
+    x = torch.cat([low_rank(64, 48, 2, torch.float32).view(-1), torch.randn(48) * 1e-3,
+                   low_rank(32, 40, 2, torch.float32).view(-1)])
+    c = make("powersgd", rank=2, factor_dtype="bf16")
+    (p,), ctx = c.compress(x, "g", shapes)
+    (q,), ctx = c.next_round((p,), ctx)
+    assert p.dtype == q.dtype == torch.bfloat16
+    raw = slice(64 * 48, 64 * 48 + 48)
+    local = c.decompress((q,), ctx)
+    assert local.dtype == torch.float32 and torch.equal(local[raw], x[raw].bfloat16().float())
+    assert not torch.equal(local[raw], x[raw])  # the rounding is this rank's decode
+    assert (local - x).norm() < 0.05 * x.norm()  # exact but for bf16's rounding (fp32: see above)
+    direct, plain = mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
+    assert feed(direct, c, x, "g", [((q,), ctx, 0)]) == c.passes.subtract_decoded
+    plain.update(x, "g", local)
+    torch.testing.assert_close(direct.state["g"]["residual"], x - local, rtol=0, atol=1e-6)
+    assert direct.state["g"]["residual"][raw].abs().max() > 0
+    summed = c.aggregate([(q,)], ctx, 1, False)
+    assert summed.dtype == torch.float32 and torch.equal(summed, local)
+
+
+def test_powersgd_factor_dtype_named_when_bad():
+    for bad in ("fp16", "fp8", torch.bfloat16):
+        with pytest.raises(ValueError, match="factor_dtype"):
+            make("powersgd", factor_dtype=bad)
+
+
 def test_powersgd_shapes_must_match():
     with pytest.raises(ValueError, match="shapes"):
         make("powersgd").compress(torch.randn(10), "g", [torch.Size([3, 3])])

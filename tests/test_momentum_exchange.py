@@ -154,9 +154,10 @@ def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warm
 
     x, y = (t.to(device) for t in make_data())
     out = {}
-    for name in names:
+    for name in names:  # a registry name, or (name, its keyword arguments)
         model = make_model().to(device)
-        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=name, groups=2,
+        compression = name if isinstance(name, str) else mergecomp.get_compressor(name[0], **name[1])
+        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=compression, groups=2,
                                       exchange_momentum_after=AFTER, scheme=scheme, compression_warmup_steps=2,
                                       variance_refresh_every=refresh, compression_warmup_codec=warmup_codec,
                                       exchange_momentum_as=send)
@@ -166,7 +167,7 @@ def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warm
         after = torch.nn.functional.cross_entropy(model(x), y).item()
         params = flat_params(model)
         gathered = mc.allgather(params.unsqueeze(0))
-        out[name] = (bool((gathered == gathered[0]).all()), before, after,
+        out[str(name)] = (bool((gathered == gathered[0]).all()), before, after,
                      sorted(opt.memory.state) if opt.memory.feeds_back else None)
     return out
 
@@ -186,8 +187,9 @@ def test_every_averaging_compressor_keeps_ranks_identical_and_learns(scheme, ref
 @pytest.mark.parametrize("scheme", [None, "two-phase"])
 def test_sending_the_increment_keeps_ranks_identical_and_learns(scheme):
     """``exchange_momentum_as="increment"`` with a sign code, a sparsifier, a quantizer and a
-    low-rank codec, the variance refreshed, each with its error feedback."""
-    names = ["onebit", "topk", "qsgd"] + (["powersgd"] if scheme is None else [])
+    low-rank codec (also with bf16 factors), the variance refreshed, each with its error feedback."""
+    low_rank = ["powersgd", ("powersgd", {"rank": 2, "factor_dtype": "bf16"})]
+    names = ["onebit", "topk", "qsgd"] + (low_rank if scheme is None else [])
     for result in run_workers(_compressor_worker, 2, names, scheme, 3, 2, "cpu", "none", "increment", timeout=300):
         for name, (identical, before, after, _) in result.items():
             assert identical, name
