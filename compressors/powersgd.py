@@ -27,34 +27,19 @@ Defaults: ``rank=1``, ``warm_start=True``, ``min_compression_rate=2``, ``factor_
 """
 from __future__ import annotations
 
-import functools
-import math
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.low_rank import (FACTOR_DTYPES, Layout, check_options, factor_views, group_layout,
+                                                 orthogonalize, raw_runs, write_products)
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
-from mergecomp.kernels import codecs
 from mergecomp.kernels.quantize import work_dtype
 from mergecomp.kernels.transfer import pinned, to_device
 from mergecomp.registry import register_compressor
-
-
-class Layout(NamedTuple):
-    matrices: Tuple[Tuple[int, int, int], ...]  # (offset, rows, cols) of each compressed tensor
-    raw: Tuple[Tuple[int, int], ...]  # (offset, length) of the raw runs, adjacent ones merged
-    rank: int
-
-    @property
-    def p_numel(self) -> int:
-        return sum(m for _, m, _ in self.matrices) * self.rank
-
-    @property
-    def q_numel(self) -> int:
-        return sum(n for _, _, n in self.matrices) * self.rank
 
 
 class PowerSGDCtx(NamedTuple):
@@ -66,37 +51,6 @@ class PowerSGDCtx(NamedTuple):
     tensor: torch.Tensor  # this rank's input
     ps: Tuple[torch.Tensor, ...] = ()  # round 2: the orthogonalized summed P's (work dtype)
     raw_sum: Optional[torch.Tensor] = None  # round 2: the summed raw elements
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(shapes: Tuple[Tuple[int, ...], ...], rank: int, min_rate: float) -> Layout:
-    matrices, raw, offset = [], [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        m = shape[0] if len(shape) >= 2 else 0
-        n = size // m if m else 0
-        if m and rank < min(m, n) and (m + n) * rank * min_rate < m * n:
-            matrices.append((offset, m, n))
-        elif size:
-            if raw and raw[-1][0] + raw[-1][1] == offset:
-                raw[-1] = (raw[-1][0], raw[-1][1] + size)
-            else:
-                raw.append((offset, size))
-        offset += size
-    return Layout(tuple(matrices), tuple(raw), rank)
-
-
-def _orthogonalize(ps: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Orthonormal bases (reduced QR) of the ``m x r`` matrices ``ps``, batched by ``m``."""
-    out: List[Optional[torch.Tensor]] = [None] * len(ps)
-    by_rows = {}
-    for i, p in enumerate(ps):
-        by_rows.setdefault(p.shape[0], []).append(i)
-    for members in by_rows.values():
-        bases = torch.linalg.qr(torch.stack([ps[i] for i in members])).Q
-        for j, i in enumerate(members):
-            out[i] = bases[j]
-    return out
 
 
 @register_compressor("powersgd")
@@ -112,33 +66,15 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
     def __init__(self, rank: int = 1, warm_start: bool = True,
                  min_compression_rate: float = 2.0, factor_dtype: Optional[str] = None) -> None:
         super().__init__()
-        if isinstance(rank, bool) or int(rank) != rank or rank < 1:
-            raise ValueError(f"powersgd rank must be a positive integer, got {rank!r}")
+        min_compression_rate = check_options("powersgd", rank, min_compression_rate, factor_dtype)
         if not isinstance(warm_start, bool):
             raise ValueError(f"powersgd warm_start must be a bool, got {warm_start!r}")
-        min_compression_rate = float(min_compression_rate)
-        if not min_compression_rate >= 0:
-            raise ValueError(f"powersgd min_compression_rate must be >= 0, got {min_compression_rate}")
-        if factor_dtype not in (None, "bf16"):
-            raise ValueError(f"powersgd factor_dtype must be None or 'bf16' (fp16 could overflow in the "
-                             f"summed second round), got {factor_dtype!r}")
         self.rank = int(rank)
         self.warm_start = warm_start
         self.min_compression_rate = min_compression_rate
         self.factor_dtype = factor_dtype
-        #: the dtype both rounds are sent in (None: the gradient's)
-        self._wire_dtype = None if factor_dtype is None else torch.bfloat16
 
     # -- helpers ------------------------------------------------------------------------------
-    def _split(self, flat: torch.Tensor, layout: Layout, dim: int) -> List[torch.Tensor]:
-        """Views of ``flat`` as the ``(rows or cols) x r`` factor of each matrix (dim 1: P, 2: Q)."""
-        views, offset = [], 0
-        for matrix in layout.matrices:
-            size = matrix[dim] * layout.rank
-            views.append(flat[offset:offset + size].view(matrix[dim], layout.rank))
-            offset += size
-        return views
-
     def _initial_q(self, name: str, layout: Layout, work: torch.dtype,
                    device: torch.device) -> torch.Tensor:
         state = self.group_state(name)
@@ -162,29 +98,20 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
     def _matrix(ctx: PowerSGDCtx, offset: int, m: int, n: int, work: torch.dtype) -> torch.Tensor:
         return ctx.tensor[offset:offset + m * n].view(m, n).to(work)
 
-    @staticmethod
-    def _rounded_raw(ctx: PowerSGDCtx) -> List[torch.Tensor]:
-        """This rank's raw elements as sent (rounded to the wire dtype)."""
-        return [ctx.tensor[offset:offset + length].to(ctx.wire) for offset, length in ctx.layout.raw]
-
     # -- the pipeline -------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, PowerSGDCtx]:
         numel = tensor.numel()
-        shapes = ((numel,),) if shapes is None else tuple(tuple(int(d) for d in s) for s in shapes)
-        if sum(math.prod(s) for s in shapes) != numel:
-            raise ValueError(f"powersgd: shapes {shapes} do not add up to the {numel} elements "
-                             f"of group {name!r}")
-        layout = _layout(shapes, self.rank, self.min_compression_rate)
-        wire = self._wire_dtype or tensor.dtype
+        layout = group_layout("powersgd", name, numel, shapes, self.rank, self.min_compression_rate)
+        wire = FACTOR_DTYPES.get(self.factor_dtype, tensor.dtype)
         ctx = PowerSGDCtx(name, numel, tensor.dtype, wire, layout, tensor)
         work = work_dtype(tensor.dtype)
         parts = []
         if layout.matrices:
             q = self._initial_q(name, layout, work, tensor.device)
-            for (offset, m, n), qi in zip(layout.matrices, self._split(q, layout, 2)):
+            for (offset, m, n), qi in zip(layout.matrices, factor_views(q, layout, "q")):
                 parts.append((self._matrix(ctx, offset, m, n, work) @ qi).view(-1).to(wire))
-        parts += self._rounded_raw(ctx)
+        parts += raw_runs(tensor, layout, wire)
         # always a fresh tensor: the allreduce sums in place
         payload = torch.cat(parts) if parts else tensor.new_empty(0)
         return (payload,), ctx
@@ -193,7 +120,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         layout, work = ctx.layout, work_dtype(ctx.dtype)
         flat = summed[0]
         p_numel = layout.p_numel
-        ps = _orthogonalize([p.to(work) for p in self._split(flat[:p_numel], layout, 1)])
+        ps = orthogonalize([p.to(work) for p in factor_views(flat[:p_numel], layout, "p")])
         qs = [(self._matrix(ctx, offset, m, n, work).t() @ p).view(-1).to(ctx.wire)
               for (offset, m, n), p in zip(layout.matrices, ps)]
         payload = torch.cat(qs) if qs else flat.new_empty(0)
@@ -212,20 +139,17 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
             torch.div(values, divisor, out=out[offset:offset + length])
         return out
 
-    def _write_products(self, q_flat: torch.Tensor, ctx: PowerSGDCtx, out: torch.Tensor,
+    @staticmethod
+    def _write_products(q_flat: torch.Tensor, ctx: PowerSGDCtx, out: torch.Tensor,
                         minuend: Optional[torch.Tensor] = None) -> None:
-        """Each matrix of ``out`` (group-sized) = ``P @ Q^T`` for the ``Q`` in ``q_flat``, or
-        ``minuend``'s matrix less it, written once (:func:`mergecomp.kernels.codecs.low_rank`; past the
-        cache for a large group, whose output is read only once it is whole)."""
-        stream = codecs.streamed(ctx.numel)
-        q_flat = q_flat.to(work_dtype(ctx.dtype))
-        for (offset, m, n), p, q in zip(ctx.layout.matrices, ctx.ps, self._split(q_flat, ctx.layout, 2)):
-            rows = slice(offset, offset + m * n)
-            codecs.low_rank(p, q, out[rows].view(m, n), None if minuend is None else minuend[rows].view(m, n), stream)
+        """:func:`~mergecomp.compressors.base.low_rank.write_products` of the round-2 ``P``'s with
+        the ``Q``'s in ``q_flat``."""
+        qs = factor_views(q_flat.to(work_dtype(ctx.dtype)), ctx.layout, "q")
+        write_products(list(zip(ctx.ps, qs)), ctx.layout, ctx.numel, out, minuend)
 
     def decompress(self, payload: Payload, ctx: PowerSGDCtx) -> torch.Tensor:
         """This rank's own approximation: ``P @ Q_local^T`` and its own raw elements, as sent."""
-        return self._reconstruct(payload[0], ctx, self._rounded_raw(ctx))
+        return self._reconstruct(payload[0], ctx, raw_runs(ctx.tensor, ctx.layout, ctx.wire))
 
     def subtract_decoded(self, payload: Payload, ctx: PowerSGDCtx, minuend: torch.Tensor,
                          out: Callable[[], torch.Tensor]) -> bool:
@@ -236,7 +160,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
             return False
         residual = out()
         self._write_products(payload[0], ctx, residual, minuend)
-        for (offset, length), sent in zip(ctx.layout.raw, self._rounded_raw(ctx)):
+        for (offset, length), sent in zip(ctx.layout.raw, raw_runs(ctx.tensor, ctx.layout, ctx.wire)):
             torch.sub(minuend[offset:offset + length], sent, out=residual[offset:offset + length])
         return True
 
@@ -255,7 +179,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         if self.warm_start and layout.matrices:
             work = work_dtype(ctx.dtype)
             q = q_sum.to(work).clone()
-            for qi in self._split(q, layout, 2):
+            for qi in factor_views(q, layout, "q"):
                 norms = torch.linalg.vector_norm(qi, dim=0, keepdim=True)
                 qi.div_(norms.clamp_min(torch.finfo(work).tiny))
             self.group_state(ctx.name)["q"] = q

@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 NUMELS = [0, 1, 2, 7, 1000]
 
 EXPECTED_NAMES = {"none", "fp16", "bf16", "topk", "dgc", "qsgd", "terngrad", "onebit", "signsgd",
-                  "efsignsgd", "signum", "randk", "powersgd"}
+                  "efsignsgd", "signum", "randk", "powersgd", "acpsgd"}
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def test_all_compressors_registered():
     ("terngrad", False, False, "none", 1), ("onebit", False, False, "residual", 1),
     ("signsgd", False, True, "none", 1), ("efsignsgd", False, False, "residual", 1),
     ("signum", False, True, "none", 1), ("randk", True, False, "residual", 1),
-    ("powersgd", True, False, "residual", 2),
+    ("powersgd", True, False, "residual", 2), ("acpsgd", True, False, "residual", 1),
 ])
 def test_flags(name, summable, votes, memory, rounds):
     c = make(name)
@@ -689,6 +689,87 @@ def test_powersgd_factor_dtype_named_when_bad():
 def test_powersgd_shapes_must_match():
     with pytest.raises(ValueError, match="shapes"):
         make("powersgd").compress(torch.randn(10), "g", [torch.Size([3, 3])])
+
+
+# -- ACP-SGD ---------------------------------------------------------------------------------
+def test_acpsgd_alternates_its_factors_and_is_exact_for_low_rank_once_it_holds_one():
+    """Step 0 sends ``P = M Q`` for the drawn ``Q``, step 1 ``Q = M^T P`` for the summed ``P``:
+    from then on a rank-2 matrix (and the raw elements) arrive exactly."""
+    c = make("acpsgd", rank=2)
+    shapes = [torch.Size([32, 24]), torch.Size([10])]
+    x = torch.cat([low_rank(32, 24, 2).view(-1), torch.randn(10, dtype=torch.float64)])
+    sizes = []
+    for step in range(4):
+        (payload,), ctx = c.compress(x, "g", shapes)
+        sizes.append(payload.numel())
+        local = c.decompress((payload,), ctx)
+        result = c.aggregate([(payload,)], ctx, 1, False)
+        assert torch.equal(local, result)  # one rank: its own decode is the sum's
+        if step:
+            torch.testing.assert_close(result, x)
+    assert sizes == [32 * 2 + 10, 24 * 2 + 10] * 2
+    assert not c.state["g"]["holds_p"] and c.state["g"]["factor"].shape == (24 * 2,)
+
+
+def test_acpsgd_three_ranks_average_a_shared_column_space_identically():
+    u = torch.randn(30, 2, dtype=torch.float64)
+    shapes = [torch.Size([30, 20]), torch.Size([5])]
+    compressors = [make("acpsgd", rank=2) for _ in range(3)]
+    for step in range(3):
+        xs = [torch.cat([(u @ torch.randn(2, 20, dtype=torch.float64)).view(-1),
+                         torch.randn(5, dtype=torch.float64)]) for _ in range(3)]
+        results, local = exchange(compressors, xs, shapes=shapes)
+        assert all(torch.equal(r, results[0]) for r in results)
+        assert all(torch.equal(c.state["g"]["factor"], compressors[0].state["g"]["factor"]) for c in compressors)
+        if not compressors[0].state["g"]["holds_p"]:  # this step sent Q for the held P: u's space
+            torch.testing.assert_close(results[0], torch.stack(xs).mean(0))
+            for r in range(3):
+                torch.testing.assert_close(local[r], xs[r])
+
+
+def test_acpsgd_costs_powersgd_of_half_its_rank_and_halves_again_in_bf16():
+    shapes = [torch.Size([64, 48]), torch.Size([48]), torch.Size([32, 96])]
+    numel = sum(math.prod(s) for s in shapes)
+    acp = bits_per_element(make("acpsgd", rank=4), numel, shapes=shapes)
+    assert acp == bits_per_element(make("powersgd", rank=2), numel, shapes=shapes)
+    assert bits_per_element(make("acpsgd", rank=4, factor_dtype="bf16"), numel, shapes=shapes) == acp / 2
+
+
+@pytest.mark.parametrize("factor_dtype", [None, "bf16"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["native", "torch"])
+def test_acpsgd_residual_in_one_pass_is_compensated_less_own_decode_in_both_phases(factor_dtype, kernels):
+    shapes = [torch.Size([64, 48]), torch.Size([48]), torch.Size([32, 3, 3, 3]), torch.Size([7])]
+    x = torch.randn(sum(math.prod(s) for s in shapes))
+    c = make("acpsgd", rank=3, factor_dtype=factor_dtype)
+    with contextlib.ExitStack() as stack:
+        if not kernels:
+            stack.enter_context(native.disabled())
+        for _ in range(2):  # holding Q, then P
+            direct = mergecomp.get_memory("residual")
+            payload, ctx = c.compress(x, "g", shapes)
+            assert feed(direct, c, x, "g", [(payload, ctx, 0)]) == c.passes.subtract_decoded
+            expected = x - c.decompress(payload, ctx)
+            torch.testing.assert_close(direct.state["g"]["residual"], expected, rtol=1e-5, atol=1e-5)
+            raw = direct.state["g"]["residual"][64 * 48:64 * 48 + 48]
+            assert raw.any() == (factor_dtype == "bf16")  # a raw run's only loss: bf16's rounding
+            c.aggregate([payload], ctx, 1, True)
+
+
+def test_acpsgd_starts_afresh_when_its_group_changes_layout():
+    c = make("acpsgd", rank=2)
+    x = torch.randn(20 * 30)
+    for _ in range(3):
+        (payload,), ctx = c.compress(x, "g", [torch.Size([20, 30])])
+        c.aggregate([(payload,)], ctx, 1, True)
+    (payload,), ctx = c.compress(x, "g", [torch.Size([30, 20])])  # same numel, other matrix
+    assert ctx.holds == "q" and payload.numel() == 30 * 2
+
+
+def test_acpsgd_bad_options_named():
+    for kwargs, option in (({"rank": 0}, "rank"), ({"factor_dtype": "fp16"}, "factor_dtype"),
+                           ({"min_compression_rate": -1}, "min_compression_rate")):
+        with pytest.raises(ValueError, match=option):
+            make("acpsgd", **kwargs)
 
 
 # -- bits on the wire ------------------------------------------------------------------------

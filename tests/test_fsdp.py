@@ -47,7 +47,7 @@ def _compare_worker(rank, world):
             out["residual"] = sum(t.numel() for c in comms for fields in c.state_dict()["memory"].values()
                                   for t in fields.values())
     errors = {}
-    for bad in ("powersgd", "signsgd"):
+    for bad in ("powersgd", "acpsgd", "signsgd"):
         try:
             mc.fsdp.compress(torch.nn.Linear(2, 2), bad)
         except ValueError as err:
@@ -66,6 +66,7 @@ def test_compressed_reduce_scatter_against_fsdp_own(world):
         assert 0 < out["fp16"] < 1e-3 and 0 < out["qsgd"] < 0.1 and out["topk"] > 0
         assert out["residual"] > 0, "top-k keeps its error feedback per module and destination"
         assert "rounds" in errors["powersgd"] and "vote" in errors["signsgd"]
+        assert "acpsgd" in errors["acpsgd"] and "whole matrices" in errors["acpsgd"]
         assert "fully_shard" in errors["no_fsdp"]
 
 

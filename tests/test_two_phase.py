@@ -226,7 +226,8 @@ def _front_end_worker(rank, world):
     train(wrapped, torch.optim.SGD(model.parameters(), lr=0.2), xs, ys, steps=40)
     out["ddp topk"] = (flat_params(model), torch.nn.functional.cross_entropy(model(x), y).item())
     errors = []
-    for options in ({"scheme": "ring"}, {"compression": "powersgd", "scheme": "two-phase"}):
+    for options in ({"scheme": "ring"}, {"compression": "powersgd", "scheme": "two-phase"},
+                    {"compression": "acpsgd", "scheme": "two-phase"}):
         try:
             mc.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), **options)
         except ValueError as err:
@@ -245,6 +246,7 @@ def test_front_ends_train_with_two_phase_on_three_ranks():
         params, loss = results[0][name]
         assert all(torch.equal(params, out[name][0]) for out in results[1:]), f"{name}: ranks diverged"
         assert loss < 0.9 * initial, f"{name}: loss {initial:.3f} -> {loss:.3f}"
-    ring, powersgd = results[0]["errors"]
+    ring, powersgd, acpsgd = results[0]["errors"]
     assert "scheme must be one of" in ring and "'ring'" in ring
     assert "powersgd" in powersgd and "single-round" in powersgd
+    assert "acpsgd" in acpsgd and "whole matrices" in acpsgd

@@ -64,6 +64,8 @@ class Compressor(GroupStateful, abc.ABC):
     summable: bool = False
     #: number of communication rounds per step
     rounds: int = 1
+    #: steps after which the payloads' sizes repeat (ACP-SGD alternates two factors)
+    period: int = 1
     #: name of the error-feedback memory used when the user does not choose one
     default_memory: str = "none"
     #: every payload decodes to exactly what was compressed, so an error-feedback memory has no
@@ -78,9 +80,10 @@ class Compressor(GroupStateful, abc.ABC):
     #: fp16 beyond 65504): after an error-feedback memory compensated the tensor, the exchange
     #: then checks the payload
     may_overflow: bool = False
-    #: approximates each tensor as a low-rank matrix (PowerSGD), so a per-element rescaling
-    #: before it (the momentum exchange's division by Adam's denominator) would break the
-    #: structure it relies on
+    #: approximates each tensor as a low-rank matrix (PowerSGD, ACP-SGD), so a per-element
+    #: rescaling before it (the momentum exchange's division by Adam's denominator) would break
+    #: the structure it relies on, and a shard of a group (two-phase, hierarchical, FSDP) cuts
+    #: its matrices
     low_rank: bool = False
     #: the passes over the group its operations make (:mod:`mergecomp.exchange.breakdown`)
     passes: CodecPasses = CodecPasses()
@@ -150,12 +153,16 @@ class SummedDecode(Compressor):
 def bits_per_element(compressor: Compressor, numel: int, dtype: torch.dtype = torch.float32,
                      shapes: Optional[Sequence[torch.Size]] = None) -> float:
     """Bits one rank puts on the wire per input element with ``compressor``, every round of it
-    counted, for a group of ``numel`` elements (of tensors ``shapes``, for codecs that use them:
-    PowerSGD's factors)."""
-    payload, ctx = compressor.compress(torch.zeros(numel, dtype=dtype), "__probe__", shapes)
-    sent = sum(t.numel() * t.element_size() for t in payload)
-    for _ in range(1, compressor.rounds):
-        payload, ctx = compressor.next_round(payload, ctx)
+    counted (averaged over the steps of its :attr:`~Compressor.period`), for a group of
+    ``numel`` elements (of tensors ``shapes``, for codecs that use them: PowerSGD's factors)."""
+    sent = 0
+    for _ in range(compressor.period):
+        payload, ctx = compressor.compress(torch.zeros(numel, dtype=dtype), "__probe__", shapes)
         sent += sum(t.numel() * t.element_size() for t in payload)
+        for _ in range(1, compressor.rounds):
+            payload, ctx = compressor.next_round(payload, ctx)
+            sent += sum(t.numel() * t.element_size() for t in payload)
+        if compressor.period > 1:  # the next step's payload follows from this one's
+            compressor.aggregate([payload], ctx, 1, True)
     compressor.state.pop("__probe__", None)
-    return 8.0 * sent / numel
+    return 8.0 * sent / numel / compressor.period

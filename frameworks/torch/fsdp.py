@@ -28,9 +28,10 @@ shard): each module's reduced shard is then averaged over the replicas by a
 :class:`CompressedAllReduce` (FSDP2's ``set_all_reduce_hook``; one payload per rank, allgathered).
 FSDP1: one communication hook for every flat parameter (:class:`_FSDP1Hook`).
 
-Refused with ValueError: compressors of several rounds (PowerSGD: a reduce-scatter has one) and
-majority votes (signSGD, Signum: FSDP needs the average); reduce ops other than sum and average
-(NCCL's pre-multiplied sum).
+Refused with ValueError: compressors of several rounds (PowerSGD: a reduce-scatter has one),
+low-rank ones (ACP-SGD: FSDP's flat shards cut the matrices) and majority votes (signSGD,
+Signum: FSDP needs the average); reduce ops other than sum and average (NCCL's pre-multiplied
+sum).
 """
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ class _CompressedCollective:
         if self.compressor.rounds > 1:
             raise ValueError(f"compression={self.compressor.name or compression!r} needs {self.compressor.rounds} "
                              f"rounds; FSDP's reduce-scatter has one")
+        if self.compressor.low_rank:
+            raise ValueError(f"compression={self.compressor.name or compression!r} approximates whole matrices; "
+                             f"FSDP reduces flat shards that cut them")
         if self.compressor.votes:
             raise ValueError(f"compression={self.compressor.name or compression!r} takes a majority vote; FSDP "
                              f"needs the average of the gradients")

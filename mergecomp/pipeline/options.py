@@ -123,10 +123,13 @@ class StepOptions:
 
     def check(self, compressor: Compressor) -> None:
         """ValueError where ``compressor`` cannot take these options: a sharded scheme needs a
-        single-round compressor."""
+        single-round compressor that does not approximate whole matrices."""
         if self.scheme in SHARDED and compressor.rounds > 1:
             raise ValueError(f"scheme={self.scheme!r} needs a single-round compressor; {compressor.name!r} "
                              f"takes {compressor.rounds} rounds")
+        if self.scheme in SHARDED and compressor.low_rank:
+            raise ValueError(f"scheme={self.scheme!r} cuts groups into shards; {compressor.name!r} approximates "
+                             f"whole matrices")
 
     def described(self) -> Dict[str, Any]:
         """What every rank must share, for :func:`~mergecomp.pipeline.agreement.check_ranks_agree`."""
