@@ -176,9 +176,11 @@ def _load() -> Optional[ctypes.CDLL]:
 def usable(*tensors: torch.Tensor) -> bool:
     """True when the kernels are on and every tensor is a contiguous CPU tensor, fp32 where it
     is floating point (codes and levels may be any integer type)."""
-    if _off or not all((t.dtype == torch.float32 or not t.dtype.is_floating_point)
-                       and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+    if _off:
         return False
+    for t in tensors:  # a plain loop over cheap attributes: called per tensor on the hot path
+        if not (t.is_cpu and t.is_contiguous() and (t.dtype is torch.float32 or not t.is_floating_point())):
+            return False
     return _loaded() is not None
 
 
@@ -212,7 +214,7 @@ def _threads() -> int:
 def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> int:
     """The address of ``t`` after checking that a kernel may read or write ``numel`` elements
     of ``dtype`` there (a wrong buffer raises here instead of corrupting memory)."""
-    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() < numel:
+    if t.dtype is not dtype or not t.is_cpu or not t.is_contiguous() or t.numel() < numel:
         raise ValueError(f"native kernel argument {name!r}: need a contiguous CPU {dtype} tensor of at "
                          f"least {numel} elements, got {t.dtype} {tuple(t.shape)} on {t.device}"
                          f"{'' if t.is_contiguous() else ' (not contiguous)'}")
