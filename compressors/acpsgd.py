@@ -34,7 +34,7 @@ import torch
 from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.low_rank import (FACTOR_DTYPES, Layout, check_options, factor_views, group_layout,
-                                                 orthogonalize, raw_runs, write_products)
+                                                 orthogonalize, raw_runs, write_group)
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
 from mergecomp.kernels.quantize import work_dtype
@@ -106,39 +106,39 @@ class ACPSGDCompressor(Compressor, SubtractsDecode):
         """The factor this step sends: ``"p"`` while ``Q`` is held, else ``"q"``."""
         return "p" if ctx.holds == "q" else "q"
 
-    def _split(self, flat: torch.Tensor, ctx: ACPCtx, divisor: int = 1):
-        """A payload (this rank's or the sum) as ``(P, Q)`` of each matrix (the sent factor
-        divided by ``divisor``, in the work dtype, with the held one) and its raw runs."""
+    def _split(self, flat: torch.Tensor, ctx: ACPCtx) -> Tuple[List[torch.Tensor], Tuple[torch.Tensor, ...]]:
+        """A payload (this rank's or the sum): the sent factor of each matrix (in the work
+        dtype) and the raw runs."""
         k = ctx.layout.p_numel if ctx.holds == "q" else ctx.layout.q_numel
-        sent = flat[:k].to(work_dtype(ctx.dtype))
-        sent = factor_views(sent if divisor == 1 else sent / divisor, ctx.layout, self._sent(ctx))
-        pairs = [(s, h) if ctx.holds == "q" else (h, s) for s, h in zip(sent, ctx.held)]
-        return pairs, flat[k:].split([length for _, length in ctx.layout.raw])
+        sent = factor_views(flat[:k].to(work_dtype(ctx.dtype)), ctx.layout, self._sent(ctx))
+        return sent, flat[k:].split([length for _, length in ctx.layout.raw])
 
-    def _decode(self, flat: torch.Tensor, ctx: ACPCtx, divisor: int) -> torch.Tensor:
-        """The group from a payload: ``P Q^T`` of each matrix, the raw runs, divided by ``divisor``."""
-        out = self.scratch(ctx.numel, ctx.dtype, flat.device)
-        pairs, raw = self._split(flat, ctx, divisor)
-        write_products(pairs, ctx.layout, ctx.numel, out)
-        for (offset, length), values in zip(ctx.layout.raw, raw):
-            torch.div(values, divisor, out=out[offset:offset + length])
+    @staticmethod
+    def _pairs(sent: Sequence[torch.Tensor], ctx: ACPCtx, divisor: int = 1) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(P, Q)`` of each matrix: the sent factor (divided by ``divisor``) with the held one."""
+        sent = [s if divisor == 1 else s / divisor for s in sent]
+        return [(s, h) if ctx.holds == "q" else (h, s) for s, h in zip(sent, ctx.held)]
+
+    def _decode(self, sent: Sequence[torch.Tensor], raw: Sequence[torch.Tensor], ctx: ACPCtx,
+                divisor: int) -> torch.Tensor:
+        """The group from a payload's :meth:`_split`: ``P Q^T`` of each matrix and the raw runs,
+        divided by ``divisor``."""
+        out = self.scratch(ctx.numel, ctx.dtype, ctx.tensor.device)
+        write_group(self._pairs(sent, ctx, divisor), raw, ctx.layout, ctx.numel, out, divisor=divisor)
         return out
 
     def decompress(self, payload: Payload, ctx: ACPCtx) -> torch.Tensor:
         """This rank's own approximation (its sent factor with the held one) and its raw
         elements, as sent."""
-        return self._decode(payload[0], ctx, 1)
+        return self._decode(*self._split(payload[0], ctx), ctx, 1)
 
     def subtract_decoded(self, payload: Payload, ctx: ACPCtx, minuend: torch.Tensor,
                          out: Callable[[], torch.Tensor]) -> bool:
-        """``minuend`` less :meth:`decompress`, each matrix written once; fp32 groups only."""
+        """``minuend`` less :meth:`decompress`, each element written once; fp32 groups only."""
         if work_dtype(ctx.dtype) != ctx.dtype or minuend.numel() != ctx.numel:
             return False
-        residual = out()
-        pairs, raw = self._split(payload[0], ctx)
-        write_products(pairs, ctx.layout, ctx.numel, residual, minuend)
-        for (offset, length), sent in zip(ctx.layout.raw, raw):
-            torch.sub(minuend[offset:offset + length], sent, out=residual[offset:offset + length])
+        sent, raw = self._split(payload[0], ctx)
+        write_group(self._pairs(sent, ctx), raw, ctx.layout, ctx.numel, out(), minuend)
         return True
 
     def aggregate(self, payloads: Sequence[Payload], ctx: ACPCtx, world_size: int, average: bool) -> torch.Tensor:
@@ -147,9 +147,9 @@ class ACPSGDCompressor(Compressor, SubtractsDecode):
         summed = payloads[0][0]
         for payload in payloads[1:]:
             summed = summed + payload[0]
-        out = self._decode(summed, ctx, world_size if average else 1)
+        sent, raw = self._split(summed, ctx)
+        out = self._decode(sent, raw, ctx, world_size if average else 1)
         if ctx.layout.matrices:
-            sent = [p if ctx.holds == "q" else q for p, q in self._split(summed, ctx)[0]]
             state = self.group_state(ctx.name)
             state["factor"] = torch.cat([f.reshape(-1) for f in orthogonalize(sent)])
             state["holds_p"] = torch.tensor(ctx.holds == "q")

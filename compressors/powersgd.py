@@ -27,14 +27,14 @@ Defaults: ``rank=1``, ``warm_start=True``, ``min_compression_rate=2``, ``factor_
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.low_rank import (FACTOR_DTYPES, Layout, check_options, factor_views, group_layout,
-                                                 orthogonalize, raw_runs, write_products)
+                                                 orthogonalize, raw_runs, write_group)
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
 from mergecomp.kernels.quantize import work_dtype
@@ -134,18 +134,15 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
             raise ValueError("powersgd decodes only the last round's payload")
         out = self.scratch(ctx.numel, ctx.dtype, q_flat.device)
         q_flat = q_flat.to(work_dtype(ctx.dtype))
-        self._write_products(q_flat if divisor == 1 else q_flat / divisor, ctx, out)
-        for (offset, length), values in zip(ctx.layout.raw, raw):
-            torch.div(values, divisor, out=out[offset:offset + length])
+        write_group(self._pairs(q_flat if divisor == 1 else q_flat / divisor, ctx), raw, ctx.layout, ctx.numel, out,
+                    divisor=divisor)
         return out
 
     @staticmethod
-    def _write_products(q_flat: torch.Tensor, ctx: PowerSGDCtx, out: torch.Tensor,
-                        minuend: Optional[torch.Tensor] = None) -> None:
-        """:func:`~mergecomp.compressors.base.low_rank.write_products` of the round-2 ``P``'s with
-        the ``Q``'s in ``q_flat``."""
-        qs = factor_views(q_flat.to(work_dtype(ctx.dtype)), ctx.layout, "q")
-        write_products(list(zip(ctx.ps, qs)), ctx.layout, ctx.numel, out, minuend)
+    def _pairs(q_flat: torch.Tensor, ctx: PowerSGDCtx) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(P, Q)`` of each matrix: the round-2 ``P``'s with the ``Q``'s in ``q_flat`` (any
+        dtype; in the work dtype)."""
+        return list(zip(ctx.ps, factor_views(q_flat.to(work_dtype(ctx.dtype)), ctx.layout, "q")))
 
     def decompress(self, payload: Payload, ctx: PowerSGDCtx) -> torch.Tensor:
         """This rank's own approximation: ``P @ Q_local^T`` and its own raw elements, as sent."""
@@ -158,10 +155,8 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         groups only."""
         if ctx.raw_sum is None or work_dtype(ctx.dtype) != ctx.dtype or minuend.numel() != ctx.numel:
             return False
-        residual = out()
-        self._write_products(payload[0], ctx, residual, minuend)
-        for (offset, length), sent in zip(ctx.layout.raw, raw_runs(ctx.tensor, ctx.layout, ctx.wire)):
-            torch.sub(minuend[offset:offset + length], sent, out=residual[offset:offset + length])
+        write_group(self._pairs(payload[0], ctx), raw_runs(ctx.tensor, ctx.layout, ctx.wire), ctx.layout, ctx.numel,
+                    out(), minuend)
         return True
 
     def aggregate(self, payloads: Sequence[Payload], ctx: PowerSGDCtx, world_size: int,

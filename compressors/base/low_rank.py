@@ -1,6 +1,6 @@
 """What the low-rank compressors (PowerSGD, ACP-SGD) share: which tensors of a group are
 compressed as matrices, views of the flat factors, their orthogonalization, the raw runs as
-sent, and the products ``P Q^T`` written into the group.
+sent, and a decode (the products ``P Q^T`` and the raw runs) written into the group.
 
 A tensor with at least 2 dims is the matrix ``M`` (``shape[0]`` x the rest) and compressed at
 rank ``r`` where ``(m + n) r * min_compression_rate < m n`` and ``r < min(m, n)``; every other
@@ -19,7 +19,7 @@ import torch
 from mergecomp.kernels import codecs
 
 __all__ = ["FACTOR_DTYPES", "Layout", "check_options", "group_layout", "factor_views", "orthogonalize",
-           "raw_runs", "write_products"]
+           "raw_runs", "write_group"]
 
 #: ``factor_dtype`` names and the dtypes the payloads travel in
 FACTOR_DTYPES = {"bf16": torch.bfloat16}
@@ -109,12 +109,21 @@ def raw_runs(tensor: torch.Tensor, layout: Layout, wire: torch.dtype) -> List[to
     return [tensor[offset:offset + length].to(wire) for offset, length in layout.raw]
 
 
-def write_products(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], layout: Layout, numel: int,
-                   out: torch.Tensor, minuend: Optional[torch.Tensor] = None) -> None:
-    """Each matrix of the group-sized ``out`` = ``P @ Q^T`` for its ``(P, Q)`` in ``pairs`` (work
-    dtype), or ``minuend``'s matrix less it, written once (:func:`mergecomp.kernels.codecs.low_rank`;
-    past the cache for a large group, whose output is read only once it is whole)."""
+def write_group(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], raw: Sequence[torch.Tensor], layout: Layout,
+                numel: int, out: torch.Tensor, minuend: Optional[torch.Tensor] = None, divisor: int = 1) -> None:
+    """The group-sized ``out`` from a decode: each matrix ``P @ Q^T`` for its ``(P, Q)`` in
+    ``pairs`` (work dtype; a factor already divided where the result is averaged), each raw run
+    its values in ``raw`` divided by ``divisor``; with ``minuend``, ``minuend`` less all that
+    (a residual).  Each element written once; the products by
+    :func:`mergecomp.kernels.codecs.low_rank`, past the cache for a large group, whose output is
+    read only once it is whole."""
     stream = codecs.streamed(numel)
     for (offset, m, n), (p, q) in zip(layout.matrices, pairs):
         rows = slice(offset, offset + m * n)
         codecs.low_rank(p, q, out[rows].view(m, n), None if minuend is None else minuend[rows].view(m, n), stream)
+    for (offset, length), values in zip(layout.raw, raw):
+        run = slice(offset, offset + length)
+        if minuend is None:
+            torch.div(values, divisor, out=out[run])
+        else:
+            torch.sub(minuend[run], values, out=out[run])
