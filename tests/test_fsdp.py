@@ -72,13 +72,15 @@ def test_compressed_reduce_scatter_against_fsdp_own(world):
 
 def _cast_worker(rank, world):
     """fp16 through the compressed reduce-scatter, without a memory and with the residual one,
-    against the fp16 rounding of every rank's chunk summed in fp32 by hand."""
+    against this rank's own chunk (exact) plus the fp16 rounding of every other rank's chunk,
+    summed in fp32 by hand; the residual memory keeps the other ranks' chunks only."""
     import torch.distributed as dist
 
     import mergecomp.torch as mc
 
     inputs = [torch.randn(world * 7, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    expected = sum(x.view(world, 7)[rank].half().float() for x in inputs)
+    expected = sum(x.view(world, 7)[rank].half().float() for r, x in enumerate(inputs) if r != rank)
+    expected += inputs[rank].view(world, 7)[rank]
     out = {}
     for memory in ("none", "residual"):
         reduce_scatter = mc.fsdp.CompressedReduceScatter("fp16", memory)
@@ -87,15 +89,45 @@ def _cast_worker(rank, world):
         reduce_scatter(shard, given, None, dist.ReduceOp.SUM)
         kept = reduce_scatter.state_dict()["memory"]
         residual = sum(t.abs().sum() for fields in kept.values() for t in fields.values())
-        out[memory] = (torch.equal(shard, expected), torch.equal(given, inputs[rank]), float(residual))
+        kept_elements = sum(t.numel() for fields in kept.values() for t in fields.values())
+        out[memory] = (torch.equal(shard, expected), torch.equal(given, inputs[rank]), float(residual), kept_elements)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_cast_without_memory_reduces_what_every_rank_sent(world):
     for out in run_workers(_cast_worker, world, world, timeout=120):
-        assert out["none"][:2] == (True, True) and out["none"][2] == 0.0, out
+        assert out["none"][:2] == (True, True) and out["none"][2:] == (0.0, 0), out
         assert out["residual"][:2] == (True, True) and out["residual"][2] > 0, out
+        assert out["residual"][3] == (world - 1) * 7, "a memory for each other rank's chunk, none for the own"
+
+
+def _conservation_worker(rank, world):
+    """Top-k 25 % with the residual memory through one summing reduce-scatter: this rank's
+    inputs, its shard and what its memory kept for each destination."""
+    import torch.distributed as dist
+
+    import mergecomp.torch as mc
+    from mergecomp.registry import get_compressor
+
+    given = torch.randn(world * 40, generator=torch.Generator().manual_seed(rank))
+    reduce_scatter = mc.fsdp.CompressedReduceScatter(get_compressor("topk", ratio=0.25), "residual", name="m")
+    shard = torch.empty(40)
+    reduce_scatter(shard, given.clone(), None, dist.ReduceOp.SUM)
+    kept = {int(key.rsplit(".", 1)[1]): fields["residual"] for key, fields in reduce_scatter.state_dict()["memory"].items()}
+    return given, shard, kept
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_memories_conserve_what_was_not_sent(world):
+    """Rank d's shard plus every other rank's residual for d is the exact sum of chunk d."""
+    out = run_workers(_conservation_worker, world, world, timeout=120)
+    for d, (_, shard, kept) in enumerate(out):
+        assert d not in kept and sorted(kept) == [r for r in range(world) if r != d]
+        exact = sum(given.view(world, 40)[d] for given, _, _ in out)
+        remembered = sum(out[s][2][d] for s in range(world) if s != d)
+        assert float(remembered.abs().sum()) > 0
+        torch.testing.assert_close(shard + remembered, exact, rtol=0, atol=1e-5)
 
 
 def _overflow_worker(rank, world, device="cpu"):
@@ -285,9 +317,10 @@ def _fsdp1_worker(rank, world, strategy):
 
 @pytest.mark.parametrize("world,strategy", [(2, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")])
 def test_fsdp1_comm_hook(world, strategy):
-    for out in run_workers(_fsdp1_worker, world, world, strategy, timeout=240):
+    for rank, out in enumerate(run_workers(_fsdp1_worker, world, world, strategy, timeout=240)):
         assert out["none"][0] < 1e-6 and 0 < out["fp16"][0] < 1e-3 and out["topk"][0] > 0
         assert all(identical for _, identical, _ in out.values())
-        # top-k keeps a residual for each of the 2 flat parameters (the root holds none), by place
-        rows = world if strategy != "NO_SHARD" else 1
-        assert out["topk"][2] == sorted(f"fsdp1.{i}.{d}" for i in range(2) for d in range(rows))
+        # top-k keeps a residual for each of the 2 flat parameters (the root holds none), by place:
+        # sharded, one per other rank's chunk (the own chunk is reduced exact); NO_SHARD, one
+        rows = [d for d in range(world) if d != rank] if strategy != "NO_SHARD" else [0]
+        assert out["topk"][2] == sorted(f"fsdp1.{i}.{d}" for i in range(2) for d in rows)

@@ -14,12 +14,12 @@ Example::
 FSDP2 hands each module's gradients to its reduce-scatter as one flat buffer: ``world`` equal
 chunks, chunk ``d`` holding the rows of rank ``d``'s shard, in FSDP's ``reduce_dtype``.
 :class:`CompressedReduceScatter` (plugged in with FSDP2's public ``set_custom_reduce_scatter``)
-compresses each chunk with the chosen compressor after its error feedback (the memory is keyed by
-module and destination: a full gradient's worth of residual per rank, for compressors that keep
-one), sends chunk ``d``'s payload to rank ``d`` by one all-to-all of packed payload bytes (and
-one byte saying whether the sender's gradients were finite), and decodes and sums (or averages)
-the payloads it receives into its shard: a reduce-scatter of ``(world - 1) / world`` of the
-payload bytes per rank.  A non-finite gradient on any rank (a ``GradScaler`` overflow) makes
+compresses each other rank's chunk with the chosen compressor after its error feedback (the memory
+is keyed by module and destination: ``(world - 1) / world`` of a gradient per rank, for
+compressors that keep one), sends chunk ``d``'s payload to rank ``d`` by one all-to-all of packed
+payload bytes (and one byte saying whether the sender's gradients were finite), and decodes and
+sums (or averages) the payloads it receives, with its own chunk exact, into its shard: a
+reduce-scatter of ``(world - 1) / world`` of the payload bytes per rank.  A non-finite gradient on any rank (a ``GradScaler`` overflow) makes
 every rank's shard NaN, so every rank's scaler skips the step, and leaves the memories as they
 were.  With the lossless compressor it is FSDP's own ``reduce_scatter_tensor``, bit for bit.
 
@@ -81,15 +81,19 @@ class _CompressedCollective:
             self._comms[group] = TorchCommunicator(group, self.timeout)
         return self._comms[group]
 
-    def _encode(self, chunks: torch.Tensor, key: str) -> Tuple[torch.Tensor, list, list, Any]:
+    def _encode(self, chunks: torch.Tensor, key: str, own: Optional[int] = None) -> Tuple[torch.Tensor, list, list, Any]:
         """Each row of ``chunks`` (2-D, the tensor's parts, one per payload) compensated by its
         memory, compressed and packed: (rows of payload bytes, each followed by the 8-byte
         "not finite" flag; what :meth:`_decode` needs: the kept sends, the specs, the context).
-        A sender whose tensor holds NaN/Inf sends zeros and raises the flag."""
+        Row ``own`` (the sender's own shard in a reduce-scatter) is neither compressed nor
+        remembered: its packed row is a placeholder of the others' size that never leaves the
+        rank.  A sender whose tensor holds NaN/Inf sends zeros and raises the flag."""
         finite = bool(all_finite(chunks))
         passthrough = self.memory.passthrough  # no error feedback: the chunks are compressed as they are
-        sent = []  # (compensated chunk, its memory key, its payload) per row
+        sent = []  # (compensated chunk, its memory key, its payload) per compressed row
         for row in range(chunks.shape[0]):
+            if row == own:
+                continue
             name = f"{key}.{row}"
             if not finite:
                 compensated = torch.zeros_like(chunks[row])
@@ -97,16 +101,21 @@ class _CompressedCollective:
                 compensated = chunks[row] if passthrough else self.memory.compensate(chunks[row].clone(), name)
             payload, ctx = self.compressor.compress(compensated, name)
             sent.append((compensated, name, tuple(t.clone() for t in payload)))  # scratch: reused by the next row
-        rows, specs = pack_rows([payload for _, _, payload in sent])
+        payloads = [payload for _, _, payload in sent]
+        if own is not None:
+            payloads.insert(own, payloads[0])
+        rows, specs = pack_rows(payloads)
         # on the payloads' device; _FLAG_BYTES keeps the rows 8-aligned
-        flag = torch.full((len(sent), _FLAG_BYTES), int(not finite), dtype=torch.uint8, device=rows.device)
+        flag = torch.full((len(payloads), _FLAG_BYTES), int(not finite), dtype=torch.uint8, device=rows.device)
         return torch.cat([rows, flag], dim=1), sent, specs, ctx
 
     def _decode(self, received: torch.Tensor, encoded: Tuple[torch.Tensor, list, list, Any], row: int,
-                out: torch.Tensor, average: bool) -> None:
+                out: torch.Tensor, average: bool, own: Optional[torch.Tensor] = None) -> None:
         """``out`` = the sum (or mean) of the payloads in ``received``'s rows (one per sender,
         packed as row ``row`` of :meth:`_encode`), and the memories updated with what was sent;
-        NaN everywhere, memories untouched, when any sender raised its flag."""
+        with ``own`` (a reduce-scatter's own chunk, exact), received row ``row`` is its
+        placeholder and ``own`` takes its place.  NaN everywhere, memories untouched, when any
+        sender raised its flag."""
         _, sent, specs, ctx = encoded
         if bool(received[:, -1].any()):  # a rank's gradients overflowed: every rank's result is NaN,
             out.fill_(float("nan"))      # and every rank's memories stay as they were
@@ -114,8 +123,15 @@ class _CompressedCollective:
         if not self.memory.passthrough:  # the own payloads decoded only for a memory that keeps their error
             for compensated, name, payload in sent:
                 self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
-        payloads = [unpack_payload(sender[:-_FLAG_BYTES], specs[row]) for sender in received]
-        out.copy_(self.compressor.aggregate(payloads, ctx, received.shape[0], average))
+        senders = range(received.shape[0])
+        payloads = [unpack_payload(received[s, :-_FLAG_BYTES], specs[row]) for s in senders
+                    if own is None or s != row]
+        if own is None:
+            out.copy_(self.compressor.aggregate(payloads, ctx, received.shape[0], average))
+            return
+        out.copy_(self.compressor.aggregate(payloads, ctx, 1, False)).add_(own)
+        if average:
+            out.div_(received.shape[0])
 
     def state_dict(self) -> Dict[str, Any]:
         return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
@@ -135,7 +151,8 @@ def _average(op: Any, name: str) -> bool:
 class CompressedReduceScatter(_CompressedCollective):
     """FSDP2's ``ReduceScatter`` interface (``allocate``, ``__call__``) for one FSDP module:
     chunk ``d`` of the input compressed (memory key ``<name>.<d>``) and sent to rank ``d`` by one
-    all-to-all of payload bytes; each rank decodes and reduces its shard."""
+    all-to-all of payload bytes; each rank reduces the payloads it received and its own chunk,
+    uncompressed, into its shard."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -148,9 +165,13 @@ class CompressedReduceScatter(_CompressedCollective):
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return None
         comm = self._comm(group)
-        encoded = self._encode(input_tensor.view(comm.size, -1), key or self.name)
+        chunks = input_tensor.view(comm.size, -1)
+        if comm.size == 1:
+            output_tensor.copy_(chunks[0])
+            return None
+        encoded = self._encode(chunks, key or self.name, own=comm.rank)
         received = comm.alltoall(encoded[0].reshape(-1), f"{self.name}: compressed reduce-scatter")
-        self._decode(received.view(comm.size, -1), encoded, comm.rank, output_tensor, average)
+        self._decode(received.view(comm.size, -1), encoded, comm.rank, output_tensor, average, own=chunks[comm.rank])
         return None
 
 
