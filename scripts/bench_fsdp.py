@@ -14,7 +14,10 @@ bf16, as FSDP users commonly train); ``--no-reshard`` gives every configuration
 ``reshard_after_forward=False`` (one all-gather a step: ZeRO-2's traffic).
 
 Configurations: ``fsdp`` (fp32 reduce-scatter), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=
-torch.bfloat16)``), and ``COMPRESSOR[:key=value;...][+MEMORY[:key=value;...]]`` for mergecomp's reduce-scatter.
+torch.bfloat16)``), and ``COMPRESSOR[:key=value;...][+MEMORY[:key=value;...]][@int8]`` for
+mergecomp's reduce-scatter (``@int8``: and its int8 parameter all-gather, ``all_gather="int8"``;
+``none@int8`` is FSDP's own reduce-scatter with it).  Each record also holds the bytes the
+error-feedback memories keep on each rank (``memory_mb``).
 
 ``--converge`` trains as ``bench_adam`` does instead (its seed, batch of 8, AdamW with weight
 decay, warm-up + cosine LR schedule over ``--steps``, validation loss on the held-out windows
@@ -79,10 +82,21 @@ def sharded_model(config, param_dtype, reshard=True):
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+    reductions = []
     if config not in BASELINES:
+        config, _, all_gather = config.partition("@")
         spec, _, memory = config.partition("+")
-        mc.fsdp.compress(model, compressor_of(spec), memory=memory_of(memory) if memory else None)
-    return model
+        reductions = mc.fsdp.compress(model, compressor_of(spec), memory=memory_of(memory) if memory else None,
+                                      all_gather=all_gather or "none")
+    return model, reductions
+
+
+def memory_mb(reductions):
+    """MB the error-feedback memories of ``reductions`` keep on this rank (a memory instance the
+    modules share counted once)."""
+    memories = {id(holder.memory): holder.memory for holder in reductions}.values()
+    return sum(t.numel() * t.element_size() for memory in memories
+               for fields in memory.state_dict().values() for t in fields.values()) / 2 ** 20
 
 
 def worker(args):
@@ -93,7 +107,7 @@ def worker(args):
     rank, world = mc.rank(), mc.size()
     train, held_out = rank_data(rank, world, 64 if args.converge else 1)
     torch.manual_seed(args.seed if args.converge else 0)
-    model = sharded_model(args.worker, args.param_dtype, not args.no_reshard)
+    model, reductions = sharded_model(args.worker, args.param_dtype, not args.no_reshard)
     if args.converge:  # bench_adam's training
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
         lr_schedule = torch.optim.lr_scheduler.LambdaLR(opt, schedule(args.warmup + args.steps))
@@ -120,12 +134,13 @@ def worker(args):
     sent += tx_bytes()
     numel = sum(p.numel() for p in model.parameters())
     peaks = mc.allgather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    memories = mc.allgather_object(memory_mb(reductions))
     sent = mc.allgather_object(sent / args.steps / numel)
     mc.shutdown()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"config": args.worker, "world": world, "step_s": statistics.median(times[args.warmup:]),
-                       "loss": loss.item(), "peak_rss_mb": peaks, "sent_bytes_per_param": sent,
+                       "loss": loss.item(), "peak_rss_mb": peaks, "memory_mb": memories, "sent_bytes_per_param": sent,
                        "param_dtype": args.param_dtype, "reshard_after_forward": not args.no_reshard,
                        **({"seed": args.seed, "steps": args.warmup + args.steps, "curve": curve,
                            "final_test_loss": StdlibBytes.final_loss(curve)}
@@ -194,15 +209,16 @@ def main():
     print(f"FSDP2 GPT-2 4x256, {args.hosts} hosts at {args.rate}, batch {args.batch} x 64 bytes per worker, "
           f"params {args.param_dtype}, reshard_after_forward={not args.no_reshard}, median of {args.steps} steps")
     print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | last loss | peak RSS MB (per rank) "
-          "| bytes sent per step and parameter (per rank) | load |")
-    print("|---|---:|---:|---:|---:|---|---|---|")
+          "| memories MB (per rank) | bytes sent per step and parameter (per rank) | load |")
+    print("|---|---:|---:|---:|---:|---|---|---|---|")
     for r in records:
         if r["status"] != "ok":
-            print(f"| {r['config']} | {r['status']} | | | | | | |")
+            print(f"| {r['config']} | {r['status']} | | | | | | | |")
             continue
         ratios = [f"{base[b] / r['step_s']:.2f}x" if b in base else "-" for b in BASELINES]
         print(f"| {r['config']} | {r['step_s']:.3f} | {ratios[0]} | {ratios[1]} | {r['loss']:.3f} | "
               f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mb'])} | "
+              f"{', '.join(f'{m:.1f}' for m in r.get('memory_mb', []))} | "
               f"{', '.join(f'{b:.2f}' for b in r['sent_bytes_per_param'])} | {r['load_before']} / {r['load_after']} |")
 
 

@@ -26,6 +26,8 @@ were.  With the lossless compressor it is FSDP's own ``reduce_scatter_tensor``, 
 HSDP: shard each replica on a 1-D mesh and pass ``replicate_group=`` (the ranks holding the same
 shard): each module's reduced shard is then averaged over the replicas by a
 :class:`CompressedAllReduce` (FSDP2's ``set_all_reduce_hook``; one payload per rank, allgathered).
+``all_gather="int8"``: the parameters' all-gather too, in int8 blocks (:class:`QuantizedAllGather`,
+FSDP2's ``set_custom_all_gather``), as ZeRO++ quantizes weights.
 FSDP1: one communication hook for every flat parameter (:class:`_FSDP1Hook`).
 
 Refused with ValueError: compressors of several rounds (PowerSGD: a reduce-scatter has one),
@@ -47,12 +49,30 @@ from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.torch_dist import TorchCommunicator
 from mergecomp.exchange.exchange import resolve
 from mergecomp.kernels.codecs import all_finite
+from mergecomp.kernels.quantize import from_int8_blocks, int8_blocks, int8_blocks_nbytes
 from mergecomp.kernels.wire import pack_rows, unpack_payload
 
-__all__ = ["CompressedAllReduce", "CompressedReduceScatter", "Reductions", "compress"]
+__all__ = ["CompressedAllReduce", "CompressedReduceScatter", "QuantizedAllGather", "Reductions", "compress"]
+
+#: what ``compress(all_gather=...)`` accepts: the parameters' all-gather as FSDP's, or in int8
+ALL_GATHERS = ("none", "int8")
 
 #: bytes after each packed payload row carrying "the sender's gradients were not finite"
 _FLAG_BYTES = 8
+
+
+class _Communicators:
+    """One :class:`TorchCommunicator` (collectives with a timeout) per process group, made on
+    first use: ``communicators(group)``."""
+
+    def __init__(self, timeout: Optional[float]) -> None:
+        self.timeout = timeout
+        self._made: Dict[Any, TorchCommunicator] = {}
+
+    def __call__(self, group: Optional[dist.ProcessGroup]) -> TorchCommunicator:
+        if group not in self._made:
+            self._made[group] = TorchCommunicator(group, self.timeout)
+        return self._made[group]
 
 
 class _CompressedCollective:
@@ -73,13 +93,8 @@ class _CompressedCollective:
         if self.compressor.votes:
             raise ValueError(f"compression={self.compressor.name or compression!r} takes a majority vote; FSDP "
                              f"needs the average of the gradients")
-        self.name, self.timeout = name, timeout
-        self._comms: Dict[Any, TorchCommunicator] = {}
-
-    def _comm(self, group: Optional[dist.ProcessGroup]) -> TorchCommunicator:
-        if group not in self._comms:
-            self._comms[group] = TorchCommunicator(group, self.timeout)
-        return self._comms[group]
+        self.name = name
+        self._comm = _Communicators(timeout)
 
     def _encode(self, chunks: torch.Tensor, key: str, own: Optional[int] = None) -> Tuple[torch.Tensor, list, list, Any]:
         """Each row of ``chunks`` (2-D, the tensor's parts, one per payload) compensated by its
@@ -194,6 +209,41 @@ class CompressedAllReduce(_CompressedCollective):
         self._decode(received.view(comm.size, -1), encoded, 0, tensor.view(-1), average)
 
 
+class QuantizedAllGather:
+    """FSDP2's ``AllGather`` interface (``allocate``, ``__call__``; FSDP2's
+    ``set_custom_all_gather``) for one FSDP module: the parameters' all-gather in int8, as
+    ZeRO++'s quantized weights.  Each rank's flat shard (FSDP's ``param_dtype``) travels as
+    symmetric int8 codes in blocks of ``block`` elements, rounded to nearest, with an fp32 scale
+    (``max |w| / 127``) per block: ``1 + 4 / block`` bytes per element.  Every rank, the owner
+    included, decodes every shard, so the unsharded parameters that forward and backward use are
+    identical on every rank, each within half its block's scale of the sharded parameter, which
+    the optimizer keeps and updates exactly.  A module whose parameters mix dtypes (FSDP packs
+    them as bytes) is gathered exactly."""
+
+    def __init__(self, block: int = 256, name: str = "fsdp", timeout: Optional[float] = None) -> None:
+        if block <= 0 or block % 4:
+            raise ValueError(f"mc.fsdp: the int8 all-gather's block must be a positive multiple of 4, not {block}")
+        self.block, self.name = block, name
+        self._comm = _Communicators(timeout)
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        comm = self._comm(group)
+        rows = output_tensor.view(comm.size, -1)
+        if not input_tensor.is_floating_point():
+            rows.copy_(comm.allgather(input_tensor, f"{self.name}: parameter all-gather"))
+            return None
+        payload = input_tensor.new_empty(int8_blocks_nbytes(input_tensor.numel(), self.block), dtype=torch.uint8)
+        int8_blocks(input_tensor.view(-1), self.block, payload)  # before the output, which holds the input, is written
+        received = comm.allgather(payload, f"{self.name}: int8 parameter all-gather")
+        from_int8_blocks(received, self.block, rows)
+        return None
+
+
 class _FSDP1Hook:
     """FSDP1's communication hook (``FullyShardedDataParallel.register_comm_hook``): the
     sharded strategies' ``hook(state, grad, output)`` through a :class:`CompressedReduceScatter`,
@@ -283,7 +333,7 @@ def _rank() -> int:
 
 def compress(model: torch.nn.Module, compression: Union[str, Compressor] = "none",
              memory: Union[str, Memory, None] = None, replicate_group: Optional[dist.ProcessGroup] = None,
-             **options: Any) -> Reductions:
+             all_gather: str = "none", **options: Any) -> Reductions:
     """Compress the gradient reductions of ``model``'s FSDP modules; returns the objects holding
     their state, as :class:`Reductions` (checkpoints).
 
@@ -295,17 +345,27 @@ def compress(model: torch.nn.Module, compression: Union[str, Compressor] = "none
     * FSDP1 (``FullyShardedDataParallel``): one communication hook on the root for every flat
       parameter; returns its one state holder.
 
+    * ``all_gather="int8"`` (FSDP2): every FSDP module's parameter all-gather also goes through a
+      :class:`QuantizedAllGather` (the forward and backward then compute with int8-rounded
+      parameters; the optimizer's shards stay exact); ``"none"``, the default, leaves it FSDP's.
+
     ``compression`` and ``memory`` are names or instances (a fresh instance per module when
-    given by name).  ValueError: a codec the reduction cannot carry, a model without FSDP,
-    FSDP2 modules on a 2-D mesh (native HSDP: its replica all-reduce cannot be replaced; shard
-    on a 1-D mesh and pass ``replicate_group``), FSDP1 with ``replicate_group``."""
+    given by name).  ValueError: a codec the reduction cannot carry, an ``all_gather`` not in
+    :data:`ALL_GATHERS`, a model without FSDP, FSDP2 modules on a 2-D mesh (native HSDP: its
+    replica all-reduce cannot be replaced; shard on a 1-D mesh and pass ``replicate_group``),
+    FSDP1 with ``replicate_group`` or ``all_gather="int8"``."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     CompressedReduceScatter(compression, memory, **options)  # refuses a codec it cannot carry, model untouched
+    if all_gather not in ALL_GATHERS:
+        raise ValueError(f"mc.fsdp.compress: all_gather={all_gather!r}; it takes one of {ALL_GATHERS}")
     if FullyShardedDataParallel.fsdp_modules(model):
         if replicate_group is not None:
             raise ValueError("mc.fsdp.compress: replicate_group is for FSDP2 (fully_shard); FSDP1 refuses "
                              "communication hooks under its hybrid strategies")
+        if all_gather != "none":
+            raise ValueError(f"mc.fsdp.compress: all_gather={all_gather!r} is for FSDP2 (fully_shard); FSDP1 has no "
+                             f"hook for its parameter all-gather")
         hook = _FSDP1Hook(model, compression, memory, options)
         model.register_comm_hook(getattr(model, "process_group", None), hook)
         return Reductions([hook])
@@ -324,6 +384,8 @@ def compress(model: torch.nn.Module, compression: Union[str, Compressor] = "none
         reduce_scatter = CompressedReduceScatter(compression, memory, name=name, **options)
         module.set_custom_reduce_scatter(reduce_scatter)
         holders.append(reduce_scatter)
+        if all_gather == "int8":
+            module.set_custom_all_gather(QuantizedAllGather(name=name, **options))
         if replicate_group is not None:
             replicas = CompressedAllReduce(compression, memory, name=f"{name}.replicas", **options)
             module.set_all_reduce_hook(functools.partial(replicas, group=replicate_group))
