@@ -312,12 +312,18 @@ def _fsdp1_worker(rank, world, strategy):
         replicas = mc.allgather(params.unsqueeze(0))
         memory = holders[0].state_dict()["memory"]
         out[compression] = (float((params - own).abs().max()), bool((replicas == replicas[0]).all()), sorted(memory))
-    return out
+    try:
+        mc.fsdp.compress(FSDP(torch.nn.Linear(8, 4), device_id=torch.device("cpu")), "none", all_gather="int8")
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return out, refused
 
 
 @pytest.mark.parametrize("world,strategy", [(2, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")])
 def test_fsdp1_comm_hook(world, strategy):
-    for rank, out in enumerate(run_workers(_fsdp1_worker, world, world, strategy, timeout=240)):
+    for rank, (out, refused) in enumerate(run_workers(_fsdp1_worker, world, world, strategy, timeout=240)):
+        assert "all_gather='int8'" in refused and "FSDP1" in refused
         assert out["none"][0] < 1e-6 and 0 < out["fp16"][0] < 1e-3 and out["topk"][0] > 0
         assert all(identical for _, identical, _ in out.values())
         # top-k keeps a residual for each of the 2 flat parameters (the root holds none), by place:
@@ -335,6 +341,8 @@ def _int8_gather_worker(rank, world):
     shard[256:] = 0  # the last block, all zeros
     gathered = torch.empty(world * 300)
     mc.fsdp.QuantizedAllGather(block=64)(gathered, shard.clone(), None)
+    packed = torch.empty(world * 10, dtype=torch.uint8)  # bytes (FSDP2's mixed-dtype modules): exact
+    mc.fsdp.QuantizedAllGather()(packed, torch.arange(10, dtype=torch.uint8) + 50 * rank, None)
     own, _ = _train(rank, None)
     params, _ = _train(rank, "none", all_gather="int8")
     replicas = mc.allgather(torch.cat([p.flatten() for p in params]).unsqueeze(0))
@@ -347,8 +355,9 @@ def _int8_gather_worker(rank, world):
                 mc.fsdp.compress(torch.nn.Linear(2, 2), "qsgd", **bad)
         except ValueError as err:
             errors[next(iter(bad))] = str(err)
+    exact = torch.equal(packed, torch.cat([torch.arange(10, dtype=torch.uint8) + 50 * r for r in range(world)]))
     return shard, gathered, max(float((a - b).abs().max()) for a, b in zip(own, params)), \
-        bool((replicas == replicas[0]).all()), errors
+        bool((replicas == replicas[0]).all()) and exact, errors
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -57,6 +57,9 @@ __all__ = ["CompressedAllReduce", "CompressedReduceScatter", "QuantizedAllGather
 #: what ``compress(all_gather=...)`` accepts: the parameters' all-gather as FSDP's, or in int8
 ALL_GATHERS = ("none", "int8")
 
+#: the parameter dtypes the int8 all-gather quantizes (others travel as they are)
+_INT8_GATHERED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 #: bytes after each packed payload row carrying "the sender's gradients were not finite"
 _FLAG_BYTES = 8
 
@@ -217,8 +220,8 @@ class QuantizedAllGather:
     (``max |w| / 127``) per block: ``1 + 4 / block`` bytes per element.  Every rank, the owner
     included, decodes every shard, so the unsharded parameters that forward and backward use are
     identical on every rank, each within half its block's scale of the sharded parameter, which
-    the optimizer keeps and updates exactly.  A module whose parameters mix dtypes (FSDP packs
-    them as bytes) is gathered exactly."""
+    the optimizer keeps and updates exactly.  Shards of other dtypes (bytes: a module whose
+    parameters mix dtypes; 8-bit floats) are gathered exactly."""
 
     def __init__(self, block: int = 256, name: str = "fsdp", timeout: Optional[float] = None) -> None:
         if block <= 0 or block % 4:
@@ -234,7 +237,7 @@ class QuantizedAllGather:
                  async_op: bool = False) -> None:
         comm = self._comm(group)
         rows = output_tensor.view(comm.size, -1)
-        if not input_tensor.is_floating_point():
+        if input_tensor.dtype not in _INT8_GATHERED:
             rows.copy_(comm.allgather(input_tensor, f"{self.name}: parameter all-gather"))
             return None
         payload = input_tensor.new_empty(int8_blocks_nbytes(input_tensor.numel(), self.block), dtype=torch.uint8)

@@ -70,3 +70,16 @@ def test_bf16_parameters_and_reduction_on_a_shared_gpu():
 def test_an_overflow_on_one_rank_makes_every_shard_nan_on_the_gpu():
     for nan, same, kept in run_workers(_overflow_worker, 2, 2, "cuda", timeout=120):
         assert nan and same and kept > 0
+
+
+def _int8_worker(rank, world, device):
+    """FSDP's own parameters after 3 steps and those with the int8 parameter all-gather (the
+    payloads encoded and decoded on the GPU), both copied to the CPU."""
+    device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    own, _ = _train(rank, None, device=device)
+    params, _ = _train(rank, "none", device=device, all_gather="int8")
+    return own, params, set()
+
+
+def test_the_int8_parameter_all_gather_on_a_shared_gpu():
+    check_compare(run_workers(_int8_worker, 2, 2, "cuda", timeout=120), "int8 all-gather", 0.05)
