@@ -376,3 +376,76 @@ def test_the_int8_all_gather_gives_every_rank_the_same_rounded_parameters(world)
         assert identical and 0 < drift < 0.05, drift
         assert "int4" in errors["all_gather"] and "'none', 'int8'" in errors["all_gather"]
         assert "multiple of 4" in errors["block"]
+
+
+def _user_paths_worker(rank, world):
+    """What FSDP2 users do beyond the plain step, each with FSDP's own reduction and with
+    mergecomp's: ``set_gradient_divide_factor`` (FSDP2 asks for a PREMUL_SUM, which gloo lacks:
+    its own reference runs with ``set_force_sum_reduction_for_comms``), a parameter without a
+    gradient, and ``torch.amp.GradScaler`` with an overflow on rank 0."""
+    from torch.distributed.fsdp import fully_shard
+
+    import mergecomp.torch as mc
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+            self.unused = torch.nn.Linear(3, 3)  # in the root's FSDP group, never in the forward: no gradient
+
+        def forward(self, x):
+            return self.body(x)
+
+    def build(compression, divide=None, force_sum=False):
+        torch.manual_seed(0)
+        model = Net()
+        for layer in model.body[0], model.body[2]:
+            fully_shard(layer)
+        fully_shard(model)
+        if divide is not None:
+            model.set_gradient_divide_factor(divide)
+            model.set_force_sum_reduction_for_comms(force_sum)
+        reductions = None if compression is None else mc.fsdp.compress(model, compression)
+        return model, reductions
+
+    def full(model):
+        return [p.detach().full_tensor() for p in model.parameters()]
+
+    out = {}
+    reference, _ = build(None, divide=3.0, force_sum=True)
+    sgd_steps(reference, rank)
+    for compression in ("none", "fp16"):
+        model, _ = build(compression, divide=3.0)
+        sgd_steps(model, rank)
+        out[f"divide {compression}"] = max(float((a - b).abs().max()) for a, b in zip(full(reference), full(model)))
+    own, _ = build(None)
+    start = [p.clone() for p in full(own)]
+    sgd_steps(own, rank)
+    model, _ = build("none")
+    sgd_steps(model, rank)
+    out["no grad bit for bit"] = all(torch.equal(a, b) for a, b in zip(full(own), full(model)))
+    out["no grad untouched"] = all(torch.equal(a, b) for a, b in zip(full(model)[-2:], start[-2:]))
+
+    model, (_, first, _) = build("topk")  # the root's reduction, of the unused parameters, never runs
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.05), torch.amp.GradScaler("cpu", init_scale=1024.0)
+    data = torch.Generator().manual_seed(rank)
+    for overflow in (False, True):
+        before, kept = [p.clone() for p in full(model)], first.state_dict()["memory"]
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8, generator=data)).pow(2).sum()
+        scaler.scale(loss * (float("inf") if overflow and rank == 0 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    after = first.state_dict()["memory"]
+    out["scaler skipped"] = all(torch.equal(a, b) for a, b in zip(before, full(model)))
+    out["memories kept"] = all(torch.equal(kept[k][f], after[k][f]) for k in kept for f in kept[k]) and bool(kept)
+    out["scale"] = scaler.get_scale()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_divide_factor_parameters_without_gradients_and_grad_scaler(world):
+    for out in run_workers(_user_paths_worker, world, world, timeout=240):
+        assert out["divide none"] < 1e-6 and 0 < out["divide fp16"] < 1e-3, out
+        assert out["no grad bit for bit"] and out["no grad untouched"], out
+        assert out["scaler skipped"] and out["memories kept"] and out["scale"] == 512.0, out

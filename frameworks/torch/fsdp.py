@@ -32,8 +32,8 @@ FSDP1: one communication hook for every flat parameter (:class:`_FSDP1Hook`).
 
 Refused with ValueError: compressors of several rounds (PowerSGD: a reduce-scatter has one),
 low-rank ones (ACP-SGD: FSDP's flat shards cut the matrices) and majority votes (signSGD,
-Signum: FSDP needs the average); reduce ops other than sum and average (NCCL's pre-multiplied
-sum).
+Signum: FSDP needs the average); reduce ops other than sum, average and a sum pre-multiplied by a
+number (FSDP2's ``set_gradient_divide_factor``: the sum, then scaled, on gloo too).
 """
 from __future__ import annotations
 
@@ -159,11 +159,16 @@ class _CompressedCollective:
         self.memory.load_state_dict(state["memory"])
 
 
-def _average(op: Any, name: str) -> bool:
-    """Whether reduce op ``op`` averages (SUM: it sums); ValueError for any other."""
-    if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
-        raise ValueError(f"{name}: the compressed reduction sums or averages, not {op}")
-    return op == dist.ReduceOp.AVG
+def _reduction(op: Any, name: str) -> Tuple[bool, float]:
+    """What reduce op ``op`` asks of a reduction: (average over the ranks, a factor the sum is
+    multiplied by): SUM (False, 1), AVG (True, 1), ``PREMUL_SUM(f)`` (False, f: FSDP2's choice
+    under ``set_gradient_divide_factor``); ValueError for any other."""
+    if op == dist.ReduceOp.AVG or op == dist.ReduceOp.SUM:
+        return op == dist.ReduceOp.AVG, 1.0
+    factor = getattr(op, "factor", None)
+    if op == dist.ReduceOp.PREMUL_SUM and isinstance(factor, (int, float)):
+        return False, float(factor)
+    raise ValueError(f"{name}: the compressed reduction sums, averages or sums pre-multiplied by a number, not {op}")
 
 
 class CompressedReduceScatter(_CompressedCollective):
@@ -178,18 +183,22 @@ class CompressedReduceScatter(_CompressedCollective):
     @torch.no_grad()
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False, key: Optional[str] = None) -> None:
-        average = _average(op, self.name)
-        if self.compressor.lossless:
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
-            return None
-        comm = self._comm(group)
-        chunks = input_tensor.view(comm.size, -1)
-        if comm.size == 1:
-            output_tensor.copy_(chunks[0])
-            return None
-        encoded = self._encode(chunks, key or self.name, own=comm.rank)
-        received = comm.alltoall(encoded[0].reshape(-1), f"{self.name}: compressed reduce-scatter")
-        self._decode(received.view(comm.size, -1), encoded, comm.rank, output_tensor, average, own=chunks[comm.rank])
+        average, factor = _reduction(op, self.name)
+        if self.compressor.lossless:  # a pre-multiplied sum as a sum then scaled: gloo has no PREMUL_SUM
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op if factor == 1.0 else dist.ReduceOp.SUM,
+                                       group=group)
+        else:
+            comm = self._comm(group)
+            chunks = input_tensor.view(comm.size, -1)
+            if comm.size == 1:
+                output_tensor.copy_(chunks[0])
+            else:
+                encoded = self._encode(chunks, key or self.name, own=comm.rank)
+                received = comm.alltoall(encoded[0].reshape(-1), f"{self.name}: compressed reduce-scatter")
+                self._decode(received.view(comm.size, -1), encoded, comm.rank, output_tensor, average,
+                             own=chunks[comm.rank])
+        if factor != 1.0:
+            output_tensor.mul_(factor)
         return None
 
 
