@@ -245,7 +245,7 @@ def _hsdp_worker(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
-    def train(compression):
+    def train(compression, all_gather="none"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 4))
         holders = []
@@ -255,14 +255,15 @@ def _hsdp_worker(rank, world):
         else:
             fully_shard(model[0], mesh=mesh["shard"])
             fully_shard(model, mesh=mesh["shard"])
-            holders = mc.fsdp.compress(model, compression, replicate_group=mesh["replicate"].get_group())
+            holders = mc.fsdp.compress(model, compression, replicate_group=mesh["replicate"].get_group(),
+                                       all_gather=all_gather)
         sgd_steps(model, rank)
         return torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()]), holders
 
     native, _ = train(None)
     out = {}
-    for compression in ("none", "qsgd", "topk"):
-        params, holders = train(compression)
+    for compression in ("none", "qsgd", "topk", "qsgd@int8"):
+        params, holders = train(*compression.split("@"))
         replicas = mc.allgather(params.unsqueeze(0))  # every rank's full parameters
         out[compression] = (float((params - native).abs().max()), bool((replicas == replicas[0]).all()),
                             [type(h).__name__ for h in holders])
@@ -281,7 +282,8 @@ def test_hsdp_replica_all_reduce_compressed():
     for out in run_workers(_hsdp_worker, 4, 4, timeout=300):
         assert out["none"][0] < 1e-6, "lossless: native HSDP's parameters"
         assert 0 < out["qsgd"][0] < 0.1 and out["topk"][0] > 0
-        assert all(out[c][1] for c in ("none", "qsgd", "topk")), "every rank holds the same parameters"
+        assert 0 < out["qsgd@int8"][0] < 0.1 and out["qsgd@int8"][0] != out["qsgd"][0], "the all-gather in int8"
+        assert all(out[c][1] for c in ("none", "qsgd", "topk", "qsgd@int8")), "every rank holds the same parameters"
         assert out["topk"][2].count("CompressedAllReduce") == 2  # one per FSDP module
         assert "replicate_group" in out["native"] and "2-D" in out["native"]
 
