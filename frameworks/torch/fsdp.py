@@ -147,7 +147,7 @@ class _CompressedCollective:
         if own is None:
             out.copy_(self.compressor.aggregate(payloads, ctx, received.shape[0], average))
             return
-        out.copy_(self.compressor.aggregate(payloads, ctx, 1, False)).add_(own)
+        torch.add(self.compressor.aggregate(payloads, ctx, 1, False), own, out=out)
         if average:
             out.div_(received.shape[0])
 
