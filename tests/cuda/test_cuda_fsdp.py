@@ -83,3 +83,37 @@ def _int8_worker(rank, world, device):
 
 def test_the_int8_parameter_all_gather_on_a_shared_gpu():
     check_compare(run_workers(_int8_worker, 2, 2, "cuda", timeout=120), "int8 all-gather", 0.05)
+
+
+def _offload_worker(rank, world, compression, all_gather):
+    """FSDP2 with ``CPUOffloadPolicy`` (sharded parameters and gradients in host memory, the
+    collectives on the GPU): FSDP's own parameters after 3 SGD steps and mergecomp's."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    import mergecomp.torch as mc
+
+    device = torch.device(f"cuda:{torch.cuda.current_device()}")
+
+    def train(compression):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+        fully_shard(model[0], offload_policy=CPUOffloadPolicy())
+        fully_shard(model, offload_policy=CPUOffloadPolicy())
+        if compression is not None:
+            mc.fsdp.compress(model, compression, all_gather=all_gather)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=data).to(device)).pow(2).sum().backward()
+            opt.step()
+        return [p.detach().full_tensor().cpu() for p in model.parameters()]
+
+    return train(None), train(compression), set()
+
+
+@pytest.mark.parametrize("compression,all_gather,bound", [("none", "none", 0.0), ("qsgd", "int8", 0.1)])
+def test_cpu_offload_with_the_compressed_collectives(compression, all_gather, bound):
+    """On CPU-only hosts FSDP2 refuses CPUOffloadPolicy itself (it needs an accelerator)."""
+    results = run_workers(_offload_worker, 2, 2, compression, all_gather, timeout=120)
+    check_compare(results, f"{compression} + {all_gather} all-gather, CPU offload", bound)
