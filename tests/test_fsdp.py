@@ -165,7 +165,8 @@ def _resume_worker(rank, world, flow, path):
     fresh model and take the 3rd step again: the same parameters.  ``flow``: ``"holders"`` (each
     reduction's state_dict, kept in memory), ``"dcp"`` (torch.distributed.checkpoint: FSDP's
     sharded state dicts and ``Reductions.state_dict()``, each rank its entry), ``"full"``
-    (``Reductions.full_state_dict()`` written by rank 0 alone, read by every rank)."""
+    (``Reductions.full_state_dict()`` written by rank 0 alone, read by every rank); the DCP flow
+    with the int8 parameter all-gather too."""
     import copy
 
     import torch.distributed as dist
@@ -180,7 +181,7 @@ def _resume_worker(rank, world, flow, path):
         model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
         fully_shard(model[0])
         fully_shard(model)
-        reductions = mc.fsdp.compress(model, "topk")
+        reductions = mc.fsdp.compress(model, "topk", all_gather="int8" if flow == "dcp" else "none")
         return model, torch.optim.Adam(model.parameters(), lr=0.01), reductions
 
     def step(model, opt, seed):
