@@ -140,8 +140,10 @@ def worker(args):
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"config": args.worker, "world": world, "step_s": statistics.median(times[args.warmup:]),
-                       "loss": loss.item(), "peak_rss_mb": peaks, "memory_mb": memories, "sent_bytes_per_param": sent,
-                       "param_dtype": args.param_dtype, "batch": args.batch, "reshard_after_forward": not args.no_reshard,
+                       "loss": loss.item(), "peak_rss_mb": peaks, "memory_mb": memories,
+                       "sent_bytes_per_param": sent,
+                       "param_dtype": args.param_dtype, "batch": args.batch,
+                       "reshard_after_forward": not args.no_reshard,
                        **({"seed": args.seed, "steps": args.warmup + args.steps, "curve": curve,
                            "final_test_loss": StdlibBytes.final_loss(curve)}
                           if args.converge else {})}, f)

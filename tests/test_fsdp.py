@@ -114,7 +114,8 @@ def _conservation_worker(rank, world):
     reduce_scatter = mc.fsdp.CompressedReduceScatter(get_compressor("topk", ratio=0.25), "residual", name="m")
     shard = torch.empty(40)
     reduce_scatter(shard, given.clone(), None, dist.ReduceOp.SUM)
-    kept = {int(key.rsplit(".", 1)[1]): fields["residual"] for key, fields in reduce_scatter.state_dict()["memory"].items()}
+    kept = {int(key.rsplit(".", 1)[1]): fields["residual"]
+            for key, fields in reduce_scatter.state_dict()["memory"].items()}
     return given, shard, kept
 
 

@@ -19,9 +19,10 @@ is keyed by module and destination: ``(world - 1) / world`` of a gradient per ra
 compressors that keep one), sends chunk ``d``'s payload to rank ``d`` by one all-to-all of packed
 payload bytes (and one byte saying whether the sender's gradients were finite), and decodes and
 sums (or averages) the payloads it receives, with its own chunk exact, into its shard: a
-reduce-scatter of ``(world - 1) / world`` of the payload bytes per rank.  A non-finite gradient on any rank (a ``GradScaler`` overflow) makes
-every rank's shard NaN, so every rank's scaler skips the step, and leaves the memories as they
-were.  With the lossless compressor it is FSDP's own ``reduce_scatter_tensor``, bit for bit.
+reduce-scatter of ``(world - 1) / world`` of the payload bytes per rank.  A non-finite gradient
+on any rank (a ``GradScaler`` overflow) makes every rank's shard NaN, so every rank's scaler skips
+the step, and leaves the memories as they were.  With the lossless compressor it is FSDP's own
+``reduce_scatter_tensor``, bit for bit.
 
 HSDP: shard each replica on a 1-D mesh and pass ``replicate_group=`` (the ranks holding the same
 shard): each module's reduced shard is then averaged over the replicas by a
@@ -99,7 +100,8 @@ class _CompressedCollective:
         self.name = name
         self._comm = _Communicators(timeout)
 
-    def _encode(self, chunks: torch.Tensor, key: str, own: Optional[int] = None) -> Tuple[torch.Tensor, list, list, Any]:
+    def _encode(self, chunks: torch.Tensor, key: str,
+                own: Optional[int] = None) -> Tuple[torch.Tensor, list, list, Any]:
         """Each row of ``chunks`` (2-D, the tensor's parts, one per payload) compensated by its
         memory, compressed and packed: (rows of payload bytes, each followed by the 8-byte
         "not finite" flag; what :meth:`_decode` needs: the kept sends, the specs, the context).
