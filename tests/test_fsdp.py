@@ -169,6 +169,7 @@ def _resume_worker(rank, world, flow, path):
     (``Reductions.full_state_dict()`` written by rank 0 alone, read by every rank); the DCP flow
     with the int8 parameter all-gather too."""
     import copy
+    import io
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -176,13 +177,16 @@ def _resume_worker(rank, world, flow, path):
     from torch.distributed.fsdp import fully_shard
 
     import mergecomp.torch as mc
+    from mergecomp.registry import get_memory
 
     def build():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3))
         fully_shard(model[0])
         fully_shard(model)
-        reductions = mc.fsdp.compress(model, "topk", all_gather="int8" if flow == "dcp" else "none")
+        # rank 0's file: one memory instance for every module, saved once
+        memory = get_memory("residual") if flow == "full" else None
+        reductions = mc.fsdp.compress(model, "topk", memory, all_gather="int8" if flow == "dcp" else "none")
         return model, torch.optim.Adam(model.parameters(), lr=0.01), reductions
 
     def step(model, opt, seed):
@@ -202,6 +206,9 @@ def _resume_worker(rank, world, flow, path):
             saved["mergecomp"] = [r.state_dict() for r in reductions]
         else:
             full = reductions.full_state_dict()
+            memories = [state["memory"] for state in torch.load(io.BytesIO(full[f"rank{rank}"]))]
+            saved_once = (memories[1:] == [0] * (len(memories) - 1)
+                          and sorted(memories[0]) == sorted(reductions[0].memory.state_dict()) != [])
             if rank == 0:
                 torch.save(full, f"{path}.pt")
     dist.barrier()
@@ -227,14 +234,16 @@ def _resume_worker(rank, world, flow, path):
         missing = ""
     except KeyError as err:
         missing = str(err)
-    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), missing
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed)), missing, flow != "full" or saved_once
 
 
 @pytest.mark.parametrize("flow", ["holders", "dcp", "full"])
 def test_resume_with_the_memories_continues_exactly(flow, tmp_path):
-    for exact, missing in run_workers(_resume_worker, 2, 2, flow, str(tmp_path / "checkpoint"), timeout=120):
+    for exact, missing, saved_once in run_workers(_resume_worker, 2, 2, flow, str(tmp_path / "checkpoint"),
+                                                  timeout=120):
         assert exact
         assert "rank" in missing and "rank7" in missing
+        assert saved_once, "a memory the modules share is saved by the first module only"
 
 
 def _hsdp_worker(rank, world):

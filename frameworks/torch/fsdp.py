@@ -61,6 +61,9 @@ ALL_GATHERS = ("none", "int8")
 #: the parameter dtypes the int8 all-gather quantizes (others travel as they are)
 _INT8_GATHERED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+#: what each holder's part of a Reductions checkpoint holds
+_PARTS = ("compressor", "memory")
+
 #: bytes after each packed payload row carrying "the sender's gradients were not finite"
 _FLAG_BYTES = 8
 
@@ -276,6 +279,14 @@ class _FSDP1Hook:
     def _new_pass(self, *_: Any) -> None:
         self._calls = 0
 
+    @property
+    def compressor(self) -> Compressor:
+        return self.all_reduce.compressor
+
+    @property
+    def memory(self) -> Memory:
+        return self.all_reduce.memory
+
     def state_dict(self) -> Dict[str, Any]:
         return self.all_reduce.state_dict()
 
@@ -304,7 +315,8 @@ class Reductions(list):
     The memories are every rank's own (a residual of what that rank sent), so a checkpoint keeps
     one entry per rank, ``"rank<r>"``: a ``BytesIO`` of that rank's states, which
     ``torch.distributed.checkpoint`` saves from each rank and loads back in place.  They resume
-    on the same number of ranks only."""
+    on the same number of ranks only.  A compressor or memory instance the modules share (given
+    to :func:`compress` as an instance) is saved once."""
 
     def state_dict(self) -> Dict[str, io.BytesIO]:
         """This rank's entry: save it beside FSDP's sharded state dicts
@@ -312,7 +324,7 @@ class Reductions(list):
         to load, pass the same dict to ``dcp.load`` and its ``"mergecomp"`` value to
         :meth:`load_state_dict`."""
         blob = io.BytesIO()
-        torch.save([holder.state_dict() for holder in self], blob)
+        torch.save(self._states(), blob)
         blob.seek(0)
         return {f"rank{_rank()}": blob}
 
@@ -338,7 +350,23 @@ class Reductions(list):
             raise ValueError(f"mc.fsdp: {name}'s checkpoint holds {len(states)} reductions' states, the model "
                              f"has {len(self)}")
         for holder, held in zip(self, states):
-            holder.load_state_dict(held)
+            for part in _PARTS:
+                if not isinstance(held[part], int):  # an int: the index of the holder that saved it
+                    getattr(holder, part).load_state_dict(held[part])
+
+    def _states(self) -> List[Dict[str, Any]]:
+        """Each holder's compressor and memory state; an instance several holders share (given to
+        :func:`compress` as an instance) saved by the first, the others holding its index."""
+        first: Dict[int, int] = {}
+        states = []
+        for index, holder in enumerate(self):
+            state = {}
+            for part in _PARTS:
+                shared = getattr(holder, part)
+                owner = first.setdefault(id(shared), index)
+                state[part] = shared.state_dict() if owner == index else owner
+            states.append(state)
+        return states
 
 
 def _rank() -> int:
