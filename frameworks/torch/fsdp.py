@@ -271,21 +271,13 @@ class _FSDP1Hook:
 
     def __init__(self, root: torch.nn.Module, compression, memory, options: Dict[str, Any]) -> None:
         self.all_reduce = CompressedAllReduce(compression, memory, name="fsdp1", **options)
-        self.reduce_scatter = CompressedReduceScatter(self.all_reduce.compressor, self.all_reduce.memory,
-                                                      name="fsdp1", **options)
+        self.compressor, self.memory = self.all_reduce.compressor, self.all_reduce.memory  # shared by both
+        self.reduce_scatter = CompressedReduceScatter(self.compressor, self.memory, name="fsdp1", **options)
         self._calls, self._sizes = 0, {}
         root.register_forward_pre_hook(self._new_pass)
 
     def _new_pass(self, *_: Any) -> None:
         self._calls = 0
-
-    @property
-    def compressor(self) -> Compressor:
-        return self.all_reduce.compressor
-
-    @property
-    def memory(self) -> Memory:
-        return self.all_reduce.memory
 
     def state_dict(self) -> Dict[str, Any]:
         return self.all_reduce.state_dict()
