@@ -14,7 +14,9 @@ bf16, as FSDP users commonly train); ``--no-reshard`` gives every configuration
 ``reshard_after_forward=False`` (one all-gather a step: ZeRO-2's traffic).
 
 Configurations: ``fsdp`` (fp32 reduce-scatter), ``fsdp-bf16`` (``MixedPrecisionPolicy(reduce_dtype=
-torch.bfloat16)``), and ``COMPRESSOR[:key=value;...][+MEMORY[:key=value;...]][@int8]`` for
+torch.bfloat16)``), ``fsdp-a2a`` and ``fsdp-bf16-a2a`` (the same with a reduce-scatter sending
+NCCL's bytes, where gloo's sends an all-reduce's: :class:`AllToAllReduceScatter`; ratios against
+them get columns of their own), and ``COMPRESSOR[:key=value;...][+MEMORY[:key=value;...]][@int8]`` for
 mergecomp's reduce-scatter (``@int8``: and its int8 parameter all-gather, ``all_gather="int8"``;
 ``none@int8`` is FSDP's own reduce-scatter with it).  Each record also holds the bytes the
 error-feedback memories keep on each rank (``memory_mb``).
@@ -44,6 +46,8 @@ from bench_convergence import StdlibBytes, compressor_of, memory_of  # noqa: E40
 from bench_time_to_accuracy import run_cluster  # noqa: E402
 
 BASELINES = ("fsdp", "fsdp-bf16")
+#: the same two with a reduce-scatter that sends NCCL's bytes (:class:`AllToAllReduceScatter`)
+NCCL_BYTES_BASELINES = ("fsdp-a2a", "fsdp-bf16-a2a")
 CONFIGS = "fp16,qsgd:levels=7,topk"
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -68,6 +72,25 @@ parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
 
+class AllToAllReduceScatter:
+    """FSDP2's lossless reduce-scatter sending what NCCL's sends, ``(N - 1) / N`` of the buffer
+    per rank (gloo's own sends an all-reduce's bytes, twice that): one all-to-all of the chunks
+    (as bytes), then each rank sums the chunks it received in the buffer's dtype."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received.view(torch.uint8), input_tensor.view(torch.uint8), group=group)
+        torch.sum(received.view(world, -1), dim=0, out=output_tensor)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(world)
+
+
 def sharded_model(config, param_dtype, reshard=True):
     """The GPT-2 under fully_shard (``reshard``: its ``reshard_after_forward``), and mergecomp's
     reduce-scatter unless ``config`` is a baseline."""
@@ -77,13 +100,16 @@ def sharded_model(config, param_dtype, reshard=True):
 
     model = make_model()
     params = torch.bfloat16 if param_dtype == "bf16" else None
-    reduce = torch.bfloat16 if config == "fsdp-bf16" else (torch.float32 if params else None)
+    reduce = torch.bfloat16 if config.startswith("fsdp-bf16") else (torch.float32 if params else None)
     policy = MixedPrecisionPolicy(param_dtype=params, reduce_dtype=reduce)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     reductions = []
-    if config not in BASELINES:
+    if config in NCCL_BYTES_BASELINES:
+        for module in [*model.transformer.h, model]:
+            module.set_custom_reduce_scatter(AllToAllReduceScatter())
+    elif config not in BASELINES:
         config, _, all_gather = config.partition("@")
         spec, _, memory = config.partition("+")
         reductions = mc.fsdp.compress(model, compressor_of(spec), memory=memory_of(memory) if memory else None,
@@ -194,7 +220,9 @@ def main():
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(record) + "\n")
-    base = {r["config"]: r["step_s"] for r in records if r["status"] == "ok" and r["config"] in BASELINES}
+    base = {r["config"]: r["step_s"] for r in records
+            if r["status"] == "ok" and r["config"] in BASELINES + NCCL_BYTES_BASELINES}
+    against = [b for b in NCCL_BYTES_BASELINES if b in base]  # their columns where they ran
     if args.converge:
         reference = next((r["final_test_loss"] for r in records if r["status"] == "ok" and r["config"] == "fsdp"), None)
         print(f"FSDP2 GPT-2 4x256, AdamW, {args.hosts} workers x batch {args.batch}, {args.warmup + args.steps} steps, "
@@ -210,15 +238,16 @@ def main():
         return
     print(f"FSDP2 GPT-2 4x256, {args.hosts} hosts at {args.rate}, batch {args.batch} x 64 bytes per worker, "
           f"params {args.param_dtype}, reshard_after_forward={not args.no_reshard}, median of {args.steps} steps")
-    print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | last loss | peak RSS MB (per rank) "
-          "| memories MB (per rank) | bytes sent per step and parameter (per rank) | load |")
-    print("|---|---:|---:|---:|---:|---|---|---|---|")
+    print("| configuration | step s | vs FSDP fp32 | vs FSDP bf16 | " + "".join(f"vs {b} | " for b in against)
+          + "last loss | peak RSS MB (per rank) | memories MB (per rank) | bytes sent per step and parameter "
+          "(per rank) | load |")
+    print("|---|---:|---:|---:|" + "---:|" * len(against) + "---:|---|---|---|---|")
     for r in records:
         if r["status"] != "ok":
-            print(f"| {r['config']} | {r['status']} | | | | | | | |")
+            print(f"| {r['config']} | {r['status']} | | | " + "| " * len(against) + "| | | | |")
             continue
-        ratios = [f"{base[b] / r['step_s']:.2f}x" if b in base else "-" for b in BASELINES]
-        print(f"| {r['config']} | {r['step_s']:.3f} | {ratios[0]} | {ratios[1]} | {r['loss']:.3f} | "
+        ratios = [f"{base[b] / r['step_s']:.2f}x" if b in base else "-" for b in BASELINES + tuple(against)]
+        print(f"| {r['config']} | {r['step_s']:.3f} | " + " | ".join(ratios) + f" | {r['loss']:.3f} | "
               f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mb'])} | "
               f"{', '.join(f'{m:.1f}' for m in r.get('memory_mb', []))} | "
               f"{', '.join(f'{b:.2f}' for b in r['sent_bytes_per_param'])} | {r['load_before']} / {r['load_after']} |")
