@@ -157,11 +157,11 @@ class _CompressedCollective:
             out.div_(received.shape[0])
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"compressor": self.compressor.state_dict(), "memory": self.memory.state_dict()}
+        return {part: getattr(self, part).state_dict() for part in _PARTS}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.compressor.load_state_dict(state["compressor"])
-        self.memory.load_state_dict(state["memory"])
+        for part in _PARTS:
+            getattr(self, part).load_state_dict(state[part])
 
 
 def _reduction(op: Any, name: str) -> Tuple[bool, float]:
