@@ -457,7 +457,7 @@ def test_a_nonfinite_gradient_met_part_by_part_leaves_the_memory_as_the_whole_gr
     a, b = memory_state(by_parts), memory_state(whole)
     assert a.keys() == b.keys() and bool(a) == (compression == "efsignsgd")
     if a:
-        held = by_parts.groups[by_parts._where[bad[0]][0]].name  # the group that held it
+        held = by_parts.groups[by_parts.group_of(bad[0])].name  # the group that held it
         assert all(torch.equal(a[held][k], b[held][k]) for k in a[held])
     for name in a:  # the other group was encoded part by part
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)

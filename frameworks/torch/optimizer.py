@@ -4,16 +4,22 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
 
     loss.backward()
       └─ per parameter, when its gradient is accumulated (post-accumulate-grad hook):
-         PlannedStep.add: copy it into its group's flat buffer (fp32 on CPU: checked for NaN/Inf
-         in the same pass); a group whose last gradient arrived starts, in plan order:
+         PlannedStep.add: nothing to copy where p.grad is its slot in its group's flat buffer
+         (backward accumulated into the group), or, for a group of one tensor, where p.grad is
+         sent as it lies; any other gradient is copied in (fp32 on CPU: checked for NaN/Inf in
+         the same pass); a group whose last gradient arrived starts, in plan order:
          compensate -> compress -> async collective
       └─ the last parameter's hook: the exchange finishes (below), so when backward() returns
          p.grad holds the averaged gradients, as under DDP (clipping, logging, GradScaler)
     optimizer.step()
       └─ synchronize(), unless backward() finished the exchange: PlannedStep.finish (parameters
          without a gradient count as zeros; the ranks agree on non-finite gradients; each group
-         is decoded and averaged into its buffer); each p.grad becomes a view of its slot there
+         is decoded and averaged where it was sent from); a p.grad that was copied in becomes a
+         view of its slot
       └─ the wrapped optimizer class's own step() (timed: ``step_breakdown()``)
+    optimizer.zero_grad()
+      └─ one fill per group buffer: the slots stay p.grad (either ``set_to_none``), so the next
+         backward accumulates into them again
 
 A step in which some parameter gets no gradient cannot know when backward ends (a gradient
 may still come): its exchange finishes when ``step()``, ``synchronize()`` or a read of
@@ -24,9 +30,14 @@ sharing that optimizer's ``param_groups``, ``state`` and hooks, so ``isinstance`
 schedulers and torch's optimizer hooks see the optimizer they expect; mergecomp touches no
 private attribute of torch's.
 
-Like DDP's ``gradient_as_bucket_view=True``, ``p.grad`` aliases the merged buffer after a step
-(``zero_grad(set_to_none=False)``: the next backward accumulates straight into it).  Plans, the
-backward order, the scheduler and checkpoints are :class:`mergecomp.pipeline.planned.PlannedStep`'s.
+As under DDP's ``gradient_as_bucket_view=True``, ``p.grad`` is a view of the merged buffer
+after the first step, and stays one across ``zero_grad()``: ``set_to_none=True`` zeroes it
+instead of dropping it (the other parameters' gradients are set to None as usual), so a
+parameter that gets no gradient in a step holds zeros, not None, until the exchange gives it
+the other ranks' average.  A gradient replaced by the user's code (``p.grad = t``, or a
+module's ``zero_grad()`` setting it to None) is copied in at its next step and counted
+(``copy-in``, :meth:`step_breakdown`), then a view again.  Plans, the backward order, the
+scheduler and checkpoints are :class:`mergecomp.pipeline.planned.PlannedStep`'s.
 """
 from __future__ import annotations
 
@@ -62,6 +73,11 @@ _CLASSES: Dict[type, type] = {}
 #: the state dict's key of the momentum exchange's state (the same on every rank, so a
 #: checkpoint broadcast from one rank carries it)
 MOMENTUM_STATE = "mergecomp_momentum"
+
+
+def _inherited(cls: type, name: str) -> Any:
+    """The attribute ``name`` as ``cls`` defines or inherits it (from its class dictionaries)."""
+    return next(k.__dict__[name] for k in cls.__mro__ if name in k.__dict__)
 
 
 def _distributed_class(base: type) -> type:
@@ -198,7 +214,7 @@ class DistributedOptimizer(HoldsMergedStep):
         self.merged = PlannedStep(
             compression, memory, comm, self.param_names, [p.shape for p in self._exchanged],
             [p.dtype for p in self._exchanged], self._exchanged[0].device, step_options,
-            FrontEnd("DistributedOptimizer", "parameters",
+            FrontEnd("DistributedOptimizer", "parameters", in_place=True,
                      agree=(("backward_passes_per_step", backward_passes_per_step),
                             (MOMENTUM_OPTION, exchange_momentum_after),
                             ("variance_refresh_every", variance_refresh_every),
@@ -207,6 +223,10 @@ class DistributedOptimizer(HoldsMergedStep):
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
         self._index = {id(p): i for i, p in enumerate(self._exchanged)}  # the hooks' lookup, by identity
+        #: the optimizer's parameters that are not exchanged (frozen ones), for zero_grad
+        self._frozen = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in self._index]
+        #: zero_grad() keeps the slots as gradients unless the optimizer class has its own
+        self._keeps_views = _inherited(type(optimizer), "zero_grad") is _inherited(torch.optim.Optimizer, "zero_grad")
         self._passes = [0] * len(self._exchanged)
         self._final = 0  # parameters whose gradient is final for this step
         self._synchronized = self._step_skipped = self._warned_step = self._called_synchronize = False
@@ -317,11 +337,12 @@ class DistributedOptimizer(HoldsMergedStep):
         views = None if reduced is None else reduced.tensors(len(self._exchanged))
         if momentum:
             momentum.finished(views)
-        if views is not None:
-            for p, view in zip(self._exchanged, views):
+        if views is not None:  # the results are in place but for the gradients that were moved
+            for i in range(len(views)) if reduced.moved is None else reduced.moved:
+                p, view = self._exchanged[i], views[i]
                 if p.grad is not None and p.grad.is_sparse:  # exchanged densely, handed back as it came
                     p.grad = view.to_sparse()                # (SparseAdam refuses dense gradients)
-                elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                elif p.grad is not view:
                     p.grad = view
 
     @property
@@ -376,12 +397,32 @@ class DistributedOptimizer(HoldsMergedStep):
             self._should_synchronize = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients: the slots of the group buffers that are the parameters'
+        ``p.grad`` stay their gradients, zeroed by one fill per group whatever ``set_to_none``
+        says (backward then accumulates into the groups, as under DDP's
+        ``gradient_as_bucket_view``); every other gradient is set to None
+        (``set_to_none=True``) or zeroed, as torch does.  An optimizer class with a
+        ``zero_grad`` of its own runs it instead."""
         if self.merged.in_flight:
             raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize() in a step where some "
                                "parameters got no gradient (so backward() could not finish the "
                                "exchange); the gradients being exchanged would be lost")
-        super().zero_grad(set_to_none=set_to_none)
+        if not self._keeps_views:
+            super().zero_grad(set_to_none=set_to_none)
+            return
+        with torch.autograd.profiler.record_function(f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"):
+            self.merged.zero_buffers()
+            others = [p for p, slot in zip(self._exchanged, self.merged.slots) if p.grad is not None and p.grad is not slot]
+            for p in others + [p for p in self._frozen if p.grad is not None]:
+                if set_to_none:
+                    p.grad = None
+                    continue
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressors.base.capabilities import FusedParts
+from mergecomp.compressors.base.capabilities import FusedParts, PartsEncode
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.base.stateful import GroupStateful
@@ -153,6 +153,16 @@ class Exchange:
             return scheme.fallback
         return codec
 
+    def sums_losslessly(self, codec: str) -> bool:
+        """Whether a group given ``codec`` travels as the plain sum of the ranks' gradients: a
+        lossless codec by allreduce, whose result any rank's NaN/Inf reaches on every rank, and
+        which keeps no state that such values could spoil."""
+        route = self.sent_as(codec)
+        if route in SHARDED:
+            return False
+        compressor = self.codec(route)
+        return compressor.lossless and self.scheme(route, compressor).name == ALLREDUCE
+
     def scheme(self, codec: str, compressor: Compressor) -> Scheme:
         """The scheme a group of ``codec`` (as :meth:`sent_as` gives it) encoded by ``compressor``
         takes: the sharded scheme it names where that applies, else allreduce or allgather as
@@ -162,6 +172,12 @@ class Exchange:
         return self.schemes[ALLREDUCE if compressor.summable else ALLGATHER]
 
     # -- one group ------------------------------------------------------------------------------
+    @property
+    def encodes_parts(self) -> bool:
+        """Whether :meth:`begin` may encode a group part by part (a compressor of one round
+        that offers it, :class:`~mergecomp.compressors.base.capabilities.PartsEncode`)."""
+        return isinstance(self.compressor, PartsEncode) and self.compressor.rounds == 1
+
     def begin(self, group: Group, flat: torch.Tensor, codec: str = COMPRESSED) -> Optional[FusedParts]:
         """Where ``group`` (sent with ``codec``; ``flat``: its buffer, not read) can be encoded
         tensor by tensor as its gradients arrive (:meth:`Encoder.parts`: the
@@ -170,7 +186,7 @@ class Exchange:
         is kept meanwhile (a part found not finite puts it back).  Else None: the caller fills
         ``flat`` and starts it."""
         name = group.name
-        if (self.sent_as(codec) != COMPRESSED or group.numel == 0 or self.compressor.rounds != 1
+        if (not self.encodes_parts or self.sent_as(codec) != COMPRESSED or group.numel == 0
                 or any(scheme.has_carry(name) for scheme in self._stateful)):
             return None
         if self.workspace is not None:
@@ -188,9 +204,10 @@ class Exchange:
         parts.kept = []
 
     def start(self, group: Group, flat: torch.Tensor, codec: str = COMPRESSED,
-              finite: Optional[bool] = None, parts: Optional[FusedParts] = None) -> Job:
+              finite: Optional[bool] = None, parts: Optional[FusedParts] = None, check: bool = True) -> Job:
         """Check, compensate and hand ``flat`` (the group's gradients; modified in place) to its
-        scheme, which starts the first collective.
+        scheme, which starts the first collective.  ``check`` False: no NaN/Inf check this step
+        (:attr:`Job.finite` is True), even with ``check_finite``.
 
         ``finite``: whether ``flat`` holds no NaN/Inf, when the caller already knows (e.g. from
         :func:`mergecomp.kernels.codecs.copy_finite` while filling it); None: checked here.
@@ -198,6 +215,7 @@ class Exchange:
         ``flat`` then holds no gradients): its payload is sent, or, for a part not finite, the
         group's state is put back and the group goes on as one whose ``flat`` held NaN.
         """
+        check = check and self.check_finite
         with self.clock(ENCODE, group.name):
             if self.workspace is not None:
                 self.workspace.advance(self.step)
@@ -206,7 +224,7 @@ class Exchange:
             scheme = self.scheme(codec, compressor)
             job = Job(group, codec, compressor, scheme, flat, self.comm, self.step)
             if parts is not None:
-                if finite or not self.check_finite:
+                if finite or not check:
                     job.finite = flat.new_ones((), dtype=torch.bool)
                     self._kept += parts.kept if self.keep_state else []
                     job.owned = True
@@ -215,12 +233,13 @@ class Exchange:
                     return job
                 self.cancel(parts)
                 finite = False
-            job.checked_by_encode = (finite is None and scheme.whole and self.check_finite and compressor.may_overflow
+            job.checked_by_encode = (finite is None and scheme.whole and check and compressor.may_overflow
                                      and flat.device.type == "cpu" and (not job.feedback or self.memory.passthrough))
-            job.finite = flat.new_ones((), dtype=torch.bool) if job.checked_by_encode else self._check(job, finite)
+            job.finite = (flat.new_ones((), dtype=torch.bool) if job.checked_by_encode or not check
+                          else self._check(job, finite))
             if job.feedback:
                 name = group.name
-                if self.keep_state:
+                if self.keep_state and check:
                     self._kept += [(holder, name, holder.keep(name))
                                    for holder in (self.memory, compressor, *self._scheme_holders())]
                 carry = next((c for s in self._stateful if (c := s.take_carry(name)) is not None), None)
@@ -233,8 +252,6 @@ class Exchange:
         """0-d bool: whether ``job``'s gradient is finite (``finite``: known from its copy-in;
         None: one pass checks it); a non-finite gradient is zeroed."""
         flat = job.compensated
-        if not self.check_finite:
-            return flat.new_ones((), dtype=torch.bool)
         if finite is None:
             finite = all_finite(flat)
             job.count("check", 1)

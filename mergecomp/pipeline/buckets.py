@@ -19,7 +19,7 @@ import torch
 from mergecomp.exchange.breakdown import ENCODE
 from mergecomp.exchange.job import Job
 from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, layout, remap_state
-from mergecomp.pipeline.step import MergedStep
+from mergecomp.pipeline.step import MergedStep, Reduced
 
 __all__ = ["BucketStep"]
 
@@ -92,12 +92,13 @@ class BucketStep(MergedStep):
         self._given_codecs.append(codec)
         self.launch(group, flat, codec, None, copied)
 
-    def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> None:
+    def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> Reduced:
         """Split buckets' results go back into their slices."""
         for slices, j in self._copy_back:
             for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
                 dst.copy_(src)
             jobs[j].count("copy-out", 1)
+        return super()._decoded(jobs, flats)
 
     def _end_step(self, bad: bool) -> None:
         """The groups started this step become the layout; state of groups gone is dropped."""

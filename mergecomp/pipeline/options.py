@@ -155,6 +155,9 @@ class FrontEnd:
         hand_out: results leave the step (the caller may keep them): a buffer that became a
             result is not written again.  False: results live in the group buffers until the
             next ``finish``.
+        in_place: a gradient given to ``add`` may be overwritten by its result, which the front
+            end then takes where the gradient was: a group of one tensor is sent from its
+            gradient, with no buffer and no copy (the PyTorch optimizer's ``p.grad``).
         agree: more settings (description -> value) every rank must share, checked with the
             others at construction.
         cache_tag: words prefixed to the plan-cache signature.
@@ -165,5 +168,6 @@ class FrontEnd:
     observe_order: bool = True
     timed: bool = True
     hand_out: bool = False
+    in_place: bool = False
     agree: Tuple[Tuple[str, Any], ...] = ()
     cache_tag: Tuple[str, ...] = ()

@@ -1,17 +1,24 @@
 """A merged step whose groups a merge plan cuts, filled as the gradients arrive.
 
-A :class:`PlannedStep` owns the merge plan and its layout, and one flat buffer per group:
-:meth:`~PlannedStep.add` copies tensor ``i``'s gradient into its slot (prescaled and checked
-for NaN/Inf in the same pass where it can), or, where the compressor encodes a group's gradients
-where they lie (:meth:`~mergecomp.exchange.exchange.Exchange.begin`), encodes it as a part;
-every group whose last tensor has arrived is then started, in plan order.  ``finish`` starts
-the rest (missing tensors count as zeros).  After the first step, the plan follows the order in
+A :class:`PlannedStep` owns the merge plan and its layout, and one flat buffer per group of
+several tensors, each tensor's *slot* a view of it (:attr:`~PlannedStep.slots`).  A front end
+that hands those views out as the gradients (the PyTorch optimizer's ``p.grad``, as DDP's
+``gradient_as_bucket_view``) has backward accumulate straight into the groups: :meth:`~PlannedStep.add`
+of a gradient that is its slot copies nothing, and its work is a few counters.  Any other
+gradient is copied into its slot (checked for NaN/Inf in the same pass where it can; counted
+as ``copy-in``) and is then among :attr:`Reduced.moved`; where the compressor encodes a group's
+gradients where they lie (:meth:`~mergecomp.exchange.exchange.Exchange.begin`), it is encoded as
+a part.  A group of one tensor has no buffer where the front end takes results in place
+(``FrontEnd.in_place``): its gradient itself is sent and receives the result.  Every group whose
+last tensor has arrived is then started, in plan order; a ``prescale`` is one pass over each
+group as it starts.  ``finish`` starts the rest (missing tensors count as zeros).  After the first step, the plan follows the order in
 which rank 0's gradients arrived (the backward order); with ``groups="auto"`` the online
 scheduler (:class:`~mergecomp.scheduler.feed.PlanSearch`) then searches the plan.  The PyTorch
 optimizer and the TensorFlow front end adapt it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -35,15 +42,18 @@ DEFAULT_GROUP_BYTES = 25 * 2**20
 DEFAULT_MAX_GROUPS = 4
 
 
-def _holds(tensor: Optional[torch.Tensor], flat: torch.Tensor, offset: int) -> bool:
-    """Whether ``tensor`` already lives at element ``offset`` of ``flat`` (a view handed out by
-    an earlier step that backward accumulated into)."""
-    return (tensor is not None and not tensor.is_sparse
-            and tensor.data_ptr() == flat.data_ptr() + offset * flat.element_size())
+def _sendable(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``grad`` can be sent where it lies as a group of its own: dense, contiguous, of
+    the tensor's shape, dtype and device, and outside any autograd graph."""
+    return (grad.layout == torch.strided and not grad.requires_grad and grad.dtype == dtype
+            and grad.shape == shape and grad.device == device and grad.is_contiguous())
 
 
 class PlannedStep(MergedStep):
     """See the module docstring; the arguments are :class:`~mergecomp.pipeline.step.MergedStep`'s."""
+
+    #: the online search (``groups="auto"``), started once the order is final
+    search: Optional[PlanSearch] = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -52,10 +62,8 @@ class PlannedStep(MergedStep):
             raise ValueError(f"{front_end.who}: no {front_end.tensor_kind} to exchange gradients for")
         self.warn_sparse = True  # a sparse gradient warns that it is exchanged densely
         self._spec = None if groups == "auto" else groups
-        #: the online search (``groups="auto"``), started once the order is final
         self.search = PlanSearch(self, self.options.scheduler, front_end.cache_tag) if groups == "auto" else None
         self._order_final = not front_end.observe_order or isinstance(groups, (list, tuple, GroupPlan))
-        self._last_reduced: Optional[Reduced] = None  # the last step's result (its views are reused)
         self._install(self.make_plan(list(reversed(range(len(self.names))))))
         if self.search is not None and self._order_final:
             self.search.start()
@@ -67,18 +75,43 @@ class PlannedStep(MergedStep):
 
     @property
     def buffers(self) -> List[torch.Tensor]:
-        """The groups' flat buffers, in plan order."""
-        return [self._buffer(g) for g in range(len(self._groups))]
+        """The flat buffers of the groups that have one (several tensors, or a gradient that could
+        not be sent where it lay), in plan order."""
+        return [b for b in self._buffers if b is not None]
+
+    @property
+    def slots(self) -> List[Optional[torch.Tensor]]:
+        """Per tensor: its slot in its group's buffer, in its shape (where a gradient that is its
+        slot is taken without a copy), or None where its group has no buffer (one tensor whose
+        gradient is sent where it lies).  The views stay the same from step to step until the
+        plan changes."""
+        for g, direct in enumerate(self._direct):
+            if not direct:
+                self._buffer(g)
+        return list(self._slots)
+
+    def zero_buffers(self) -> None:
+        """Zero every group buffer, one fill per group: the slots (:attr:`slots`) handed out as
+        gradients are zeroed together."""
+        if self.in_flight:
+            raise RuntimeError(f"{self.front_end.who}: the group buffers can only be zeroed between steps")
+        for flat in self._buffers:
+            if flat is not None:
+                flat.zero_()
 
     @property
     def in_flight(self) -> bool:
         """Whether a step has begun (a tensor added or a group started) and not finished."""
-        return any(self._arrived) or bool(self._started)
+        return self._arrivals_count > 0 or bool(self._started)
 
     @property
     def exempt_flags(self) -> List[bool]:
         """Per tensor: whether it is sent uncompressed."""
         return list(self._exempt)
+
+    def group_of(self, i: int) -> int:
+        """The index of tensor ``i``'s group in the current plan."""
+        return self._group_of[i]
 
     # -- plans -----------------------------------------------------------------------------
     def nbytes(self) -> List[int]:
@@ -98,14 +131,16 @@ class PlannedStep(MergedStep):
     def _install(self, plan: GroupPlan) -> None:
         self._plan = plan
         self._groups = layout(plan, self.shapes)
-        self._where: Dict[int, Tuple[int, int]] = {}  # tensor -> (group, offset)
-        self._position: Dict[int, int] = {}  # tensor -> its place among its group's tensors
+        count = len(self.names)
+        self._group_of, self._offset_of, self._position = [0] * count, [0] * count, [0] * count
         for g, group in enumerate(self._groups):
             for k, (i, offset) in enumerate(zip(group.indices, group.offsets)):
-                self._where[i] = (g, offset)
-                self._position[i] = k
+                self._group_of[i], self._offset_of[i], self._position[i] = g, offset, k
+        self._sizes = [len(group.indices) for group in self._groups]
+        #: per group: a single tensor whose gradient is sent where it lies (no buffer of its own)
+        self._direct = [self.front_end.in_place and size == 1 for size in self._sizes]
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._groups)
-        self._last_reduced = None  # its buffers are the old plan's: let them go
+        self._slots: List[Optional[torch.Tensor]] = [None] * count
         self._reset()
 
     def set_plan(self, plan: PlanSpec) -> None:
@@ -132,21 +167,34 @@ class PlannedStep(MergedStep):
         return {**report, "breakdown": self.step_breakdown()}
 
     def _buffer(self, g: int) -> torch.Tensor:
+        """Group ``g``'s buffer, made (with its tensors' slots) on first use."""
         flat = self._buffers[g]
         if flat is None:
-            flat = self._buffers[g] = torch.empty(self._groups[g].numel, dtype=self.dtypes[self._groups[g].indices[0]],
-                                                  device=self.device)
+            group = self._groups[g]
+            flat = self._buffers[g] = torch.empty(group.numel, dtype=self.dtypes[group.indices[0]], device=self.device)
+            for i, offset, n, shape in zip(group.indices, group.offsets, group.numels(), group.shapes):
+                self._slots[i] = flat[offset:offset + n].view(shape)
+        return flat
+
+    def _flat(self, g: int) -> torch.Tensor:
+        """What group ``g`` is sent from this step: its gradient where it lies, or its buffer."""
+        flat = self._sent[g]
+        if flat is None:
+            flat = self._sent[g] = self._buffer(g)
         return flat
 
     # -- gradients arrive --------------------------------------------------------------------
     def _reset(self) -> None:
         super()._reset()
         self._arrived = [False] * len(self.names)
+        self._arrivals_count = 0
         self._count = [0] * len(self._groups)
         #: per group: True while every gradient copied in was found finite, False once one was
-        #: not, None when one was copied without a check (the exchange then checks the group)
+        #: not, None when one arrived unchecked (the exchange then checks the group)
         self._finite: List[Optional[bool]] = [True] * len(self._groups)
-        #: this step's arrival times (made at its first arrival: :meth:`_arrivals_clock`)
+        #: whether a group's gradients may be encoded as they arrive (:meth:`_parts`)
+        self._parting = self.exchange.encodes_parts and self.options.prescale == 1.0
+        #: this step's arrival times, where the scheduler reads them (:meth:`_arm`, at its first arrival)
         self._arrival_times: Optional[Arrivals] = None
         self._order_seen: List[int] = []
         #: per group: elements written into its buffer by this step's copy-in, pass by pass
@@ -154,51 +202,80 @@ class PlannedStep(MergedStep):
         #: per group whose first tensor arrived: its FusedParts when its tensors are encoded as
         #: they arrive (Exchange.begin), else None
         self._arriving: Dict[int, Optional[FusedParts]] = {}
+        #: per group: what it is sent from this step (None: not decided yet)
+        self._sent: List[Optional[torch.Tensor]] = [None] * len(self._groups)
+        #: per group sent where its one gradient lies: that gradient (its result is written there)
+        self._lying: Dict[int, torch.Tensor] = {}
+        #: tensors whose gradient was not where their result will be (copied in, or missing)
+        self._moved: List[int] = []
 
     def slot(self, i: int) -> torch.Tensor:
         """Tensor ``i``'s slot in its group's buffer, in its shape (where :meth:`add` copies)."""
-        g, offset = self._where[i]
-        return self._buffer(g)[offset:offset + self.shapes[i].numel()].view(self.shapes[i])
+        self._buffer(self._group_of[i])
+        return self._slots[i]
 
     def add(self, i: int, grad: Optional[torch.Tensor]) -> None:
-        """Tensor ``i``'s gradient is final for this step (None: zeros).  It is copied into its
-        slot (nothing is copied when ``grad`` is that slot); every group whose tensors have all
-        arrived is then started, in plan order."""
+        """Tensor ``i``'s gradient is final for this step (None: zeros).  Nothing is copied when
+        ``grad`` is its slot (:attr:`slots`), or, for a group of one tensor whose front end
+        takes results in place, when it can be sent where it lies; else it is copied into its
+        slot.  Every group whose tensors have all arrived is then started, in plan order."""
         if torch.is_grad_enabled():  # e.g. a hook of backward(create_graph=True): record nothing
             with torch.no_grad():
                 return self.add(i, grad)
         if self._arrived[i]:
             raise RuntimeError(f"{self.front_end.who}: the gradient of {self.names[i]!r} arrived twice in one step")
-        g, offset = self._where[i]
-        with self.exchange.clock(ENCODE, self._groups[g].name):
-            self._arrivals_clock().arrived(i)  # our own hook work is left out (own_work)
-            self._order_seen.append(i)
-            self._put(i, grad, g, offset)
-            self._arrived[i] = True
-            self._start_ready()
-
-    def _put(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int) -> None:
-        """Tensor ``i``'s gradient into group ``g`` at ``offset``: encoded as a part, or copied in."""
-        parts = self._parts(g)
-        if parts is None:
-            self._copied[g] += self._copy_in(i, grad, g, offset) * self.shapes[i].numel()
-        else:
-            with self._arrivals_clock().own_work():
-                finite = parts.add(self._position[i], offset, self._part(i, grad, g, offset))  # checked by the kernel
-            self._finite[g] = finite and self._finite[g] is not False
+        if not self._arrivals_count:
+            self._arm()
+        self._arrived[i] = True
+        self._arrivals_count += 1
+        self._order_seen.append(i)
+        if self._arrival_times is not None:
+            self._arrival_times.arrived(i)  # our own hook work is left out (own_work)
+        g = self._group_of[i]
+        if grad is None or grad is not self._slots[i] or (self._parting and self._parts(g) is not None):
+            with self.exchange.clock(ENCODE, self._groups[g].name):
+                self._put(i, grad, g)
+        else:  # backward accumulated into the slot: nothing to copy, nothing checked yet
+            self._finite[g] = self._finite[g] and None
         self._count[g] += 1
+        if g == len(self._started) and self._count[g] == self._sizes[g]:
+            with self.exchange.clock(ENCODE, self._groups[g].name):
+                self._start_ready()
 
-    def _arrivals_clock(self) -> Arrivals:
-        """This step's :class:`~mergecomp.scheduler.clock.Arrivals`: CUDA events in the step
-        the scheduler profiles on a CUDA device, host seconds otherwise."""
-        if self._arrival_times is None:
-            profiled = self.search is not None and self.search.profiles_next()
-            self._arrival_times = Arrivals(len(self.names), self.device, events=profiled)
-        return self._arrival_times
+    def _put(self, i: int, grad: Optional[torch.Tensor], g: int) -> None:
+        """Tensor ``i``'s gradient into group ``g``: sent where it lies, encoded as a part, or
+        copied in."""
+        if self._direct[g] and grad is not None and _sendable(grad, self.shapes[i], self.dtypes[i], self.device):
+            self._sent[g] = grad.view(-1)
+            self._lying[g] = grad
+            self._finite[g] = self._finite[g] and None
+            parts = self._parts(g) if self._parting else None
+            if parts is not None:
+                with self._own_work():
+                    self._finite[g] = parts.add(0, 0, grad) and self._finite[g] is not False
+            return
+        parts = self._parts(g) if self._parting else None
+        if parts is None:
+            self._copied[g] += self._copy_in(i, grad, g) * self.shapes[i].numel()
+        else:
+            with self._own_work():
+                finite = parts.add(self._position[i], self._offset_of[i], self._part(i, grad, g))  # checked by the kernel
+            self._finite[g] = finite and self._finite[g] is not False
+
+    def _arm(self) -> None:
+        """At a step's first arrival: its arrival times are stamped where the scheduler profiles
+        it (CUDA events on a CUDA device, host seconds otherwise), and nowhere else."""
+        profiled = self.search is not None and self.search.profiles_next()
+        self._arrival_times = Arrivals(len(self.names), self.device, events=True) if profiled else None
+
+    def _own_work(self):
+        """Our own work in a hook, left out of the arrival times that follow."""
+        stamps = self._arrival_times
+        return stamps.own_work() if stamps is not None else contextlib.nullcontext()
 
     def launch(self, *args, **kwargs) -> Job:
         """:meth:`MergedStep.launch`, its seconds left out of the arrival times that follow."""
-        with self._arrivals_clock().own_work():
+        with self._own_work():
             return super().launch(*args, **kwargs)
 
     def _parts(self, g: int) -> Optional[FusedParts]:
@@ -207,77 +284,85 @@ class PlannedStep(MergedStep):
         else None: they are copied into its buffer."""
         if g not in self._arriving:
             self._arriving[g] = None if self.options.prescale != 1.0 else \
-                self.exchange.begin(self._groups[g], self._buffer(g), self._started_as(self._plan.codec(g)))
+                self.exchange.begin(self._groups[g], self._flat(g), self._started_as(self._plan.codec(g)))
         return self._arriving[g]
 
-    def _part(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int) -> torch.Tensor:
+    def _part(self, i: int, grad: Optional[torch.Tensor], g: int) -> torch.Tensor:
         """Tensor ``i``'s gradient as its part is encoded from: itself where the kernel reads
         it as it is (dense, contiguous fp32), else copied into its slot first."""
         if (grad is not None and grad.layout == torch.strided and grad.dtype == torch.float32
                 and grad.is_contiguous() and grad.numel() == self.shapes[i].numel()):
+            if grad is not self._slots[i]:
+                self._moved.append(i)
             return grad  # on the group's device (the CPU, where parts are encoded)
-        self._copied[g] += self._copy_in(i, grad, g, offset, later=False) * self.shapes[i].numel()
-        return self.slot(i)
+        self._copied[g] += self._copy_in(i, grad, g, later=False) * self.shapes[i].numel()
+        return self._slots[i]
 
-    def _copy_in(self, i: int, grad: Optional[torch.Tensor], g: int, offset: int, later: bool = True) -> int:
-        """Write tensor ``i``'s gradient (None: zeros), prescaled, into its slot at ``offset`` of
-        group ``g``'s buffer, checking NaN/Inf where the copy can; returns the passes over the slot.
-        ``later``: the slot is read only once the group is complete (a large group's is then
-        written past the cache)."""
-        flat = self._buffer(g)
-        slot = flat[offset:offset + self.shapes[i].numel()]
-        prescale = self.options.prescale
-        passes = 1
+    def _copy_in(self, i: int, grad: Optional[torch.Tensor], g: int, later: bool = True) -> int:
+        """Write tensor ``i``'s gradient (None: zeros) into its slot of group ``g``'s buffer,
+        checking NaN/Inf where the copy can; returns the passes over the slot.  ``later``: the
+        slot is read only once the group is complete (a large group's is then written past the
+        cache)."""
+        flat = self._flat(g)
+        slot = self._slots[i]
+        self._moved.append(i)
         if grad is None:
             slot.zero_()
-        elif _holds(grad, flat, offset):
-            self._unchecked(g)
-            passes = 0
-            if prescale != 1.0:
-                slot.mul_(prescale)
-                passes = 1
-        else:
-            if grad.is_sparse:
-                if self.warn_sparse:
-                    warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
-                                  f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=6)
-                grad = grad.to_dense()
-                passes = 2  # the dense gradient written, then copied
-            # the copy, prescale and check: one pass; a large group's buffer is read only once it is complete
-            finite = codecs.copy_finite(grad, slot, prescale, stream=later and flat.numel() >= native.STREAM_MIN)
-            if finite is None:
-                self._unchecked(g)
-            elif not finite:
-                self._finite[g] = False
+            return 1
+        passes = 1
+        if grad.is_sparse:
+            if self.warn_sparse:
+                warnings.warn(f"{self.names[i]!r} has a sparse gradient; mergecomp exchanges it densely "
+                              f"(use nn.Embedding(sparse=False) to silence this)", stacklevel=6)
+            grad = grad.to_dense()
+            passes = 2  # the dense gradient written, then copied
+        # the copy and check: one pass; a large group's buffer is read only once it is complete
+        finite = codecs.copy_finite(grad, slot.view(-1), 1.0, stream=later and flat.numel() >= native.STREAM_MIN)
+        if finite is None:
+            self._finite[g] = self._finite[g] and None
+        elif not finite:
+            self._finite[g] = False
         return passes
 
-    def _unchecked(self, g: int) -> None:
-        if self._finite[g]:
-            self._finite[g] = None
-
     def _start_ready(self) -> None:
+        prescale = self.options.prescale
         while (len(self._started) < len(self._groups)
-               and self._count[len(self._started)] == len(self._groups[len(self._started)].indices)):
+               and self._count[len(self._started)] == self._sizes[len(self._started)]):
             g = len(self._started)
-            self.launch(self._groups[g], self._buffer(g), self._plan.codec(g), self._finite[g], self._copied[g],
-                        self._arriving.get(g))
+            flat, finite = self._flat(g), self._finite[g]
+            if prescale != 1.0:  # one pass over the group, copied in or not: scaled, then checked where it can be
+                scaled = codecs.copy_finite(flat, flat, prescale)
+                finite = False if finite is False else scaled
+            self.launch(self._groups[g], flat, self._plan.codec(g), finite, self._copied[g], self._arriving.get(g))
 
     # -- the step's end ------------------------------------------------------------------------
     def _start_rest(self) -> None:
         """Missing tensors count as zeros."""
-        self._timed_step = self.front_end.timed and all(self._arrived)
-        for i, arrived in enumerate(self._arrived):
-            if not arrived:
-                g, offset = self._where[i]
-                with self.exchange.clock(ENCODE, self._groups[g].name):
-                    self._put(i, None, g, offset)
+        self._timed_step = self.front_end.timed and self._arrivals_count == len(self.names)
+        if self._arrivals_count < len(self.names):
+            for i, arrived in enumerate(self._arrived):
+                if not arrived:
+                    g = self._group_of[i]
+                    with self.exchange.clock(ENCODE, self._groups[g].name):
+                        self._put(i, None, g)
+                    self._count[g] += 1
         self._start_ready()
 
-    def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> None:
+    def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> Reduced:
+        """The step's result; unless results are handed out, its tensors are their slots, or the
+        gradients sent where they lay, and :attr:`Reduced.moved` names those whose gradient was
+        elsewhere."""
+        groups = [job.group for job in jobs]
         if self.front_end.hand_out:  # a buffer that is now a result must not be written again
             handed = {flat.untyped_storage().data_ptr() for flat in flats}
             self._buffers = [None if b is not None and b.untyped_storage().data_ptr() in handed else b
                              for b in self._buffers]
+            self._slots = [None if self._buffers[g] is None else s for g, s in zip(self._group_of, self._slots)]
+            return Reduced(groups, flats)
+        views = list(self._slots)
+        for g, grad in self._lying.items():
+            views[self._groups[g].indices[0]] = grad
+        return Reduced(groups, flats, views, self._moved)
 
     def _end_step(self, bad: bool) -> None:
         self._arrivals = (self._arrival_times if self._timed_step else None), self._order_seen
@@ -285,20 +370,14 @@ class PlannedStep(MergedStep):
             self.search.skip_sample()
         super()._end_step(bad)
 
-    def _reduced(self, groups: List[Group], flats: List[torch.Tensor]) -> Reduced:
-        """This step's result, with the last step's views where it holds the same groups and
-        buffers (the group buffers, reused step after step unless handed out); the observed
-        order adopted and the scheduler fed, which may switch plans for the next step."""
+    def _reduced(self, reduced: Reduced) -> Reduced:
+        """This step's result; the observed order adopted and the scheduler fed, which may
+        switch plans for the next step."""
         arrivals, order_seen = self._arrivals
         with self.exchange.clock(SCHEDULER):
             self._adopt_order(order_seen)
             if self.search is not None:
                 self.search.observe(arrivals)
-        reduced, last = Reduced(groups, flats), self._last_reduced
-        if last is not None and reduced.same_groups_and_buffers(last):
-            reduced.views = last.views
-        if not self.front_end.hand_out:
-            self._last_reduced = reduced
         return reduced
 
     def _adopt_order(self, seen: List[int]) -> None:

@@ -50,9 +50,12 @@ class Reduced:
 
     groups: List[Group]
     flats: List[torch.Tensor]
-    #: what :meth:`tensors` returns, once made (a later step's result with the same groups and
-    #: buffers takes them over)
-    views: Optional[List[Optional[torch.Tensor]]] = None
+    #: what :meth:`tensors` returns, where the step made it (each tensor's slot in its group's
+    #: buffer, the same objects step after step, or the gradient it was sent from)
+    views: Optional[List[torch.Tensor]] = None
+    #: the tensors whose result is not where their gradient was given (the front end points
+    #: them at it); None: any of them may be
+    moved: Optional[List[int]] = None
 
     def tensors(self, count: int) -> List[torch.Tensor]:
         """Views of the ``count`` tensors' reduced gradients, by tensor index, in their shapes."""
@@ -62,12 +65,6 @@ class Reduced:
                 for i, offset, n, shape in zip(group.indices, group.offsets, group.numels(), group.shapes):
                     self.views[i] = flat[offset:offset + n].view(shape)
         return list(self.views)
-
-    def same_groups_and_buffers(self, other: "Reduced") -> bool:
-        """Whether ``other`` is made of the same group and buffer objects."""
-        return (len(self.groups) == len(other.groups) == len(self.flats) == len(other.flats)
-                and all(a is b for a, b in zip(self.groups, other.groups))
-                and all(a is b for a, b in zip(self.flats, other.flats)))
 
 
 class HoldsMergedStep:
@@ -207,13 +204,28 @@ class MergedStep:
         """A step begins: nothing started."""
         self._started: List[Job] = []
         self._outs: List[torch.Tensor] = []
+        #: whether this step checks its gradients for NaN/Inf (decided as its first group starts)
+        self._checking = self.nonfinite != "ignore"
+
+    def _checks(self) -> bool:
+        """Whether this step's gradients are checked for NaN/Inf and the ranks agree on the
+        culprits: under every policy but ``"ignore"``, except ``"propagate"`` when every group
+        this step can send travels as the plain sum of the ranks' gradients
+        (:meth:`~mergecomp.exchange.exchange.Exchange.sums_losslessly`): any rank's NaN/Inf then
+        reaches every rank's result of its group by itself, and no state needs putting back."""
+        if self.nonfinite != "propagate":
+            return self.nonfinite != "ignore"
+        codecs = {self._started_as(codec) for codec in (*self._plan.codec_names(), COMPRESSED)}
+        return not all(self.exchange.sums_losslessly(codec) for codec in codecs)
 
     def launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool] = None,
                copied: int = 0, parts: Optional[FusedParts] = None) -> Job:
         """Start ``group`` from ``flat``, into which ``copied`` elements were written (pass by
         pass) this step, or from its ``parts`` (:meth:`Exchange.start`); ``codec``: the plan's
         (the warm-up and the ``scheme`` option decide how it travels)."""
-        job = self.exchange.start(group, flat, self._started_as(codec), finite, parts)
+        if not self._started:
+            self._checking = self._checks()
+        job = self.exchange.start(group, flat, self._started_as(codec), finite, parts, self._checking)
         job.count("copy-in", 1, copied)
         self._started.append(job)
         self._outs.append(flat)
@@ -256,7 +268,7 @@ class MergedStep:
             self._start_rest()
         jobs, outs = self._started, self._outs
         groups = [job.group for job in jobs]
-        check = NonfiniteCheck(self.comm, jobs, self.step) if self.nonfinite != "ignore" else None
+        check = NonfiniteCheck(self.comm, jobs, self.step) if self._checking else None
         hand_out = self.front_end.hand_out
         pending = jobs  # the groups' later collectives, stage by stage, in plan order
         while pending:
@@ -269,7 +281,7 @@ class MergedStep:
         if bad and self.nonfinite == "propagate":  # every rank's result is NaN: GradScaler skips the step
             for flat in flats:
                 flat.fill_(float("nan"))
-        self._decoded(jobs, flats)
+        reduced = self._decoded(jobs, flats)
         step = self.exchange.end_step()
         if self.step == self.warmup_steps > 0:
             logger.info("%s: compression warm-up over after %d steps; %r compresses from now on",
@@ -278,27 +290,29 @@ class MergedStep:
         self.exact = False
         if bad:
             fed = {job.group.name for job in jobs if job.feedback}
-            return self._nonfinite(bad, Reduced(groups, flats), step, fed)
+            return self._nonfinite(bad, reduced, step, fed)
         self.exchange.commit()
         if self.options.postscale != 1.0:
             for flat in flats:
                 flat.mul_(self.options.postscale)
-        return self._reduced(groups, flats)
+        return self._reduced(reduced)
 
     # the subclass's part of a step
     def _start_rest(self) -> None:
         """At :meth:`finish`: start the groups not started yet."""
 
-    def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> None:
-        """Every started group's result is in ``flats`` (NaN where the step propagates NaN/Inf)."""
+    def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> Reduced:
+        """Every started group's result is in ``flats`` (NaN where the step propagates NaN/Inf):
+        the step's result."""
+        return Reduced([job.group for job in jobs], flats)
 
     def _end_step(self, bad: bool) -> None:
         """The step is counted (``bad``: it held NaN/Inf): what was started is done with."""
         self._reset()
 
-    def _reduced(self, groups: List[Group], flats: List[torch.Tensor]) -> Reduced:
-        """This step's result, of a step without NaN/Inf."""
-        return Reduced(groups, flats)
+    def _reduced(self, reduced: Reduced) -> Reduced:
+        """This step's result, of a step without NaN/Inf, once the step is counted."""
+        return reduced
 
     def abort(self) -> None:
         """Forget a step that cannot finish (an interrupted backward pass): its collectives are

@@ -135,9 +135,9 @@ class WholeGroup(Scheme):
             arrived = self.received(job)
             if job.flight == compressor.rounds:
                 start, stop = job.span
-                job.count("decode", compressor.passes.aggregated(len(arrived), encoder.average), stop - start)
-                return encoder.decode_into(job, out, compressor.aggregate, arrived, job.ctx, self.comm.size,
-                                           encoder.average)
+                average = encoder.average and self.comm.size > 1  # a mean over one rank divides by 1
+                job.count("decode", compressor.passes.aggregated(len(arrived), average), stop - start)
+                return encoder.decode_into(job, out, compressor.aggregate, arrived, job.ctx, self.comm.size, average)
             with self.clock(ENCODE, job.group.name):
                 job.payload, job.ctx = compressor.next_round(arrived[0], job.ctx)
                 job.count("encode", compressor.passes.next_round)

@@ -1,0 +1,126 @@
+"""
+mergecomp's own work per step with no network: one process, plain torch (SGD and AdamW, foreach
+and fused), DDP on one rank, and mergecomp's DistributedOptimizer (none, fp16, topk, powersgd,
+and 1-bit SGD exchanging AdamW's momentum) side by side, interleaved round after round; ms per
+step, aten operators per step, and each row's ratio to plain torch with the same optimizer.
+
+    python scripts/bench_host_overhead.py                                  # the narrow GPT-2s
+    python scripts/bench_host_overhead.py --models resnet50,gpt2-small --rounds 2 --steps 5
+    python scripts/bench_host_overhead.py --out docs/img/data/host_overhead_cpu_narrow_gpt2.jsonl
+
+The default models are GPT-2 with 12 layers 64 wide (148 tensors) and with 24 layers 56 wide
+(292 tensors, about the same parameters: 3.88 M and 3.79 M): doubling the layers at the same
+parameter count shows what each tensor costs, which the last table compares with DDP's.  Not a
+test: ratios from one run, on one thread per process unless --threads says otherwise.  Each
+round times every configuration in turn for a few steps; a row's ratio is the median over the
+rounds of its time over plain torch's in the same round, so the slow drifts of a shared
+machine's speed fall on both.  Times are the process's CPU time (wall time beside it).
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+# -----------------------------------------------------------------------------
+# defaults
+models = "gpt2-12x64,gpt2-24x56"
+configs = "all"       # or labels from mergecomp.bench.host_overhead.CONFIGS, comma-separated
+groups = 4            # mergecomp's groups (an int, "auto", or "default": groups of about 25 MB, at most 4)
+rounds = 15           # interleaved rounds; each row: the median over them
+steps = 3             # timed steps per configuration and round
+warmup = 5            # untimed steps of each run first (the momentum exchange's phase starts after 2)
+resident = 30e6       # models with fewer parameters keep a run per configuration for all rounds
+threads = 1           # torch threads
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=models)
+    p.add_argument("--configs", default=configs)
+    p.add_argument("--groups", default=str(groups))
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--threads", type=int, default=threads)
+    p.add_argument("--out", help="append one JSON record per row to this file")
+    return p.parse_args(argv)
+
+
+def machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "commit": commit or None}
+
+
+def table(rows):
+    print(f"\n{'model':12s} {'config':18s} {'cpu ms':>8s} {'x torch':>8s} {'wall ms':>8s} {'aten ops':>9s}  "
+          f"cpu ms by round")
+    for row in rows:
+        x = "-" if row["x"] is None else f"{row['x']:.2f}x"
+        ops = f"{row['aten_ops']:.0f}" if "aten_ops" in row else "-"
+        wall = f"{row['median_wall_ms']:.2f}" if "median_wall_ms" in row else "-"
+        print(f"{row['model']:12s} {row['config']:18s} {row['median_ms']:8.2f} {x:>8s} {wall:>8s} {ops:>9s}  "
+              + " ".join(f"{ms:.1f}" for ms in row["ms"]))
+
+
+def per_tensor(rows, small, large):
+    """What doubling the tensors adds to each configuration's time beyond plain torch's."""
+    by = {(row["model"], row["config"]): row for row in rows}
+    print(f"\n{small} -> {large}: ms a configuration adds to its torch anchor, and how much more with the "
+          f"larger model's tensors")
+    from mergecomp.bench.host_overhead import ANCHORS
+
+    for row in rows:
+        if row["model"] != small or row["config"] in ANCHORS.values() or (large, row["config"]) not in by:
+            continue
+        anchor = ANCHORS[row["optimizer"].split("-")[0]]
+        if (small, anchor) not in by or (large, anchor) not in by:
+            continue
+        added = [by[(m, row["config"])]["median_ms"] - by[(m, anchor)]["median_ms"] for m in (small, large)]
+        print(f"  {row['config']:18s} {added[0]:7.2f} ms -> {added[1]:7.2f} ms  (+{added[1] - added[0]:.2f} ms)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    from mergecomp.bench.host_overhead import CONFIGS, build, compare
+
+    torch.set_num_threads(args.threads)
+    chosen = CONFIGS if args.configs == "all" else [c for c in CONFIGS if c.label in args.configs.split(",")]
+    unknown = set(args.configs.split(",")) - {c.label for c in CONFIGS} if args.configs != "all" else set()
+    if unknown:
+        sys.exit(f"unknown configurations {sorted(unknown)}; known: {[c.label for c in CONFIGS]}")
+    plan = None if args.groups == "default" else args.groups if args.groups == "auto" else int(args.groups)
+    info = {**machine(), "threads": args.threads, "load_before": os.getloadavg()[0],
+            "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
+    rows = []
+    began = time.time()
+    for name in args.models.split(","):
+        model = build(name, torch.device("cpu"))
+        print(f"{name}: {model.parameters:,} parameters in {model.tensors} tensors", flush=True)
+        rows += compare(model, chosen, args.rounds, args.steps, args.warmup, plan,
+                        log=lambda line: print(line, flush=True), resident=model.parameters < resident)
+    info["load_after"] = os.getloadavg()[0]
+    info["seconds"] = round(time.time() - began, 1)
+    table(rows)
+    names = args.models.split(",")
+    if len(names) >= 2:
+        per_tensor(rows, names[0], names[1])
+    print(f"\n{info['cpu']}, {info['threads']} thread(s); load average {info['load_before']:.2f} before, "
+          f"{info['load_after']:.2f} after; {info['seconds']:.0f} s")
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps({**info, "groups_option": args.groups, "steps": args.steps, **row}) + "\n")
+        print(f"appended {len(rows)} records to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
