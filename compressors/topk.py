@@ -29,6 +29,27 @@ _SELECTIONS = ("exact", "threshold")
 _VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+#: the smallest positive fp32 (a subnormal): ``|x| >= _SMALLEST`` holds for every nonzero ``x``
+_SMALLEST = float(torch.finfo(torch.float32).smallest_normal) * 2.0 ** -23
+
+
+def _with_first_zeros(indices: torch.Tensor, values: torch.Tensor, k: int,
+                      out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of a group with fewer than ``k`` nonzero elements, all of them in ``indices``
+    (ascending) with their ``values`` and the rest of ``out`` zeros: those, and the first zeros
+    to make ``k`` (of equal magnitudes the first, as :func:`keep_largest` breaks ties), in
+    ascending order; the zeros sent are zeroed in ``out``."""
+    missing = k - indices.numel()
+    below = indices.numel() + missing  # the first `missing` zeros lie below this
+    free = torch.ones(below, dtype=torch.bool)
+    free[indices[indices < below]] = False
+    zeros = torch.arange(below)[free][:missing]
+    merged, order = torch.cat([indices, zeros]).sort()
+    sent = torch.cat([values, out.index_select(0, zeros)])[order]
+    out[zeros] = 0
+    return merged, sent
+
+
 @register_compressor("topk")
 class TopKCompressor(SparseCompressor, FusedEncode):
     def __init__(self, ratio: float = 0.01, selection: str = "threshold", value_dtype: Optional[str] = None) -> None:
@@ -92,7 +113,8 @@ class TopKCompressor(SparseCompressor, FusedEncode):
             sample = momentum.old[::stride].mul(momentum.factor).add_(sample)
         if old is not None:
             sample = old[::stride] + sample
-        threshold = float(sample_threshold(sample.abs(), k, n))
+        # a sample of zeros only: the nonzero elements are the candidates, and the rest are zeros
+        threshold = float(sample_threshold(sample.abs(), k, n)) or _SMALLEST
         corrected = None if momentum is None else momentum.target()
         out = residual.target()  # every element written below
         indices, values, count, momenta = compensated_above(
@@ -101,6 +123,8 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         if k <= count <= indices.numel():  # the k largest among the candidates; the others go back
             indices, values = keep_largest(indices, values, k, out,
                                                   None if momenta is None else (momenta, corrected))
+        elif count < k and threshold == _SMALLEST:  # every nonzero, and the first zeros after them
+            indices, values = _with_first_zeros(indices, values, k, out)
         else:  # too few or too many candidates: ``out`` (and the momentum) as before the scan took them
             out[indices] = values
             if corrected is not None:
