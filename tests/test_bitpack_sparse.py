@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from mergecomp.compressors.base.sparse import SparseCompressor, num_selected, topk_abs_indices, topk_indices
+from mergecomp.compressors.base.sparse import (SparseCompressor, num_selected, sample_stride, topk_abs_indices,
+                                               topk_indices)
 from mergecomp.kernels import bitpack, native, tritpack
 from mergecomp.kernels.codecs import majority_vote, pack_signs
 from mergecomp.kernels.codecs.scans import _flat_nonzero
@@ -111,12 +112,12 @@ def test_trits_decode_is_a_lookup(dtype):
 
 
 def reference_threshold_topk(magnitude, k):
-    """The threshold selection as first written: full |x|, one mask, one nonzero."""
+    """The threshold selection as first written (full |x|, one mask, one nonzero), its sample
+    taken at the prime stride that meets every column of a matrix (:func:`sample_stride`)."""
     n = magnitude.numel()
     if k >= n:
         return torch.arange(n)
-    sample_size = min(n, max(16384, math.ceil(200 * n / k)))
-    sample = magnitude[:: max(1, n // sample_size)]
+    sample = magnitude[::sample_stride(n, k)]
     rank = min(sample.numel(), math.ceil(1.3 * k * sample.numel() / n))
     threshold = sample.topk(rank, sorted=False).values.min()
     candidates = torch.nonzero(magnitude >= threshold).view(-1)
