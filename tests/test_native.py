@@ -768,29 +768,56 @@ def test_low_rank_takes_factors_of_any_layout_and_refuses_mismatched_ones():
 @needs_kernels
 @pytest.mark.parametrize("n", SIZES)
 def test_frozen_adam_steps_match_their_torch_path(n):
-    """The momentum exchange's three steps (onto the wire, back, the update) in one pass each:
-    each result within 1e-6 of the size of its terms from the same arithmetic in fp64, as the
-    torch path is (the kernel's square root is correctly rounded, torch's is not, so the two
-    paths are not bit for bit)."""
-    from mergecomp.kernels import frozen_adam
+    """The momentum exchange's three steps (onto the wire, back, the update) over a merged group
+    of three tensors (segments: constants of their own; the middle one without Adam state), in
+    one pass each: each result within 1e-6 of the size of its terms from the same arithmetic in
+    fp64, as the torch path is (the kernel's square root is correctly rounded, torch's is not,
+    so the two paths are not bit for bit); the inactive segment sends zeros, keeps its
+    parameter."""
+    from mergecomp.kernels.frozen_adam import Segments, frozen_update, momentum_from_wire, momentum_to_wire
 
+    lengths = [n // 2, n // 4, n - n // 2 - n // 4]
+    segments = Segments(torch.tensor([0, lengths[0], lengths[0] + lengths[1], n]), lengths,
+                        torch.tensor([1, 0, 1], dtype=torch.uint8), [[0], [2]])
     g, m, p = torch.randn(n), torch.randn(n), torch.randn(n)
     v = torch.rand(n).square_() + 1e-12
-    mix, weight, eps, c, keep, correction, step = 0.1, 0.9 * 3.0, 1e-8, 1.7, 1 - 1e-4, 0.3, -1e-3
-    d = v.double().sqrt() + eps
-    denom = v.double().sqrt() / correction + eps
+
+    def each(*values):  # fp64 per segment, and per element
+        per = torch.tensor(values, dtype=torch.float64)
+        return per, per.repeat_interleave(torch.tensor(lengths))
+
+    (mix, mix_e), (weight, weight_e), (eps, eps_e) = each(0.1, 0.2, -0.1), each(2.7, 1.0, 0.0), each(1e-8, 1e-6, 1e-8)
+    (c, c_e), (keep, keep_e), (correction, correction_e) = each(1.7, 1.0, 0.6), each(1 - 1e-4, 1, 1), each(0.3, 1, 0.5)
+    step, step_e = each(-1e-3, 0.0, -2e-3)
+    active = torch.tensor([1, 0, 1], dtype=torch.bool).repeat_interleave(torch.tensor(lengths))
+    d = v.double().sqrt() + eps_e
+    denom = v.double().sqrt() / correction_e + eps_e
 
     def update():
         param, momentum = p.clone(), torch.zeros(n)
-        frozen_adam.frozen_update(param, g, momentum, v, keep, correction, eps, step)
-        assert torch.equal(momentum, g)
+        frozen_update(list(param.split(lengths)), g, momentum, v, segments, keep, correction, eps, step)
+        assert torch.equal(momentum[active], g[active]) and torch.equal(param[~active], p[~active])
         return param
 
+    def to_wire(divide):
+        wire = g.clone()
+        momentum_to_wire(wire, m, v, segments, mix, weight, eps, c, divide)
+        return wire
+
+    def from_wire():
+        wire = g.clone()
+        momentum_from_wire(wire, m, v, segments, c, eps, weight, divide=True)
+        return wire
+
+    mixed, mixed_size = g.double() * mix_e + m.double() * weight_e, g.double().abs() * mix_e.abs() + m.double().abs() * weight_e
+    zero = torch.zeros(n, dtype=torch.float64)
     expected = [  # (run, exact, size of its terms)
-        (lambda: frozen_adam.momentum_to_wire(g.clone(), m, v, mix, weight, eps, c),
-         (g.double() * mix + m.double() * weight) / d * c, (g.double().abs() * mix + m.double().abs() * weight) / d * c),
-        (lambda: frozen_adam.momentum_from_wire(g.clone(), v, eps, c), g.double() / c * d, g.double().abs() / c * d),
-        (update, p.double() * keep + step * g.double() / denom, p.double().abs() * keep + abs(step) * g.double().abs() / denom),
+        (lambda: to_wire(True), torch.where(active, mixed / d * c_e, zero), mixed_size / d * c_e),
+        (lambda: to_wire(False), torch.where(active, mixed * c_e, zero), mixed_size * c_e),
+        (from_wire, torch.where(active, g.double() / c_e * d + m.double() * weight_e, g.double() / c_e),
+         g.double().abs() / c_e * d + m.double().abs() * weight_e),
+        (update, torch.where(active, p.double() * keep_e + step_e * g.double() / denom, p.double()),
+         p.double().abs() * keep_e + step_e.abs() * g.double().abs() / denom),
     ]
     for run, exact, size in expected:
         for fused in (True, False):

@@ -58,13 +58,18 @@ pass each of a fused kernel on contiguous fp32 CPU tensors (:mod:`mergecomp.kern
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
 from mergecomp.exchange.exchange import Exchange, resolve
+from mergecomp.exchange.plan import Group
 from mergecomp.kernels import frozen_adam
+from mergecomp.kernels.frozen_adam import Segments
+from mergecomp.pipeline.step import Reduced
 from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
+
+from .momentum_state import GroupState
 
 __all__ = ["MomentumExchange", "SEARCH", "default_memory"]
 
@@ -115,6 +120,14 @@ def default_memory(compression: Any) -> Optional[str]:
     return "residual" if compressor.default_memory == "none" and not compressor.lossless else None
 
 
+def _without(state: GroupState, absent: Set[int]) -> Segments:
+    """``state``'s segments with the tensors ``absent`` (indices) inactive for one update."""
+    keep = [i not in absent for i in state.group.indices]
+    active = state.segments.active * torch.tensor(keep, dtype=torch.uint8)
+    bundles = [[s for s in bundle if keep[s]] for bundle in state.segments.bundles]
+    return Segments(state.segments.offsets, state.segments.lengths, active, [b for b in bundles if b])
+
+
 def check_after(after: Any, option: str = OPTION) -> int:
     """``after``, a number of updates, when an int >= 1; ValueError naming ``option`` otherwise."""
     if isinstance(after, bool) or not isinstance(after, int) or after < 1:
@@ -127,8 +140,9 @@ class MomentumExchange:
     (see the module docstring).
 
     Args:
-        optimizer: the Adam or AdamW being wrapped (its ``param_groups`` and ``state`` are read
-            at each use: ``load_state_dict`` may replace them).
+        optimizer: the Adam or AdamW being wrapped, which shares its ``param_groups`` and
+            ``state`` with the wrapper (read at each use: ``load_state_dict`` may replace them;
+            the wrapper's own ``param_groups`` would finish the exchange in flight).
         params: the exchanged parameters, by tensor index.
         after: ``K``, the number of warm-up updates.
         exchange: the optimizer's (its compressor and memory: a majority vote cannot carry an
@@ -180,7 +194,10 @@ class MomentumExchange:
         self.updates = 0
         #: per tensor index, once frozen (None before): the momentum's scaling for the wire
         self.coefficients: Optional[List[float]] = None
-        self._step: Optional[Dict[str, Any]] = None  # this step's settings, from its first gradient
+        self._step: Optional[Dict[str, Any]] = None  # this step's settings, from its first group
+        #: the momentum phase's state, flat per merged group, by group name
+        self._groups: Dict[str, GroupState] = {}
+        self._result: Optional[Reduced] = None  # the last exchange's result, for the update
 
     @property
     def active(self) -> bool:
@@ -199,108 +216,138 @@ class MomentumExchange:
         n = self._phase_update
         return self.active and n >= 1 and last_write(n, self.refresh_every) == n
 
-    # -- backward: the gradient becomes this rank's momentum ---------------------------------
+    # -- a group about to start: its gradients become this rank's momentum ----------------------
     def _settings(self) -> Dict[str, Any]:
-        """This step's loss scale and each tensor's parameter group (read at its first gradient)."""
+        """This step's loss scale and each parameter group's constants (read at its first group)."""
         if self._step is None:
             scaler = self.grad_scaler
-            group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+            groups = self.optimizer.param_groups
             self._step = {"scale": scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0,
-                          "groups": [group_of[id(p)] for p in self.params]}
+                          "beta1": [g["betas"][0] for g in groups], "beta2": [g["betas"][1] for g in groups],
+                          "eps": [g["eps"] for g in groups], "lr": [g["lr"] for g in groups],
+                          "sign": [-1.0 if g["maximize"] else 1.0 for g in groups],
+                          "decay": [g["weight_decay"] for g in groups],
+                          "l2": [bool(g["weight_decay"]) and not self._decoupled(g) for g in groups]}
         return self._step
 
-    def local_momentum(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Tensor ``i``'s momentum on this rank, ``x`` (module docstring), written over ``grad``
-        (None: the tensor got no gradient this step; a new tensor).  None for a parameter without
-        Adam state (one Adam never stepped): it sends zeros and is not updated."""
-        p = self.params[i]
-        state = self.optimizer.state.get(p)
-        if not state:
-            return None
-        settings = self._settings()
-        group, scale = settings["groups"][i], settings["scale"]
-        beta1 = group["betas"][0]
-        momentum = state["exp_avg"]
-        refreshing = self.refreshing  # the plain gradient: beta1, m and the wire scaling left out
-        weight = 0.0 if self.increment else beta1 * scale  # of m in x
-        if grad is None:
-            if refreshing:
-                return None
-            return torch.zeros_like(momentum) if self.increment else self._to_wire(i, momentum * weight)
-        mix = 1.0 if refreshing else 1 - beta1
-        mix = -mix if group["maximize"] else mix
-        if group["weight_decay"] and not self._decoupled(group):  # Adam's L2 term joins the gradient
-            grad.mul_(mix).add_(p.detach(), alpha=mix * scale * group["weight_decay"])
-            mix = 1.0
+    def _state(self, group: Group) -> GroupState:
+        """``group``'s :class:`GroupState`, taken over from the optimizer's state when the group
+        is new (a plan changed, or the state was loaded)."""
+        held = self._groups.get(group.name)
+        if held is None or held.group is not group:
+            group_of = {id(p): j for j, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+            held = self._groups[group.name] = GroupState(group, self.params, self.optimizer.state, group_of,
+                                                         self.coefficients)
+        return held
+
+    def to_wire(self, g: int, group: Group, flat: torch.Tensor, missing: Sequence[int]) -> Optional[bool]:
+        """Before ``group`` starts (:attr:`PlannedStep.before_start`): its gradients in ``flat``
+        (zeros for the tensors ``missing`` a gradient) become this rank's momentum as it goes on
+        the wire, ``x`` (module docstring), in one pass, which tells whether every value is
+        finite (None where it cannot); on a refresh, the plain gradient (its sign flipped under
+        ``maximize``, Adam's L2 term added)."""
+        state, settings = self._state(group), self._settings()
+        scale, refreshing = settings["scale"], self.refreshing
+        mix = [sign * (1.0 if refreshing else 1 - beta1) for sign, beta1 in zip(settings["sign"], settings["beta1"])]
+        if any(settings["l2"]):  # Adam's L2 term joins the gradients that arrived (torch's order: g * mix + p * ...)
+            self._add_l2(state, flat, mix, scale, missing)
+            mix = [1.0 if l2 else m for l2, m in zip(settings["l2"], mix)]
         if refreshing:
-            return grad if mix == 1.0 else grad.mul_(mix)
-        if self.preconditioned:
-            return frozen_adam.momentum_to_wire(grad, momentum, state["exp_avg_sq"], mix, weight, group["eps"],
-                                                self.coefficients[i])
-        return self._to_wire(i, grad.mul_(mix) if self.increment else grad.mul_(mix).add_(momentum, alpha=weight))
+            if all(m == 1.0 for m in mix):
+                return None
+            return frozen_adam.momentum_to_wire(flat, state.momentum, state.variance, state.segments,
+                                                state.per_group(mix), state.per_group([0.0] * len(mix)),
+                                                state.per_group(settings["eps"]), state.per_group([1.0] * len(mix)),
+                                                divide=False)
+        weight = [0.0 if self.increment else beta1 * scale for beta1 in settings["beta1"]]
+        return frozen_adam.momentum_to_wire(flat, state.momentum, state.variance, state.segments, state.per_group(mix),
+                                            state.per_group(weight), state.per_group(settings["eps"]),
+                                            state.coefficient, divide=self.preconditioned)
 
-    def _to_wire(self, i: int, momentum: torch.Tensor) -> torch.Tensor:
-        """Tensor ``i``'s momentum as it goes on the wire, in place: ``c * m / d`` (``d`` Adam's
-        denominator ``sqrt(v) + eps``); ``c * m`` for a low-rank codec; ``m`` for a lossless one."""
-        if self.preconditioned:
-            state, eps = self.optimizer.state[self.params[i]], self._settings()["groups"][i]["eps"]
-            return frozen_adam.momentum_to_wire(momentum, momentum, state["exp_avg_sq"], 0.0, 1.0, eps,
-                                                self.coefficients[i])
-        return momentum if self.lossless else momentum.mul_(self.coefficients[i])
-
-    def _denominator(self, i: int) -> torch.Tensor:
-        """``d = sqrt(v) + eps`` of tensor ``i`` (a new tensor): the same on every rank while the
-        variance is frozen, so dividing by it before the codec and multiplying after is exact."""
-        group = self._settings()["groups"][i]
-        return self.optimizer.state[self.params[i]]["exp_avg_sq"].sqrt().add_(group["eps"])
+    def _add_l2(self, state: GroupState, flat: torch.Tensor, mix: List[float], scale: float,
+                missing: Sequence[int]) -> None:
+        """``g = g * mix + p * mix * S * wd`` for the active tensors of parameter groups with
+        Adam's L2 decay that got a gradient."""
+        settings, absent = self._settings(), set(missing)
+        views = dict(state.views(flat))
+        for bundle in state.segments.bundles:
+            pg = int(state.pg[bundle[0]])
+            if not settings["l2"][pg]:
+                continue
+            chosen = [s for s in bundle if state.group.indices[s] not in absent]
+            grads = [views[state.group.indices[s]] for s in chosen]
+            torch._foreach_mul_(grads, mix[pg])
+            torch._foreach_add_(grads, [state.params[s].detach().view(-1) for s in chosen],
+                                alpha=mix[pg] * scale * settings["decay"][pg])
 
     def _decoupled(self, group: Dict[str, Any]) -> bool:
         """Whether ``group``'s weight decay is AdamW's (decoupled), not Adam's L2 term."""
         return group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
 
-    def finished(self, views: Optional[List[torch.Tensor]]) -> None:
-        """The step's exchange finished: its results, ``views[i] = c * S * m_avg / d`` (as sent,
-        :meth:`_to_wire`), become ``S * m_avg`` in place (None: a step skipped for NaN/Inf); with
-        ``send="increment"`` the views hold the increments' average, to which ``S * beta1 * m``
-        is added."""
-        if views is not None and not self.lossless and not self.refreshing:
-            settings = self._settings()
-            for i, view in enumerate(views):
-                state = self.optimizer.state.get(self.params[i])
-                group = settings["groups"][i]
-                if self.preconditioned and state:
-                    frozen_adam.momentum_from_wire(view, state["exp_avg_sq"], group["eps"], self.coefficients[i])
-                else:
-                    view.div_(self.coefficients[i])
-                if self.increment and state:
-                    view.add_(state["exp_avg"], alpha=group["betas"][0] * settings["scale"])
+    def finished(self, reduced: Optional[Reduced]) -> None:
+        """The step's exchange finished (``reduced`` None: a step skipped for NaN/Inf): each
+        group's result, ``c * S * m_avg / d`` (as sent, :meth:`to_wire`), becomes ``S * m_avg``
+        in place, in one pass; with ``send="increment"`` the results hold the increments'
+        average, to which ``S * beta1 * m`` is added."""
+        self._result = None
+        if reduced is not None:
+            self._groups = {group.name: self._state(group) for group in reduced.groups}
+            self._result = reduced
+            if not self.lossless and not self.refreshing:
+                settings = self._settings()
+                weight = [beta1 * settings["scale"] if self.increment else 0.0 for beta1 in settings["beta1"]]
+                for group, flat in zip(reduced.groups, reduced.flats):
+                    state = self._groups[group.name]
+                    frozen_adam.momentum_from_wire(flat, state.momentum, state.variance, state.segments,
+                                                   state.coefficient, state.per_group(settings["eps"]),
+                                                   state.per_group(weight), divide=self.preconditioned)
         self._step = None
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def update(self) -> None:
         """The frozen-variance Adam update from ``p.grad`` (the averaged momentum), for every
-        exchanged parameter with Adam state and a gradient."""
+        exchanged parameter with Adam state and a gradient, one pass per group."""
+        reduced, self._result = self._result, None
+        if reduced is None:
+            return
         n, every, refreshing = self._phase_update, self.refresh_every, self.refreshing
         gap = n - last_write(n - 1, every)  # on a refresh: the updates it stands for
         stale = n - last_write(n, every)  # updates since the variance was last written: 0 on a refresh
-        for group in self.optimizer.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                state = self.optimizer.state.get(p)
-                if not state or p.grad is None or id(p) not in self._exchanged:
-                    continue
-                momentum, variance = state["exp_avg"], state["exp_avg_sq"]
-                averaged = p.grad
-                if refreshing:  # p.grad: the averaged gradient, standing for the last `gap` updates
-                    variance.mul_(beta2 ** gap).addcmul_(p.grad, p.grad, value=1 - beta2 ** gap)
-                    averaged = momentum.lerp_(p.grad, 1 - beta1)
-                step = float(state["step"]) + 1
-                state["step"] += 1
-                keep = 1 - lr * decay if decay and self._decoupled(group) else 1.0
-                frozen_adam.frozen_update(p.detach(), averaged, momentum, variance, keep,
-                                          math.sqrt(1 - beta2 ** (step - stale)), eps, -lr / (1 - beta1 ** step))
+        groups = self.optimizer.param_groups
+        views = reduced.tensors(len(self.params))
+        replaced = [i for i, (p, view) in enumerate(zip(self.params, views)) if p.grad is not view]
+        for i in replaced:  # p.grad replaced since the exchange: its values, where it has some
+            if self.params[i].grad is not None:
+                views[i].copy_(self.params[i].grad)
+        for group, flat in zip(reduced.groups, reduced.flats):
+            state = self._groups[group.name]
+            segments = state.segments
+            if any(self.params[i].grad is None for i in replaced if i in group.indices):
+                segments = _without(state, {i for i in replaced if self.params[i].grad is None})
+            averaged = flat
+            if refreshing:  # p.grad: the averaged gradient, standing for the last `gap` updates
+                self._refresh(state, segments, flat, gap)
+                averaged = state.momentum
+            state.count_update()
+            keep = [1 - g["lr"] * g["weight_decay"] if g["weight_decay"] and self._decoupled(g) else 1.0
+                    for g in groups]
+            frozen_adam.frozen_update(
+                state.params, averaged, state.momentum, state.variance, segments, state.per_group(keep),
+                state.per_step(lambda pg, t: math.sqrt(1 - groups[pg]["betas"][1] ** (t - stale))),
+                state.per_group([g["eps"] for g in groups]),
+                state.per_step(lambda pg, t: -groups[pg]["lr"] / (1 - groups[pg]["betas"][0] ** t)))
+
+    def _refresh(self, state: GroupState, segments: Segments, grad: torch.Tensor, gap: int) -> None:
+        """``v = beta2**gap v + (1 - beta2**gap) g**2`` and ``m = m + (1 - beta1) (g - m)``, the
+        averaged gradient ``g`` standing for ``gap`` updates, over the active segments."""
+        g, m, v = segments.views(grad), segments.views(state.momentum), segments.views(state.variance)
+        for bundle in segments.bundles:
+            beta1, beta2 = self.optimizer.param_groups[int(state.pg[bundle[0]])]["betas"]
+            gs, vs = [g[s] for s in bundle], [v[s] for s in bundle]
+            torch._foreach_mul_(vs, beta2 ** gap)
+            torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2 ** gap)
+            torch._foreach_lerp_([m[s] for s in bundle], gs, 1 - beta1)
 
     def counted(self) -> None:
         """An update was applied (warm-up or momentum phase); the one that ends the warm-up
@@ -320,6 +367,7 @@ class MomentumExchange:
         the same on every rank.  The error-feedback memories start afresh: their residuals are
         the gradients', not the momentum's."""
         self.exchange.clear_memories()
+        self._groups, self._step = {}, None
         variances = [state["exp_avg_sq"] for state in map(self.optimizer.state.get, self.params) if state]
         overall = sum(v.double().sum() for v in variances) / max(1, sum(v.numel() for v in variances))
         for variance in variances:  # an element without a gradient in the warm-up
@@ -329,16 +377,17 @@ class MomentumExchange:
             self.coefficients = [1.0] * len(self.params)
             return
         squares, sizes = [], []
-        for i, p in enumerate(self.params):
+        eps = {id(p): g["eps"] for g in self.optimizer.param_groups for p in g["params"]}
+        for p in self.params:
             state = self.optimizer.state.get(p)
             if not state:
                 squares.append(torch.zeros((), dtype=torch.float64, device=p.device))
                 sizes.append(0)
                 continue
-            wire = state["exp_avg"] / self._denominator(i) if self.preconditioned else state["exp_avg"]
+            momentum = state["exp_avg"]
+            wire = momentum / state["exp_avg_sq"].sqrt().add_(eps[id(p)]) if self.preconditioned else momentum
             squares.append(wire.double().square().sum())
             sizes.append(p.numel())
-        self._step = None
         squares = torch.stack(squares).cpu()
         sizes = torch.tensor(sizes, dtype=torch.float64)
         overall = (squares.sum() / sizes.sum().clamp(min=1)).sqrt()
@@ -353,8 +402,9 @@ class MomentumExchange:
 
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
         """Restore :meth:`state_dict`; None (a checkpoint saved without the option): the updates
-        are Adam's step count, and a checkpoint past the warm-up freezes the variance now."""
-        self._step = None
+        are Adam's step count, and a checkpoint past the warm-up freezes the variance now.  The
+        optimizer's state was loaded before: each group takes it over at its next use."""
+        self._step, self._groups, self._result = None, {}, None
         if state is None:
             steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
             self.updates, self.coefficients = int(max(steps, default=0)), None

@@ -233,7 +233,7 @@ class DistributedOptimizer(HoldsMergedStep):
         self._should_synchronize = True
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if exchange_momentum_after is None else MomentumExchange(
-            self, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler, variance_refresh_every,
+            optimizer, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler, variance_refresh_every,
             exchange_momentum_as)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
@@ -280,10 +280,9 @@ class DistributedOptimizer(HoldsMergedStep):
                 f"backward_passes_per_step={self.backward_passes_per_step}. Call optimizer.step() (or "
                 f"synchronize()) after every {self.backward_passes_per_step} backward pass(es)")
         if self._passes[i] == self.backward_passes_per_step:
-            momentum = self._momentum_phase
-            if momentum:
-                self.merged.exact = momentum.refreshing
-            self.merged.add(i, momentum.local_momentum(i, p.grad) if momentum else p.grad)
+            if not self._final:
+                self._begin_exchange()
+            self.merged.add(i, p.grad)
             self._final += 1
             if self._final == len(self._exchanged):  # the step's last gradient: backward is over
                 self._finish_exchange()
@@ -319,24 +318,27 @@ class DistributedOptimizer(HoldsMergedStep):
         self._finish_exchange()
         self._called_synchronize = True
 
+    def _begin_exchange(self) -> None:
+        """This step's first gradient is final: in the momentum phase every group's gradients
+        become this rank's momentum before they start (a refresh sends them exactly)."""
+        momentum = self._momentum_phase
+        self.merged.exact = bool(momentum) and momentum.refreshing
+        self.merged.before_start = momentum.to_wire if momentum else None
+
     def _finish_exchange(self) -> None:
         if self._synchronized:
             return
+        if not self._final:  # no gradient arrived: every tensor sends zeros (its decayed momentum)
+            self._begin_exchange()
         momentum = self._momentum_phase
-        if momentum:  # a tensor without a gradient this step still sends its decayed momentum
-            self.merged.exact = momentum.refreshing
-            with torch.no_grad():
-                for i, passes in enumerate(self._passes):
-                    if passes < self.backward_passes_per_step:
-                        self.merged.add(i, momentum.local_momentum(i, None))
         self._passes = [0] * len(self._exchanged)
         self._final = 0
         reduced = self.merged.finish()  # raises under nonfinite="raise"
         self._synchronized = True
         self._step_skipped = reduced is None
-        views = None if reduced is None else reduced.tensors(len(self._exchanged))
         if momentum:
-            momentum.finished(views)
+            momentum.finished(reduced)
+        views = None if reduced is None else reduced.tensors(len(self._exchanged))
         if views is not None:  # the results are in place but for the gradients that were moved
             for i in range(len(views)) if reduced.moved is None else reduced.moved:
                 p, view = self._exchanged[i], views[i]

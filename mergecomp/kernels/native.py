@@ -40,12 +40,13 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
            "momentum_signs", "majority_vote", "codes_sum", "trits_sum", "stochastic_trits", "levels_sum",
            "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "cast_half_finite",
-           "zero_fill", "low_rank", "momentum_to_wire", "momentum_from_wire", "frozen_adam_update"]
+           "zero_fill", "low_rank", "momentum_to_wire_segments", "momentum_from_wire_segments",
+           "frozen_adam_segments"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 28
+_ABI_VERSION = 30
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -114,9 +115,9 @@ _SIGNATURES = {
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
     "mc_low_rank": ([_P, _P, _I64, _I64, _I32, _P, _P, _I32, _I32], None),
-    "mc_momentum_to_wire": ([_P, _P, _P, _I64, _F32, _F32, _F32, _F32, _I32], None),
-    "mc_momentum_from_wire": ([_P, _P, _I64, _F32, _F32, _I32], None),
-    "mc_frozen_adam_update": ([_P, _P, _P, _P, _I64, _F32, _F32, _F32, _F32, _I32], None),
+    "mc_momentum_to_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I32, _I32], _I32),
+    "mc_momentum_from_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _I32, _I32], None),
+    "mc_frozen_adam_segments": ([_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
 }
 #: OpenMP runtimes torch may run its operators on (GNU, LLVM, Intel: each has GOMP_parallel)
@@ -619,31 +620,65 @@ def low_rank(p: torch.Tensor, qt: torch.Tensor, x: Optional[torch.Tensor], out: 
     return out
 
 
-def momentum_to_wire(grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor, mix: float,
-                     weight: float, eps: float, coefficient: float) -> torch.Tensor:
-    """``grad = (grad * mix + momentum * weight) / (sqrt(variance) + eps) * coefficient`` in
-    place, one pass (fp32, same numel); returns ``grad``."""
+def _segments(offsets: torch.Tensor, numel: int, **per_segment: torch.Tensor) -> int:
+    """The number of segments ``offsets`` (int64, ascending, from 0 to ``numel``) cuts, after
+    checking it and each per-segment array (``active``: uint8, the others fp32) by name."""
+    count = offsets.numel() - 1
+    if offsets.dtype is not torch.int64 or not offsets.is_contiguous() or count < 0 or int(offsets[-1]) != numel \
+            or int(offsets[0]) != 0:
+        raise ValueError(f"native segment kernel: offsets must be int64 from 0 to {numel}, got {offsets.dtype} "
+                         f"{offsets.tolist()[:4]}...")
+    for name, t in per_segment.items():
+        _buf(name, t, torch.uint8 if name == "active" else torch.float32, count)
+    return count
+
+
+def momentum_to_wire_segments(grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor,
+                              offsets: torch.Tensor, mix: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor,
+                              coefficient: torch.Tensor, active: torch.Tensor, divide: bool) -> bool:
+    """In place over the flat fp32 ``grad``, segment by segment (``offsets``; per segment ``s``
+    the fp32 values ``mix[s]`` ...): ``(grad * mix + momentum * weight) / (sqrt(variance) +
+    eps) * coefficient`` with ``divide``, else ``fma(momentum, weight, grad * mix) *
+    coefficient``; zeros where ``active[s]`` is 0.  One pass; returns whether every value
+    written is finite."""
     n = grad.numel()
-    _library().mc_momentum_to_wire(_buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
-                                   _buf("variance", variance, torch.float32, n), n, mix, weight, eps, coefficient,
-                                   _threads())
-    return grad
+    count = _segments(offsets, n, mix=mix, weight=weight, eps=eps, coefficient=coefficient, active=active)
+    return bool(_library().mc_momentum_to_wire_segments(
+        _buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
+        _buf("variance", variance, torch.float32, n), offsets.data_ptr(), count, mix.data_ptr(), weight.data_ptr(),
+        eps.data_ptr(), coefficient.data_ptr(), active.data_ptr(), int(divide), _threads()))
 
 
-def momentum_from_wire(wire: torch.Tensor, variance: torch.Tensor, eps: float, coefficient: float) -> torch.Tensor:
-    """``wire = wire / coefficient * (sqrt(variance) + eps)`` in place, one pass; returns ``wire``."""
+def momentum_from_wire_segments(wire: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor,
+                                offsets: torch.Tensor, coefficient: torch.Tensor, eps: torch.Tensor,
+                                weight: torch.Tensor, active: torch.Tensor, divide: bool) -> torch.Tensor:
+    """In place over the flat fp32 ``wire``, segment by segment: ``wire / coefficient *
+    (sqrt(variance) + eps)`` where ``divide`` and active, else ``wire / coefficient``; then,
+    where active, ``fma(momentum, weight, wire)``.  One pass; returns ``wire``."""
     n = wire.numel()
-    _library().mc_momentum_from_wire(_buf("wire", wire, torch.float32, n), _buf("variance", variance, torch.float32, n),
-                                     n, coefficient, eps, _threads())
+    count = _segments(offsets, n, coefficient=coefficient, eps=eps, weight=weight, active=active)
+    _library().mc_momentum_from_wire_segments(
+        _buf("wire", wire, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
+        _buf("variance", variance, torch.float32, n), offsets.data_ptr(), count, coefficient.data_ptr(),
+        eps.data_ptr(), weight.data_ptr(), active.data_ptr(), int(divide), _threads())
     return wire
 
 
-def frozen_adam_update(param: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor,
-                       keep: float, correction: float, eps: float, step: float) -> None:
-    """``momentum = grad``; ``param = param * keep + step * (grad / (sqrt(variance) / correction
-    + eps))``, one pass over the four fp32 tensors of one numel."""
-    n = param.numel()
-    _library().mc_frozen_adam_update(_buf("param", param, torch.float32, n), _buf("grad", grad, torch.float32, n),
-                                     _buf("momentum", momentum, torch.float32, n),
-                                     _buf("variance", variance, torch.float32, n), n, keep, correction, eps, step,
-                                     _threads())
+def frozen_adam_segments(params: Sequence[torch.Tensor], grad: torch.Tensor, momentum: torch.Tensor,
+                         variance: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor, correction: torch.Tensor,
+                         eps: torch.Tensor, step: torch.Tensor, active: torch.Tensor) -> None:
+    """Adam's update with the variance frozen over a merged group: for each active segment
+    ``s``, ``momentum = grad`` and ``params[s] = params[s] * keep + step * (grad /
+    (sqrt(variance) / correction + eps))`` over its elements; ``params[s]`` (contiguous fp32 of
+    the segment's numel) is read and written where it lies.  One pass."""
+    n = grad.numel()
+    count = _segments(offsets, n, keep=keep, correction=correction, eps=eps, step=step, active=active)
+    if len(params) != count:
+        raise ValueError(f"frozen_adam_segments: {len(params)} parameters for {count} segments")
+    lengths = (offsets[1:] - offsets[:-1]).tolist()
+    addresses = (ctypes.c_void_p * count)(*[_buf(f"params[{s}]", p, torch.float32, length)
+                                            for s, (p, length) in enumerate(zip(params, lengths))])
+    _library().mc_frozen_adam_segments(
+        addresses, _buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
+        _buf("variance", variance, torch.float32, n), offsets.data_ptr(), count, keep.data_ptr(),
+        correction.data_ptr(), eps.data_ptr(), step.data_ptr(), active.data_ptr(), _threads())

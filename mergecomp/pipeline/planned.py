@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,6 +54,12 @@ class PlannedStep(MergedStep):
 
     #: the online search (``groups="auto"``), started once the order is final
     search: Optional[PlanSearch] = None
+    #: ``before_start(g, group, flat, missing)``, set by a front end between steps: called as
+    #: group ``g`` is about to start, every gradient in its ``flat`` buffer (zeros for its tensors
+    #: ``missing`` a gradient), to transform them in place (the momentum exchange's momentum);
+    #: returns whether every value it wrote is finite where it knows (None: the group is checked
+    #: as it starts).  While it is set, no group is encoded part by part
+    before_start: Optional[Callable[[int, Group, torch.Tensor, Sequence[int]], Optional[bool]]] = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -192,8 +198,11 @@ class PlannedStep(MergedStep):
         #: per group: True while every gradient copied in was found finite, False once one was
         #: not, None when one arrived unchecked (the exchange then checks the group)
         self._finite: List[Optional[bool]] = [True] * len(self._groups)
-        #: whether a group's gradients may be encoded as they arrive (:meth:`_parts`)
-        self._parting = self.exchange.encodes_parts and self.options.prescale == 1.0
+        #: whether a group's gradients may be encoded as they arrive (:meth:`_parts`; decided at
+        #: the step's first arrival)
+        self._parting = False
+        #: per group: its tensors that got no gradient this step
+        self._missing: Dict[int, List[int]] = {}
         #: this step's arrival times, where the scheduler reads them (:meth:`_arm`, at its first arrival)
         self._arrival_times: Optional[Arrivals] = None
         self._order_seen: List[int] = []
@@ -264,7 +273,9 @@ class PlannedStep(MergedStep):
 
     def _arm(self) -> None:
         """At a step's first arrival: its arrival times are stamped where the scheduler profiles
-        it (CUDA events on a CUDA device, host seconds otherwise), and nowhere else."""
+        it (CUDA events on a CUDA device, host seconds otherwise), and nowhere else; groups are
+        encoded part by part where they can be and nothing transforms them first."""
+        self._parting = self.exchange.encodes_parts and self.options.prescale == 1.0 and self.before_start is None
         profiled = self.search is not None and self.search.profiles_next()
         self._arrival_times = Arrivals(len(self.names), self.device, events=True) if profiled else None
 
@@ -333,6 +344,9 @@ class PlannedStep(MergedStep):
             if prescale != 1.0:  # one pass over the group, copied in or not: scaled, then checked where it can be
                 scaled = codecs.copy_finite(flat, flat, prescale)
                 finite = False if finite is False else scaled
+            if self.before_start is not None:  # what it wrote is what the step checks
+                wrote = self.before_start(g, self._groups[g], flat, self._missing.get(g, ()))
+                finite = (finite and None) if wrote is None else wrote
             self.launch(self._groups[g], flat, self._plan.codec(g), finite, self._copied[g], self._arriving.get(g))
 
     # -- the step's end ------------------------------------------------------------------------
@@ -340,12 +354,15 @@ class PlannedStep(MergedStep):
         """Missing tensors count as zeros."""
         self._timed_step = self.front_end.timed and self._arrivals_count == len(self.names)
         if self._arrivals_count < len(self.names):
+            if not self._arrivals_count:
+                self._arm()
             for i, arrived in enumerate(self._arrived):
                 if not arrived:
                     g = self._group_of[i]
                     with self.exchange.clock(ENCODE, self._groups[g].name):
                         self._put(i, None, g)
                     self._count[g] += 1
+                    self._missing.setdefault(g, []).append(i)
         self._start_ready()
 
     def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> Reduced:

@@ -14,6 +14,8 @@
 // -fno-trapping-math -ffp-contract=off (no OpenMP runtime: threads are std::thread; every
 // product and sum rounded on its own, as torch's elementwise steps round them).
 #include <algorithm>
+#include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -78,6 +80,24 @@ void parallel_for(int64_t units, int64_t unit, int threads, Body body) {
 template <typename Body>
 void parallel_blocks(int64_t n, int threads, Body body) {
   parallel_for((n + BLOCK - 1) / BLOCK, BLOCK, threads, body);
+}
+
+// body(s, start, stop) for the elements [start, stop) of segment s (segment s: the elements
+// [offsets[s], offsets[s + 1]) of [0, offsets[segments]), offsets ascending), piece by piece
+// as the blocks of parallel_blocks cut them: for kernels whose constants change by segment.
+template <typename Body>
+void parallel_segments(const int64_t* offsets, int64_t segments, int threads, Body body) {
+  const int64_t n = offsets[segments];
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    const int64_t end = std::min(n, last * BLOCK);
+    int64_t at = first * BLOCK;
+    int64_t s = std::upper_bound(offsets, offsets + segments + 1, at) - offsets - 1;
+    for (; at < end; ++s) {
+      const int64_t stop = std::min(end, offsets[s + 1]);
+      if (stop > at) body(s, at, stop);
+      at = std::max(at, stop);
+    }
+  });
 }
 
 // body(i) for every element i of [0, n), block by block (parallel_blocks), each block's loop
@@ -315,6 +335,85 @@ int64_t sign_block(const float* x, const float* r, float negative, float positiv
   _mm512_storeu_pd(sums.above, above);
   _mm512_storeu_pd(sums.below, below);
   if (!Sums) sums.above[0] += _mm512_reduce_add_ps(unfinite);
+  return count;
+#elif defined(__AVX2__)
+  // The AVX-512 loop's lanes as two vectors of 8 (lanes 0-7 and 8-15): the same sums in the
+  // same order, bit for bit; the last few elements masked.
+  const __m256 zero = _mm256_setzero_ps(), pos = _mm256_set1_ps(positive), neg = _mm256_set1_ps(negative),
+               w = _mm256_set1_ps(weight);
+  __m256d above[2] = {_mm256_loadu_pd(sums.above), _mm256_loadu_pd(sums.above + 4)};
+  __m256d below[2] = {_mm256_loadu_pd(sums.below), _mm256_loadu_pd(sums.below + 4)};
+  int64_t count = 0;
+  __m256 up[2], down[2], unfinite = zero;
+  const auto lanes = [](int64_t live) {  // the first `live` (0..8) lanes on
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(live)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  };
+  // 8 lanes from element i, `live` of them elements (the others load and code 0); returns their bits
+  const auto code = [&](int64_t i, int64_t live, int half) -> uint32_t {
+    const __m256i mask = lanes(live);
+    const bool whole = live == 8;
+    __m256 v = whole ? _mm256_loadu_ps(x + i) : _mm256_maskload_ps(x + i, mask);
+    if (In == Input::kCarried) {
+      const __m256 carried = whole ? _mm256_loadu_ps(r + i) : _mm256_maskload_ps(r + i, mask);
+      const __m256 side = _mm256_blendv_ps(neg, pos, _mm256_cmp_ps(carried, zero, _CMP_GE_OQ));
+      v = _mm256_and_ps(_mm256_add_ps(v, _mm256_sub_ps(carried, side)), _mm256_castsi256_ps(mask));
+    }
+    if (In == Input::kMomentum) {
+      const __m256 old = whole ? _mm256_loadu_ps(r + i) : _mm256_maskload_ps(r + i, mask);
+      v = _mm256_and_ps(_mm256_add_ps(old, _mm256_mul_ps(w, _mm256_sub_ps(v, old))), _mm256_castsi256_ps(mask));
+    }
+    if (Keep) {
+      if (stream && whole) {
+        _mm256_stream_ps(keep + i, v);
+      } else if (whole) {
+        _mm256_storeu_ps(keep + i, v);
+      } else {
+        _mm256_maskstore_ps(keep + i, mask, v);
+      }
+    }
+    const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GE_OQ))) &
+                          ((1u << live) - 1);
+    if (Sums) {
+      up[half] = _mm256_add_ps(up[half], _mm256_max_ps(zero, v));  // zero first, as the AVX-512 loop
+      down[half] = _mm256_add_ps(down[half], _mm256_min_ps(zero, v));
+      count += __builtin_popcount(bits);
+    } else {
+      unfinite = _mm256_add_ps(unfinite, _mm256_sub_ps(v, v));  // masked-off lanes are 0
+    }
+    return bits;
+  };
+  for (int64_t run = 0; run < len; run += SIGN_RUN) {
+    up[0] = up[1] = down[0] = down[1] = zero;
+    const int64_t stop = std::min(len, run + SIGN_RUN);
+    for (int64_t k = run; k < stop; k += SIGN_LANES) {
+      const int64_t live = std::min<int64_t>(SIGN_LANES, stop - k);
+      const uint32_t bits = code(start + k, std::min<int64_t>(8, live), 0) |
+                            (live > 8 ? code(start + k + 8, live - 8, 1) << 8 : 0u);
+      if (live == SIGN_LANES) {
+        const uint16_t both = static_cast<uint16_t>(bits);
+        std::memcpy(out + (start + k) / 8, &both, 2);
+      } else {
+        out[(start + k) / 8] = static_cast<uint8_t>(bits);
+        if (live > 8) out[(start + k) / 8 + 1] = static_cast<uint8_t>(bits >> 8);
+      }
+    }
+    if (!Sums) continue;
+    for (int q = 0; q < 2; ++q) {  // lanes 4q .. 4q + 3 of each half: fp64 partials 4q .. 4q + 3
+      const auto quarter = [q](__m256 v) { return _mm256_cvtps_pd(q ? _mm256_extractf128_ps(v, 1)
+                                                                      : _mm256_castps256_ps128(v)); };
+      above[q] = _mm256_add_pd(above[q], _mm256_add_pd(quarter(up[0]), quarter(up[1])));
+      below[q] = _mm256_add_pd(below[q], _mm256_add_pd(quarter(down[0]), quarter(down[1])));
+    }
+  }
+  _mm256_storeu_pd(sums.above, above[0]);
+  _mm256_storeu_pd(sums.above + 4, above[1]);
+  _mm256_storeu_pd(sums.below, below[0]);
+  _mm256_storeu_pd(sums.below + 4, below[1]);
+  if (!Sums) {
+    float lane[8];
+    _mm256_storeu_ps(lane, unfinite);
+    for (float value : lane) sums.above[0] += value;
+  }
   return count;
 #else
   (void)stream;  // the portable loop stores as it goes
@@ -737,7 +836,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 28; }
+int mc_abi_version() { return 30; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1225,34 +1324,99 @@ void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count,
 
 // The momentum exchange's elementwise steps (frameworks/torch/momentum_exchange.py): Adam with
 // its variance v frozen between refreshes, the momentum sent divided by d = sqrt(v) + eps.  Each
-// is one pass where torch's operators make three to six; every product, quotient and sum is
-// rounded on its own in torch's order and the square root correctly (torch's CPU square root
-// is not: the paths agree to an ulp or so).
+// runs over a merged group at once, its tensors as segments (offsets as in parallel_segments)
+// each with its own constants (a segment not active: a tensor without Adam state), in one pass
+// where torch's operators make three to six per tensor; every product, quotient and sum is
+// rounded on its own in torch's order (an fma where torch's add with alpha is one) and the
+// square root correctly (torch's CPU square root is not: the paths agree to an ulp or so).
 
-// In place over g: g = (((g * mix + m * weight) / (sqrt(v) + eps)) * c), this rank's momentum
-// as it goes on the wire.
-void mc_momentum_to_wire(float* g, const float* m, const float* v, int64_t n, float mix, float weight, float eps,
-                         float c, int threads) {
-  parallel_elements(n, threads, [=](int64_t i) {
-    const float mixed = g[i] * mix + m[i] * weight;
-    g[i] = (mixed / (std::sqrt(v[i]) + eps)) * c;
+// In place over g = wire, m = momentum, v = variance: g = (((g * mix + m * weight) / (sqrt(v) +
+// eps)) * c) with `divide`, else g = fma(m, weight, g * mix) * c (torch's g.mul_(mix).add_(m,
+// alpha=weight).mul_(c)); zeros where not active.  Returns whether every value written is
+// finite (no NaN or Inf).
+int mc_momentum_to_wire_segments(float* wire, const float* momentum, const float* variance, const int64_t* offsets,
+                                 int64_t segments, const float* mix, const float* weight, const float* eps,
+                                 const float* c, const uint8_t* active, int divide, int threads) {
+  std::atomic<int> finite{1};
+  std::atomic<int>* const flag = &finite;  // captured by value: the loops keep their pointers in registers
+  parallel_segments(offsets, segments, threads, [=](int64_t s, int64_t start, int64_t stop) {
+    float* const g = wire;  // locals: the loops below keep the pointers in registers and vectorize
+    const float* const m = momentum;
+    const float* const v = variance;
+    if (!active[s]) {
+      std::fill(g + start, g + stop, 0.0f);
+      return;
+    }
+    const float a = mix[s], b = weight[s], e = eps[s], k = c[s];
+    int unfinite = 0;  // set once a value is NaN or Inf
+    if (divide) {
+#pragma omp simd reduction(| : unfinite)
+      for (int64_t i = start; i < stop; ++i) {
+        const float mixed = g[i] * a + m[i] * b;
+        const float x = (mixed / (std::sqrt(v[i]) + e)) * k;
+        g[i] = x;
+        unfinite |= !(std::fabs(x) <= FLT_MAX);
+      }
+    } else {
+#pragma omp simd reduction(| : unfinite)
+      for (int64_t i = start; i < stop; ++i) {
+        const float x = std::fma(m[i], b, g[i] * a) * k;
+        g[i] = x;
+        unfinite |= !(std::fabs(x) <= FLT_MAX);
+      }
+    }
+    if (unfinite) flag->store(0, std::memory_order_relaxed);
+  });
+  return finite.load();
+}
+
+// In place over x = wire, the average of what mc_momentum_to_wire_segments sent: x = (x / c) *
+// (sqrt(v) + eps) with `divide` (x / c without, or where not active), then, where active and
+// weight is not 0, x = fma(m, weight, x) (torch's x.add_(m, alpha=weight)).
+void mc_momentum_from_wire_segments(float* wire, const float* momentum, const float* variance,
+                                    const int64_t* offsets, int64_t segments, const float* c, const float* eps,
+                                    const float* weight, const uint8_t* active, int divide, int threads) {
+  parallel_segments(offsets, segments, threads, [=](int64_t s, int64_t start, int64_t stop) {
+    float* const x = wire;  // locals, as in mc_momentum_to_wire_segments
+    const float* const m = momentum;
+    const float* const v = variance;
+    const float k = c[s], e = eps[s], w = active[s] ? weight[s] : 0.0f;
+    if (divide && active[s]) {
+#pragma omp simd
+      for (int64_t i = start; i < stop; ++i) x[i] = (x[i] / k) * (std::sqrt(v[i]) + e);
+    } else if (k != 1.0f) {
+#pragma omp simd
+      for (int64_t i = start; i < stop; ++i) x[i] = x[i] / k;
+    }
+    if (w != 0.0f) {
+#pragma omp simd
+      for (int64_t i = start; i < stop; ++i) x[i] = std::fma(m[i], w, x[i]);
+    }
   });
 }
 
-// In place over x, the exchange's average of what mc_momentum_to_wire sent: x = (x / c) *
-// (sqrt(v) + eps), the averaged momentum.
-void mc_momentum_from_wire(float* x, const float* v, int64_t n, float c, float eps, int threads) {
-  parallel_elements(n, threads, [=](int64_t i) { x[i] = (x[i] / c) * (std::sqrt(v[i]) + eps); });
-}
-
-// Adam's update with the variance frozen: m = g (the averaged momentum); p = p * keep (AdamW's
-// decoupled decay; keep = 1 without); p = p + step * (m / (sqrt(v) / k + eps)), k the square
-// root of the variance's bias correction.
-void mc_frozen_adam_update(float* p, const float* g, float* m, const float* v, int64_t n, float keep, float k,
-                           float eps, float step, int threads) {
-  parallel_elements(n, threads, [=](int64_t i) {
-    m[i] = g[i];
-    p[i] = p[i] * keep + step * (g[i] / (std::sqrt(v[i]) / k + eps));
+// mc_frozen_adam_update over the active segments, segment s's parameter at params[s] (its
+// elements in the group's order): m = g; p = p * keep + step * (g / (sqrt(v) / k + eps)).
+void mc_frozen_adam_segments(float* const* params, const float* grad, float* momentum, const float* variance,
+                             const int64_t* offsets, int64_t segments, const float* keep, const float* k,
+                             const float* eps, const float* step, const uint8_t* active, int threads) {
+  parallel_segments(offsets, segments, threads, [=](int64_t s, int64_t start, int64_t stop) {
+    const float* const g = grad;  // locals, as in mc_momentum_to_wire_segments
+    float* const m = momentum;
+    const float* const v = variance;
+    if (!active[s]) return;
+    float* const p = params[s] + (start - offsets[s]);  // p[j]: element start + j
+    const float kp = keep[s], kk = k[s], e = eps[s], st = step[s];
+    const int64_t len = stop - start;
+    const float* const gs = g + start;
+    float* const ms = m + start;
+    const float* const vs = v + start;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      const float gi = gs[j];
+      ms[j] = gi;
+      p[j] = p[j] * kp + st * (gi / (std::sqrt(vs[j]) / kk + e));
+    }
   });
 }
 
