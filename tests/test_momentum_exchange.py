@@ -149,6 +149,43 @@ def test_an_fp16_warmup_and_fp16_refreshes_equal_the_reference_with_fp16_average
         assert active and torch.equal(params, expected)
 
 
+def _plan_change_worker(rank, world, plans):
+    """The lossless exchange with AdamW, its plan changed to each of ``plans`` in turn during the
+    momentum phase; the parameters, Adam's state in the state dict (views of the flat groups)
+    and the bytes ``torch.save`` writes for it, then and in the warm-up."""
+    import mergecomp.torch as mc
+    from mergecomp.kernels import native
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), groups=2,
+                                  exchange_momentum_after=AFTER)
+    schedule, xs, ys = make_schedule(opt), shard(x, rank, world), shard(y, rank, world)
+    sizes = []
+    for segment, plan in enumerate([None, *plans]):
+        if plan is not None:
+            opt.set_plan(plan)
+        with native.disabled():  # torch's operators, as the reference's: bit for bit
+            run(model, opt, xs, ys, AFTER if segment == 0 else (STEPS - AFTER) // len(plans), schedule)
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        sizes.append(buffer.tell())
+    states = [opt.state[p]["exp_avg"] for p in model.parameters()]
+    return flat_params(model), sizes, opt.momentum_exchange.active, [s.is_contiguous() for s in states]
+
+
+def test_a_plan_change_in_the_momentum_phase_moves_the_flat_state_and_stays_exact():
+    """Adam's momentum and variance live in flat buffers per group; when the plan changes in the
+    momentum phase they move to the new groups, and the lossless run still equals the
+    one-process reference bit for bit; a checkpoint of the state (views of the buffers) is no
+    larger than in the warm-up, when they were tensors of their own."""
+    expected = reference(2, STEPS, "AdamW")
+    for params, sizes, active, contiguous in run_workers(_plan_change_worker, 2, 2, ["layerwise", 1, 3]):
+        assert active and all(contiguous)
+        assert torch.equal(params, expected)
+        assert max(sizes[1:]) < 1.05 * sizes[0], sizes
+
+
 def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warmup_codec="none", send="momentum"):
     import mergecomp.torch as mc
 

@@ -1,0 +1,115 @@
+"""Gradients written where they are sent, on real gloo processes: ``p.grad`` stays a view of its
+group's buffer across ``zero_grad()`` (either ``set_to_none``), a group of one tensor is sent
+from its own gradient, and what users do to gradients (a module's ``zero_grad``, replacing
+``p.grad``, clipping, ``GradScaler``, Horovod's predivide factor, a NaN on one rank) gives the
+uncompressed single-process result, with a copy only where a gradient was not in place."""
+import pytest
+import torch
+from distributed import run_workers
+from test_optimizer_dist import flat_params, make_data, make_model, shard
+
+STEPS = 6
+
+
+def _steps(model, opt, x, y, zero, steps=STEPS, scaler=None, clip=None, poison=None, rank=0):
+    """``steps`` steps, zeroing with ``zero(model, opt, step)``; the breakdown's copy-in passes
+    of each step; ``poison``: (rank, step) whose loss is Inf."""
+    copied = []
+    for t in range(steps):
+        zero(model, opt, t)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if poison == (rank, t):
+            loss = loss * float("inf")
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if hasattr(opt, "merged"):
+            copied.append(sum(g["passes_by_stage"].get("copy-in", 0.0) for g in opt.step_breakdown(1)["groups"]))
+    return copied
+
+
+ZEROS = {
+    "opt.zero_grad()": lambda model, opt, t: opt.zero_grad(),
+    "opt.zero_grad(set_to_none=False)": lambda model, opt, t: opt.zero_grad(set_to_none=False),
+    "model.zero_grad()": lambda model, opt, t: model.zero_grad(),
+    "p.grad = zeros at step 3": lambda model, opt, t: (
+        opt.zero_grad(), [setattr(p, "grad", torch.zeros_like(p)) for p in model.parameters()] if t == 3 else None),
+}
+
+
+def _views_worker(rank, world, zero, groups, extra):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  model.named_parameters(), compression="none", groups=groups, **extra)
+    copied = _steps(model, opt, shard(x, rank, world), shard(y, rank, world), ZEROS[zero])
+    slots = opt.merged.slots
+    held = [p.grad is slot for p, slot in zip(model.parameters(), slots)]
+    reference, joined = make_model(), world * (x.shape[0] // world)  # the samples the shards hold
+    _steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), x[:joined], y[:joined],
+           ZEROS[zero])
+    return held, [slot is None for slot in slots], copied, (flat_params(model) - flat_params(reference)).abs().max()
+
+
+@pytest.mark.parametrize("zero", list(ZEROS))
+def test_the_slots_stay_the_gradients_and_only_gradients_elsewhere_are_copied(zero):
+    """Two groups of three tensors: from the second step every p.grad is its slot and nothing
+    is copied in, whichever zero_grad the user calls, but after a module's zero_grad() (which
+    drops them) or a gradient the user replaced: those are copied, counted, then slots again."""
+    for held, _, copied, diff in run_workers(_views_worker, 2, 2, zero, 2, {}):
+        assert diff < 1e-5
+        assert all(held)
+        if zero == "model.zero_grad()":
+            assert all(c > 0 for c in copied[1:])  # the first step is no breakdown sample
+        elif zero.startswith("p.grad ="):
+            assert copied[1:3] == [0, 0] and copied[3] > 0 and copied[4:] == [0, 0]
+        else:
+            assert copied[1:] == [0] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_group_of_one_tensor_is_sent_from_its_gradient(world):
+    """Layer-wise groups: no buffer, no slot, no copy; each result lands in p.grad itself, exact
+    on 3 and 4 ranks; and Horovod's gradient_predivide_factor scales once."""
+    for held, bufferless, copied, diff in run_workers(_views_worker, world, world, "opt.zero_grad()", "layerwise",
+                                                      {"gradient_predivide_factor": 2.0}):
+        assert diff < 1e-5
+        assert all(bufferless) and not any(held)
+        assert copied[1:] == [0] * (STEPS - 1)
+
+
+def _scaler_worker(rank, poison, compression):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    out = []
+    for wrapped in (True, False):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if wrapped:
+            opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups=2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1000)
+        xs, ys = (shard(x, rank), shard(y, rank)) if wrapped else (x, y)
+        _steps(model, opt, xs, ys, ZEROS["opt.zero_grad()"], scaler=scaler, clip=0.5,  # the Inf at step 2 either way
+               poison=poison if wrapped else (0, poison[1]) if poison else None, rank=rank if wrapped else 0)
+        out.append((flat_params(model), scaler.get_scale()))
+    return out
+
+
+@pytest.mark.parametrize("poison", [None, (1, 2)])
+def test_grad_scaler_and_clipping_on_the_slots_match_one_process(poison):
+    """``GradScaler`` (unscale_, step, update) and ``clip_grad_norm_`` work on the slots in
+    place; an Inf on rank 1 in a step of plain sums (no NaN/Inf check: the sum carries it to
+    every rank) makes every rank skip it and halve the scale, as one process does."""
+    for (params, scale), (reference, reference_scale) in run_workers(_scaler_worker, 2, poison, "none"):
+        assert scale == reference_scale == (2.0 ** 11 if poison else 2.0 ** 12)
+        assert (params - reference).abs().max() < 1e-5
