@@ -20,7 +20,7 @@ from mergecomp.kernels.codecs import decode_signs, pack_signs, sign_sum
 from mergecomp.kernels.transfer import pinned, to_device
 from mergecomp.pipeline import planned as planned_module
 from mergecomp.pipeline.nonfinite import NONFINITE_GRADIENT, OVERFLOWED, NonfiniteCheck
-from mergecomp.scheduler.clock import Arrivals, settled_now
+from mergecomp.scheduler.clock import Arrivals, StepEnds, settled_now
 from mergecomp.scheduler.online import SchedulerConfig
 
 
@@ -39,6 +39,19 @@ def test_arrival_times_leave_the_hooks_own_work_out():
     assert 0.03 <= ready[0] - ready[2] < 0.045
     assert 0.0 <= ready[1] - ready[0] < 0.015
     assert abs(settled_now(torch.device("cpu")) - time.perf_counter()) < 0.01  # no device to wait for
+
+
+def test_step_ends_time_each_step_from_the_second_and_start_over_when_told():
+    """On the CPU both kinds of reading are the host clock: a step's seconds from the second
+    step on, none after ``forget`` (a step that is no sample)."""
+    ends = StepEnds(torch.device("cpu"))
+    assert ends.seconds() is None
+    time.sleep(0.02)
+    assert ends.seconds(lagged=True) >= 0.02
+    time.sleep(0.01)
+    assert ends.seconds() >= 0.01
+    ends.forget()
+    assert ends.seconds(lagged=True) is None and ends.seconds() is not None
 
 
 def test_the_step_stamped_for_the_profile_is_the_one_the_scheduler_profiles(monkeypatch):

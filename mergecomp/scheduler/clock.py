@@ -9,17 +9,20 @@ times, and a plan chosen on them would be chosen on how fast Python enqueues ker
   a probe, of a replayed collective;
 * :class:`Arrivals` stamps when each gradient of a step arrived, leaving out the hooks' own
   work: host seconds on the CPU; on a CUDA device, events recorded on the current stream
-  (where the backward pass queues its kernels), read once the step's work is done.
+  (where the backward pass queues its kernels), read once the step's work is done;
+* :class:`StepEnds` times each step: settled (one synchronization) while the scheduler
+  searches, by CUDA events read a step late while it only watches.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, List, Optional, Tuple
+from collections import deque
+from typing import Deque, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["settle", "settled_now", "Arrivals"]
+__all__ = ["settle", "settled_now", "Arrivals", "StepEnds"]
 
 
 def settle(device: torch.device) -> None:
@@ -97,3 +100,41 @@ class Arrivals:
             stamp.synchronize()
             out[i] = first.elapsed_time(stamp) / 1e3 - spans[before]
         return out
+
+
+class StepEnds:
+    """The seconds of each step on ``device``'s clock, for the scheduler's samples.
+
+    :meth:`seconds` is called at the end of every step, the same number of times on every rank.
+    ``lagged=False``: the step just ended, once the device has done its work (one
+    synchronization; the host clock on the CPU).  ``lagged=True`` on a CUDA device: an event
+    marks this step's end, and the step before it is returned from the two events before, waited
+    for (the device has usually finished them: the host waits for no work of this step), so a
+    step that only watches the step time never stalls the host; on the CPU the same as
+    ``lagged=False``.  None where no sample is ready yet (the first step, or the first two after
+    switching to events); every rank gets None at the same steps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._last: Optional[float] = None  # when the last settled step ended
+        self._marks: Deque["torch.cuda.Event"] = deque(maxlen=3)
+
+    def forget(self) -> None:
+        """The step in progress is no sample: the next one only marks where the one after begins."""
+        self._last = None
+        self._marks.clear()
+
+    def seconds(self, lagged: bool = False) -> Optional[float]:
+        if lagged and self.cuda:
+            self._last = None
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+            if len(self._marks) < 3:
+                return None
+            self._marks[1].synchronize()
+            return self._marks[0].elapsed_time(self._marks[1]) / 1e3
+        self._marks.clear()
+        previous, self._last = self._last, settled_now(self.device)
+        return None if previous is None else self._last - previous

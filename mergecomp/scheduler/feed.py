@@ -8,16 +8,15 @@ again (:meth:`~mergecomp.pipeline.planned.PlannedStep.set_plan`).
 
 Its samples are read on the device's clock (:mod:`mergecomp.scheduler.clock`): on a CUDA device
 a step ends, for the scheduler, once the device has done its work (one synchronization per step
-while the scheduler runs; with a NaN/Inf check, the default, the step has already waited for
-its collectives by then), and the profiled step's arrival times are CUDA events.
+while the scheduler searches), the profiled step's arrival times are CUDA events, and once a
+plan is chosen each step's time comes from CUDA events read a step late (no synchronization).
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from mergecomp.exchange.plan import EXEMPT, GroupPlan
-from mergecomp.scheduler.clock import Arrivals, settled_now
+from mergecomp.scheduler.clock import Arrivals, StepEnds
 from mergecomp.scheduler.online import MergeScheduler, SchedulerConfig, exchange_scheduler
 
 __all__ = ["PlanSearch"]
@@ -36,7 +35,8 @@ class PlanSearch:
         #: False once stopped, or where every tensor is exempt (nothing to search)
         self.active = True
         self._order: List[int] = []  # the tensors the scheduler cuts, in backward order
-        self._last_end: Optional[float] = None  # when the last step that is a sample ended
+        #: each step's seconds (settled while searching, read a step late while watching)
+        self._ends = StepEnds(step.device)
 
     def start(self) -> None:
         """Build the scheduler over the step's current order (final by now), and take its cached
@@ -64,9 +64,11 @@ class PlanSearch:
         times, ``arrivals``; None: all at once) to the scheduler, and switch plans when it says
         so.  Warm-up steps are no samples: the search starts once compression has begun."""
         step = self.step
-        now = time.perf_counter() if self.scheduler is None else settled_now(step.device)
-        previous, self._last_end = self._last_end, now
-        if self.scheduler is None or previous is None or step.step <= step.warmup_steps:
+        if self.scheduler is None:
+            self._ends.forget()
+            return
+        seconds = self._ends.seconds(lagged=self.scheduler.phase == "monitor")
+        if seconds is None or step.step <= step.warmup_steps:
             return
         order = self._order
         if arrivals is None:
@@ -76,7 +78,7 @@ class PlanSearch:
             first = min(ready[i] for i in order)
             since_first = [ready[i] - first for i in order]
         current = self._searched()
-        plan = self.scheduler.observe(now - previous, since_first, current)
+        plan = self.scheduler.observe(seconds, since_first, current)
         if plan is not None and plan != current:
             step.set_plan(plan)
 
@@ -87,7 +89,7 @@ class PlanSearch:
 
     def skip_sample(self) -> None:
         """The step in progress is no timing sample (it held NaN/Inf, or state was loaded)."""
-        self._last_end = None
+        self._ends.forget()
 
     def _searched(self) -> GroupPlan:
         """The current plan without its exempt groups (what the scheduler's plans look like)."""
@@ -109,7 +111,7 @@ class PlanSearch:
     def load_state_dict(self, state: Optional[Dict[str, Any]], started: bool) -> None:
         """Resume the scheduler's choice (``state``: its :meth:`MergeScheduler.state_dict`, or
         None) where the step's order is final (``started``: the search runs)."""
-        self._last_end = None
+        self._ends.forget()
         if started and self.scheduler is None:
             self.start()
         if state and self.scheduler is not None:

@@ -11,7 +11,7 @@ from cuda_support import DEVICE, gpu_sleep
 from distributed import run_workers
 from test_optimizer_dist import make_data
 
-from mergecomp.scheduler.clock import Arrivals, settle, settled_now
+from mergecomp.scheduler.clock import Arrivals, StepEnds, settle, settled_now
 
 pytestmark = pytest.mark.cuda
 
@@ -30,6 +30,23 @@ def test_a_settled_clock_waits_for_the_device():
     launched = time.perf_counter() - began
     assert launched < 0.02  # the host only queued it...
     assert settled_now(DEVICE) - began >= 0.045  # ...the settled clock waited for it
+
+
+def test_lagged_step_ends_read_the_step_before_without_waiting_for_this_one():
+    """Events mark each step's end; a reading returns the step before (its GPU work included)
+    from the third step on, and waits for none of the work the step just queued."""
+    ends = StepEnds(DEVICE)
+    readings, waited = [], []
+    for _ in range(4):
+        settle(DEVICE)  # the steps before are done, as they mostly are in training
+        gpu_sleep(SLEEP)  # this step's work, still running at its end
+        began = time.perf_counter()
+        readings.append(ends.seconds(lagged=True))
+        waited.append(time.perf_counter() - began)
+    assert readings[:2] == [None, None]
+    assert all(r >= 0.9 * SLEEP for r in readings[2:])
+    assert max(waited) < 0.5 * SLEEP  # this step's work not waited for
+    settle(DEVICE)
 
 
 def test_arrival_events_time_the_device_and_leave_own_work_out():
