@@ -46,8 +46,8 @@ def test_the_verdict_passes_quoting_the_numbers_and_fails_naming_what_failed():
     codecs = {"seconds": 1.0, "repeats": 5, "best": {"ratio": 3.5, "model": "resnet50", "compressor": "topk"},
               "models": {}}
     training = {"seconds": 1.0, "steps": 15, "warmup": 5, "models": {"resnet50": {"batch": 64, "rows": [
-        {"config": "torch", "ms_per_step": 10.0, "x_torch": 1.0, "peak_gib": 1.0, "loss": 1.0},
-        {"config": "none", "ms_per_step": 11.0, "x_torch": 1.1, "groups": 4, "peak_gib": 1.0, "loss": 1.0}]}}}
+        {"config": "torch sgd", "median_ms": 10.0, "x": 1.0, "aten_ops": 900, "peak_gib": 1.0, "loss": 1.0},
+        {"config": "none", "median_ms": 11.0, "x": 1.1, "aten_ops": 950, "groups": 4, "peak_gib": 1.0, "loss": 1.0}]}}}
     status, line = verdict(summary_of(COUNTS, codecs=codecs, training=training))
     assert status == "pass"
     assert line == ("gpu_check: PASS on GPU X: 8 CUDA tests passed, 2 skipped; merged vs layer-wise up to 3.50x "
@@ -62,7 +62,7 @@ def test_the_verdict_passes_quoting_the_numbers_and_fails_naming_what_failed():
     assert verdict(summary_of(skipped, cuda=False)) == ("no-cuda", "gpu_check: no CUDA device: 10 tests skipped")
     summary = summary_of(COUNTS, codecs=codecs, training=training)
     summary["verdict"] = verdict(summary)[1]
-    assert "| none | 11.00 | 1.10x | 4 |" in markdown(summary)
+    assert "| none | 11.00 | 1.10x | 950 | 4 |" in markdown(summary)
 
 
 def test_junit_results_are_counted_by_outcome(tmp_path):

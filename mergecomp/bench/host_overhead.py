@@ -228,7 +228,7 @@ def _prepared(model: Model, config: Config, warmup: int, groups: object, search_
 
 def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, warmup: int, groups: object = None,
             log: Callable[[str], None] = print, search_steps: int = 60, resident: bool = True,
-            count_ops: bool = True) -> List[Dict[str, object]]:
+            count_ops: bool = True, deadline: Optional[float] = None) -> List[Dict[str, object]]:
     """Every configuration on ``model``, interleaved over ``rounds`` rounds of ``steps`` timed
     steps each (:func:`cpu_ms` or :func:`cuda_ms`).  ``resident``: every configuration's run is
     built and warmed up once and kept (short rounds, many of them, fit a noisy machine); else
@@ -237,7 +237,9 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
     One row per configuration: ``ms`` (each round's; ``wall_ms`` too on the CPU), ``median_ms``,
     ``aten_ops`` per step (with ``count_ops``), ``loss`` (its last step's), and ``x``: the
     median over the rounds of its time over its anchor's in the same round (:data:`ANCHORS`;
-    None without one)."""
+    None without one); on a CUDA device ``peak_gib``, the most memory allocated while it ran.
+    A configuration due after ``deadline`` (``time.perf_counter()``) is not run: its row has no
+    ``median_ms`` and ``skipped`` True."""
     rows = {config.label: {"model": model.name, "tensors": model.tensors, "parameters": model.parameters,
                            "config": config.label, "optimizer": config.optimizer, "ms": []} for config in configs}
     timer = cuda_ms if model.batch[0].device.type == "cuda" else cpu_ms
@@ -250,9 +252,15 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
         else:
             run, _ = _prepared(model, configs[0], warmup, groups, search_steps)  # the process's first steps are slow
             run.close()
+        cuda = timer is cuda_ms
         for r in range(rounds):
             for config in configs:
                 row = rows[config.label]
+                if deadline is not None and time.perf_counter() > deadline:
+                    row["skipped"] = True
+                    continue
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 run = runs.get(config.label)
                 if run is None:
                     run, info = _prepared(model, config, warmup, groups, search_steps)
@@ -265,6 +273,8 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
                 finally:
                     if not resident:
                         run.close()
+                if cuda:
+                    row["peak_gib"] = max(row.get("peak_gib", 0.0), torch.cuda.max_memory_allocated() / 2**30)
                 row["ms"].append(timed["ms"])
                 if "wall_ms" in timed:
                     row.setdefault("wall_ms", []).append(timed["wall_ms"])
@@ -273,10 +283,12 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
         for run in runs.values():
             run.close()
     for row, config in zip(rows.values(), configs):
+        if not row["ms"]:
+            continue
         row["median_ms"] = statistics.median(row["ms"])
         if "wall_ms" in row:
             row["median_wall_ms"] = statistics.median(row["wall_ms"])
         anchor = rows.get(ANCHORS[config.family])
-        row["x"] = None if anchor is None else statistics.median(
+        row["x"] = None if anchor is None or not anchor["ms"] else statistics.median(
             mine / theirs for mine, theirs in zip(row["ms"], anchor["ms"]))
     return list(rows.values())

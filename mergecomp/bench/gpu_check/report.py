@@ -33,10 +33,10 @@ def _highlights(summary: Dict) -> List[str]:
         out.append(f"merged vs layer-wise up to {best['ratio']:.2f}x ({best['compressor']}, {best['model']})")
     for model, entry in summary["stages"].get("training", {}).get("models", {}).items():
         steps = {row["config"]: row for row in entry["rows"]}
-        if "torch" in steps:
-            shown = [f"{label} {steps[label]['x_torch']:.2f}x" for label in ("none", "topk") if label in steps]
-            if shown:
-                out.append(f"{model} step vs torch: {', '.join(shown)}")
+        shown = [f"{label} {steps[label]['x']:.2f}x" for label in ("none", "topk", "onebit momentum")
+                 if steps.get(label, {}).get("x") is not None]
+        if shown:
+            out.append(f"{model} step vs torch: {', '.join(shown)}")
     return out
 
 
@@ -100,10 +100,11 @@ def markdown(summary: Dict) -> str:
               f"budget {summary['budget_s']['training']} s)", "", *_stage_status(training)]
     for model, entry in training.get("models", {}).items():
         lines += [f"{model}, batch {entry['batch']}: {training['steps']} timed steps after {training['warmup']}.", ""]
-        lines += _table(["config", "ms/step", "x torch", "groups", "peak GiB", "loss", "scheduler chose"],
-                        [[row["config"], f"{row['ms_per_step']:.2f}",
-                          "-" if row["x_torch"] is None else f"{row['x_torch']:.2f}x",
-                          "-" if row.get("groups") is None else str(row["groups"]), f"{row['peak_gib']:.1f}",
+        lines += _table(["config", "ms/step", "x torch", "aten ops", "groups", "peak GiB", "loss", "scheduler chose"],
+                        [[row["config"], f"{row['median_ms']:.2f}", "-" if row.get("x") is None else f"{row['x']:.2f}x",
+                          "-" if row.get("aten_ops") is None else f"{row['aten_ops']:.0f}",
+                          "-" if row.get("groups") is None else str(row["groups"]),
+                          "-" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}",
                           f"{row['loss']:.3f}", str(row.get("chosen") or "-")] for row in entry["rows"]])
     lines += [f"Total: {summary['seconds']:.1f} s (budget {sum(summary['budget_s'].values())} s).", ""]
     return "\n".join(lines)
