@@ -12,9 +12,10 @@ The default models are GPT-2 with 12 layers 64 wide (148 tensors) and with 24 la
 (292 tensors, about the same parameters: 3.88 M and 3.79 M): doubling the layers at the same
 parameter count shows what each tensor costs, which the last table compares with DDP's.  Not a
 test: ratios from one run, on one thread per process unless --threads says otherwise.  Each
-round times every configuration in turn for a few steps; a row's ratio is the median over the
-rounds of its time over plain torch's in the same round, so the slow drifts of a shared
-machine's speed fall on both.  Times are the process's CPU time (wall time beside it).
+round times every configuration in turn for a few steps, each right after a few steps of plain
+torch with the same optimizer; a row's ratio is the median over the rounds of its time over
+that torch time, so the drifts of a shared machine's speed fall on both.  Times are the
+process's CPU time (wall time beside it).
 """
 import argparse
 import json
@@ -29,7 +30,7 @@ import time
 models = "gpt2-12x64,gpt2-24x56"
 configs = "all"       # or labels from mergecomp.bench.host_overhead.CONFIGS, comma-separated
 groups = 4            # mergecomp's groups (an int, "auto", or "default": groups of about 25 MB, at most 4)
-rounds = 15           # interleaved rounds; each row: the median over them
+rounds = 20           # interleaved rounds; each row: the median over them
 steps = 3             # timed steps per configuration and round
 warmup = 5            # untimed steps of each run first (the momentum exchange's phase starts after 2)
 resident = 30e6       # models with fewer parameters keep a run per configuration for all rounds
@@ -70,20 +71,19 @@ def table(rows):
 
 
 def per_tensor(rows, small, large):
-    """What doubling the tensors adds to each configuration's time beyond plain torch's."""
-    by = {(row["model"], row["config"]): row for row in rows}
-    print(f"\n{small} -> {large}: ms a configuration adds to its torch anchor, and how much more with the "
-          f"larger model's tensors")
+    """What each configuration adds to its torch anchor's step (its ratio less 1, times the
+    anchor's median) on the two models, and how much more on the one with more tensors."""
     from mergecomp.bench.host_overhead import ANCHORS
 
+    by = {(row["model"], row["config"]): row for row in rows}
+    print(f"\n{small} -> {large}: ms a configuration adds to its torch anchor's step, and how much more with "
+          f"the larger model's tensors")
     for row in rows:
         if row["model"] != small or row["config"] in ANCHORS.values() or (large, row["config"]) not in by:
             continue
         anchor = ANCHORS[row["optimizer"].split("-")[0]]
-        if (small, anchor) not in by or (large, anchor) not in by:
-            continue
-        added = [by[(m, row["config"])]["median_ms"] - by[(m, anchor)]["median_ms"] for m in (small, large)]
-        print(f"  {row['config']:18s} {added[0]:7.2f} ms -> {added[1]:7.2f} ms  (+{added[1] - added[0]:.2f} ms)")
+        added = [(by[(m, row["config"])]["x"] - 1) * by[(m, anchor)]["median_ms"] for m in (small, large)]
+        print(f"  {row['config']:18s} {added[0]:7.2f} ms -> {added[1]:7.2f} ms  ({added[1] - added[0]:+.2f} ms)")
 
 
 def main(argv=None):

@@ -228,7 +228,8 @@ def ddp_comm_hook(
         options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`,
             as for :class:`~mergecomp.torch.DistributedOptimizer`; DDP's buckets are the
             groups): ``nonfinite`` (default ``"propagate"``: every bucket's result is NaN on
-            every rank, so a ``GradScaler`` skips the step everywhere and lowers its scale, as
+            every rank, or with a lossless compressor the bucket whose sum carries the NaN/Inf,
+            unchecked, so a ``GradScaler`` skips the step everywhere and lowers its scale, as
             with DDP's own allreduce; a hook cannot skip the optimizer step, so no ``"skip"``),
             ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed`` (needs ``named_parameters``),
             ``min_compress_numel``, ``scheme``.  A bucket holding exempt parameters is split in

@@ -146,7 +146,9 @@ class DistributedOptimizer(HoldsMergedStep):
             ``nonfinite`` (default ``"propagate"``: when any rank's gradient holds NaN/Inf, every
             rank's averaged gradients become NaN, so ``torch.amp.GradScaler`` skips the same
             step everywhere, and error-feedback and compressor state are left as before the
-            step; ``"skip"`` skips the step on every rank, counted in :attr:`skipped_steps`),
+            step; in a step of plain sums (a lossless compressor) nothing is checked: the sum
+            carries the NaN/Inf to every rank; ``"skip"`` skips the step on every rank, counted
+            in :attr:`skipped_steps`),
             ``scheduler``, ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed``,
             ``min_compress_numel``, ``scheme`` (see docs/compressors.md).
 
@@ -233,8 +235,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self._should_synchronize = True
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if exchange_momentum_after is None else MomentumExchange(
-            optimizer, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler, variance_refresh_every,
-            exchange_momentum_as)
+            optimizer, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler,
+            variance_refresh_every, exchange_momentum_as)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod
@@ -415,7 +417,8 @@ class DistributedOptimizer(HoldsMergedStep):
             return
         with torch.autograd.profiler.record_function(f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"):
             self.merged.zero_buffers()
-            others = [p for p, slot in zip(self._exchanged, self.merged.slots) if p.grad is not None and p.grad is not slot]
+            slots = self.merged.slots
+            others = [p for p, slot in zip(self._exchanged, slots) if p.grad is not None and p.grad is not slot]
             for p in others + [p for p in self._frozen if p.grad is not None]:
                 if set_to_none:
                     p.grad = None

@@ -41,9 +41,10 @@ class Config:
     """One way of training the model.
 
     ``optimizer``: ``"sgd"`` or ``"adamw"`` (torch's default implementation: foreach on CUDA,
-    a loop over the tensors on the CPU), or either with ``"-foreach"`` or ``"-fused"``; ``wrapper``: None (plain torch), ``"ddp"`` (DDP on one rank,
-    default options) or ``"mergecomp"`` (``DistributedOptimizer`` with ``compression`` and
-    ``groups``; ``momentum``: AdamW's momentum exchanged from update :data:`MOMENTUM_AFTER`)."""
+    a loop over the tensors on the CPU), or either with ``"-foreach"`` or ``"-fused"``;
+    ``wrapper``: None (plain torch), ``"ddp"`` (DDP on one rank, default options) or
+    ``"mergecomp"`` (``DistributedOptimizer`` with ``compression`` and ``groups``;
+    ``momentum``: AdamW's momentum exchanged from update :data:`MOMENTUM_AFTER`)."""
 
     label: str
     optimizer: str = "sgd"
@@ -231,13 +232,16 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
             count_ops: bool = True, deadline: Optional[float] = None) -> List[Dict[str, object]]:
     """Every configuration on ``model``, interleaved over ``rounds`` rounds of ``steps`` timed
     steps each (:func:`cpu_ms` or :func:`cuda_ms`).  ``resident``: every configuration's run is
-    built and warmed up once and kept (short rounds, many of them, fit a noisy machine); else
-    each round builds and warms up its own (a model too large to train in many copies at once).
+    built and warmed up once and kept, and its anchor (:data:`ANCHORS`) is timed again right
+    before it in every round (short pairs, many of them, fit a noisy machine: its speed drifts
+    over seconds); else each round builds and warms up its own (a model too large to train in
+    many copies at once).
 
     One row per configuration: ``ms`` (each round's; ``wall_ms`` too on the CPU), ``median_ms``,
     ``aten_ops`` per step (with ``count_ops``), ``loss`` (its last step's), and ``x``: the
-    median over the rounds of its time over its anchor's in the same round (:data:`ANCHORS`;
-    None without one); on a CUDA device ``peak_gib``, the most memory allocated while it ran.
+    median over the rounds of its time over its anchor's (timed right before it where resident,
+    else in the same round; ``anchor_ms``: those times; None without an anchor); on a CUDA
+    device ``peak_gib``, the most memory allocated while it ran.
     A configuration due after ``deadline`` (``time.perf_counter()``) is not run: its row has no
     ``median_ms`` and ``skipped`` True."""
     rows = {config.label: {"model": model.name, "tensors": model.tensors, "parameters": model.parameters,
@@ -261,6 +265,9 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
                     continue
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
+                anchor = runs.get(ANCHORS[config.family]) if config.label != ANCHORS[config.family] else None
+                if anchor is not None:
+                    row.setdefault("anchor_ms", []).append(timer(anchor.step, steps)["ms"])
                 run = runs.get(config.label)
                 if run is None:
                     run, info = _prepared(model, config, warmup, groups, search_steps)
@@ -289,6 +296,6 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
         if "wall_ms" in row:
             row["median_wall_ms"] = statistics.median(row["wall_ms"])
         anchor = rows.get(ANCHORS[config.family])
-        row["x"] = None if anchor is None or not anchor["ms"] else statistics.median(
-            mine / theirs for mine, theirs in zip(row["ms"], anchor["ms"]))
+        theirs = row.get("anchor_ms") or (anchor or {}).get("ms")
+        row["x"] = statistics.median(mine / other for mine, other in zip(row["ms"], theirs)) if theirs else None
     return list(rows.values())

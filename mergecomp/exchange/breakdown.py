@@ -6,12 +6,13 @@ optimizer update where the front end times it (the PyTorch optimizer), else the 
 :meth:`~mergecomp.pipeline.step.MergedStep.finish`.  Its seconds split into parts that add up to it:
 
 ``compute``
-    the rest: forward, backward outside mergecomp's hooks, ``zero_grad``, data loading, the
-    training loop's own work;
+    the rest: forward, backward (with the hooks of gradients already in their slots, which
+    only count them), ``zero_grad``, data loading, the training loop's own work;
 ``encode``
-    copying gradients into the group buffers (prescaled and NaN/Inf-checked in the same pass),
-    compressing (with a fused encode, the memory's compensation too), starting collectives (in
-    the backward hooks, and for groups started by ``finish``), the hooks' own bookkeeping;
+    copying in gradients that were not in their slots (NaN/Inf-checked in the same pass), the
+    prescale, the NaN/Inf check, a front end's transform (``before_start``), compressing (with
+    a fused encode, the memory's compensation too), starting collectives (in the backward
+    hooks, and for groups started by ``finish``);
 ``memory``
     the error-feedback memory: compensate and the residual update (both stages of two-phase;
     nothing after a fused encode, whose pass does both, counted as ``encode``);

@@ -37,7 +37,9 @@ class StepOptions:
             agrees on it, and it never enters the error-feedback memory (unless ``"ignore"``).
             ``"propagate"``: every rank's results are NaN (so a ``GradScaler`` on every rank
             skips the same step and lowers its scale) and the error-feedback memory and
-            compressor state are put back as they were before the step; ``"raise"``:
+            compressor state are put back as they were before the step; a step whose every
+            group travels as a plain sum (lossless, by allreduce) is not checked: the sum
+            carries the NaN/Inf into its group's result on every rank; ``"raise"``:
             FloatingPointError on every rank naming the ranks and tensors; ``"skip"``: the step
             is skipped on every rank (counted in ``skipped_steps``); ``"ignore"``: no check.
         scheduler: :class:`~mergecomp.scheduler.online.SchedulerConfig` for ``groups="auto"``.

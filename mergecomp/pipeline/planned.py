@@ -11,9 +11,9 @@ gradients where they lie (:meth:`~mergecomp.exchange.exchange.Exchange.begin`), 
 a part.  A group of one tensor has no buffer where the front end takes results in place
 (``FrontEnd.in_place``): its gradient itself is sent and receives the result.  Every group whose
 last tensor has arrived is then started, in plan order; a ``prescale`` is one pass over each
-group as it starts.  ``finish`` starts the rest (missing tensors count as zeros).  After the first step, the plan follows the order in
-which rank 0's gradients arrived (the backward order); with ``groups="auto"`` the online
-scheduler (:class:`~mergecomp.scheduler.feed.PlanSearch`) then searches the plan.  The PyTorch
+group as it starts.  ``finish`` starts the rest (missing tensors count as zeros).  After the
+first step, the plan follows the order in which rank 0's gradients arrived (the backward
+order); with ``groups="auto"`` the online scheduler (:class:`~mergecomp.scheduler.feed.PlanSearch`) then searches the plan.  The PyTorch
 optimizer and the TensorFlow front end adapt it.
 """
 from __future__ import annotations
@@ -268,7 +268,8 @@ class PlannedStep(MergedStep):
             self._copied[g] += self._copy_in(i, grad, g) * self.shapes[i].numel()
         else:
             with self._own_work():
-                finite = parts.add(self._position[i], self._offset_of[i], self._part(i, grad, g))  # checked by the kernel
+                # checked by the kernel
+                finite = parts.add(self._position[i], self._offset_of[i], self._part(i, grad, g))
             self._finite[g] = finite and self._finite[g] is not False
 
     def _arm(self) -> None:
@@ -290,12 +291,12 @@ class PlannedStep(MergedStep):
             return super().launch(*args, **kwargs)
 
     def _parts(self, g: int) -> Optional[FusedParts]:
-        """Group ``g``'s :class:`~mergecomp.compressors.base.compressor.FusedParts` this step,
-        when its gradients are encoded as they arrive (:meth:`Exchange.begin`; no prescaling),
-        else None: they are copied into its buffer."""
+        """Group ``g``'s :class:`~mergecomp.compressors.base.capabilities.FusedParts` this step,
+        when its gradients are encoded as they arrive (:meth:`Exchange.begin`; asked only while
+        :meth:`_arm` allows it), else None: they are copied into its buffer."""
         if g not in self._arriving:
-            self._arriving[g] = None if self.options.prescale != 1.0 else \
-                self.exchange.begin(self._groups[g], self._flat(g), self._started_as(self._plan.codec(g)))
+            codec = self._started_as(self._plan.codec(g))
+            self._arriving[g] = self.exchange.begin(self._groups[g], self._flat(g), codec)
         return self._arriving[g]
 
     def _part(self, i: int, grad: Optional[torch.Tensor], g: int) -> torch.Tensor:
