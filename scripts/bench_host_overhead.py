@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -110,9 +111,9 @@ def main(argv=None):
     info["load_after"] = os.getloadavg()[0]
     info["seconds"] = round(time.time() - began, 1)
     table(rows)
-    names = args.models.split(",")
-    if len(names) >= 2:
-        per_tensor(rows, names[0], names[1])
+    narrow = [name for name in args.models.split(",") if re.fullmatch(r"gpt2-\d+x\d+", name)]
+    if len(narrow) >= 2:  # the same model with more tensors
+        per_tensor(rows, narrow[0], narrow[1])
     print(f"\n{info['cpu']}, {info['threads']} thread(s); load average {info['load_before']:.2f} before, "
           f"{info['load_after']:.2f} after; {info['seconds']:.0f} s")
     if args.out:

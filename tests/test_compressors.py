@@ -1050,6 +1050,37 @@ def test_topk_fused_encode_matches_compensate_compress_feed_bit_for_bit(n, ratio
         assert torch.equal(fused_m.state["g"]["residual"], plain_m.state["g"]["residual"]), step
 
 
+@pytest.mark.parametrize("shape", ["matrix", "mostly zeros"])
+def test_topk_fused_encode_needs_no_second_scan_on_matrices_and_sparse_groups(shape, codec_path, monkeypatch):
+    """The threshold's sample meets every column of a matrix whose columns differ in size (a
+    stride sharing a factor with the row length saw a few of them and kept half the elements as
+    candidates), and a group with fewer nonzeros than k (a position embedding a batch barely
+    uses) takes its nonzeros and the first zeros: neither falls back to a second full scan, and
+    both give the plain route's payload and residual bit for bit."""
+    import mergecomp.compressors.topk as topk_module
+
+    rescans = []
+    select = topk_module.TopKCompressor.select
+    monkeypatch.setattr(topk_module.TopKCompressor, "select",
+                        lambda self, tensor, k, name: rescans.append(self) or select(self, tensor, k, name))
+    g = torch.Generator().manual_seed(0)
+    rows, columns = 20000, 64  # k = 12,800: a sample of 20,000 taken every n // 20,000 = 64 elements: one column
+    fused_c, plain_c = make("topk"), make("topk")
+    fused_m, plain_m = mergecomp.get_memory("residual"), mergecomp.get_memory("residual")
+    for step in range(3):
+        if shape == "matrix":  # column j about j times the size of column 1, column 0 tiny
+            grad = (torch.randn(rows, columns, generator=g) * torch.arange(columns).clamp(min=1e-3)).flatten()
+        else:
+            grad = torch.zeros(rows * columns)
+            grad[:300] = torch.randn(300, generator=g)  # 300 nonzeros
+        if codec_path == "eager":
+            return
+        payload = fused_matches_plain((fused_c, fused_m), (plain_c, plain_m), grad, codec_path)
+        assert payload is not None
+        assert torch.equal(fused_m.state["g"]["residual"], plain_m.state["g"]["residual"]), step
+    assert fused_c not in rescans  # the plain route selects by itself; the fused one never fell back
+
+
 @pytest.mark.parametrize("n", [2, 1000, 100_003])
 @pytest.mark.parametrize("name", ["dgc", "topk"])
 def test_fused_encode_with_dgc_memory_matches_compensate_compress_feed_bit_for_bit(name, n, codec_path):

@@ -186,6 +186,33 @@ def test_a_plan_change_in_the_momentum_phase_moves_the_flat_state_and_stays_exac
         assert max(sizes[1:]) < 1.05 * sizes[0], sizes
 
 
+def _dropped_grad_worker(rank):
+    """In the momentum phase, one parameter's p.grad set to None between backward and step."""
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="onebit", groups=2,
+                                  exchange_momentum_after=AFTER)
+    run(model, opt, shard(x, rank), shard(y, rank), AFTER + 2)
+    dropped, kept = model[0].weight, model[2].weight
+    before = [t.detach().clone() for t in (dropped, kept)] + [opt.state[t]["step"].clone() for t in (dropped, kept)]
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(shard(x, rank)), shard(y, rank)).backward()
+    dropped.grad = None
+    opt.step()
+    after = [dropped.detach(), kept.detach(), opt.state[dropped]["step"], opt.state[kept]["step"]]
+    unchanged = [torch.equal(a, b) for a, b in zip(before, after)]
+    run(model, opt, shard(x, rank), shard(y, rank), 2)  # and training goes on
+    gathered = mc.allgather(flat_params(model).unsqueeze(0))
+    return unchanged, bool((gathered == gathered[0]).all())
+
+
+def test_a_gradient_dropped_before_step_leaves_its_parameter_and_step_count_alone():
+    for unchanged, identical in run_workers(_dropped_grad_worker, 2):
+        assert unchanged == [True, False, True, False] and identical
+
+
 def _compressor_worker(rank, names, scheme, refresh, world=2, device="cpu", warmup_codec="none", send="momentum"):
     import mergecomp.torch as mc
 

@@ -223,8 +223,7 @@ class MomentumExchange:
             scaler = self.grad_scaler
             groups = self.optimizer.param_groups
             self._step = {"scale": scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0,
-                          "beta1": [g["betas"][0] for g in groups], "beta2": [g["betas"][1] for g in groups],
-                          "eps": [g["eps"] for g in groups], "lr": [g["lr"] for g in groups],
+                          "beta1": [g["betas"][0] for g in groups], "eps": [g["eps"] for g in groups],
                           "sign": [-1.0 if g["maximize"] else 1.0 for g in groups],
                           "decay": [g["weight_decay"] for g in groups],
                           "l2": [bool(g["weight_decay"]) and not self._decoupled(g) for g in groups]}
@@ -329,7 +328,7 @@ class MomentumExchange:
             if refreshing:  # p.grad: the averaged gradient, standing for the last `gap` updates
                 self._refresh(state, segments, flat, gap)
                 averaged = state.momentum
-            state.count_update()
+            state.count_update(segments)
             keep = [1 - g["lr"] * g["weight_decay"] if g["weight_decay"] and self._decoupled(g) else 1.0
                     for g in groups]
             frozen_adam.frozen_update(

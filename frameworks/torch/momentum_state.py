@@ -52,7 +52,7 @@ class GroupState:
         self._per_group: Dict[Tuple[float, ...], torch.Tensor] = {}
         #: Adam's step count of each segment (0 where inactive), as Adam's own ``state["step"]``
         self.steps = torch.tensor([float(s["step"]) if s else 0.0 for s in states], dtype=torch.float64)
-        self._step_tensors = [s["step"] for s in states if s]
+        self._step_tensors = [s["step"] if s else None for s in states]  # Adam's, by segment
         self.coefficient = torch.tensor([coefficients[i] for i in group.indices], dtype=torch.float64)
         bundles: Dict[int, List[int]] = {}
         for s, (pg, on) in enumerate(zip(self.pg.tolist(), active)):
@@ -60,6 +60,9 @@ class GroupState:
                 bundles.setdefault(pg, []).append(s)
         self.segments = Segments(torch.tensor([*group.offsets, group.numel], dtype=torch.int64), list(group.numels()),
                                  torch.tensor(active, dtype=torch.uint8), list(bundles.values()))
+        #: the segments last counted, and their step tensors (one list for the usual segments)
+        self._counted: Tuple[Segments, List[torch.Tensor]] = (
+            self.segments, [t for t in self._step_tensors if t is not None])
 
     @property
     def active_params(self) -> List[torch.nn.Parameter]:
@@ -84,11 +87,14 @@ class GroupState:
         return torch.tensor([value(int(k // 2.0 ** 40), int(k % 2.0 ** 40)) for k in pairs.tolist()],
                             dtype=torch.float64)[where]
 
-    def count_update(self) -> None:
-        """One more Adam update of the active segments (here and in Adam's own ``step``)."""
-        self.steps += self.segments.active.to(torch.float64)
-        if self._step_tensors:
-            torch._foreach_add_(self._step_tensors, 1.0)
+    def count_update(self, segments: Segments) -> None:
+        """One more Adam update of ``segments``' active tensors (these segments, or some of them
+        left out of one update), here and in Adam's own ``state["step"]``."""
+        self.steps += segments.active.to(torch.float64)
+        if segments is not self._counted[0]:
+            self._counted = segments, [t for t, on in zip(self._step_tensors, segments.active.tolist()) if on]
+        if self._counted[1]:
+            torch._foreach_add_(self._counted[1], 1.0)
 
     def views(self, flat: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:
         """``(tensor index, its slot of flat)`` for each of the group's tensors."""
