@@ -252,25 +252,20 @@ class PlannedStep(MergedStep):
                 self._start_ready()
 
     def _put(self, i: int, grad: Optional[torch.Tensor], g: int) -> None:
-        """Tensor ``i``'s gradient into group ``g``: sent where it lies, encoded as a part, or
-        copied in."""
-        if self._direct[g] and grad is not None and _sendable(grad, self.shapes[i], self.dtypes[i], self.device):
-            self._sent[g] = grad.view(-1)
-            self._lying[g] = grad
-            self._finite[g] = self._finite[g] and None
-            parts = self._parts(g) if self._parting else None
-            if parts is not None:
-                with self._own_work():
-                    self._finite[g] = parts.add(0, 0, grad) and self._finite[g] is not False
-            return
+        """Tensor ``i``'s gradient into group ``g``: sent where it lies (a group of one tensor),
+        encoded as a part, or copied in."""
+        lying = self._direct[g] and grad is not None and _sendable(grad, self.shapes[i], self.dtypes[i], self.device)
+        if lying:
+            self._sent[g], self._lying[g] = grad.view(-1), grad
         parts = self._parts(g) if self._parting else None
-        if parts is None:
-            self._copied[g] += self._copy_in(i, grad, g) * self.shapes[i].numel()
-        else:
-            with self._own_work():
-                # checked by the kernel
-                finite = parts.add(self._position[i], self._offset_of[i], self._part(i, grad, g))
+        if parts is not None:
+            with self._own_work():  # checked by the kernel
+                finite = parts.add(self._position[i], self._offset_of[i], grad if lying else self._part(i, grad, g))
             self._finite[g] = finite and self._finite[g] is not False
+        elif lying:
+            self._finite[g] = self._finite[g] and None
+        else:
+            self._copied[g] += self._copy_in(i, grad, g) * self.shapes[i].numel()
 
     def _arm(self) -> None:
         """At a step's first arrival: its arrival times are stamped where the scheduler profiles
