@@ -268,13 +268,13 @@ class MomentumExchange:
         """``g = g * mix + p * mix * S * wd`` for the active tensors of parameter groups with
         Adam's L2 decay that got a gradient."""
         settings, absent = self._settings(), set(missing)
-        views = dict(state.views(flat))
+        views = state.segments.views(flat)
         for bundle in state.segments.bundles:
             pg = int(state.pg[bundle[0]])
             if not settings["l2"][pg]:
                 continue
             chosen = [s for s in bundle if state.group.indices[s] not in absent]
-            grads = [views[state.group.indices[s]] for s in chosen]
+            grads = [views[s] for s in chosen]
             torch._foreach_mul_(grads, mix[pg])
             torch._foreach_add_(grads, [state.params[s].detach().view(-1) for s in chosen],
                                 alpha=mix[pg] * scale * settings["decay"][pg])

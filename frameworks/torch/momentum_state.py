@@ -64,10 +64,6 @@ class GroupState:
         self._counted: Tuple[Segments, List[torch.Tensor]] = (
             self.segments, [t for t in self._step_tensors if t is not None])
 
-    @property
-    def active_params(self) -> List[torch.nn.Parameter]:
-        return [p for p, on in zip(self.params, self.segments.active.tolist()) if on]
-
     def per_group(self, values: Sequence[float]) -> torch.Tensor:
         """fp64, per segment: ``values[j]`` of its parameter group ``j`` (made once for each
         list of values, which step after step are mostly the same)."""
@@ -95,8 +91,3 @@ class GroupState:
             self._counted = segments, [t for t, on in zip(self._step_tensors, segments.active.tolist()) if on]
         if self._counted[1]:
             torch._foreach_add_(self._counted[1], 1.0)
-
-    def views(self, flat: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:
-        """``(tensor index, its slot of flat)`` for each of the group's tensors."""
-        return [(i, flat[offset:offset + n]) for i, offset, n in zip(self.group.indices, self.group.offsets,
-                                                                     self.group.numels())]

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -222,10 +222,14 @@ def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> int:
     return t.data_ptr()
 
 
-def _streams(name: str, streams: Sequence[torch.Tensor], dtype: torch.dtype, numel: int) -> ctypes.Array:
-    """A C array of the addresses of several ranks' code streams of ``numel`` ``dtype``, each
-    checked as argument ``name[rank]``."""
-    return (ctypes.c_void_p * len(streams))(*[_buf(f"{name}[{i}]", t, dtype, numel) for i, t in enumerate(streams)])
+def _streams(name: str, streams: Sequence[torch.Tensor], dtype: torch.dtype,
+             numel: Union[int, Sequence[int]]) -> ctypes.Array:
+    """A C array of the addresses of several tensors (ranks' code streams, a group's parameters)
+    of ``numel`` ``dtype`` each (or ``numel[i]`` for the ``i``-th), each checked as argument
+    ``name[i]``."""
+    numels = [numel] * len(streams) if isinstance(numel, int) else numel
+    return (ctypes.c_void_p * len(streams))(*[_buf(f"{name}[{i}]", t, dtype, count)
+                                              for i, (t, count) in enumerate(zip(streams, numels))])
 
 
 def _per_bucket(n: int, bucket: int) -> int:
@@ -675,10 +679,7 @@ def frozen_adam_segments(params: Sequence[torch.Tensor], grad: torch.Tensor, mom
     count = _segments(offsets, n, keep=keep, correction=correction, eps=eps, step=step, active=active)
     if len(params) != count:
         raise ValueError(f"frozen_adam_segments: {len(params)} parameters for {count} segments")
-    lengths = (offsets[1:] - offsets[:-1]).tolist()
-    addresses = (ctypes.c_void_p * count)(*[_buf(f"params[{s}]", p, torch.float32, length)
-                                            for s, (p, length) in enumerate(zip(params, lengths))])
     _library().mc_frozen_adam_segments(
-        addresses, _buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
+        _streams("params", params, torch.float32, (offsets[1:] - offsets[:-1]).tolist()), _buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
         _buf("variance", variance, torch.float32, n), offsets.data_ptr(), count, keep.data_ptr(),
         correction.data_ptr(), eps.data_ptr(), step.data_ptr(), active.data_ptr(), _threads())
