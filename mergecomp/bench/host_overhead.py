@@ -6,7 +6,7 @@ device work of its hooks, copies, codecs and bookkeeping: what a user pays on li
 the gradients cross in no time.  Every configuration trains its own copy of one model on one
 fixed synthetic batch; the configurations run interleaved, round after round, so the machine's
 load falls on all of them alike, and each row's ratio is against plain torch with the same
-optimizer (:data:`ANCHORS`) in the same run.
+optimizer (:data:`ANCHORS`) timed right before it (:func:`compare`).
 
 Models (:func:`build`): ``gpt2-<layers>x<width>``, a ``transformers`` GPT-2 with that many
 layers that wide (4 heads, GPT-2's vocabulary and positions) on 2 sequences of 8 tokens: many
@@ -22,7 +22,7 @@ import copy
 import re
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -52,7 +52,6 @@ class Config:
     compression: Optional[str] = None
     groups: object = None
     momentum: bool = False
-    options: Dict[str, object] = field(default_factory=dict)
 
     @property
     def family(self) -> str:
@@ -151,9 +150,7 @@ class _Run:
 
             if not mc.is_initialized():
                 mc.init(engine="local")
-            options = dict(config.options)
-            if config.momentum:
-                options["exchange_momentum_after"] = MOMENTUM_AFTER
+            options = {"exchange_momentum_after": MOMENTUM_AFTER} if config.momentum else {}
             self.optimizer = self.mergecomp = mc.DistributedOptimizer(
                 self.optimizer, module.named_parameters(), compression=config.compression,
                 groups=config.groups if config.groups is not None else groups, **options)
