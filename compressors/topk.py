@@ -11,11 +11,11 @@ residual memory by default, so what is not sent now is sent later.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from mergecomp.compressors.base.capabilities import FusedEncode
+from mergecomp.compressors.base.capabilities import NOT_FINITE, Fused, FusedEncode, NotFinite
 from mergecomp.compressors.base.compressor import Payload
 from mergecomp.compressors.base.memory import Residual
 from mergecomp.compressors.base.passes import CodecPasses
@@ -52,6 +52,8 @@ def _with_first_zeros(indices: torch.Tensor, values: torch.Tensor, k: int,
 
 @register_compressor("topk")
 class TopKCompressor(SparseCompressor, FusedEncode):
+    checks_finite = True
+
     def __init__(self, ratio: float = 0.01, selection: str = "threshold", value_dtype: Optional[str] = None) -> None:
         super().__init__(ratio)
         if selection not in _SELECTIONS:
@@ -89,7 +91,7 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         return topk_abs_indices(tensor, k, self.selection)
 
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
-                       residual: Residual) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
+                       residual: Residual, check: bool = False) -> Union[None, Fused, NotFinite]:
         """With the ``residual`` of the residual memory or DGC's and the threshold selection,
         where the kernel serves the tensors (:func:`mergecomp.kernels.codecs.compensated_above`):
         one pass reads the gradient and the memory and writes the memory's new state, setting the
@@ -98,7 +100,7 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         Compensate, compress and feed make three passes with the residual (the add, the
         threshold scan, the residual's copy), six with DGC's memory (momentum, velocity, the
         copy out, the scan, the velocity's copy, the masking).  The same payload and state, bit
-        for bit."""
+        for bit.  With ``check`` the scan is also the gradient's NaN/Inf check."""
         n = tensor.numel()
         k = num_selected(n, self.ratio)
         if self.selection != "threshold" or k >= n:
@@ -117,9 +119,11 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         threshold = float(sample_threshold(sample.abs(), k, n)) or _SMALLEST
         corrected = None if momentum is None else momentum.target()
         out = residual.target()  # every element written below
-        indices, values, count, momenta = compensated_above(
+        indices, values, count, momenta, finite = compensated_above(
             tensor, old, threshold, out, candidate_capacity(k),
             None if momentum is None else (momentum.factor, momentum.old, corrected))
+        if check and not finite:
+            return NOT_FINITE
         if k <= count <= indices.numel():  # the k largest among the candidates; the others go back
             indices, values = keep_largest(indices, values, k, out,
                                                   None if momenta is None else (momenta, corrected))

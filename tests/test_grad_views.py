@@ -113,3 +113,39 @@ def test_grad_scaler_and_clipping_on_the_slots_match_one_process(poison):
     for (params, scale), (reference, reference_scale) in run_workers(_scaler_worker, 2, poison, "none"):
         assert scale == reference_scale == (2.0 ** 11 if poison else 2.0 ** 12)
         assert (params - reference).abs().max() < 1e-5
+
+
+def _topk_poison_worker(rank, poisoned):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  compression="topk", groups=2)
+    nan_results, checks = None, []
+    for t in range(5):
+        opt.zero_grad()
+        if t == 2 and not poisoned:
+            continue  # the twin run: as if the poisoned step had never happened
+        loss = torch.nn.functional.cross_entropy(model(shard(x, rank)), shard(y, rank))
+        (loss * float("inf") if t == 2 and rank == 1 else loss).backward()
+        if t == 2:
+            opt.synchronize()  # what GradScaler does with a step whose gradients are not finite
+            nan_results = all(bool(p.grad.isnan().all()) for p in model.parameters())
+            with opt.skip_synchronize():
+                pass
+        else:
+            opt.step()
+        checks.append(sum(g["passes_by_stage"].get("check", 0.0) for g in opt.step_breakdown(1)["groups"]))
+    return flat_params(model), nan_results, checks
+
+
+def test_topk_checks_the_slots_in_its_scan_and_a_nan_step_leaves_no_trace():
+    """Top-k's fused scan is the NaN/Inf check of gradients lying in their slots (no pass of its
+    own): an Inf on rank 1 makes every rank's result NaN (the default ``propagate``) and puts the
+    error feedback back, so that skipping the step ends where a run without it ends, bit for bit."""
+    poisoned, twin = (run_workers(_topk_poison_worker, 2, flag) for flag in (True, False))
+    for (params, nan_results, checks), (reference, _, _) in zip(poisoned, twin):
+        assert nan_results is True
+        assert checks[2:] == [0.0] * 3  # the slots from the 2nd step on: no check pass, the poisoned step too
+        assert torch.equal(params, reference)

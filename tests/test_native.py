@@ -379,6 +379,22 @@ def test_keep_largest_keeps_the_top_k_in_ascending_order_and_puts_the_others_bac
 
 
 @needs_kernels
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 4095, 100_002])
+@pytest.mark.parametrize("source", ["plain", "residual", "momentum"])
+def test_compensated_above_tells_whether_the_gradient_is_finite(bad, where, source):
+    """The scan's flag is False exactly when an element of x (not of the memory) is NaN or
+    Inf, wherever it lies (the first element, a block's last, the last), on every scan."""
+    n = 100_003
+    x, r, u = torch.randn(n), torch.randn(n) * 1e38, torch.randn(n)
+    residual = None if source == "plain" else r
+    momentum = (0.9, u, torch.empty(n)) if source == "momentum" else None
+    assert native.compensated_above(x, residual, 2.0, torch.empty(n), 100, momentum)[4]  # x + r may overflow: x is finite
+    x[where] = bad
+    assert not native.compensated_above(x, residual, 2.0, torch.empty(n), 100, momentum)[4]
+
+
+@needs_kernels
 @pytest.mark.parametrize("capacity", [5, 10 ** 6])
 def test_compensated_above_masks_the_momentum_of_what_it_takes(capacity):
     """DGC's scan: u_out = m u + x and c = r + u_out everywhere, except that a candidate it
@@ -389,7 +405,8 @@ def test_compensated_above_masks_the_momentum_of_what_it_takes(capacity):
     corrected = u.mul(0.9).add_(x)
     c = r + corrected
     out, u_out = torch.empty(n), torch.empty(n)
-    indices, values, count, momenta = native.compensated_above(x, r, 2.0, out, capacity, (0.9, u, u_out))
+    indices, values, count, momenta, finite = native.compensated_above(x, r, 2.0, out, capacity, (0.9, u, u_out))
+    assert finite
     above = torch.nonzero(c.abs() >= 2.0).view(-1)
     taken = above[:capacity]
     assert count == above.numel() and torch.equal(indices, taken) and torch.equal(values, c[taken])

@@ -18,7 +18,7 @@ A compressor declares a capability by inheriting its class; the pipeline checks 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from mergecomp.compressors.base.compressor import Compressor
     from mergecomp.compressors.base.memory import Residual
 
-__all__ = ["CheckedEncode", "FusedEncode", "PartsEncode", "FusedParts", "ShardedEncode", "SparseEntries",
+__all__ = ["CheckedEncode", "FusedEncode", "NOT_FINITE", "NotFinite", "PartsEncode", "FusedParts", "ShardedEncode", "SparseEntries",
            "SubtractsDecode", "encode_checked", "encode_shard", "shard_alignment", "second_phase"]
 
 #: a fused encode's result: the payload and ctx ``compress`` gives the compensated gradient, and
@@ -47,22 +47,38 @@ class CheckedEncode(abc.ABC):
         could tell; None: the caller checks."""
 
 
+class NotFinite:
+    """What :meth:`FusedEncode.compress_fused` returns for a gradient holding NaN/Inf, where the
+    compressor :attr:`~FusedEncode.checks_finite` (one object: :data:`NOT_FINITE`)."""
+
+    def __repr__(self) -> str:
+        return "NOT_FINITE"
+
+
+NOT_FINITE = NotFinite()
+
+
 class FusedEncode(abc.ABC):
     """An encode that compensates, compresses and updates the memory in fewer passes."""
 
     #: asks for the residual as the sign codes carry it (:class:`Residual`'s ``sides``)
     carries_residual: bool = False
+    #: :meth:`compress_fused` can check the gradient for NaN/Inf in its own pass (``check``)
+    checks_finite: bool = False
 
     @abc.abstractmethod
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
-                       residual: "Residual") -> Optional[Fused]:
+                       residual: "Residual", check: bool = False) -> Union[None, Fused, NotFinite]:
         """``compensate``, ``compress`` and the memory's update of group ``name`` whose memory
         gives ``residual`` (:meth:`Memory.fused_residual`), where this compressor can for
         ``tensor``: ``(payload, ctx, update)``, the payload and ctx ``compress`` gives the
         compensated ``tensor``, bit for bit, and ``update()``, which leaves the memory as its
         update would; the caller runs it once, after the payload is sent or copied and before
         ``tensor`` changes.  ``tensor`` itself stays as given.  None: the caller compensates,
-        compresses and updates."""
+        compresses and updates.  ``check`` (asked only of a compressor that
+        :attr:`checks_finite`): for a ``tensor`` holding NaN/Inf, returns :data:`NOT_FINITE`,
+        having written the memory's target with what it read (the caller puts the memory back
+        as :meth:`~mergecomp.compressors.base.memory.Memory.keep` had it)."""
 
 
 class PartsEncode(abc.ABC):

@@ -8,12 +8,12 @@ exchange's clock, counting its passes on the group's :class:`~mergecomp.exchange
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from mergecomp.compressors.base.capabilities import (Fused, FusedEncode, FusedParts, PartsEncode, SparseEntries,
-                                                     SubtractsDecode, encode_checked, encode_shard)
+from mergecomp.compressors.base.capabilities import (NOT_FINITE, Fused, FusedEncode, FusedParts, NotFinite, PartsEncode,
+                                                     SparseEntries, SubtractsDecode, encode_checked, encode_shard)
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.exchange.breakdown import MEMORY, Stopwatch
@@ -28,14 +28,17 @@ Encoded = Tuple[Payload, Any]
 
 
 def fused(compressor: Compressor, memory: Memory, tensor: torch.Tensor, name: str,
-          shapes: Optional[Sequence[torch.Size]] = None) -> Optional[Fused]:
+          shapes: Optional[Sequence[torch.Size]] = None, check: bool = False) -> Union[None, Fused, NotFinite]:
     """``compressor``'s fused encode of group ``name`` with ``memory``
     (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`), where the compressor offers
-    one for the memory's residual: ``(payload, ctx, update)``; else None."""
+    one for the memory's residual: ``(payload, ctx, update)``, or with ``check`` (for a
+    compressor that ``checks_finite``) :data:`NOT_FINITE` for a ``tensor`` holding NaN/Inf;
+    else None."""
     if not isinstance(compressor, FusedEncode):
         return None
     residual = memory.fused_residual(tensor, name, carried=compressor.carries_residual)
-    return None if residual is None else compressor.compress_fused(tensor, name, shapes, residual)
+    check = check and compressor.checks_finite
+    return None if residual is None else compressor.compress_fused(tensor, name, shapes, residual, check)
 
 
 def fused_parts(compressor: Compressor, memory: Memory, like: torch.Tensor, name: str,
@@ -133,12 +136,16 @@ class Encoder:
                 job.compensated.add_(carry)
                 job.count("compensate", 1)
 
-    def fuse(self, job: Job) -> bool:
+    def fuse(self, job: Job, check: bool = False) -> Union[bool, NotFinite]:
         """Compensate and encode the whole group by the compressor's fused encode
         (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`), where it offers one for
         this memory's residual: returns whether it did (``job.compensated`` stays the gradient
-        as given; :meth:`feed` then runs the memory's update)."""
-        return self.take(job, fused(job.compressor, self.memory, job.compensated, job.group.name, job.group.shapes))
+        as given; :meth:`feed` then runs the memory's update).  ``check``: the encode is also
+        the gradient's NaN/Inf check, where the compressor ``checks_finite``; it returns
+        :data:`NOT_FINITE` for a gradient holding one (nothing taken, the memory's target
+        written)."""
+        encoded = fused(job.compressor, self.memory, job.compensated, job.group.name, job.group.shapes, check)
+        return encoded if encoded is NOT_FINITE else self.take(job, encoded)
 
     def parts(self, name: str, like: torch.Tensor, parts: int) -> Optional[FusedParts]:
         """The configured compressor's encode of group ``name`` part by part with this memory

@@ -13,8 +13,9 @@ the route names (``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"
 scheme encodes through the exchange's :class:`~mergecomp.exchange.encoder.Encoder`, which feeds
 the memory what was sent.  A group sent whole whose compressor fuses the memory's work into its
 own passes (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`) skips the
-separate compensation; one whose gradients were encoded as they arrived (:meth:`Exchange.begin`)
-skips the check too.
+separate compensation, and the check where that pass makes it and the step keeps the state it
+changes (``keep_state``); one whose gradients were encoded as they arrived
+(:meth:`Exchange.begin`) skips the check too.
 
 A group sent with the codec :data:`~mergecomp.exchange.plan.EXEMPT` skips the memory: its
 gradient is allreduced as it is, and neither the memory nor the compressor state of any group
@@ -33,7 +34,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.compressors.base.capabilities import FusedParts, PartsEncode
+from mergecomp.compressors.base.capabilities import NOT_FINITE, FusedEncode, FusedParts, PartsEncode
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.base.stateful import GroupStateful
@@ -235,7 +236,10 @@ class Exchange:
                 finite = False
             job.checked_by_encode = (finite is None and scheme.whole and check and compressor.may_overflow
                                      and flat.device.type == "cpu" and (not job.feedback or self.memory.passthrough))
-            job.finite = (flat.new_ones((), dtype=torch.bool) if job.checked_by_encode or not check
+            # a fused encode may check the gradient in its own pass where the step keeps the state it writes
+            checked_by_fuse = (finite is None and check and self.keep_state and job.feedback and scheme.whole
+                               and isinstance(compressor, FusedEncode) and compressor.checks_finite)
+            job.finite = (flat.new_ones((), dtype=torch.bool) if job.checked_by_encode or not check or checked_by_fuse
                           else self._check(job, finite))
             if job.feedback:
                 name = group.name
@@ -243,10 +247,25 @@ class Exchange:
                     self._kept += [(holder, name, holder.keep(name))
                                    for holder in (self.memory, compressor, *self._scheme_holders())]
                 carry = next((c for s in self._stateful if (c := s.take_carry(name)) is not None), None)
-                if not (scheme.whole and carry is None and self.encoder.fuse(job)):
+                fused = scheme.whole and carry is None and self.encoder.fuse(job, check=checked_by_fuse)
+                if fused is NOT_FINITE:  # the state as it was, and on from the gradient zeroed
+                    self._restore_kept(name)
+                    job.finite = self._check(job, False)
+                    fused = self.encoder.fuse(job)
+                elif checked_by_fuse and not fused:  # no fused encode after all: its own pass
+                    job.finite = self._check(job, None)
+                if not fused:
                     self.encoder.compensate(job, carry)
             scheme.start(job)
             return job
+
+    def _restore_kept(self, name: str) -> None:
+        """Group ``name``'s state put back as this step kept it, and kept again."""
+        mine = [entry for entry in self._kept if entry[1] == name]
+        self._kept = [entry for entry in self._kept if entry[1] != name]
+        for holder, _, kept in reversed(mine):
+            holder.restore(name, kept)
+        self._kept += [(holder, name, holder.keep(name)) for holder, _, _ in mine]
 
     def _check(self, job: Job, finite: Optional[bool]) -> torch.Tensor:
         """0-d bool: whether ``job``'s gradient is finite (``finite``: known from its copy-in;

@@ -46,7 +46,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 30
+_ABI_VERSION = 31
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -109,7 +109,7 @@ _SIGNATURES = {
     "mc_trits_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
     "mc_levels_sum": ([_P, _I32, _I64, _I32, _F32, _P, _I64, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
-    "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _I32], _I64),
+    "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _P, _I32], _I64),
     "mc_keep_largest": ([_P, _P, _P, _I64, _I64, _P, _P], None),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
@@ -523,29 +523,31 @@ def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Ten
 
 def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], threshold: float, out: torch.Tensor,
                       capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]]:
+                      ) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor], bool]:
     """Top-k's scan of ``c = x + residual`` (``residual`` None: ``x``) in one pass: ``out`` (fp32,
     ``x``'s numel; may be ``residual``) gets ``c``, except that the first ``capacity`` elements
-    with ``|c| >= threshold`` get 0 and are returned as ``(indices, values, count, None)``
-    (int64 ascending, their ``c``, how many passed: above ``capacity``, the rest keep
-    ``out = c``).  With ``momentum = (m, u, u_out)`` (DGC; ``residual`` is the velocity):
-    ``u_out`` (may be ``u``) gets ``m * u + x``, each step rounded to fp32, and ``c = residual +
-    u_out``; a returned element's ``u_out`` is 0 where its ``c`` is not (momentum factor
-    masking), its value before that is returned last.  :func:`keep_largest` then puts back
-    what is not sent."""
+    with ``|c| >= threshold`` get 0 and are returned as ``(indices, values, count, None,
+    finite)`` (int64 ascending, their ``c``, how many passed: above ``capacity``, the rest keep
+    ``out = c``; whether every element of ``x`` is finite: if not, the rest means nothing).
+    With ``momentum = (m, u, u_out)`` (DGC; ``residual`` is the velocity): ``u_out`` (may be
+    ``u``) gets ``m * u + x``, each step rounded to fp32, and ``c = residual + u_out``; a
+    returned element's ``u_out`` is 0 where its ``c`` is not (momentum factor masking), its
+    value before that is returned fourth.  :func:`keep_largest` then puts back what is not
+    sent."""
     n = x.numel()
     indices = torch.empty(max(int(capacity), 1), dtype=torch.int64)
     values = torch.empty(indices.numel(), dtype=torch.float32)
     factor, u, u_out = (0.0, None, None) if momentum is None else momentum
     momenta = None if momentum is None else torch.empty(indices.numel(), dtype=torch.float32)
+    finite = ctypes.c_int(1)
     count = _library().mc_compensated_above(
         _buf("x", x, torch.float32, n), None if residual is None else _buf("residual", residual, torch.float32, n),
         None if u is None else _buf("u", u, torch.float32, n), factor,
         None if u_out is None else _buf("u_out", u_out, torch.float32, n),
         n, threshold, _buf("out", out, torch.float32, n), indices.data_ptr(), values.data_ptr(),
-        None if momenta is None else momenta.data_ptr(), indices.numel(), _threads())
+        None if momenta is None else momenta.data_ptr(), indices.numel(), ctypes.byref(finite), _threads())
     stored = min(count, indices.numel())
-    return indices[:stored], values[:stored], count, None if momenta is None else momenta[:stored]
+    return indices[:stored], values[:stored], count, None if momenta is None else momenta[:stored], bool(finite.value)
 
 
 def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,

@@ -31,8 +31,9 @@ def fused_scan_served(*tensors: torch.Tensor) -> bool:
 
 def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], threshold: float, out: torch.Tensor,
                       capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]]:
-    """Top-k's one-pass scan of ``x + residual`` (:func:`mergecomp.kernels.native.compensated_above`)."""
+                      ) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor], bool]:
+    """Top-k's one-pass scan of ``x + residual``, which also tells whether ``x`` is finite
+    (:func:`mergecomp.kernels.native.compensated_above`)."""
     return native.compensated_above(x, residual, threshold, out, capacity, momentum)
 
 

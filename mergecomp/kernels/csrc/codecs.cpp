@@ -752,11 +752,15 @@ struct Candidate {
 // (ascending) idx[j] = i, val[j] = c and out[i] = 0; with momentum also uval[j] = u_out[i] and
 // u_out[i] = 0 where c != 0 (DGC's momentum factor masking, undone by mc_keep_largest for the
 // candidates not sent).  Returns how many elements passed (more than `capacity`: the rest keep
-// out[i] = c and u_out[i]).  out may be r.
+// out[i] = c and u_out[i]).  out may be r.  finite (null: not checked) gets 0 when an element of
+// x is NaN or Inf and is left as it is otherwise; the scan's other outputs then mean nothing.
 template <Source S>
 int64_t compensated_above_impl(const float* x, const float* r, const float* u, float momentum, float* u_out,
                                int64_t n, float threshold, float* out, int64_t* idx, float* val, float* uval,
-                               int64_t capacity, int threads) {
+                               int64_t capacity, int* finite, int threads) {
+  std::atomic<int> all_finite{1};
+  std::atomic<int>* const flag = &all_finite;  // captured by value, as the pointers below
+  const bool check = finite != nullptr;
   const auto found = marked_by_block<Candidate>(
       n, threads,
       [=](int64_t start, int64_t len, uint8_t* m) {
@@ -773,6 +777,13 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
           out[i] = c;
           m[k] = std::fabs(c) >= threshold;
         }
+        if (!check) return;
+        // the largest exponent field of the block's x (still in cache): all ones for NaN or Inf
+        const uint32_t* const bits = reinterpret_cast<const uint32_t*>(x + start);
+        uint32_t exponent = 0;
+#pragma omp simd reduction(max : exponent)
+        for (int64_t k = 0; k < len; ++k) exponent = std::max(exponent, bits[k] & 0x7f800000u);
+        if (exponent == 0x7f800000u) flag->store(0, std::memory_order_relaxed);
       },
       [=](int64_t i) {
         const Candidate hit{i, out[i], S == Source::kMomentum ? u_out[i] : 0.0f};
@@ -794,6 +805,7 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
       ++count;
     }
   }
+  if (finite && !all_finite.load()) *finite = 0;
   return count;
 }
 
@@ -836,7 +848,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 30; }
+int mc_abi_version() { return 31; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1288,15 +1300,15 @@ int mc_cast_half_finite(const float* src, uint16_t* dst, int64_t n, int threads)
 // with u_out receiving m * u + x.
 int64_t mc_compensated_above(const float* x, const float* r, const float* u, float momentum, float* u_out,
                              int64_t n, float threshold, float* out, int64_t* idx, float* val, float* uval,
-                             int64_t capacity, int threads) {
+                             int64_t capacity, int* finite, int threads) {
   if (u) {
     return compensated_above_impl<Source::kMomentum>(x, r, u, momentum, u_out, n, threshold, out, idx, val, uval,
-                                                     capacity, threads);
+                                                     capacity, finite, threads);
   }
   return r ? compensated_above_impl<Source::kSum>(x, r, u, momentum, u_out, n, threshold, out, idx, val, uval,
-                                                  capacity, threads)
+                                                  capacity, finite, threads)
            : compensated_above_impl<Source::kPlain>(x, r, u, momentum, u_out, n, threshold, out, idx, val, uval,
-                                                    capacity, threads);
+                                                    capacity, finite, threads);
 }
 
 // Of `count` candidates (idx ascending, val their values; 0 < k <= count), keeps the k largest
