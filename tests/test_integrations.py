@@ -73,6 +73,8 @@ def _lightning(rank, folder, port):
             return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self):
+            if self.exchange == "hook":  # plain AdamW: the DDP hook exchanges its momentum
+                return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
             if self.momentum_after:  # AdamW with its momentum exchanged after a lossless warm-up
                 opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
                 return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
@@ -118,6 +120,16 @@ def _lightning(rank, folder, port):
     out["hook_resumed"] = fit(resumed, ckpt=path)
     out["hook_resumed_steps"] = resumed.hook_state.step
     out["hook_forgetful"] = fit(MergecompDDPStrategy("topk"), ckpt=without_ours(path))
+    # the hook exchanging AdamW's momentum from update 3 on, Lightning's step(closure) included
+    strategy = MergecompDDPStrategy("onebit", exchange_momentum_after=3, variance_refresh_every=2)
+    out["hook_adam"] = fit(strategy, module=Tiny("hook"))
+    out["hook_adam_updates"] = strategy.hook_state.momentum.exchange.updates
+    path = os.path.join(folder, "hook_adam.ckpt")
+    fit(MergecompDDPStrategy("onebit", exchange_momentum_after=3, variance_refresh_every=2), epochs=1,
+        module=Tiny("hook"), save=path)
+    strategy = MergecompDDPStrategy("onebit", exchange_momentum_after=3, variance_refresh_every=2)
+    out["hook_adam_resumed"] = fit(strategy, module=Tiny("hook"), ckpt=path)
+    out["hook_adam_resumed_updates"] = strategy.hook_state.momentum.exchange.updates
 
     # no DDP: mc.DistributedOptimizer exchanges, after mc.init() ran as one process (the README's
     # script under Lightning's launcher, as rank 0 sees it); the strategy starts mergecomp anew
@@ -182,6 +194,17 @@ def test_lightning_hook_strategy_resumes_exactly(lightning):
 
 
 @requires("lightning")
+def test_lightning_hook_strategy_exchanges_adamws_momentum_and_resumes_exactly(lightning):
+    """MergecompDDPStrategy("onebit", exchange_momentum_after=3) with a plain AdamW from
+    configure_optimizers: 8 updates, 5 of them in the momentum phase (Lightning runs the
+    backward pass inside optimizer.step(closure)); resumed after epoch 1, the same parameters."""
+    for out in lightning:
+        assert out["hook_adam_updates"] == 8 and out["hook_adam_resumed_updates"] == 8
+        assert torch.equal(out["hook_adam_resumed"], out["hook_adam"])
+        assert not torch.equal(out["hook_adam"], out["hook_none"])
+    assert torch.equal(lightning[0]["hook_adam"], lightning[1]["hook_adam"])
+
+
 def test_lightning_optimizer_strategy_exchanges_once(lightning):
     for out in lightning:
         assert out["opt_size"] == 2
@@ -223,12 +246,15 @@ def _accelerate(rank, folder):
     x, y = make_data()
     x, y = x[32 * rank:][:32], y[32 * rank:][:32]
 
-    def run(compression=None, steps=range(6), save=None, load=None):
+    def run(compression=None, steps=range(6), save=None, load=None, adamw=False):
         with kept_environment():
             accelerator = Accelerator(cpu=True)
             net = make_net()
-            model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
-            state = register(accelerator, model, compression) if compression else None
+            made = (torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1) if adamw
+                    else torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
+            model, opt = accelerator.prepare(net, made)
+            momentum = {"exchange_momentum_after": 2, "optimizer": opt} if adamw else {}
+            state = register(accelerator, model, compression, **momentum) if compression else None
             if load:
                 accelerator.load_state(load)
             for step in steps:
@@ -247,6 +273,12 @@ def _accelerate(rank, folder):
     out["record"] = torch.load(os.path.join(path, "custom_checkpoint_0.pkl"), weights_only=False)
     out["resumed"], state = run("topk", steps=range(3, 6), load=path)
     out["resumed_steps"] = state.step
+    # AdamW (through Accelerate's optimizer wrapper) with its momentum exchanged from update 3 on
+    path = os.path.join(folder, "adam_state")
+    out["adam"], state = run("onebit", save=path, adamw=True)
+    out["adam_updates"] = state.momentum.exchange.updates
+    out["adam_resumed"], state = run("onebit", steps=range(3, 6), load=path, adamw=True)
+    out["adam_resumed_updates"] = state.momentum.exchange.updates
     with kept_environment():
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(make_net())
@@ -275,13 +307,24 @@ def test_accelerate_register_trains_like_ddp_and_resumes_exactly(accelerate):
     assert "already has a communication hook" in accelerate[0]["twice"]
 
 
-# -- transformers' Trainer -----------------------------------------------------------------------
-def _transformers(rank, folder):
-    import shutil
+@requires("accelerate")
+def test_accelerate_register_exchanges_adamws_momentum_and_resumes_exactly(accelerate):
+    """``register(accelerator, model, "onebit", exchange_momentum_after=2, optimizer=opt)`` with
+    the prepared (wrapped) AdamW: 6 updates, the last 4 in the momentum phase; ``load_state``
+    after step 3 ends where the uninterrupted run does."""
+    for out in accelerate:
+        assert out["adam_updates"] == 6 and out["adam_resumed_updates"] == 6
+        assert torch.equal(out["adam_resumed"], out["adam"])
+    assert torch.equal(accelerate[0]["adam"], accelerate[1]["adam"])
 
+
+# -- transformers' Trainer -----------------------------------------------------------------------
+def trainer_run(output_dir, register_args=None, resume=None, **training_args):
+    """The tiny net trained by a transformers ``Trainer`` (``register(trainer, **register_args)``
+    unless None), with ``training_args`` over these: ``(parameters, callback)``."""
     from transformers import Trainer, TrainingArguments
 
-    from mergecomp.torch.integrations.transformers import STATE_FILE, register
+    from mergecomp.torch.integrations.transformers import register
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     x, y = make_data()
@@ -295,16 +338,25 @@ def _transformers(rank, folder):
             logits = self.net(x)
             return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
 
+    with kept_environment():
+        args = TrainingArguments(**{"output_dir": output_dir, "per_device_train_batch_size": 8, "logging_strategy": "no",
+                                    "report_to": "none", "use_cpu": True, "seed": 0, "disable_tqdm": True,
+                                    **training_args})
+        model = Tiny()
+        trainer = Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)])
+        callback = None if register_args is None else register(trainer, **register_args)
+        trainer.train(resume_from_checkpoint=resume)
+    return flat(model), callback
+
+
+def _transformers(rank, folder):
+    import shutil
+
+    from mergecomp.torch.integrations.transformers import STATE_FILE
+
     def train(run, compression=None, resume=None):
-        with kept_environment():
-            args = TrainingArguments(output_dir=os.path.join(folder, run), per_device_train_batch_size=8, max_steps=4,
-                                     learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", save_steps=2,
-                                     logging_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True)
-            model = Tiny()
-            trainer = Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)])
-            callback = register(trainer, compression) if compression else None
-            trainer.train(resume_from_checkpoint=resume)
-        return flat(model), callback
+        return trainer_run(os.path.join(folder, run), compression and {"compression": compression}, resume,
+                           max_steps=4, learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", save_steps=2)
 
     def copied(run, keep_state=True):
         """``topk``'s checkpoint after step 2, copied to ``run``'s output folder."""
@@ -324,6 +376,24 @@ def _transformers(rank, folder):
     out["resumed"], callback = train("resumed", "topk", resume=True)
     out["resumed_steps"] = callback.hook_state.step
     out["forgetful"] = train("forgetful", "topk", resume=copied("forgetful", keep_state=False))[0]
+
+    # AdamW's momentum exchanged from update 3 on, with a linear schedule and clipping
+    def train_adam(run, resume=None):
+        params, callback = trainer_run(os.path.join(folder, run), {"compression": "onebit", "exchange_momentum_after": 2},
+                                       resume, max_steps=8, learning_rate=1e-2, lr_scheduler_type="linear",
+                                       warmup_steps=2, optim="adamw_torch", weight_decay=0.1, max_grad_norm=1.0,
+                                       save_steps=4)
+        return params, callback.hook_state.momentum.exchange
+
+    out["adam"], momentum = train_adam("adam")
+    out["adam_active"], out["adam_updates"] = momentum.active, momentum.updates
+    out["adam_record"] = torch.load(os.path.join(folder, "adam", "checkpoint-4", STATE_FILE), weights_only=True)
+    elsewhere = os.path.join(folder, "elsewhere", "step-4")  # outside the resumed run's output_dir
+    if rank == 0:
+        shutil.copytree(os.path.join(folder, "adam", "checkpoint-4"), elsewhere)
+    torch.distributed.barrier()
+    out["adam_resumed"], momentum = train_adam("adam_resumed", resume=elsewhere)
+    out["adam_resumed_updates"] = momentum.updates
     return out
 
 
@@ -343,3 +413,17 @@ def test_transformers_trainer_callback_trains_like_ddp_and_resumes_exactly(trans
     assert torch.equal(transformers[0]["topk"], transformers[1]["topk"])
     record = transformers[0]["record"]
     assert record["world_size"] == 2 and all(total > 0 for total in residual_total(record))
+
+
+@requires("transformers")
+@requires("accelerate")
+def test_transformers_trainer_exchanges_adamws_momentum_and_resumes_from_any_folder(transformers):
+    """``register(trainer, "onebit", exchange_momentum_after=2)`` with the Trainer's AdamW, linear
+    schedule and clipping: the momentum phase runs through the Trainer's own optimizer step, the
+    ranks stay identical, and ``train(resume_from_checkpoint=<a folder outside output_dir>)``
+    ends exactly where the uninterrupted run does."""
+    for out in transformers:
+        assert out["adam_active"] and out["adam_updates"] == 8 and out["adam_resumed_updates"] == 8
+        assert torch.equal(out["adam_resumed"], out["adam"])
+        assert out["adam_record"]["ranks"][0]["mergecomp_momentum"]["updates"] == 4
+    assert torch.equal(transformers[0]["adam"], transformers[1]["adam"])

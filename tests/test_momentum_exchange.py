@@ -27,19 +27,33 @@ def make_schedule(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=()):
-    """``steps`` training steps; the gradient is Inf at the steps in ``poison``."""
+def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=(), clip=None, closure=False):
+    """``steps`` training steps; the gradient is Inf at the steps in ``poison``; ``clip``: the
+    (unscaled) gradients clipped to that norm; ``closure``: the forward and backward pass run
+    inside ``opt.step(closure)``, as Lightning runs them (no scaler, clipping or poison)."""
     for t in range(steps):
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        if t in poison:
-            loss = loss * float("inf")
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
+        if closure:
+            def forward_backward():
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+            opt.step(forward_backward)
         else:
-            opt.step()
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if t in poison:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler and clip:
+                scaler.unscale_(opt)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
         if schedule:
             schedule.step()
 

@@ -49,6 +49,11 @@ from mergecomp.pipeline.buckets import BucketStep
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.step import HoldsMergedStep
 
+from .momentum_exchange import OPTION as MOMENTUM_OPTION
+from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
+from .momentum_exchange import MomentumSettings
+from .momentum_hook import HookMomentum
+
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
 
 _NONFINITE = ("propagate", "raise", "ignore")
@@ -68,8 +73,11 @@ class DDPHookState(HoldsMergedStep):
     """
 
     def __init__(self, build: Callable[[], BucketStep], params: Optional[Dict[int, int]] = None,
-                 nonfinite: str = "propagate") -> None:
+                 nonfinite: str = "propagate", momentum: Optional[HookMomentum] = None) -> None:
         self._build = build
+        #: the momentum exchange (``exchange_momentum_after``), or None
+        self.momentum = momentum
+        self._optimizer: Optional[Tuple[Any, Any]] = None  # given before binding: attached by bind()
         self._merged: Optional[BucketStep] = None
         self._loaded: Optional[Dict[str, Any]] = None  # loaded before binding: applied by bind()
         self._nonfinite = nonfinite
@@ -103,6 +111,24 @@ class DDPHookState(HoldsMergedStep):
             if self._loaded:
                 merged.load_state_dict(self._loaded)
             self._merged, self._loaded = merged, None
+            if self._optimizer is not None:
+                self.set_optimizer(*self._optimizer)
+        return self
+
+    def set_optimizer(self, optimizer: Any, grad_scaler: Any = None) -> "DDPHookState":
+        """With ``exchange_momentum_after``: exchange ``optimizer``'s momentum (a
+        ``torch.optim.Adam`` or ``AdamW`` holding the DDP model's parameters, or a framework's
+        wrapper of one), ``grad_scaler`` scaling the loss (``torch.amp.GradScaler``; None: none).
+        Every rank calls it before the first backward pass (before binding, it is applied by
+        :meth:`bind`).  ValueError without the option or with an optimizer it cannot serve."""
+        if self.momentum is None:
+            raise ValueError("set_optimizer: the hook was made without exchange_momentum_after, so it exchanges "
+                             "gradients and needs no optimizer")
+        if self._merged is None:
+            self._optimizer = (optimizer, grad_scaler)
+        else:
+            self.momentum.attach(optimizer, self._merged.exchange, grad_scaler)
+            self._optimizer = None
         return self
 
     @property
@@ -138,6 +164,8 @@ class DDPHookState(HoldsMergedStep):
         if bucket.index() == 0 and self._futures:
             self._fail(RuntimeError("the previous step's buckets were never finished (its backward pass "
                                     "was interrupted); the ranks' collectives are out of step"))
+        if bucket.index() == 0 and self.momentum is not None:
+            self.momentum.begin(self.merged)
         indices = [self._param_index(p) for p in bucket.parameters()]
         # compressed in place in DDP's bucket buffer; finish decodes the result back into it,
         # which DDP then takes as the future's value
@@ -150,7 +178,9 @@ class DDPHookState(HoldsMergedStep):
     def finish(self) -> None:
         """Finish every pending bucket in bucket order and complete their futures."""
         try:
-            self.merged.finish()
+            reduced = self.merged.finish()
+            if self.momentum is not None:
+                self.momentum.finished(reduced)
         except BaseException as error:
             self._fail(error)
         for future, buffer in self._futures:
@@ -167,20 +197,28 @@ class DDPHookState(HoldsMergedStep):
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's step, compressor state, error-feedback memory and bucket layout; before
-        binding, the state loaded into it, or ``{}`` (nothing to restore)."""
-        if self._merged is None:
-            return dict(self._loaded or {})
-        return self.merged.state_dict()
+        """This rank's step, compressor state, error-feedback memory and bucket layout, and with
+        ``exchange_momentum_after`` the momentum exchange's state (``"mergecomp_momentum"``; Adam's
+        own is in the optimizer's checkpoint); before binding, the state loaded into it, or
+        ``{}`` (nothing to restore)."""
+        state = dict(self._loaded or {}) if self._merged is None else self.merged.state_dict()
+        if self.momentum is not None and self.momentum.state_dict() is not None:
+            state[MOMENTUM_STATE] = self.momentum.state_dict()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (between steps; before binding it is kept and applied by
-        :meth:`bind`; ``{}`` restores nothing).  If DDP's buckets differ from the saved layout (a
-        fresh DDP starts with its initial buckets), the state is remapped on use."""
+        """Restore :meth:`state_dict` (between steps, after the optimizer's own state; before
+        binding it is kept and applied by :meth:`bind`; ``{}`` restores nothing).  If DDP's
+        buckets differ from the saved layout (a fresh DDP starts with its initial buckets), the
+        state is remapped on use."""
         if not state:
             return
+        state = dict(state)
+        momentum = state.pop(MOMENTUM_STATE, None)
+        if self.momentum is not None:
+            self.momentum.load_state_dict(momentum)
         if self._merged is None:
-            self._loaded = dict(state)
+            self._loaded = state
         else:
             self.merged.load_state_dict(state)
 
@@ -210,6 +248,12 @@ def ddp_comm_hook(
     process_group: Optional[dist.ProcessGroup] = None,
     named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
     timeout: Optional[float] = None,
+    *,
+    exchange_momentum_after: Optional[int] = None,
+    variance_refresh_every: Optional[int] = None,
+    exchange_momentum_as: str = "momentum",
+    optimizer: Any = None,
+    grad_scaler: Any = None,
     **options,
 ) -> Tuple[DDPHookState, Any]:
     """Make ``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
@@ -234,44 +278,80 @@ def ddp_comm_hook(
             ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed`` (needs ``named_parameters``),
             ``min_compress_numel``, ``scheme``.  A bucket holding exempt parameters is split in
             two groups (its exempt parameters, the others), copied out of the bucket and back.
+        exchange_momentum_after, variance_refresh_every, exchange_momentum_as: Adam's momentum
+            exchanged instead of its gradients after this many updates, as
+            :class:`~mergecomp.torch.DistributedOptimizer` does (:mod:`frameworks.torch.momentum_hook`;
+            needs ``named_parameters``); the optimizer (``torch.optim.Adam`` or ``AdamW`` over
+            the DDP model's parameters) given here as ``optimizer``, or later by
+            :meth:`DDPHookState.set_optimizer`, before the first backward pass.
+        grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
+            the loss.
 
     The hook returns each bucket's gradient averaged over ranks, in the bucket's dtype.  Settings
     are checked here (ValueError/TypeError naming the option); the state binds to the process
     group here if torch.distributed is initialized, else at DDP's first bucket (module docstring).
     """
-    compressor, memory, step_options = check_settings(compression, memory, named_parameters is not None, **options)
+    compressor, memory, step_options, settings = check_settings(
+        compression, memory, named_parameters is not None, exchange_momentum_after=exchange_momentum_after,
+        variance_refresh_every=variance_refresh_every, exchange_momentum_as=exchange_momentum_as,
+        optimizer=optimizer, grad_scaler=grad_scaler, **options)
     named = None if named_parameters is None else [(n, p) for n, p in named_parameters if p.requires_grad]
-    build = functools.partial(_bucket_step, compressor, memory, process_group, timeout, named or (), step_options)
+    build = functools.partial(_bucket_step, compressor, memory, process_group, timeout, named or (), step_options,
+                              settings)
+    momentum = None if settings is None else HookMomentum(settings, [p for _, p in named])
     state = DDPHookState(build, None if named is None else {id(p): i for i, (_, p) in enumerate(named)},
-                         step_options.nonfinite)
+                         step_options.nonfinite, momentum)
+    if optimizer is not None:
+        state.set_optimizer(optimizer, grad_scaler)
     if dist.is_initialized():
         state.bind()
     return state, mergecomp_hook
 
 
 def check_settings(compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
-                   named: bool = True, **options) -> Tuple[Compressor, Memory, StepOptions]:
+                   named: bool = True, *, exchange_momentum_after: Optional[int] = None,
+                   variance_refresh_every: Optional[int] = None, exchange_momentum_as: str = "momentum",
+                   optimizer: Any = None, grad_scaler: Any = None,
+                   **options) -> Tuple[Compressor, Memory, StepOptions, Optional[MomentumSettings]]:
     """:func:`ddp_comm_hook`'s settings checked and resolved, without building anything
-    (``named``: whether parameter names will be given); ValueError/TypeError naming the option."""
-    step_options = StepOptions.create("ddp_comm_hook", options, defaults={"nonfinite": "propagate"},
+    (``named``: whether parameter names will be given): the compressor, the memory, the step
+    options and the momentum exchange's settings (None without ``exchange_momentum_after``);
+    ValueError/TypeError naming the option."""
+    momentum = MomentumSettings.create(exchange_momentum_after, variance_refresh_every, exchange_momentum_as,
+                                       grad_scaler)
+    if optimizer is not None and momentum is None:
+        raise ValueError(f"optimizer is only used with {MOMENTUM_OPTION} (the hook exchanges gradients without it)")
+    defaults = {"nonfinite": "propagate"}
+    if momentum is not None:
+        changed, memory = momentum.defaults(compression, memory)
+        defaults["compression_warmup_steps"] = changed["compression_warmup_steps"]  # no search in a hook
+        if not named:
+            raise ValueError(f"ddp_comm_hook: {MOMENTUM_OPTION} finds Adam's state by parameter: pass "
+                             f"named_parameters too")
+    step_options = StepOptions.create("ddp_comm_hook", options, defaults=defaults,
                                       without=("groups", "scheduler", "average", "prescale", "postscale"))
     if step_options.nonfinite not in _NONFINITE:
         raise ValueError(f"nonfinite must be one of {_NONFINITE} for a DDP hook (a hook cannot skip the "
                          f"optimizer step), got {step_options.nonfinite!r}")
     if step_options.uncompressed and not named:
         raise ValueError("ddp_comm_hook: uncompressed matches parameter names: pass named_parameters too")
+    if momentum is not None and (step_options.uncompressed or step_options.min_compress_numel):
+        raise ValueError(f"ddp_comm_hook: {MOMENTUM_OPTION} with uncompressed or min_compress_numel (a bucket "
+                         f"split in two) is not supported")
     compressor, memory = resolve(compression, memory)
     step_options.check(compressor)
-    return compressor, memory, step_options
+    return compressor, memory, step_options, momentum
 
 
 def _bucket_step(compressor: Compressor, memory: Memory, process_group: Optional[dist.ProcessGroup],
                  timeout: Optional[float], named: Sequence[Tuple[str, torch.nn.Parameter]],
-                 step_options: StepOptions) -> BucketStep:
+                 step_options: StepOptions, momentum: Optional[MomentumSettings]) -> BucketStep:
     """The hook's bucket step on ``process_group`` (default: the world as it is now); the
     parameters' shapes and dtypes as they are now (after the framework moved or cast them)."""
     from mergecomp.engines.torch_dist import TorchCommunicator
 
     comm = TorchCommunicator(process_group, timeout=timeout)
+    agree = momentum.agreed() if momentum else ((MOMENTUM_OPTION, None),)
     return BucketStep(compressor, memory, comm, [n for n, _ in named], [p.shape for _, p in named],
-                      [p.dtype for _, p in named], comm.device, step_options, FrontEnd("ddp_comm_hook", "parameters"))
+                      [p.dtype for _, p in named], comm.device, step_options,
+                      FrontEnd("ddp_comm_hook", "parameters", agree=agree))

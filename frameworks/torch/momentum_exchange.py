@@ -57,8 +57,9 @@ pass each of a fused kernel on contiguous fp32 CPU tensors (:mod:`mergecomp.kern
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -71,11 +72,15 @@ from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 
 from .momentum_state import GroupState
 
-__all__ = ["MomentumExchange", "SEARCH", "default_memory"]
+__all__ = ["MomentumExchange", "MomentumSettings", "SEARCH", "check_optimizer", "default_memory"]
 
 OPTION = "exchange_momentum_after"
 REFRESH_OPTION = "variance_refresh_every"
 SEND_OPTION = "exchange_momentum_as"
+#: the momentum exchange's options, as every front end names them
+OPTIONS = (OPTION, REFRESH_OPTION, SEND_OPTION)
+#: the key of the momentum exchange's state in a front end's state dict (the same on every rank)
+STATE_KEY = "mergecomp_momentum"
 #: what each rank puts on the wire in the momentum phase (:class:`MomentumExchange`'s ``send``)
 SENDS = ("momentum", "increment")
 #: Adam options the frozen-variance update does not implement, with the values it accepts
@@ -135,54 +140,94 @@ def check_after(after: Any, option: str = OPTION) -> int:
     return after
 
 
-class MomentumExchange:
-    """The momentum phase of one :class:`~frameworks.torch.optimizer.DistributedOptimizer`
-    (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class MomentumSettings:
+    """The momentum exchange's options, as every front end takes them (checked in one place:
+    :meth:`create`): ``after`` (``exchange_momentum_after``), ``refresh_every``
+    (``variance_refresh_every``), ``send`` (``exchange_momentum_as``)."""
 
-    Args:
-        optimizer: the Adam or AdamW being wrapped, which shares its ``param_groups`` and
-            ``state`` with the wrapper (read at each use: ``load_state_dict`` may replace them;
-            the wrapper's own ``param_groups`` would finish the exchange in flight).
-        params: the exchanged parameters, by tensor index.
-        after: ``K``, the number of warm-up updates.
-        exchange: the optimizer's (its compressor and memory: a majority vote cannot carry an
-            average momentum, DGC's memory would apply momentum to it again; its memories start
-            afresh when the variance freezes).
-        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, or None.
-        send: ``"momentum"`` (this rank's whole momentum ``x``) or ``"increment"`` (only its
-            gradient's share; ``beta1 * m``, the same on every rank, added after the exchange).
-    """
+    after: int
+    refresh_every: Optional[int] = None
+    send: str = "momentum"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter], after: Any,
-                 exchange: Exchange, grad_scaler: Any = None,
-                 refresh_every: Optional[int] = None, send: str = "momentum") -> None:
-        if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
-            raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    @classmethod
+    def create(cls, after: Any = None, refresh_every: Any = None, send: Any = "momentum",
+               grad_scaler: Any = None) -> Optional["MomentumSettings"]:
+        """The settings, or None without ``after`` (then the others must be left unset);
+        ValueError/TypeError naming the option."""
+        if after is None:
+            given = [name for name, value, default in (("grad_scaler", grad_scaler, None),
+                                                       (REFRESH_OPTION, refresh_every, None),
+                                                       (SEND_OPTION, send, "momentum")) if value != default]
+            if given:
+                raise ValueError(f"{given[0]} is only used with {OPTION} (it configures the momentum exchange)")
+            return None
         check_after(after)
         if refresh_every is not None:
             check_after(refresh_every, REFRESH_OPTION)
         if send not in SENDS:
             raise ValueError(f"{SEND_OPTION} must be one of {SENDS}, got {send!r}")
-        if exchange.compressor.votes:
-            raise ValueError(f"{OPTION}: compressor {exchange.compressor.name!r} returns a majority vote, not the "
-                             f"average the momentum needs; use 'efsignsgd' or 'onebit' for signs")
-        if exchange.memory.name == "dgc":
-            raise ValueError(f"{OPTION}: memory 'dgc' applies momentum to what it is given, which is Adam's "
-                             f"momentum already; use memory='residual' or 'averaged'")
-        for g, group in enumerate(optimizer.param_groups):
-            for key, allowed in _UNSUPPORTED.items():
-                if group.get(key, False) not in allowed:
-                    raise ValueError(f"{OPTION} does not support {type(optimizer).__name__}({key}="
-                                     f"{group[key]!r}) (parameter group {g})")
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        return cls(after, refresh_every, send)
+
+    def agreed(self) -> Tuple[Tuple[str, Any], ...]:
+        """The options every rank must give alike, by name."""
+        return ((OPTION, self.after), (REFRESH_OPTION, self.refresh_every), (SEND_OPTION, self.send))
+
+    def defaults(self, compression: Any, memory: Any) -> Tuple[Dict[str, Any], Any]:
+        """The step options this exchange changes the defaults of (a lossless warm-up of
+        ``after`` steps, the search of :data:`SEARCH`), and the memory ``memory`` None means
+        (:func:`default_memory`)."""
+        return ({"compression_warmup_steps": self.after, "scheduler": SEARCH},
+                default_memory(compression) if memory is None else memory)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, exchange: Exchange) -> None:
+    """ValueError naming what the momentum exchange cannot do with ``optimizer`` (an Adam or
+    AdamW without the options it does not implement) and ``exchange``'s compressor and memory."""
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
+        raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    if exchange.compressor.votes:
+        raise ValueError(f"{OPTION}: compressor {exchange.compressor.name!r} returns a majority vote, not the "
+                         f"average the momentum needs; use 'efsignsgd' or 'onebit' for signs")
+    if exchange.memory.name == "dgc":
+        raise ValueError(f"{OPTION}: memory 'dgc' applies momentum to what it is given, which is Adam's "
+                         f"momentum already; use memory='residual' or 'averaged'")
+    for g, group in enumerate(optimizer.param_groups):
+        for key, allowed in _UNSUPPORTED.items():
+            if group.get(key, False) not in allowed:
+                raise ValueError(f"{OPTION} does not support {type(optimizer).__name__}({key}="
+                                 f"{group[key]!r}) (parameter group {g})")
+
+
+class MomentumExchange:
+    """The momentum phase of one :class:`~frameworks.torch.optimizer.DistributedOptimizer`
+    (see the module docstring).
+
+    Args:
+        optimizer: the Adam or AdamW whose ``param_groups`` and ``state`` it reads and writes
+            (at each use: ``load_state_dict`` may replace them).
+        params: the exchanged parameters, by tensor index.
+        settings: :class:`MomentumSettings` (``K``, the number of warm-up updates; the refresh
+            interval; ``send``: ``"momentum"``, this rank's whole momentum ``x``, or
+            ``"increment"``, only its gradient's share, ``beta1 * m``, the same on every rank,
+            added after the exchange).
+        exchange: the front end's (its compressor and memory, :func:`check_optimizer`; its
+            memories start afresh when the variance freezes).
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, or None.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: List[torch.nn.Parameter],
+                 settings: MomentumSettings, exchange: Exchange, grad_scaler: Any = None) -> None:
+        check_optimizer(optimizer, exchange)
         self.optimizer = optimizer
         self.params = params
-        self._exchanged = {id(p) for p in params}
         self.exchange = exchange
-        self.after = after
-        self.refresh_every = refresh_every
+        self.after = settings.after
+        self.refresh_every = settings.refresh_every
         self.grad_scaler = grad_scaler
+        send = settings.send
         self.lossless = exchange.compressor.lossless
         #: the momentum goes on the wire divided by Adam's denominator (lossy codecs that are not
         #: low-rank: the update's own scale, in which one codec scale fits every element)
@@ -233,7 +278,7 @@ class MomentumExchange:
         """``group``'s :class:`GroupState`, taken over from the optimizer's state when the group
         is new (a plan changed, or the state was loaded)."""
         held = self._groups.get(group.name)
-        if held is None or held.group is not group:
+        if held is None or held.group != group:
             group_of = {id(p): j for j, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             held = self._groups[group.name] = GroupState(group, self.params, self.optimizer.state, group_of,
                                                          self.coefficients)
@@ -316,9 +361,9 @@ class MomentumExchange:
         groups = self.optimizer.param_groups
         views = reduced.tensors(len(self.params))
         replaced = [i for i, (p, view) in enumerate(zip(self.params, views)) if p.grad is not view]
-        for i in replaced:  # p.grad replaced since the exchange: its values, where it has some
-            if self.params[i].grad is not None:
-                views[i].copy_(self.params[i].grad)
+        copied = [i for i in replaced if self.params[i].grad is not None]
+        if copied:  # p.grad replaced since the exchange (or a copy of it, DDP's): its values
+            torch._foreach_copy_([views[i] for i in copied], [self.params[i].grad for i in copied])
         for group, flat in zip(reduced.groups, reduced.flats):
             state = self._groups[group.name]
             segments = state.segments

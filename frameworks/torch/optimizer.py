@@ -60,19 +60,14 @@ from mergecomp.pipeline.step import HoldsMergedStep
 from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
-from .momentum_exchange import SEARCH as MOMENTUM_SEARCH
-from .momentum_exchange import SEND_OPTION as MOMENTUM_SEND_OPTION
-from .momentum_exchange import MomentumExchange, check_after
-from .momentum_exchange import default_memory as default_momentum_memory
+from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
+from .momentum_exchange import MomentumExchange, MomentumSettings
 from .named_parameters import collect_parameters
 
 __all__ = ["DistributedOptimizer"]
 
 
 _CLASSES: Dict[type, type] = {}
-#: the state dict's key of the momentum exchange's state (the same on every rank, so a
-#: checkpoint broadcast from one rank carries it)
-MOMENTUM_STATE = "mergecomp_momentum"
 
 
 def _inherited(cls: type, name: str) -> Any:
@@ -187,15 +182,10 @@ class DistributedOptimizer(HoldsMergedStep):
         **options,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor)
-        if exchange_momentum_after is not None and op != Average:
+        momentum = MomentumSettings.create(exchange_momentum_after, variance_refresh_every, exchange_momentum_as,
+                                           grad_scaler)
+        if momentum is not None and op != Average:
             raise ValueError(f"{MOMENTUM_OPTION} needs op=mc.Average (the momentum is averaged), got op={op!r}")
-        if grad_scaler is not None and exchange_momentum_after is None:
-            raise ValueError(f"grad_scaler is only used with {MOMENTUM_OPTION} (a GradScaler works without it "
-                             f"when gradients are exchanged)")
-        if variance_refresh_every is not None and exchange_momentum_after is None:
-            raise ValueError(f"variance_refresh_every is only used with {MOMENTUM_OPTION}")
-        if exchange_momentum_as != "momentum" and exchange_momentum_after is None:
-            raise ValueError(f"{MOMENTUM_SEND_OPTION} is only used with {MOMENTUM_OPTION}")
         self._check_passes(backward_passes_per_step)
         # The optimizer as torch built it (param_groups, state, defaults, hook registries), shared.
         self.__dict__.update(vars(optimizer))
@@ -206,11 +196,10 @@ class DistributedOptimizer(HoldsMergedStep):
         # A rank outside the process set trains on its own gradients, as under Horovod.
         comm = resolve_process_set(process_set, "DistributedOptimizer", member=False).communicator \
             or LocalCommunicator(communicator().timeout)
-        warmup = 0 if exchange_momentum_after is None else check_after(exchange_momentum_after)
-        defaults = {"nonfinite": "propagate", "compression_warmup_steps": warmup}
-        if exchange_momentum_after is not None:
-            defaults["scheduler"] = MOMENTUM_SEARCH
-            memory = default_momentum_memory(compression) if memory is None else memory
+        defaults = {"nonfinite": "propagate", "compression_warmup_steps": 0}
+        if momentum is not None:
+            changed, memory = momentum.defaults(compression, memory)
+            defaults.update(changed)
         step_options = StepOptions.create("DistributedOptimizer", options, defaults=defaults,
                                           fixed={"groups": groups, **scaling(op, factor, comm.size)})
         self.merged = PlannedStep(
@@ -218,9 +207,7 @@ class DistributedOptimizer(HoldsMergedStep):
             [p.dtype for p in self._exchanged], self._exchanged[0].device, step_options,
             FrontEnd("DistributedOptimizer", "parameters", in_place=True,
                      agree=(("backward_passes_per_step", backward_passes_per_step),
-                            (MOMENTUM_OPTION, exchange_momentum_after),
-                            ("variance_refresh_every", variance_refresh_every),
-                            (MOMENTUM_SEND_OPTION, exchange_momentum_as))))
+                            *(momentum.agreed() if momentum else ((MOMENTUM_OPTION, None),)))))
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
         self.backward_passes_per_step = backward_passes_per_step
@@ -234,9 +221,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self._synchronized = self._step_skipped = self._warned_step = self._called_synchronize = False
         self._should_synchronize = True
         #: the momentum phase (``exchange_momentum_after``), or None
-        self.momentum_exchange = None if exchange_momentum_after is None else MomentumExchange(
-            optimizer, self._exchanged, exchange_momentum_after, self.merged.exchange, grad_scaler,
-            variance_refresh_every, exchange_momentum_as)
+        self.momentum_exchange = None if momentum is None else MomentumExchange(
+            optimizer, self._exchanged, momentum, self.merged.exchange, grad_scaler)
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod

@@ -43,7 +43,7 @@ from mergecomp.exchange.breakdown import DECODE, ENCODE, Stopwatch
 from mergecomp.exchange.encoder import Encoder
 from mergecomp.exchange.job import Job
 from mergecomp.exchange.plan import CODECS, COMPRESSED, UNFED, Group
-from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, TWO_PHASE, Scheme
+from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, Scheme
 from mergecomp.compressors.horovod_codec import HorovodCodec, is_horovod_codec
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.workspace import Workspace

@@ -52,15 +52,16 @@ class BucketStep(MergedStep):
 
     def start_group(self, indices: Sequence[int], flat: torch.Tensor) -> None:
         """Start the bucket of tensors ``indices`` laid out in ``flat`` in that order, compressed
-        in place (see the module docstring)."""
+        in place (see the module docstring), transformed first by :attr:`before_start`."""
         with self.exchange.clock(ENCODE):
             group = layout(GroupPlan((tuple(indices),)), self.shapes)[0]
             if group.numel != flat.numel():
                 raise RuntimeError(f"{self.front_end.who}: a group of {flat.numel()} elements holds tensors "
                                    f"{self.tensor_names(group)[:4]} of {group.numel} elements in all")
+            finite = None if self.before_start is None else self.before_start(len(self._given), group, flat, ())
             exempt = [self._exempt[i] for i in group.indices]
             if not any(exempt):
-                self._start_given(group, flat, COMPRESSED, 0)
+                self._start_given(group, flat, COMPRESSED, 0, finite)
                 return
             bounds = [*group.offsets, group.numel]
             slices: Dict[bool, List[torch.Tensor]] = {False: [], True: []}
@@ -78,8 +79,10 @@ class BucketStep(MergedStep):
                     self._copy_back.append((slices[part], len(self._started)))
                     self._start_given(sub, buffer, codec, sub.numel)
 
-    def _start_given(self, group: Group, flat: torch.Tensor, codec: str, copied: int) -> None:
-        """Start ``group``; a group new to the layout first takes its tensors' state over."""
+    def _start_given(self, group: Group, flat: torch.Tensor, codec: str, copied: int,
+                     finite: Optional[bool] = None) -> None:
+        """Start ``group`` (``finite``: whether ``flat`` holds no NaN/Inf, where known); a group
+        new to the layout first takes its tensors' state over."""
         if codec != EXEMPT and group not in self._groups and self._groups:
             holders = self._holders()
             if self._before is None:  # later groups of this step remap from the same snapshot
@@ -90,7 +93,7 @@ class BucketStep(MergedStep):
                 holder.state.update(remap_state(before, self._groups, [group]))
         self._given.append(group)
         self._given_codecs.append(codec)
-        self.launch(group, flat, codec, None, copied)
+        self.launch(group, flat, codec, finite, copied)
 
     def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> Reduced:
         """Split buckets' results go back into their slices."""

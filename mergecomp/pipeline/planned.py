@@ -21,14 +21,14 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from mergecomp.compressors.base.capabilities import FusedParts
 from mergecomp.exchange.breakdown import ENCODE, SCHEDULER
 from mergecomp.exchange.job import Job
-from mergecomp.exchange.plan import EXEMPT, Group, GroupPlan, PlanSpec, build_plan, layout
+from mergecomp.exchange.plan import EXEMPT, GroupPlan, PlanSpec, build_plan, layout
 from mergecomp.kernels import codecs, native
 from mergecomp.pipeline.step import MergedStep, Reduced
 from mergecomp.scheduler.clock import Arrivals
@@ -54,13 +54,6 @@ class PlannedStep(MergedStep):
 
     #: the online search (``groups="auto"``), started once the order is final
     search: Optional[PlanSearch] = None
-    #: ``before_start(g, group, flat, missing)``, set by a front end between steps: called as
-    #: group ``g`` is about to start, every gradient in its ``flat`` buffer (zeros for its tensors
-    #: ``missing`` a gradient), to transform them in place (the momentum exchange's momentum);
-    #: returns whether every value it wrote is finite where it knows (None: the group is checked
-    #: as it starts).  While it is set, no group is encoded part by part
-    before_start: Optional[Callable[[int, Group, torch.Tensor, Sequence[int]], Optional[bool]]] = None
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         groups, front_end = self.options.groups, self.front_end
@@ -270,7 +263,8 @@ class PlannedStep(MergedStep):
     def _arm(self) -> None:
         """At a step's first arrival: its arrival times are stamped where the scheduler profiles
         it (CUDA events on a CUDA device, host seconds otherwise), and nowhere else; groups are
-        encoded part by part where they can be and nothing transforms them first."""
+        encoded part by part where they can be and nothing transforms them first
+        (:attr:`~mergecomp.pipeline.step.MergedStep.before_start` unset)."""
         self._parting = self.exchange.encodes_parts and self.options.prescale == 1.0 and self.before_start is None
         profiled = self.search is not None and self.search.profiles_next()
         self._arrival_times = Arrivals(len(self.names), self.device, events=True) if profiled else None

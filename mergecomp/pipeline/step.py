@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -106,6 +106,12 @@ class MergedStep:
     groups_agreed: str = ""
     #: the online scheduler, where a subclass runs one
     scheduler = None
+    #: ``before_start(g, group, flat, missing)``, set by a front end between steps: called as
+    #: group ``g`` of the step is about to start, every gradient in its ``flat`` buffer (zeros for
+    #: its tensors ``missing`` a gradient), to transform them in place (the momentum exchange's
+    #: momentum); returns whether every value it wrote is finite where it knows (None: the group
+    #: is checked as it starts)
+    before_start: Optional[Callable[[int, Group, torch.Tensor, Sequence[int]], Optional[bool]]] = None
 
     def __init__(self, compression, memory, comm: Communicator, names: Sequence[str],
                  shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype], device: torch.device,

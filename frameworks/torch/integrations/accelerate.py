@@ -2,6 +2,8 @@
 
     model, opt, loader = accelerator.prepare(model, opt, loader)
     register(accelerator, model, "topk")          # before the first backward pass
+    # with AdamW, its momentum exchanged after 100 lossless updates:
+    # register(accelerator, model, "onebit", exchange_momentum_after=100, optimizer=opt)
 
 ``DistributedDataParallelKwargs(comm_hook=...)`` takes only Accelerate's own hook names (any
 other callable is dropped without a word), hence this function.
@@ -30,7 +32,10 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
 
     Args:
         compression, memory, options: as :func:`mergecomp.torch.ddp_comm_hook` (``options``:
-            ``nonfinite``, ``compression_warmup_steps``, ``uncompressed``, ...).
+            ``nonfinite``, ``compression_warmup_steps``, ``uncompressed``, ...;
+            ``exchange_momentum_after=K, optimizer=opt`` with the AdamW ``prepare`` returned:
+            its momentum exchanged, in the loss scale of the accelerator's ``GradScaler`` under
+            fp16).
         checkpoint: also ``accelerator.register_for_checkpointing`` every rank's hook state, so
             ``save_state`` writes it (one file, from the main process) and ``load_state`` gives
             each rank its own back.
@@ -40,6 +45,8 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
     """
     if accelerator.num_processes == 1:
         return None
+    if options.get("exchange_momentum_after") is not None and options.get("grad_scaler") is None:
+        options["grad_scaler"] = accelerator.scaler  # None without fp16
     state = attach(model, compression, memory, options, who="mergecomp.torch.integrations.accelerate.register")
     if checkpoint:
         accelerator.register_for_checkpointing(AllRanks(state, accelerator.device))

@@ -29,6 +29,7 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.pipeline.options import StepOptions
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
+from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
 
 from ._hook import attach
 from ._ranks import collect, own
@@ -83,7 +84,9 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
             default ``"none"``, lossless.
         memory: error-feedback memory name or instance; None: the compressor's default.
         kwargs: mergecomp's options (``nonfinite``, ``compression_warmup_steps``,
-            ``uncompressed``, ``min_compress_numel``, ``scheme``) go to the hook; the rest to
+            ``uncompressed``, ``min_compress_numel``, ``scheme``, and ``exchange_momentum_after``,
+            ``variance_refresh_every``, ``exchange_momentum_as`` to exchange the momentum of the
+            one Adam or AdamW ``configure_optimizers`` returns) go to the hook; the rest to
             Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).
             Bad settings raise here, naming the option.  ``ddp_comm_hook``, ``ddp_comm_state``,
             ``ddp_comm_wrapper`` and ``model_averaging_period`` raise ValueError.
@@ -98,9 +101,9 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         who = type(self).__name__
         _refuse(who, kwargs, _HOOK_ARGUMENTS, "the strategy registers mergecomp's hook (name the compressor with "
                                               "compression=; fp16 is compression='fp16')")
-        options = {name: kwargs.pop(name) for name in [f.name for f in dataclasses.fields(StepOptions)]
-                   if name in kwargs}
-        check_settings(compression, memory, True, **options)
+        options = {name: kwargs.pop(name) for name in [*(f.name for f in dataclasses.fields(StepOptions)),
+                                                         *MOMENTUM_OPTIONS] if name in kwargs}
+        self._momentum = check_settings(compression, memory, True, **options)[3] is not None
         super().__init__(**kwargs)
         self._hook_settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
@@ -116,6 +119,18 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         self.hook_state = attach(self.model, compression, memory, options, who=type(self).__name__)
         self.hook_state.load_state_dict(carried)
         self._resumed = None
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's, then with ``exchange_momentum_after`` the optimizer (one Adam or AdamW
+        from ``configure_optimizers``) and the precision plugin's ``GradScaler`` go to the hook.
+        Lightning loads the optimizer's state after this, when it resumes."""
+        super().setup_optimizers(trainer)
+        if self._momentum and self.hook_state is not None:
+            if len(self.optimizers) != 1:
+                raise ValueError(f"{type(self).__name__}: exchange_momentum_after needs exactly one optimizer from "
+                                 f"configure_optimizers, got {len(self.optimizers)}")
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            self.hook_state.set_optimizer(self.optimizers[0], scaler)
 
     def _local_state(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         return self.hook_state.state_dict() if self.hook_state is not None else {}

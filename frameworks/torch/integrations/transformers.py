@@ -4,16 +4,24 @@
     register(trainer, "topk")
     trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
 
+With AdamW (or Adam), ``register(trainer, "onebit", exchange_momentum_after=K)`` exchanges its
+momentum instead of its gradients after ``K`` updates (:mod:`mergecomp.torch.momentum_hook`): the
+callback hands the Trainer's optimizer (and, under fp16, its ``GradScaler``) to the hook.
+
 The callback registers the hook on ``trainer.model_wrapped`` when training begins (the Trainer
 wraps the model in DDP just before), writes every rank's hook state into each checkpoint folder
 (``mergecomp_ddp_hook.pt``, from rank 0) and, when the Trainer resumes, gives each rank its own
-back.  The folder it resumes from is ``TrainingArguments.resume_from_checkpoint`` when that is
-set, else ``<output_dir>/checkpoint-<global step>``, where the Trainer writes and
+back.  The folder it resumes from is the one given to ``trainer.train(resume_from_checkpoint=...)``
+(``register`` records it), else ``TrainingArguments.resume_from_checkpoint`` when that is set,
+else ``<output_dir>/checkpoint-<global step>``, where the Trainer writes and
 ``train(resume_from_checkpoint=True)`` finds its checkpoints; a resumed run whose folder holds no
-such file logs a warning and starts the error feedback afresh.
+such file (a checkpoint saved without mergecomp) logs a warning and starts the error feedback
+afresh.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 from typing import Any, Optional, Union
@@ -45,10 +53,12 @@ class MergecompCallback(TrainerCallback):
 
     def __init__(self, trainer: Any, compression: Union[str, Compressor] = "none",
                  memory: Union[str, Memory, None] = None, **options: Any) -> None:
-        check_settings(compression, memory, True, **options)
+        self.momentum = check_settings(compression, memory, True, **options)[3] is not None
         self.trainer = trainer
         self.settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
+        #: the folder given to the last ``trainer.train(resume_from_checkpoint=...)`` (:func:`register`)
+        self.resume_from: Any = None
         self._ranks: Optional[AllRanks] = None
         self._wrapped = None  # the DDP model the hook is on
 
@@ -64,12 +74,17 @@ class MergecompCallback(TrainerCallback):
             compression, memory, options = self.settings
             self.hook_state = attach(wrapped, compression, memory, options, who="MergecompCallback")
             self._ranks, self._wrapped = AllRanks(self.hook_state, args.device), wrapped
+        if self.momentum:  # the Trainer's optimizer, its state loaded when it resumes
+            scaler = getattr(self.trainer.accelerator, "scaler", None)
+            self.hook_state.set_optimizer(kwargs["optimizer"], scaler if scaler is not None and scaler.is_enabled()
+                                          else None)
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
 
     def _resume(self, args, step: int) -> None:
-        folder = args.resume_from_checkpoint
-        if not (isinstance(folder, str) and os.path.isdir(folder)):
+        folder = next((f for f in (self.resume_from, args.resume_from_checkpoint)
+                       if isinstance(f, str) and os.path.isdir(f)), None)
+        if folder is None:
             folder = os.path.join(args.output_dir, f"checkpoint-{step}")
         path = os.path.join(folder, STATE_FILE)
         if not os.path.isfile(path):
@@ -95,7 +110,18 @@ class MergecompCallback(TrainerCallback):
 def register(trainer: Any, compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
              **options: Any) -> MergecompCallback:
     """Add :class:`MergecompCallback` to ``trainer`` (before ``trainer.train()``); arguments as
-    :func:`mergecomp.torch.ddp_comm_hook`'s.  Returns the callback."""
+    :func:`mergecomp.torch.ddp_comm_hook`'s (``exchange_momentum_after=K`` with the Trainer's
+    AdamW: its momentum exchanged).  ``trainer.train`` then records the checkpoint folder it is
+    given, where the callback finds the hook's state.  Returns the callback."""
     callback = MergecompCallback(trainer, compression, memory, **options)
     trainer.add_callback(callback)
+    train = trainer.train
+
+    @functools.wraps(train)
+    def train_recording_resume(*args: Any, **kwargs: Any) -> Any:
+        given = inspect.signature(train).bind_partial(*args, **kwargs).arguments
+        callback.resume_from = given.get("resume_from_checkpoint")
+        return train(*args, **kwargs)
+
+    trainer.train = train_recording_resume
     return callback
