@@ -61,13 +61,13 @@ def machine():
 
 
 def table(rows):
-    print(f"\n{'model':12s} {'config':18s} {'cpu ms':>8s} {'x torch':>8s} {'wall ms':>8s} {'aten ops':>9s}  "
+    print(f"\n{'model':12s} {'config':20s} {'cpu ms':>8s} {'x torch':>8s} {'wall ms':>8s} {'aten ops':>9s}  "
           f"cpu ms by round")
     for row in rows:
         x = "-" if row["x"] is None else f"{row['x']:.2f}x"
         ops = f"{row['aten_ops']:.0f}" if "aten_ops" in row else "-"
         wall = f"{row['median_wall_ms']:.2f}" if "median_wall_ms" in row else "-"
-        print(f"{row['model']:12s} {row['config']:18s} {row['median_ms']:8.2f} {x:>8s} {wall:>8s} {ops:>9s}  "
+        print(f"{row['model']:12s} {row['config']:20s} {row['median_ms']:8.2f} {x:>8s} {wall:>8s} {ops:>9s}  "
               + " ".join(f"{ms:.1f}" for ms in row["ms"]))
 
 
@@ -84,7 +84,7 @@ def per_tensor(rows, small, large):
             continue
         anchor = ANCHORS[row["optimizer"].split("-")[0]]
         added = [(by[(m, row["config"])]["x"] - 1) * by[(m, anchor)]["median_ms"] for m in (small, large)]
-        print(f"  {row['config']:18s} {added[0]:7.2f} ms -> {added[1]:7.2f} ms  ({added[1] - added[0]:+.2f} ms)")
+        print(f"  {row['config']:20s} {added[0]:7.2f} ms -> {added[1]:7.2f} ms  ({added[1] - added[0]:+.2f} ms)")
 
 
 def main(argv=None):

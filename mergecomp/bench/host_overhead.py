@@ -42,9 +42,11 @@ class Config:
 
     ``optimizer``: ``"sgd"`` or ``"adamw"`` (torch's default implementation: foreach on CUDA,
     a loop over the tensors on the CPU), or either with ``"-foreach"`` or ``"-fused"``;
-    ``wrapper``: None (plain torch), ``"ddp"`` (DDP on one rank, default options) or
-    ``"mergecomp"`` (``DistributedOptimizer`` with ``compression`` and ``groups``;
-    ``momentum``: AdamW's momentum exchanged from update :data:`MOMENTUM_AFTER`)."""
+    ``wrapper``: None (plain torch), ``"ddp"`` (DDP on one rank, default options),
+    ``"mergecomp"`` (``DistributedOptimizer`` with ``compression`` and ``groups``) or
+    ``"hook"`` (DDP on one rank with mergecomp's communication hook and ``compression``; its
+    buckets are the groups); ``momentum``: AdamW's momentum exchanged from update
+    :data:`MOMENTUM_AFTER`."""
 
     label: str
     optimizer: str = "sgd"
@@ -68,6 +70,7 @@ CONFIGS: Tuple[Config, ...] = (
     Config("none", "sgd", "mergecomp", "none"), Config("fp16", "sgd", "mergecomp", "fp16"),
     Config("topk", "sgd", "mergecomp", "topk"), Config("powersgd", "sgd", "mergecomp", "powersgd"),
     Config("onebit momentum", "adamw", "mergecomp", "onebit", momentum=True),
+    Config("hook onebit momentum", "adamw", "hook", "onebit", momentum=True),
 )
 #: the configuration each optimizer family's ratios are against: torch's default implementation
 ANCHORS = {"sgd": "torch sgd", "adamw": "torch adamw"}
@@ -139,12 +142,18 @@ class _Run:
         self.optimizer = _optimizer(config, module.parameters())
         self.mergecomp = None
         self.forward = module
-        if config.wrapper == "ddp":
+        if config.wrapper in ("ddp", "hook"):
             from torch.nn.parallel import DistributedDataParallel
 
             device = next(module.parameters()).device
             _ddp_group(device)
             self.forward = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+            if config.wrapper == "hook":
+                import mergecomp.torch as mc
+
+                options = {"exchange_momentum_after": MOMENTUM_AFTER, "optimizer": self.optimizer} if config.momentum else {}
+                self.forward.register_comm_hook(*mc.ddp_comm_hook(config.compression,
+                                                                  named_parameters=module.named_parameters(), **options))
         elif config.wrapper == "mergecomp":
             import mergecomp.torch as mc
 
@@ -282,7 +291,7 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
                 row["ms"].append(timed["ms"])
                 if "wall_ms" in timed:
                     row.setdefault("wall_ms", []).append(timed["wall_ms"])
-                log(f"  round {r + 1} {model.name} {config.label:18s} {timed['ms']:8.2f} ms/step")
+                log(f"  round {r + 1} {model.name} {config.label:20s} {timed['ms']:8.2f} ms/step")
     finally:
         for run in runs.values():
             run.close()
