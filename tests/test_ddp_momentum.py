@@ -157,3 +157,20 @@ def test_bad_settings_raise_naming_the_problem_on_every_rank(case, match):
         run_workers(_bad_worker, 2, case)
     tracebacks = raised.value.tracebacks
     assert sorted(tracebacks) == [0, 1] and all(match in tb.strip().splitlines()[-1] for tb in tracebacks.values())
+
+
+def _nan_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    ddp, opt, state = hooked("onebit")
+    train(ddp, opt, shard(x, rank), shard(y, rank), STEPS, make_schedule(opt), poison=(AFTER + 2,) if rank else ())
+    gathered = mc.allgather(flat_params(ddp.module).unsqueeze(0))
+    return bool(torch.isfinite(gathered).all()), bool((gathered == gathered[0]).all()), state.momentum.exchange.updates
+
+
+def test_a_nan_in_the_momentum_phase_skips_the_update_on_every_rank():
+    """No GradScaler: the optimizer's step() on a step whose exchange held NaN/Inf applies
+    nothing (not Adam's own step either) and is not counted."""
+    for finite, identical, updates in run_workers(_nan_worker, 2):
+        assert finite and identical and updates == STEPS - 1

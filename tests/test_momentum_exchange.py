@@ -542,3 +542,24 @@ def test_the_increment_sends_only_the_gradients_share_and_adds_the_rest_after(lo
     for sent, expected, momentum, averaged in run_workers(_wire_worker, 2, low_rank, "increment", timeout=120):
         torch.testing.assert_close(sent, expected, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(momentum, averaged, rtol=1e-5, atol=1e-7)
+
+
+def _nan_worker(rank, compression):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression=compression, groups=2,
+                                  exchange_momentum_after=AFTER)
+    run(model, opt, shard(x, rank), shard(y, rank), STEPS, make_schedule(opt), poison=(AFTER + 2,) if rank else ())
+    gathered = mc.allgather(flat_params(model).unsqueeze(0))
+    return bool(torch.isfinite(gathered).all()), bool((gathered == gathered[0]).all()), opt.momentum_exchange.updates
+
+
+@pytest.mark.parametrize("compression", ["none", "onebit"])
+def test_a_nan_in_the_momentum_phase_skips_the_update_instead_of_writing_it(compression):
+    """Without a GradScaler, an Inf on rank 1 in the momentum phase would reach Adam's momentum
+    and the parameters for good: the update is skipped on every rank (not counted), the ranks
+    stay identical and finite; a lossless exchange is checked too in that phase."""
+    for finite, identical, updates in run_workers(_nan_worker, 2, compression):
+        assert finite and identical and updates == STEPS - 1

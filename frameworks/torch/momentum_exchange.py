@@ -58,6 +58,7 @@ pass each of a fused kernel on contiguous fp32 CPU tensors (:mod:`mergecomp.kern
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -73,6 +74,8 @@ from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 from .momentum_state import GroupState
 
 __all__ = ["MomentumExchange", "MomentumSettings", "SEARCH", "check_optimizer", "default_memory"]
+
+logger = logging.getLogger("mergecomp")
 
 OPTION = "exchange_momentum_after"
 REFRESH_OPTION = "variance_refresh_every"
@@ -243,6 +246,7 @@ class MomentumExchange:
         #: the momentum phase's state, flat per merged group, by group name
         self._groups: Dict[str, GroupState] = {}
         self._result: Optional[Reduced] = None  # the last exchange's result, for the update
+        self._nonfinite = False  # the last exchange held NaN/Inf: its update is skipped
 
     @property
     def active(self) -> bool:
@@ -334,7 +338,8 @@ class MomentumExchange:
         in place, in one pass; with ``send="increment"`` the results hold the increments'
         average, to which ``S * beta1 * m`` is added."""
         self._result = None
-        if reduced is not None:
+        self._nonfinite = reduced is not None and reduced.nonfinite
+        if reduced is not None and not self._nonfinite:
             self._groups = {group.name: self._state(group) for group in reduced.groups}
             self._result = reduced
             if not self.lossless and not self.refreshing:
@@ -349,12 +354,22 @@ class MomentumExchange:
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self) -> bool:
         """The frozen-variance Adam update from ``p.grad`` (the averaged momentum), for every
-        exchanged parameter with Adam state and a gradient, one pass per group."""
+        exchanged parameter with Adam state and a gradient, one pass per group.  Returns whether
+        it ran: an exchange that held NaN/Inf on any rank (:attr:`Reduced.nonfinite`, the same on
+        every rank) is not applied, whether the gradients or the exchange made it (a warning
+        says so): the frozen variance and the momentum would keep the damage for good, where a
+        ``GradScaler`` is not there to skip the step."""
         reduced, self._result = self._result, None
+        if self._nonfinite:
+            self._nonfinite = False
+            logger.warning("%s: the momentum exchanged for update %d held NaN/Inf (the step's non-finite "
+                           "gradient line names where): the update is skipped on every rank, Adam's state and "
+                           "the parameters stay as they were", OPTION, self.updates + 1)
+            return False
         if reduced is None:
-            return
+            return False
         n, every, refreshing = self._phase_update, self.refresh_every, self.refreshing
         gap = n - last_write(n - 1, every)  # on a refresh: the updates it stands for
         stale = n - last_write(n, every)  # updates since the variance was last written: 0 on a refresh
@@ -381,6 +396,7 @@ class MomentumExchange:
                 state.per_step(lambda pg, t: math.sqrt(1 - groups[pg]["betas"][1] ** (t - stale))),
                 state.per_group([g["eps"] for g in groups]),
                 state.per_step(lambda pg, t: -groups[pg]["lr"] / (1 - groups[pg]["betas"][0] ** t)))
+        return True
 
     def _refresh(self, state: GroupState, segments: Segments, grad: torch.Tensor, gap: int) -> None:
         """``v = beta2**gap v + (1 - beta2**gap) g**2`` and ``m = m + (1 - beta1) (g - m)``, the

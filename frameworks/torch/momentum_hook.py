@@ -53,6 +53,7 @@ class HookMomentum:
         #: per parameter group: its ``params`` list as last seen, and those of them not exchanged
         self._others: List[Tuple[List[torch.nn.Parameter], List[torch.nn.Parameter]]] = []
         self._hidden: List[List[torch.nn.Parameter]] = []  # each group's params while Adam's step runs
+        self._applied = True  # whether this step's update ran (or Adam's, in the warm-up)
 
     def attach(self, optimizer: Any, exchange: Exchange, grad_scaler: Any = None) -> None:
         """Exchange ``optimizer``'s momentum (an Adam or AdamW, or a wrapper holding one) from now
@@ -121,7 +122,7 @@ class HookMomentum:
         momentum = self._phase
         if momentum is None:
             return
-        momentum.update()
+        self._applied = momentum.update()  # not applied: Adam's step must not touch them either
         groups = optimizer.param_groups
         self._hidden = [group["params"] for group in groups]
         if len(self._others) != len(groups) or any(seen is not params for (seen, _), params in
@@ -135,7 +136,9 @@ class HookMomentum:
         for group, params in zip(optimizer.param_groups, self._hidden):
             group["params"] = params
         self._hidden = []
-        self.exchange.counted()
+        if self._applied:
+            self.exchange.counted()
+        self._applied = True
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> Optional[Dict[str, Any]]:

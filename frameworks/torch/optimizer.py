@@ -362,19 +362,21 @@ class DistributedOptimizer(HoldsMergedStep):
         if self._step_skipped:
             self._step_skipped = False
             return loss
+        applied = True
         with self.merged.time_update():
             if self._momentum_phase:
-                self._frozen_variance_step()
+                applied = self._frozen_variance_step()
             else:
                 super().step()
-        if self.momentum_exchange is not None:
+        if self.momentum_exchange is not None and applied:
             self.momentum_exchange.counted()
         return loss
 
     @torch.optim.Optimizer.profile_hook_step
-    def _frozen_variance_step(self) -> None:
-        """:meth:`MomentumExchange.update`, between the optimizer's step pre- and post-hooks."""
-        self.momentum_exchange.update()
+    def _frozen_variance_step(self) -> bool:
+        """:meth:`MomentumExchange.update`, between the optimizer's step pre- and post-hooks;
+        whether it was applied."""
+        return self.momentum_exchange.update()
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -56,6 +56,8 @@ class Reduced:
     #: the tensors whose result is not where their gradient was given (the front end points
     #: them at it); None: any of them may be
     moved: Optional[List[int]] = None
+    #: the ranks found NaN/Inf in this step's groups (``nonfinite="propagate"``: every result is NaN)
+    nonfinite: bool = False
 
     def tensors(self, count: int) -> List[torch.Tensor]:
         """Views of the ``count`` tensors' reduced gradients, by tensor index, in their shapes."""
@@ -217,10 +219,13 @@ class MergedStep:
         """Whether this step's gradients are checked for NaN/Inf and the ranks agree on the
         culprits: under every policy but ``"ignore"``, except ``"propagate"`` when every group
         this step can send travels as the plain sum of the ranks' gradients
-        (:meth:`~mergecomp.exchange.exchange.Exchange.sums_losslessly`): any rank's NaN/Inf then
-        reaches every rank's result of its group by itself, and no state needs putting back."""
+        (:meth:`~mergecomp.exchange.exchange.Exchange.sums_losslessly`; not so where
+        :attr:`before_start` transforms them): any rank's NaN/Inf then reaches every rank's
+        result of its group by itself, and no state needs putting back."""
         if self.nonfinite != "propagate":
             return self.nonfinite != "ignore"
+        if self.before_start is not None:  # the front end must know (Reduced.nonfinite)
+            return True
         codecs = {self._started_as(codec) for codec in (*self._plan.codec_names(), COMPRESSED)}
         return not all(self.exchange.sums_losslessly(codec) for codec in codecs)
 
@@ -348,6 +353,7 @@ class MergedStep:
                           for rank, name, why in bad)
         if policy == "propagate":  # its results are NaN (_finish): every rank's GradScaler skips it
             logger.info("%s: non-finite gradient at step %d (%s); every rank's result is NaN", who, step, where)
+            reduced.nonfinite = True
             return reduced
         if policy == "raise":
             by_name = {group.name: group for group in reduced.groups}
