@@ -174,3 +174,21 @@ def test_a_nan_in_the_momentum_phase_skips_the_update_on_every_rank():
     nothing (not Adam's own step either) and is not counted."""
     for finite, identical, updates in run_workers(_nan_worker, 2):
         assert finite and identical and updates == STEPS - 1
+
+
+def _again_worker(rank):
+    x, y = make_data()
+    out = []
+    for again in (False, True):
+        ddp, opt, state = hooked("onebit")
+        train(ddp, opt, shard(x, rank), shard(y, rank), AFTER + 2)
+        if again:  # as a framework's second fit()/train() hands the same optimizer over again
+            state.set_optimizer(opt)
+        train(ddp, opt, shard(x, rank), shard(y, rank), 3)
+        out.append(flat_params(ddp.module))
+    return out
+
+
+def test_handing_the_same_optimizer_over_again_keeps_the_exchange_as_it_is():
+    for once, again in run_workers(_again_worker, 2):
+        assert torch.equal(once, again)

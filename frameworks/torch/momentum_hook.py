@@ -58,11 +58,15 @@ class HookMomentum:
     def attach(self, optimizer: Any, exchange: Exchange, grad_scaler: Any = None) -> None:
         """Exchange ``optimizer``'s momentum (an Adam or AdamW, or a wrapper holding one) from now
         on, with ``grad_scaler`` scaling the loss (None: none).  Every exchanged parameter must
-        be in it; ValueError otherwise.  Called again with another optimizer, moves to it.
+        be in it; ValueError otherwise.  Called again with the same optimizer, keeps the state
+        (takes the new ``grad_scaler``); with another, moves to it.
         Without a state loaded (:meth:`load_state_dict`), the updates so far are Adam's step
         count, as :meth:`MomentumExchange.load_state_dict` of None has it: load the optimizer's
         own state first when resuming from a checkpoint without the hook's."""
         optimizer = adam_of(optimizer)
+        if self.exchange is not None and self.exchange.optimizer is optimizer:  # again (a second train())
+            self.exchange.grad_scaler = grad_scaler
+            return
         momentum = MomentumExchange(optimizer, self.params, self.settings, exchange, grad_scaler)  # checks it
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [i for i, p in enumerate(self.params) if id(p) not in held]
