@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import warnings
 
 import pytest
 import torch
@@ -394,6 +395,11 @@ def _transformers(rank, folder):
     torch.distributed.barrier()
     out["adam_resumed"], momentum = train_adam("adam_resumed", resume=elsewhere)
     out["adam_resumed_updates"] = momentum.updates
+    with warnings.catch_warnings(record=True) as caught:  # AdamW's gradients through top-k: told what to add
+        warnings.simplefilter("always")
+        trainer_run(os.path.join(folder, "adam_gradients"), {"compression": "topk"}, max_steps=1,
+                    optim="adamw_torch", save_strategy="no")
+    out["adam_warnings"] = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
     return out
 
 
@@ -426,4 +432,6 @@ def test_transformers_trainer_exchanges_adamws_momentum_and_resumes_from_any_fol
         assert out["adam_active"] and out["adam_updates"] == 8 and out["adam_resumed_updates"] == 8
         assert torch.equal(out["adam_resumed"], out["adam"])
         assert out["adam_record"]["ranks"][0]["mergecomp_momentum"]["updates"] == 4
+        [told] = out["adam_warnings"]
+        assert told.startswith("MergecompCallback: 'topk'") and "exchange_momentum_after=K" in told
     assert torch.equal(transformers[0]["adam"], transformers[1]["adam"])

@@ -563,3 +563,33 @@ def test_a_nan_in_the_momentum_phase_skips_the_update_instead_of_writing_it(comp
     stay identical and finite; a lossless exchange is checked too in that phase."""
     for finite, identical, updates in run_workers(_nan_worker, 2, compression):
         assert finite and identical and updates == STEPS - 1
+
+
+def _warning_worker(rank):
+    import warnings
+
+    import mergecomp.torch as mc
+
+    out = {}
+    for label, make, compression, options in [
+            ("adamw onebit", make_adam, "onebit", {}), ("adamw topk", make_adam, "topk", {}),
+            ("adamw onebit, momentum exchanged", make_adam, "onebit", {"exchange_momentum_after": AFTER}),
+            ("adamw qsgd (no error feedback)", make_adam, "qsgd", {}), ("adamw none", make_adam, "none", {}),
+            ("sgd onebit", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "onebit", {})]:
+        model = make_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mc.DistributedOptimizer(make(model), model.named_parameters(), compression=compression, **options)
+        out[label] = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
+    return out
+
+
+def test_adams_gradients_through_error_feedback_warn_with_the_line_to_add():
+    """Without asking for the momentum exchange, Adam or AdamW with a lossy error-feedback
+    compressor warns naming the option; the user's choice still stands (no refusal, no change)."""
+    out = run_workers(_warning_worker, 2)[0]
+    for label in ("adamw onebit", "adamw topk"):
+        [message] = out[label]
+        assert "DistributedOptimizer" in message and "exchange_momentum_after=K" in message, message
+    for label in ("adamw onebit, momentum exchanged", "adamw qsgd (no error feedback)", "adamw none", "sgd onebit"):
+        assert out[label] == [], label

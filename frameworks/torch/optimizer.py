@@ -61,7 +61,7 @@ from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import MomentumExchange, MomentumSettings
+from .momentum_exchange import MomentumExchange, MomentumSettings, warn_adam_gradients
 from .named_parameters import collect_parameters
 
 __all__ = ["DistributedOptimizer"]
@@ -223,6 +223,8 @@ class DistributedOptimizer(HoldsMergedStep):
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if momentum is None else MomentumExchange(
             optimizer, self._exchanged, momentum, self.merged.exchange, grad_scaler)
+        if momentum is None:
+            warn_adam_gradients(optimizer, self.merged.exchange, "DistributedOptimizer")
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     @staticmethod

@@ -30,6 +30,7 @@ from mergecomp.compressors.base.memory import Memory
 from mergecomp.pipeline.options import StepOptions
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
+from mergecomp.torch.momentum_exchange import warn_adam_gradients
 
 from ._hook import attach
 from ._ranks import collect, own
@@ -122,15 +123,21 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
 
     def setup_optimizers(self, trainer: Any) -> None:
         """Lightning's, then with ``exchange_momentum_after`` the optimizer (one Adam or AdamW
-        from ``configure_optimizers``) and the precision plugin's ``GradScaler`` go to the hook.
-        Lightning loads the optimizer's state after this, when it resumes."""
+        from ``configure_optimizers``) and the precision plugin's ``GradScaler`` go to the hook
+        (without it, an Adam whose gradients a lossy compressor with error feedback sends
+        warns).  Lightning loads the optimizer's state after this, when it resumes."""
         super().setup_optimizers(trainer)
-        if self._momentum and self.hook_state is not None:
-            if len(self.optimizers) != 1:
-                raise ValueError(f"{type(self).__name__}: exchange_momentum_after needs exactly one optimizer from "
-                                 f"configure_optimizers, got {len(self.optimizers)}")
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            self.hook_state.set_optimizer(self.optimizers[0], scaler)
+        if self.hook_state is None:
+            return
+        if not self._momentum:
+            for optimizer in self.optimizers:
+                warn_adam_gradients(optimizer, self.hook_state.exchange, type(self).__name__)
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{type(self).__name__}: exchange_momentum_after needs exactly one optimizer from "
+                             f"configure_optimizers, got {len(self.optimizers)}")
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self.hook_state.set_optimizer(self.optimizers[0], scaler)
 
     def _local_state(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         return self.hook_state.state_dict() if self.hook_state is not None else {}

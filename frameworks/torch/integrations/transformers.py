@@ -32,6 +32,8 @@ from transformers import TrainerCallback
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
+from mergecomp.torch.momentum_exchange import warn_adam_gradients
+from mergecomp.torch.momentum_hook import adam_of
 
 from ._hook import attach
 from ._ranks import AllRanks
@@ -78,6 +80,8 @@ class MergecompCallback(TrainerCallback):
             scaler = getattr(self.trainer.accelerator, "scaler", None)
             self.hook_state.set_optimizer(kwargs["optimizer"], scaler if scaler is not None and scaler.is_enabled()
                                           else None)
+        else:
+            warn_adam_gradients(adam_of(kwargs["optimizer"]), self.hook_state.exchange, "MergecompCallback")
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
 
