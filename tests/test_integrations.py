@@ -131,6 +131,10 @@ def _lightning(rank, folder, port):
     strategy = MergecompDDPStrategy("onebit", exchange_momentum_after=3, variance_refresh_every=2)
     out["hook_adam_resumed"] = fit(strategy, module=Tiny("hook"), ckpt=path)
     out["hook_adam_resumed_updates"] = strategy.hook_state.momentum.exchange.updates
+    with warnings.catch_warnings(record=True) as caught:  # AdamW's gradients through top-k: told what to add
+        warnings.simplefilter("always")
+        fit(MergecompDDPStrategy("topk"), epochs=1, module=Tiny("hook"))
+    out["hook_adam_warnings"] = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
 
     # no DDP: mc.DistributedOptimizer exchanges, after mc.init() ran as one process (the README's
     # script under Lightning's launcher, as rank 0 sees it); the strategy starts mergecomp anew
@@ -201,6 +205,8 @@ def test_lightning_hook_strategy_exchanges_adamws_momentum_and_resumes_exactly(l
     backward pass inside optimizer.step(closure)); resumed after epoch 1, the same parameters."""
     for out in lightning:
         assert out["hook_adam_updates"] == 8 and out["hook_adam_resumed_updates"] == 8
+        [told] = out["hook_adam_warnings"]
+        assert told.startswith("MergecompDDPStrategy: 'topk'") and "exchange_momentum_after=K" in told
         assert torch.equal(out["hook_adam_resumed"], out["hook_adam"])
         assert not torch.equal(out["hook_adam"], out["hook_none"])
     assert torch.equal(lightning[0]["hook_adam"], lightning[1]["hook_adam"])
