@@ -6,6 +6,7 @@ uncompressed single-process result, with a copy only where a gradient was not in
 import pytest
 import torch
 from distributed import run_workers
+from test_momentum_exchange import run
 from test_optimizer_dist import flat_params, make_data, make_model, shard
 
 STEPS = 6
@@ -16,20 +17,8 @@ def _steps(model, opt, x, y, zero, steps=STEPS, scaler=None, clip=None, poison=N
     of each step; ``poison``: (rank, step) whose loss is Inf."""
     copied = []
     for t in range(steps):
-        zero(model, opt, t)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        if poison == (rank, t):
-            loss = loss * float("inf")
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.unscale_(opt)
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
+        run(model, opt, x, y, 1, scaler=scaler, clip=clip, poison=(0,) if poison == (rank, t) else (),
+            zero=lambda model, opt, _: zero(model, opt, t))
         if hasattr(opt, "merged"):
             copied.append(sum(g["passes_by_stage"].get("copy-in", 0.0) for g in opt.step_breakdown(1)["groups"]))
     return copied

@@ -27,10 +27,11 @@ def make_schedule(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=(), clip=None, closure=False):
+def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=(), clip=None, closure=False, zero=None):
     """``steps`` training steps; the gradient is Inf at the steps in ``poison``; ``clip``: the
     (unscaled) gradients clipped to that norm; ``closure``: the forward and backward pass run
-    inside ``opt.step(closure)``, as Lightning runs them (no scaler, clipping or poison)."""
+    inside ``opt.step(closure)``, as Lightning runs them (no scaler, clipping or poison);
+    ``zero(model, opt, step)`` zeroes the gradients (default ``opt.zero_grad()``)."""
     for t in range(steps):
         if closure:
             def forward_backward():
@@ -40,7 +41,10 @@ def run(model, opt, x, y, steps, schedule=None, scaler=None, poison=(), clip=Non
                 return loss
             opt.step(forward_backward)
         else:
-            opt.zero_grad()
+            if zero:
+                zero(model, opt, t)
+            else:
+                opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             if t in poison:
                 loss = loss * float("inf")
