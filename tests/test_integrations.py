@@ -385,8 +385,8 @@ def _transformers(rank, folder):
     out["forgetful"] = train("forgetful", "topk", resume=copied("forgetful", keep_state=False))[0]
 
     # AdamW's momentum exchanged from update 3 on, with a linear schedule and clipping
-    def train_adam(run, resume=None):
-        params, callback = trainer_run(os.path.join(folder, run), {"compression": "onebit", "exchange_momentum_after": 2},
+    def train_adam(run, resume=None, after=2):
+        params, callback = trainer_run(os.path.join(folder, run), {"compression": "onebit", "exchange_momentum_after": after},
                                        resume, max_steps=8, learning_rate=1e-2, lr_scheduler_type="linear",
                                        warmup_steps=2, optim="adamw_torch", weight_decay=0.1, max_grad_norm=1.0,
                                        save_steps=4)
@@ -401,6 +401,8 @@ def _transformers(rank, folder):
     torch.distributed.barrier()
     out["adam_resumed"], momentum = train_adam("adam_resumed", resume=elsewhere)
     out["adam_resumed_updates"] = momentum.updates
+    out["adam_auto"], momentum = train_adam("adam_auto", after="auto")  # the LR warm-up's 2 updates
+    out["adam_auto_after"] = momentum.after
     with warnings.catch_warnings(record=True) as caught:  # AdamW's gradients through top-k: told what to add
         warnings.simplefilter("always")
         trainer_run(os.path.join(folder, "adam_gradients"), {"compression": "topk"}, max_steps=1,
@@ -437,7 +439,21 @@ def test_transformers_trainer_exchanges_adamws_momentum_and_resumes_from_any_fol
     for out in transformers:
         assert out["adam_active"] and out["adam_updates"] == 8 and out["adam_resumed_updates"] == 8
         assert torch.equal(out["adam_resumed"], out["adam"])
+        assert out["adam_auto_after"] == 2 and torch.equal(out["adam_auto"], out["adam"])
         assert out["adam_record"]["ranks"][0]["mergecomp_momentum"]["updates"] == 4
         [told] = out["adam_warnings"]
         assert told.startswith("MergecompCallback: 'topk'") and "exchange_momentum_after=K" in told
     assert torch.equal(transformers[0]["adam"], transformers[1]["adam"])
+
+
+@requires("transformers")
+@requires("accelerate")
+@pytest.mark.parametrize("warmup,steps,after", [(0, 2000, 100), (300, 2000, 300), (0.1, 2000, 200), (0, 10, 1)])
+def test_the_trainers_auto_warm_up_is_the_lr_warm_up_and_at_least_5_percent(tmp_path, warmup, steps, after):
+    from transformers import TrainingArguments
+
+    from mergecomp.torch.integrations.transformers import auto_warmup
+
+    with kept_environment():
+        args = TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup, use_cpu=True, report_to="none")
+    assert auto_warmup(args, steps) == after
