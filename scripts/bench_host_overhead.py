@@ -64,6 +64,9 @@ def table(rows):
     print(f"\n{'model':12s} {'config':20s} {'cpu ms':>8s} {'x torch':>8s} {'wall ms':>8s} {'aten ops':>9s}  "
           f"cpu ms by round")
     for row in rows:
+        if "median_ms" not in row:  # it failed in every round
+            print(f"{row['model']:12s} {row['config']:20s} {row.get('error', 'not run')}")
+            continue
         x = "-" if row["x"] is None else f"{row['x']:.2f}x"
         ops = f"{row['aten_ops']:.0f}" if "aten_ops" in row else "-"
         wall = f"{row['median_wall_ms']:.2f}" if "median_wall_ms" in row else "-"
@@ -80,7 +83,8 @@ def per_tensor(rows, small, large):
     print(f"\n{small} -> {large}: ms a configuration adds to its torch anchor's step, and how much more with "
           f"the larger model's tensors")
     for row in rows:
-        if row["model"] != small or row["config"] in ANCHORS.values() or (large, row["config"]) not in by:
+        if (row["model"] != small or row["config"] in ANCHORS.values() or (large, row["config"]) not in by
+                or any(by[(m, row["config"])].get("x") is None for m in (small, large))):
             continue
         anchor = ANCHORS[row["optimizer"].split("-")[0]]
         added = [(by[(m, row["config"])]["x"] - 1) * by[(m, anchor)]["median_ms"] for m in (small, large)]

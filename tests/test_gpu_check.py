@@ -105,3 +105,25 @@ def test_a_run_past_its_budget_is_interrupted_and_still_reports_its_failures(tmp
     assert result["problem"].startswith("timed out") and result["seconds"] < REPORT_S + 10
     assert result["failing"] == ["tests.cuda.test_slow::test_bad"] and "junit" in result, result
     assert "the reason" in (out / "cuda_tests.log").read_text()
+
+
+def test_a_configuration_that_fails_leaves_the_others_rows_and_fails_the_verdict_by_name():
+    """Stage 3 builds each configuration per round: one that raises (here a compressor that does
+    not exist) gets its error, the others their times, and the verdict names it."""
+    import torch
+
+    from mergecomp.bench.host_overhead import Config, build, compare
+
+    model = build("gpt2-2x8", torch.device("cpu"))
+    rows = compare(model, [Config("torch sgd"), Config("bad", "sgd", "mergecomp", "no-such-compressor"),
+                           Config("none", "sgd", "mergecomp", "none")], rounds=1, steps=1, warmup=1, resident=False,
+                   log=lambda line: None, count_ops=False)
+    by = {row["config"]: row for row in rows}
+    assert "no-such-compressor" in by["bad"]["error"] and "median_ms" not in by["bad"]
+    assert by["none"]["median_ms"] > 0 and by["none"]["x"] > 0 and "error" not in by["none"]
+    training = {"seconds": 1.0, "steps": 1, "warmup": 1, "models": {"gpt2-2x8": {"batch": 2, "rows": rows}}}
+    summary = summary_of(COUNTS, training=training)
+    status, line = verdict(summary)
+    assert status == "fail" and "training: gpt2-2x8/bad: " in line
+    summary["verdict"] = line
+    assert "| bad | ValueError: " in markdown(summary)

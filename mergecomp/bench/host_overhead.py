@@ -23,7 +23,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -233,6 +233,27 @@ def _prepared(model: Model, config: Config, warmup: int, groups: object, search_
     return run, info
 
 
+def _timed(runs: Dict[str, "_Run"], model: Model, config: Config, row: Dict[str, Any], count_ops: bool,
+           timer: Callable[[Callable[[], object], int], Dict[str, float]], steps: int, warmup: int, groups: object,
+           search_steps: int) -> Dict[str, float]:
+    """One round of ``config``: its resident run in ``runs``, else one built for the round and
+    closed after it; ``row`` gets its aten operators (``count_ops``) and its last loss."""
+    run = runs.get(config.label)
+    built = run is None
+    if built:
+        run, info = _prepared(model, config, warmup, groups, search_steps)
+        row.update(info)
+    try:
+        if count_ops:
+            row["aten_ops"] = aten_ops(run.step)
+        timed = timer(run.step, steps)
+        row["loss"] = float(run.step())
+        return timed
+    finally:
+        if built:
+            run.close()
+
+
 def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, warmup: int, groups: object = None,
             log: Callable[[str], None] = print, search_steps: int = 60, resident: bool = True,
             count_ops: bool = True, deadline: Optional[float] = None) -> List[Dict[str, object]]:
@@ -249,7 +270,8 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
     else in the same round; ``anchor_ms``: those times; None without an anchor); on a CUDA
     device ``peak_gib``, the most memory allocated while it ran.
     A configuration due after ``deadline`` (``time.perf_counter()``) is not run: its row has no
-    ``median_ms`` and ``skipped`` True."""
+    ``median_ms`` and ``skipped`` True.  Where runs are built per round (not ``resident``), a
+    configuration that raises gets ``error`` (its exception, one line) and the others go on."""
     rows = {config.label: {"model": model.name, "tensors": model.tensors, "parameters": model.parameters,
                            "config": config.label, "optimizer": config.optimizer, "ms": []} for config in configs}
     timer = cuda_ms if model.batch[0].device.type == "cuda" else cpu_ms
@@ -274,18 +296,15 @@ def compare(model: Model, configs: Sequence[Config], rounds: int, steps: int, wa
                 anchor = runs.get(ANCHORS[config.family]) if config.label != ANCHORS[config.family] else None
                 if anchor is not None:
                     row.setdefault("anchor_ms", []).append(timer(anchor.step, steps)["ms"])
-                run = runs.get(config.label)
-                if run is None:
-                    run, info = _prepared(model, config, warmup, groups, search_steps)
-                    row.update(info)
                 try:
-                    if count_ops and r == 0:
-                        row["aten_ops"] = aten_ops(run.step)
-                    timed = timer(run.step, steps)
-                    row["loss"] = float(run.step())
-                finally:
-                    if not resident:
-                        run.close()
+                    timed = _timed(runs, model, config, row, r == 0 and count_ops, timer, steps, warmup, groups,
+                                   search_steps)
+                except Exception as error:  # a run built per round: the other configurations go on
+                    if resident:
+                        raise
+                    row["error"] = f"{type(error).__name__}: {error}"
+                    log(f"  round {r + 1} {model.name} {config.label:20s} failed: {row['error']}")
+                    continue
                 if cuda:
                     row["peak_gib"] = max(row.get("peak_gib", 0.0), torch.cuda.max_memory_allocated() / 2**30)
                 row["ms"].append(timed["ms"])

@@ -21,6 +21,8 @@ def _problems(summary: Dict) -> List[str]:
     for stage in ("codecs", "training"):
         if "error" in summary["stages"].get(stage, {}):
             problems.append(f"{stage}: {summary['stages'][stage]['error']}")
+    for model, entry in summary["stages"].get("training", {}).get("models", {}).items():
+        problems += [f"training: {model}/{row['config']}: {row['error']}" for row in entry["rows"] if "error" in row]
     return problems
 
 
@@ -101,7 +103,8 @@ def markdown(summary: Dict) -> str:
     for model, entry in training.get("models", {}).items():
         lines += [f"{model}, batch {entry['batch']}: {training['steps']} timed steps after {training['warmup']}.", ""]
         lines += _table(["config", "ms/step", "x torch", "aten ops", "groups", "peak GiB", "loss", "scheduler chose"],
-                        [[row["config"], f"{row['median_ms']:.2f}", "-" if row.get("x") is None else f"{row['x']:.2f}x",
+                        [[row["config"], row["error"]] + ["-"] * 6 if "median_ms" not in row else
+                         [row["config"], f"{row['median_ms']:.2f}", "-" if row.get("x") is None else f"{row['x']:.2f}x",
                           "-" if row.get("aten_ops") is None else f"{row['aten_ops']:.0f}",
                           "-" if row.get("groups") is None else str(row["groups"]),
                           "-" if row.get("peak_gib") is None else f"{row['peak_gib']:.1f}",
