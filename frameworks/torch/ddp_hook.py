@@ -181,6 +181,7 @@ class DDPHookState(HoldsMergedStep):
             reduced = self.merged.finish()
             if self.momentum is not None:
                 self.momentum.finished(reduced)
+            self.merged.copy_back()
         except BaseException as error:
             self._fail(error)
         for future, buffer in self._futures:
@@ -335,9 +336,6 @@ def check_settings(compression: Union[str, Compressor] = "none", memory: Union[s
                          f"optimizer step), got {step_options.nonfinite!r}")
     if step_options.uncompressed and not named:
         raise ValueError("ddp_comm_hook: uncompressed matches parameter names: pass named_parameters too")
-    if momentum is not None and (step_options.uncompressed or step_options.min_compress_numel):
-        raise ValueError(f"ddp_comm_hook: {MOMENTUM_OPTION} with uncompressed or min_compress_numel (a bucket "
-                         f"split in two) is not supported")
     compressor, memory = resolve(compression, memory)
     step_options.check(compressor)
     return compressor, memory, step_options, momentum

@@ -4,7 +4,8 @@ The caller starts each bucket with :meth:`BucketStep.start_group` (tensors in th
 order, laid out in its flat buffer, compressed in place) and ends the step with ``finish``,
 which writes every bucket's result back into its buffer.  A bucket holding exempt tensors is
 cut in two groups (its exempt tensors, the others), each copied out of the bucket into a buffer
-of its own and its result copied back.  When the buckets differ from the last step's (DDP
+of its own (and transformed there by ``before_start``); the caller copies their results back
+with :meth:`BucketStep.copy_back` once it has done with them.  When the buckets differ from the last step's (DDP
 rebuilt them), each new group takes over its tensors' state from the old groups (per element;
 other state, such as PowerSGD's Q, starts afresh), and the step's groups become the layout.
 Tensors may be registered as they come (:meth:`BucketStep.add_tensor`).
@@ -33,6 +34,8 @@ class BucketStep(MergedStep):
     def __init__(self, *args, **kwargs) -> None:
         self._parts: Dict[str, torch.Tensor] = {}  # split buckets' buffers, by group name
         self._before: Optional[List[Dict]] = None  # the state before this step's new groups took theirs
+        #: the last step's split buckets: their slices and the result that goes back into them
+        self._results: List[Tuple[List[torch.Tensor], torch.Tensor]] = []
         super().__init__(*args, **kwargs)
 
     def add_tensor(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -52,16 +55,15 @@ class BucketStep(MergedStep):
 
     def start_group(self, indices: Sequence[int], flat: torch.Tensor) -> None:
         """Start the bucket of tensors ``indices`` laid out in ``flat`` in that order, compressed
-        in place (see the module docstring), transformed first by :attr:`before_start`."""
+        in place (see the module docstring)."""
         with self.exchange.clock(ENCODE):
             group = layout(GroupPlan((tuple(indices),)), self.shapes)[0]
             if group.numel != flat.numel():
                 raise RuntimeError(f"{self.front_end.who}: a group of {flat.numel()} elements holds tensors "
                                    f"{self.tensor_names(group)[:4]} of {group.numel} elements in all")
-            finite = None if self.before_start is None else self.before_start(len(self._given), group, flat, ())
             exempt = [self._exempt[i] for i in group.indices]
             if not any(exempt):
-                self._start_given(group, flat, COMPRESSED, 0, finite)
+                self._start_given(group, flat, COMPRESSED, 0)
                 return
             bounds = [*group.offsets, group.numel]
             slices: Dict[bool, List[torch.Tensor]] = {False: [], True: []}
@@ -79,10 +81,9 @@ class BucketStep(MergedStep):
                     self._copy_back.append((slices[part], len(self._started)))
                     self._start_given(sub, buffer, codec, sub.numel)
 
-    def _start_given(self, group: Group, flat: torch.Tensor, codec: str, copied: int,
-                     finite: Optional[bool] = None) -> None:
-        """Start ``group`` (``finite``: whether ``flat`` holds no NaN/Inf, where known); a group
-        new to the layout first takes its tensors' state over."""
+    def _start_given(self, group: Group, flat: torch.Tensor, codec: str, copied: int) -> None:
+        """Start ``group``, transformed first by :attr:`before_start`; a group new to the layout
+        first takes its tensors' state over."""
         if codec != EXEMPT and group not in self._groups and self._groups:
             holders = self._holders()
             if self._before is None:  # later groups of this step remap from the same snapshot
@@ -91,17 +92,25 @@ class BucketStep(MergedStep):
             for holder, before in zip(holders, self._before):
                 holder.state.pop(group.name, None)
                 holder.state.update(remap_state(before, self._groups, [group]))
+        finite = None if self.before_start is None else self.before_start(len(self._given), group, flat, ())
         self._given.append(group)
         self._given_codecs.append(codec)
         self.launch(group, flat, codec, finite, copied)
 
     def _decoded(self, jobs: List[Job], flats: List[torch.Tensor]) -> Reduced:
-        """Split buckets' results go back into their slices."""
-        for slices, j in self._copy_back:
-            for dst, src in zip(slices, flats[j].split([t.numel() for t in slices])):
-                dst.copy_(src)
+        """Split buckets' results are to go back into their slices (:meth:`copy_back`)."""
+        for _, j in self._copy_back:
             jobs[j].count("copy-out", 1)
+        self._results = [(slices, flats[j]) for slices, j in self._copy_back]
         return super()._decoded(jobs, flats)
+
+    def copy_back(self) -> None:
+        """After ``finish`` (and whatever the caller does to its results in place): each split
+        bucket's results go back into the bucket's slices, where DDP takes them."""
+        for slices, result in self._results:
+            for dst, src in zip(slices, result.split([t.numel() for t in slices])):
+                dst.copy_(src)
+        self._results = []
 
     def _end_step(self, bad: bool) -> None:
         """The groups started this step become the layout; state of groups gone is dropped."""
@@ -116,7 +125,7 @@ class BucketStep(MergedStep):
         super()._end_step(bad)
 
     def abort(self) -> None:
-        self._before = None
+        self._before, self._results = None, []
         super().abort()
 
     def _load_layout(self, plan: GroupPlan, shapes: List[torch.Size], state: Dict[str, Any]) -> None:
