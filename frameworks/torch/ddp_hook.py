@@ -51,8 +51,8 @@ from mergecomp.pipeline.step import HoldsMergedStep
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import MomentumSettings
-from .momentum_hook import HookMomentum
+from .momentum_exchange import MomentumSettings, warn_adam_gradients
+from .momentum_hook import HookMomentum, adam_of
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
 
@@ -131,6 +131,16 @@ class DDPHookState(HoldsMergedStep):
             self._optimizer = None
         return self
 
+    def train_with(self, optimizer: Any, grad_scaler: Any = None, who: str = "ddp_comm_hook") -> None:
+        """The optimizer a framework steps with this hook (its wrapper of one too): with
+        ``exchange_momentum_after`` its momentum is exchanged (:meth:`set_optimizer`); without,
+        an Adam whose gradients a lossy compressor with error feedback sends warns, naming
+        ``who`` and the line to add."""
+        if self.momentum is not None:
+            self.set_optimizer(optimizer, grad_scaler)
+        else:
+            warn_adam_gradients(adam_of(optimizer), self.exchange, who)
+
     @property
     def nonfinite(self) -> str:
         return self._nonfinite
@@ -179,8 +189,8 @@ class DDPHookState(HoldsMergedStep):
         """Finish every pending bucket in bucket order and complete their futures."""
         try:
             reduced = self.merged.finish()
-            if self.momentum is not None:
-                self.momentum.finished(reduced)
+            if self.momentum is not None:  # bound to an optimizer: begin() saw to it
+                self.momentum.exchange.finished(reduced)
             self.merged.copy_back()
         except BaseException as error:
             self._fail(error)
@@ -203,8 +213,9 @@ class DDPHookState(HoldsMergedStep):
         own is in the optimizer's checkpoint); before binding, the state loaded into it, or
         ``{}`` (nothing to restore)."""
         state = dict(self._loaded or {}) if self._merged is None else self.merged.state_dict()
-        if self.momentum is not None and self.momentum.state_dict() is not None:
-            state[MOMENTUM_STATE] = self.momentum.state_dict()
+        momentum = None if self.momentum is None else self.momentum.state_dict()
+        if momentum is not None:
+            state[MOMENTUM_STATE] = momentum
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

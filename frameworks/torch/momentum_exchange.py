@@ -69,7 +69,7 @@ from mergecomp.exchange.exchange import Exchange, resolve
 from mergecomp.exchange.plan import Group
 from mergecomp.kernels import frozen_adam
 from mergecomp.kernels.frozen_adam import Segments
-from mergecomp.pipeline.step import Reduced
+from mergecomp.pipeline.step import MergedStep, Reduced
 from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 
 from .momentum_state import GroupState
@@ -303,6 +303,12 @@ class MomentumExchange:
                                                          self.coefficients)
         return held
 
+    def begin_step(self, merged: MergedStep) -> None:
+        """A step's first gradient is final: in the momentum phase ``merged``'s groups become this
+        rank's momentum before they start (:meth:`to_wire`), and a refresh sends them exactly."""
+        merged.exact = self.active and self.refreshing
+        merged.before_start = self.to_wire if self.active else None
+
     def to_wire(self, g: int, group: Group, flat: torch.Tensor, missing: Sequence[int]) -> Optional[bool]:
         """Before ``group`` starts (:attr:`PlannedStep.before_start`): its gradients in ``flat``
         (zeros for the tensors ``missing`` a gradient) become this rank's momentum as it goes on
@@ -348,10 +354,12 @@ class MomentumExchange:
         return group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
 
     def finished(self, reduced: Optional[Reduced]) -> None:
-        """The step's exchange finished (``reduced`` None: a step skipped for NaN/Inf): each
-        group's result, ``c * S * m_avg / d`` (as sent, :meth:`to_wire`), becomes ``S * m_avg``
-        in place, in one pass; with ``send="increment"`` the results hold the increments'
-        average, to which ``S * beta1 * m`` is added."""
+        """The step's exchange finished (``reduced`` None: a step skipped for NaN/Inf): in the
+        momentum phase each group's result, ``c * S * m_avg / d`` (as sent, :meth:`to_wire`),
+        becomes ``S * m_avg`` in place, in one pass; with ``send="increment"`` the results hold
+        the increments' average, to which ``S * beta1 * m`` is added.  Outside it, nothing."""
+        if not self.active:
+            return
         self._result = None
         self._nonfinite = reduced is not None and reduced.nonfinite
         if reduced is not None and not self._nonfinite:

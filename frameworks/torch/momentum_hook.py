@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from mergecomp.exchange.exchange import Exchange
-from mergecomp.pipeline.step import MergedStep, Reduced
+from mergecomp.pipeline.step import MergedStep
 
 from .momentum_exchange import OPTION, MomentumExchange, MomentumSettings
 
@@ -92,19 +92,12 @@ class HookMomentum:
         return exchange if exchange is not None and exchange.active else None
 
     def begin(self, merged: MergedStep) -> None:
-        """At a step's first bucket: in the momentum phase each bucket's gradients become this
-        rank's momentum before it starts (a refresh sends them exactly)."""
+        """At a step's first bucket (:meth:`MomentumExchange.begin_step`); RuntimeError without
+        an optimizer."""
         if self.exchange is None:
             raise RuntimeError(f"{OPTION}: the DDP hook has no optimizer to exchange the momentum of: call "
                                f"state.set_optimizer(optimizer) on every rank before the first backward pass")
-        momentum = self._phase
-        merged.exact = bool(momentum) and momentum.refreshing
-        merged.before_start = momentum.to_wire if momentum else None
-
-    def finished(self, reduced: Optional[Reduced]) -> None:
-        """Every bucket's result is in: the averaged momentum, in place."""
-        if self._phase:
-            self._phase.finished(reduced)
+        self.exchange.begin_step(merged)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> Optional[Tuple[tuple, dict]]:
         """In the momentum phase: the frozen-variance update, then Adam's step sees only the

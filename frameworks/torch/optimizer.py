@@ -309,25 +309,22 @@ class DistributedOptimizer(HoldsMergedStep):
         self._called_synchronize = True
 
     def _begin_exchange(self) -> None:
-        """This step's first gradient is final: in the momentum phase every group's gradients
-        become this rank's momentum before they start (a refresh sends them exactly)."""
-        momentum = self._momentum_phase
-        self.merged.exact = bool(momentum) and momentum.refreshing
-        self.merged.before_start = momentum.to_wire if momentum else None
+        """This step's first gradient is final (:meth:`MomentumExchange.begin_step`)."""
+        if self.momentum_exchange is not None:
+            self.momentum_exchange.begin_step(self.merged)
 
     def _finish_exchange(self) -> None:
         if self._synchronized:
             return
         if not self._final:  # no gradient arrived: every tensor sends zeros (its decayed momentum)
             self._begin_exchange()
-        momentum = self._momentum_phase
         self._passes = [0] * len(self._exchanged)
         self._final = 0
         reduced = self.merged.finish()  # raises under nonfinite="raise"
         self._synchronized = True
         self._step_skipped = reduced is None
-        if momentum:
-            momentum.finished(reduced)
+        if self.momentum_exchange is not None:
+            self.momentum_exchange.finished(reduced)
         views = None if reduced is None else reduced.tensors(len(self._exchanged))
         if views is not None:  # the results are in place but for the gradients that were moved
             for i in range(len(views)) if reduced.moved is None else reduced.moved:

@@ -5,9 +5,10 @@ order, laid out in its flat buffer, compressed in place) and ends the step with 
 which writes every bucket's result back into its buffer.  A bucket holding exempt tensors is
 cut in two groups (its exempt tensors, the others), each copied out of the bucket into a buffer
 of its own (and transformed there by ``before_start``); the caller copies their results back
-with :meth:`BucketStep.copy_back` once it has done with them.  When the buckets differ from the last step's (DDP
-rebuilt them), each new group takes over its tensors' state from the old groups (per element;
-other state, such as PowerSGD's Q, starts afresh), and the step's groups become the layout.
+with :meth:`BucketStep.copy_back` once it has done with them.  When the buckets differ from the
+last step's (DDP rebuilt them), each new group takes over its tensors' state from the old groups
+(per element; other state, such as PowerSGD's Q, starts afresh), and the step's groups become
+the layout.
 Tensors may be registered as they come (:meth:`BucketStep.add_tensor`).
 """
 from __future__ import annotations

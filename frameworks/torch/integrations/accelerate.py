@@ -17,6 +17,7 @@ import accelerate  # noqa: F401  (this module is for Accelerate users: fail earl
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.torch.ddp_hook import DDPHookState
+from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 
 from ._hook import attach
 from ._ranks import AllRanks
@@ -45,7 +46,7 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
     """
     if accelerator.num_processes == 1:
         return None
-    if options.get("exchange_momentum_after") is not None and options.get("grad_scaler") is None:
+    if options.get(MOMENTUM_OPTION) is not None and options.get("grad_scaler") is None:
         options["grad_scaler"] = accelerator.scaler  # None without fp16
     state = attach(model, compression, memory, options, who="mergecomp.torch.integrations.accelerate.register")
     if checkpoint:

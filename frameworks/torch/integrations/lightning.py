@@ -30,7 +30,6 @@ from mergecomp.compressors.base.memory import Memory
 from mergecomp.pipeline.options import StepOptions
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
-from mergecomp.torch.momentum_exchange import warn_adam_gradients
 
 from ._hook import attach
 from ._ranks import collect, own
@@ -104,7 +103,7 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
                                               "compression=; fp16 is compression='fp16')")
         options = {name: kwargs.pop(name) for name in [*(f.name for f in dataclasses.fields(StepOptions)),
                                                          *MOMENTUM_OPTIONS] if name in kwargs}
-        self._momentum = check_settings(compression, memory, True, **options)[3] is not None
+        check_settings(compression, memory, True, **options)
         super().__init__(**kwargs)
         self._hook_settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
@@ -129,15 +128,11 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         super().setup_optimizers(trainer)
         if self.hook_state is None:
             return
-        if not self._momentum:
-            for optimizer in self.optimizers:
-                warn_adam_gradients(optimizer, self.hook_state.exchange, type(self).__name__)
-            return
-        if len(self.optimizers) != 1:
+        if self.hook_state.momentum is not None and len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__}: exchange_momentum_after needs exactly one optimizer from "
                              f"configure_optimizers, got {len(self.optimizers)}")
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        self.hook_state.set_optimizer(self.optimizers[0], scaler)
+        for optimizer in self.optimizers:
+            self.hook_state.train_with(optimizer, getattr(self.precision_plugin, "scaler", None), type(self).__name__)
 
     def _local_state(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         return self.hook_state.state_dict() if self.hook_state is not None else {}

@@ -35,8 +35,6 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
-from mergecomp.torch.momentum_exchange import warn_adam_gradients
-from mergecomp.torch.momentum_hook import adam_of
 
 from ._hook import attach
 from ._ranks import AllRanks
@@ -70,8 +68,8 @@ class MergecompCallback(TrainerCallback):
                  memory: Union[str, Memory, None] = None, **options: Any) -> None:
         #: ``exchange_momentum_after="auto"``: the warm-up is chosen when training begins
         self.auto_warmup = options.get(MOMENTUM_OPTION) == "auto"
-        checked = {**options, MOMENTUM_OPTION: 1} if self.auto_warmup else options
-        self.momentum = check_settings(compression, memory, True, **checked)[3] is not None
+        check_settings(compression, memory, True,  # "auto": any valid K stands in for the run's
+                       **({**options, MOMENTUM_OPTION: 1} if self.auto_warmup else options))
         self.trainer = trainer
         self.settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
@@ -94,12 +92,9 @@ class MergecompCallback(TrainerCallback):
                 options = {**options, MOMENTUM_OPTION: auto_warmup(args, state.max_steps)}
             self.hook_state = attach(wrapped, compression, memory, options, who="MergecompCallback")
             self._ranks, self._wrapped = AllRanks(self.hook_state, args.device), wrapped
-        if self.momentum:  # the Trainer's optimizer, its state loaded when it resumes
-            scaler = getattr(self.trainer.accelerator, "scaler", None)
-            self.hook_state.set_optimizer(kwargs["optimizer"], scaler if scaler is not None and scaler.is_enabled()
-                                          else None)
-        else:
-            warn_adam_gradients(adam_of(kwargs["optimizer"]), self.hook_state.exchange, "MergecompCallback")
+        scaler = getattr(self.trainer.accelerator, "scaler", None)  # the optimizer's state loaded when it resumes
+        self.hook_state.train_with(kwargs["optimizer"], scaler if scaler is not None and scaler.is_enabled() else None,
+                                   "MergecompCallback")
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
 
