@@ -10,7 +10,9 @@ weight decay 0.1), a linear LR warm-up over the first 5 % of the steps then a co
 10 %; 2 workers (gloo over loopback) x batch 8, ``groups=1``.
 
 A configuration is ``COMPRESSOR[:key=value;...]@MODE``, MODE ``grad`` (gradients exchanged,
-the compressor's default memory) or ``momentum`` (``exchange_momentum_after=--after``, lossless
+the compressor's default memory), ``auto`` (``exchange_momentum_after="auto"``: the compressor's
+recipe, scaled to the LR warm-up; a compressor named without settings takes the recipe's) or
+``momentum`` (``exchange_momentum_after=--after``, lossless
 warm-up; ``momentum/R``: with ``variance_refresh_every=R``) or ``increment`` (the same with
 ``exchange_momentum_as="increment"``: only the gradient's share of the momentum sent), each with
 ``+MEMORY[:key=value;...]`` for another error-feedback memory (``grad+averaged``,
@@ -51,12 +53,21 @@ parser.add_argument("--seeds", default="0,1,2")
 parser.add_argument("--json", default=None, help="append one JSON record (with its curve) per run")
 parser.add_argument("--no-baseline", action="store_true", help=f"do not run {BASELINE} (its records are in --json)")
 parser.add_argument("--report", default=None, help="print the table from the records of earlier --json runs")
+parser.add_argument("--layers", type=int, default=4, help="GPT-2 layers")
+parser.add_argument("--lr", type=float, default=LR, help="AdamW's peak learning rate")
+parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's beta2")
+parser.add_argument("--clip", type=float, default=None,
+                    help="clip_grad_norm_ to this after synchronize(), step() inside skip_synchronize()")
+parser.add_argument("--batch", type=int, default=BATCH, help="windows per rank per step")
+parser.add_argument("--workers", type=int, default=2, help="ranks (gloo over loopback)")
+parser.add_argument("--trace", action="store_true",
+                    help="record each update's RMS over the parameters of (change / lr) in the record's 'trace'")
 
 
-def make_model():
+def make_model(layers=4):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0,
+    config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=256, n_layer=layers, n_head=4, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
@@ -83,21 +94,25 @@ def parse_config(config):
     return spec, mode, memory or None, int(refresh) if refresh else None, warmup_codec or None
 
 
-def wrap_adamw(model, config, steps, after, groups=1, warm=None):
-    """AdamW (lr ``LR``, weight decay ``DECAY``) in ``mc.DistributedOptimizer`` as ``config``
-    says, with the LR schedule of ``steps`` steps (its warm-up ``warm``): (optimizer, scheduler,
-    refresh interval or None)."""
+def wrap_adamw(model, config, steps, after, groups=1, warm=None, lr=LR, beta2=0.999):
+    """AdamW (lr ``lr``, betas 0.9 / ``beta2``, weight decay ``DECAY``) in
+    ``mc.DistributedOptimizer`` as ``config`` says, with the LR schedule of ``steps`` steps (its
+    warm-up ``warm``): (optimizer, scheduler, refresh interval or None)."""
     import mergecomp.torch as mc
 
     spec, mode, memory, refresh, warmup_codec = parse_config(config)
-    adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, beta2), weight_decay=DECAY)
     kwargs = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
     if memory:
         kwargs["memory"] = memory_of(memory)
     if mode in ("momentum", "increment"):
         kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh, exchange_momentum_as=mode)
-    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compressor_of(spec), groups=groups,
+    if mode == "auto":  # the compressor's recipe, scaled to the run's LR warm-up
+        kwargs.update(exchange_momentum_after="auto", lr_warmup_steps=warm or lr_warmup(steps))
+    compression = spec if mode == "auto" and ":" not in spec else compressor_of(spec)
+    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compression, groups=groups,
                                   **kwargs)
+    refresh = opt.momentum_exchange.refresh_every if mode == "auto" else refresh
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps, warm)), refresh
 
 
@@ -137,19 +152,30 @@ def run_one(rank, world, config, seed, args, data):
     import mergecomp.torch as mc
 
     train, held_out = data
-    mode = parse_config(config)[1]
     torch.manual_seed(seed)
-    model = make_model()
-    opt, lr_schedule, refresh = wrap_adamw(model, config, args.steps, args.after)
+    model = make_model(args.layers)
+    opt, lr_schedule, refresh = wrap_adamw(model, config, args.steps, args.after, lr=args.lr, beta2=args.beta2)
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     numel = sum(p.numel() for p in model.parameters())
-    curve, began = [], time.perf_counter()
+    curve, trace, began = [], [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        windows = random_windows(train, gen)
+        if args.trace:
+            before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            lr = opt.param_groups[0]["lr"]
+        windows = random_windows(train, gen, args.batch)
         opt.zero_grad()
         model(input_ids=windows, labels=windows).loss.backward()
-        opt.step()
+        if args.clip is None:
+            opt.step()
+        else:  # the README's clipping: synchronize, clip, step inside skip_synchronize
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            with opt.skip_synchronize():
+                opt.step()
+        if args.trace:
+            after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            trace.append((after - before).div_(lr).square().mean().sqrt().item())
         lr_schedule.step()
         if step % EVAL_EVERY == 0 or step == args.steps:
             with torch.no_grad():
@@ -161,11 +187,14 @@ def run_one(rank, world, config, seed, args, data):
                 "error_feedback": sum(held(h) for k, h in opt.exchange.holders().items() if k != "compressor") / 1e6,
                 "compressor": held(opt.compressor) / 1e6,
                 "group_buffers": sum(b.nbytes for b in opt.merged.buffers) / 1e6}
-    return {"config": config, "seed": seed, "steps": args.steps, "after": args.after if mode != "grad" else None,
+    after = opt.momentum_exchange.after if opt.momentum_exchange is not None else None
+    return {"config": config, "seed": seed, "steps": args.steps, "after": after,
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
             "refresh": refresh, "bits_per_element": bits_over_run(opt, args.steps, refresh),
-            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,
-            "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok"}
+            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "trace": trace,
+            "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok",
+            "setting": {"layers": args.layers, "lr": args.lr, "beta2": args.beta2, "clip": args.clip,
+                        "batch": args.batch, "workers": world}}
 
 
 def worker(rank, world, port, jobs, args, queue):
@@ -226,7 +255,8 @@ def main():
     jobs = [(config, seed) for seed in seeds for config in configs if not (args.no_baseline and config == BASELINE)]
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, jobs, args, queue), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, args.workers, port, jobs, args, queue), daemon=True)
+             for r in range(args.workers)]
     for p in procs:
         p.start()
     records = []

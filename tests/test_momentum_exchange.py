@@ -12,6 +12,7 @@ from distributed import WorkerError, run_workers
 from test_optimizer_dist import flat_params, make_data, make_model, shard
 
 import mergecomp
+from mergecomp.kernels.frozen_adam import inv_bound2
 
 AFTER = 4  # warm-up updates
 STEPS = 10
@@ -72,7 +73,7 @@ def reference(world, steps, kind, after=AFTER, refresh=None, half=False, device=
     """The algorithm on one process: each rank's gradient computed here; the averaged gradient
     through torch's Adam for ``after`` updates, then each rank's momentum
     ``(1 - b1) * (g + wd * p [Adam]) + b1 * m`` averaged, and Adam's update with the variance of
-    update ``after``; at the phase's updates 1, 2, 4, ... below ``refresh`` and every
+    update ``after`` (raised where Adam's bound ``|m| <= B sqrt(v)`` needs it); at the phase's updates 1, 2, 4, ... below ``refresh`` and every
     ``refresh``-th after that, the averaged gradient refreshes the variance with the weight of
     the steps since it was last written.  ``half``: the warm-up's and the refreshes' averages
     are taken in fp16.  Computed on ``device``; the parameters returned on the CPU."""
@@ -117,6 +118,8 @@ def reference(world, steps, kind, after=AFTER, refresh=None, half=False, device=
                         state["exp_avg_sq"].mul_(beta2 ** gap).addcmul_(mean, mean, value=1 - beta2 ** gap)
                     else:
                         state["exp_avg"].copy_(mean)
+                    m = state["exp_avg"]  # Adam's own bound on the variance: v >= (m / B)^2
+                    torch.maximum(state["exp_avg_sq"], m * m * inv_bound2(beta1, beta2), out=state["exp_avg_sq"])
                     state["step"] += 1
                     if kind == "AdamW":
                         p.mul_(1 - lr * decay)
@@ -567,6 +570,50 @@ def test_a_nan_in_the_momentum_phase_skips_the_update_instead_of_writing_it(comp
     stay identical and finite; a lossless exchange is checked too in that phase."""
     for finite, identical, updates in run_workers(_nan_worker, 2, compression):
         assert finite and identical and updates == STEPS - 1
+
+
+def _outgrown_worker(rank, compression):
+    import logging
+
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compression, groups=2,
+                                  exchange_momentum_after=AFTER, variance_refresh_every=4)
+    written = AFTER  # the variance's last write: the freeze, then the refreshes at phase updates 1 and 2
+    largest, lines = [], []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("mergecomp").addHandler(handler)
+    for t in range(AFTER + 6):
+        before = flat_params(model)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(shard(x, rank)), shard(y, rank))
+        (loss * (1e4 if t >= AFTER + 2 else 1.0)).backward()  # the gradients outgrow the frozen variance
+        opt.step()
+        written = t + 1 if t - AFTER + 1 in (1, 2, 4) else written
+        step = float(adamw.state[next(model.parameters())]["step"])
+        bound = LR * math.sqrt(1 / inv_bound2(0.9, 0.95)) * math.sqrt(1 - 0.95 ** written) / (1 - 0.9 ** step)
+        largest.append(float((flat_params(model) - before).abs().max()) / bound)
+    logging.getLogger("mergecomp").removeHandler(handler)
+    return largest, [line for line in lines if "outgrew" in line]
+
+
+@pytest.mark.parametrize("compression", ["none", "onebit"])
+def test_gradients_outgrowing_the_frozen_variance_move_no_element_further_than_adam_would(compression):
+    """The loss scaled 10,000-fold two updates after the freeze: the frozen variance would turn
+    it into steps thousands of times Adam's; the update raises the variance to Adam's own bound
+    ``|m| <= B sqrt(v)`` instead, so no element moves further than ``lr * B`` (bias-corrected)
+    in any update, the steps stay of Adam's size (above a tenth of the bound), and the next
+    refresh (phase update 4) logs that the gradients outgrew the variance since update 6."""
+    for largest, lines in run_workers(_outgrown_worker, 2, compression):
+        assert max(largest) <= 1 + 1e-4, largest
+        assert min(largest[AFTER:]) > 0.1, largest
+        [line] = lines
+        assert line.startswith("exchange_momentum_after: the gradients outgrew the frozen variance between updates "
+                               f"{AFTER + 2} and {AFTER + 4}"), line
 
 
 def _warning_worker(rank):

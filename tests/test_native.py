@@ -790,7 +790,8 @@ def test_frozen_adam_steps_match_their_torch_path(n):
     one pass each: each result within 1e-6 of the size of its terms from the same arithmetic in
     fp64, as the torch path is (the kernel's square root is correctly rounded, torch's is not,
     so the two paths are not bit for bit); the inactive segment sends zeros, keeps its
-    parameter."""
+    parameter; the update raises the variance to its floor ``g * g * inv_bound2`` where it lies
+    below (the same in both paths) and leaves it elsewhere."""
     from mergecomp.kernels.frozen_adam import Segments, frozen_update, momentum_from_wire, momentum_to_wire
 
     lengths = [n // 2, n // 4, n - n // 2 - n // 4]
@@ -806,14 +807,19 @@ def test_frozen_adam_steps_match_their_torch_path(n):
     (mix, mix_e), (weight, weight_e), (eps, eps_e) = each(0.1, 0.2, -0.1), each(2.7, 1.0, 0.0), each(1e-8, 1e-6, 1e-8)
     (c, c_e), (keep, keep_e), (correction, correction_e) = each(1.7, 1.0, 0.6), each(1 - 1e-4, 1, 1), each(0.3, 1, 0.5)
     step, step_e = each(-1e-3, 0.0, -2e-3)
+    bound, bound_e = each(0.5, 0.3, 0.0)
     active = torch.tensor([1, 0, 1], dtype=torch.bool).repeat_interleave(torch.tensor(lengths))
     d = v.double().sqrt() + eps_e
-    denom = v.double().sqrt() / correction_e + eps_e
+    floor = torch.where(active, (g * g * bound_e.float()).double(), zero := torch.zeros(n, dtype=torch.float64))
+    raised = torch.maximum(v.double(), floor)
+    denom = raised.sqrt() / correction_e + eps_e
+    variances = []
 
     def update():
-        param, momentum = p.clone(), torch.zeros(n)
-        frozen_update(list(param.split(lengths)), g, momentum, v, segments, keep, correction, eps, step)
+        param, momentum, variance = p.clone(), torch.zeros(n), v.clone()
+        frozen_update(list(param.split(lengths)), g, momentum, variance, segments, keep, correction, eps, step, bound)
         assert torch.equal(momentum[active], g[active]) and torch.equal(param[~active], p[~active])
+        variances.append(variance)
         return param
 
     def to_wire(divide):
@@ -827,7 +833,6 @@ def test_frozen_adam_steps_match_their_torch_path(n):
         return wire
 
     mixed, mixed_size = g.double() * mix_e + m.double() * weight_e, g.double().abs() * mix_e.abs() + m.double().abs() * weight_e
-    zero = torch.zeros(n, dtype=torch.float64)
     expected = [  # (run, exact, size of its terms)
         (lambda: to_wire(True), torch.where(active, mixed / d * c_e, zero), mixed_size / d * c_e),
         (lambda: to_wire(False), torch.where(active, mixed * c_e, zero), mixed_size * c_e),
@@ -841,3 +846,6 @@ def test_frozen_adam_steps_match_their_torch_path(n):
             with contextlib.nullcontext() if fused else native.disabled():
                 result = run()
             assert ((result.double() - exact).abs() <= 1e-6 * size).all(), ("fused" if fused else "torch", n)
+    assert (floor > v.double()).any() or n < 8  # the floor is met somewhere
+    for variance in variances:  # the same floor in both paths: products rounded alike
+        assert torch.equal(variance, raised.float())

@@ -39,7 +39,11 @@
 * **Update** (``step()``), per parameter with Adam state, with the group's current lr, betas,
   eps and weight decay: ``m = p.grad``; ``p *= 1 - lr * wd`` (AdamW); ``t += 1``;
   ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t_v) + eps)``, ``t_v`` the update
-  that last wrote ``v``.  The optimizer's step pre/post hooks run around it as around the
+  that last wrote ``v``, after ``v = max(v, (m / B)**2)``: Adam's own state keeps ``|m| <= B
+  sqrt(v)`` (``B = (1 - beta1) / sqrt((1 - beta2) (1 - beta1**2 / beta2))``, Cauchy-Schwarz
+  over the two averages of the same gradients), which a frozen variance the gradients have
+  outgrown breaks (the updates then grow to thousands of times Adam's and the run diverges);
+  raised to it, no element moves further in one update than Adam's would.  The optimizer's step pre/post hooks run around it as around the
   class's own step.
 * **Refresh** (``variance_refresh_every=R``): on a growing interval (:func:`last_write`: the
   momentum phase's updates 1, 2, 4, ... below ``R``, then every ``R``-th) a step sends
@@ -101,6 +105,11 @@ _UNSUPPORTED = {"amsgrad": (False,), "fused": (None, False), "capturable": (Fals
 SEARCH = SchedulerConfig(codecs=tuple(c for c in SEARCHED if c not in ("fp16", "none")))
 
 
+#: :meth:`MomentumExchange._watch`: how far the bound may raise the variance between refreshes
+#: before a log line says so
+STALE = 1.5
+
+
 def last_write(n: int, every: Optional[int]) -> int:
     """The momentum-phase update (numbered from 1) that last wrote the variance at or before
     update ``n``; 0: the freeze.  With a refresh interval ``every`` the variance is refreshed on
@@ -156,20 +165,20 @@ class MomentumSettings:
     send: str = "momentum"
 
     @classmethod
-    def create(cls, after: Any = None, refresh_every: Any = None, send: Any = "momentum",
+    def create(cls, after: Any = None, refresh_every: Any = None, send: Any = None,
                grad_scaler: Any = None) -> Optional["MomentumSettings"]:
-        """The settings, or None without ``after`` (then the others must be left unset);
-        ValueError/TypeError naming the option."""
+        """The settings, or None without ``after`` (then the others must be left unset; ``send``
+        None: ``"momentum"``); ValueError/TypeError naming the option."""
         if after is None:
-            given = [name for name, value, default in (("grad_scaler", grad_scaler, None),
-                                                       (REFRESH_OPTION, refresh_every, None),
-                                                       (SEND_OPTION, send, "momentum")) if value != default]
+            given = [name for name, value in (("grad_scaler", grad_scaler), (REFRESH_OPTION, refresh_every),
+                                              (SEND_OPTION, send)) if value is not None]
             if given:
                 raise ValueError(f"{given[0]} is only used with {OPTION} (it configures the momentum exchange)")
             return None
         check_after(after)
         if refresh_every is not None:
             check_after(refresh_every, REFRESH_OPTION)
+        send = "momentum" if send is None else send
         if send not in SENDS:
             raise ValueError(f"{SEND_OPTION} must be one of {SENDS}, got {send!r}")
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
@@ -262,6 +271,9 @@ class MomentumExchange:
         self._groups: Dict[str, GroupState] = {}
         self._result: Optional[Reduced] = None  # the last exchange's result, for the update
         self._nonfinite = False  # the last exchange held NaN/Inf: its update is skipped
+        #: the variance's total when a refresh last wrote it, and that update (:meth:`_watch`)
+        self._written: Optional[Tuple[float, int]] = None
+        self._warned_stale = False
 
     @property
     def active(self) -> bool:
@@ -402,6 +414,8 @@ class MomentumExchange:
         copied = [i for i in replaced if self.params[i].grad is not None]
         if copied:  # p.grad replaced since the exchange (or a copy of it, DDP's): its values
             torch._foreach_copy_([views[i] for i in copied], [self.params[i].grad for i in copied])
+        if refreshing:
+            self._watch(n)
         for group, flat in zip(reduced.groups, reduced.flats):
             state = self._groups[group.name]
             segments = state.segments
@@ -418,8 +432,30 @@ class MomentumExchange:
                 state.params, averaged, state.momentum, state.variance, segments, state.per_group(keep),
                 state.per_step(lambda pg, t: math.sqrt(1 - groups[pg]["betas"][1] ** (t - stale))),
                 state.per_group([g["eps"] for g in groups]),
-                state.per_step(lambda pg, t: -groups[pg]["lr"] / (1 - groups[pg]["betas"][0] ** t)))
+                state.per_step(lambda pg, t: -groups[pg]["lr"] / (1 - groups[pg]["betas"][0] ** t)),
+                state.per_group([frozen_adam.inv_bound2(*g["betas"]) for g in groups]))
+        if refreshing:
+            self._written = self._variance_total(), n
         return True
+
+    def _variance_total(self) -> float:
+        return sum(float(state.variance.sum(dtype=torch.float64)) for state in self._groups.values())
+
+    def _watch(self, n: int) -> None:
+        """Before the refresh of phase update ``n``: a log line when, since the last refresh, the
+        floor of Adam's bound (:func:`~mergecomp.kernels.frozen_adam.inv_bound2`) raised the
+        variance's total by more than :data:`STALE`: the gradients outgrew it between refreshes
+        (a warning the first time, then at info level)."""
+        written, self._written = self._written, None
+        if written is None or not written[0]:
+            return
+        raised = self._variance_total() / written[0]
+        if raised > STALE:
+            (logger.info if self._warned_stale else logger.warning)(
+                "%s: the gradients outgrew the frozen variance between updates %d and %d: Adam's bound on the "
+                "update raised it %.1fx; refreshed now (a shorter %s follows them more closely)", OPTION,
+                written[1] + self.after, n + self.after, raised, REFRESH_OPTION)
+            self._warned_stale = True
 
     def _refresh(self, state: GroupState, segments: Segments, grad: torch.Tensor, gap: int) -> None:
         """``v = beta2**gap v + (1 - beta2**gap) g**2`` and ``m = m + (1 - beta1) (g - m)``, the

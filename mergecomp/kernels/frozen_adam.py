@@ -23,7 +23,7 @@ import torch
 
 from mergecomp.kernels import native
 
-__all__ = ["Segments", "momentum_to_wire", "momentum_from_wire", "frozen_update"]
+__all__ = ["Segments", "momentum_to_wire", "momentum_from_wire", "frozen_update", "inv_bound2"]
 
 
 @dataclass(frozen=True)
@@ -107,26 +107,44 @@ def momentum_from_wire(wire: torch.Tensor, momentum: torch.Tensor, variance: tor
 
 def frozen_update(params: Sequence[torch.Tensor], grad: torch.Tensor, momentum: torch.Tensor,
                   variance: torch.Tensor, segments: Segments, keep: torch.Tensor, correction: torch.Tensor,
-                  eps: torch.Tensor, step: torch.Tensor) -> None:
+                  eps: torch.Tensor, step: torch.Tensor, inv_bound2: torch.Tensor) -> None:
     """Adam's update with the variance as it stands, per active segment ``s`` (``params[s]``
     its parameter, in the segment's shape or any other of its numel): ``momentum = grad`` (the
-    averaged momentum; nothing to copy where they are one tensor), ``param = param * keep +
-    step * momentum / (sqrt(variance) / correction + eps)`` (``keep``: AdamW's ``1 - lr *
-    weight_decay``, else 1; ``correction``: the square root of the variance's bias correction;
-    ``step``: ``-lr`` over the momentum's)."""
+    averaged momentum; nothing to copy where they are one tensor), ``variance = max(variance,
+    momentum * momentum * inv_bound2)`` (:func:`inv_bound2`: what Adam's own variance never
+    falls below; 0: no floor), ``param = param * keep + step * momentum / (sqrt(variance) /
+    correction + eps)`` (``keep``: AdamW's ``1 - lr * weight_decay``, else 1; ``correction``:
+    the square root of the variance's bias correction; ``step``: ``-lr`` over the momentum's)."""
     if native.usable(grad, momentum, variance, *params):
         native.frozen_adam_segments(params, grad, momentum, variance, segments.offsets, _f32(keep), _f32(correction),
-                                    _f32(eps), _f32(step), segments.active)
+                                    _f32(eps), _f32(step), _f32(inv_bound2), segments.active)
         return
     g, m, v = segments.views(grad), segments.views(momentum), segments.views(variance)
     keep, correction, eps, step = keep.tolist(), correction.tolist(), eps.tolist(), step.tolist()
+    inv_bound2 = inv_bound2.tolist()
     for bundle in segments.bundles:
         ps, ms, first = [params[s] for s in bundle], [m[s].view_as(params[s]) for s in bundle], bundle[0]
+        vs = [v[s].view_as(params[s]) for s in bundle]
         if grad is not momentum:
             torch._foreach_copy_(ms, [g[s].view_as(params[s]) for s in bundle])
+        if inv_bound2[first]:
+            floor = torch._foreach_mul(ms, ms)
+            torch._foreach_mul_(floor, inv_bound2[first])
+            torch._foreach_maximum_(vs, floor)
         if keep[first] != 1:
             torch._foreach_mul_(ps, keep[first])
-        d = torch._foreach_sqrt([v[s].view_as(params[s]) for s in bundle])
+        d = torch._foreach_sqrt(vs)
         torch._foreach_div_(d, [correction[s] for s in bundle])
         torch._foreach_add_(d, eps[first])
         torch._foreach_addcdiv_(ps, ms, d, [step[s] for s in bundle])
+
+
+def inv_bound2(beta1: float, beta2: float) -> float:
+    """``1 / B**2``, ``B`` the bound Adam's own state keeps to: ``|m| <= B * sqrt(v)`` for every
+    element at every step (Cauchy-Schwarz over the two moving averages of the same gradients,
+    ``B = (1 - beta1) / sqrt((1 - beta2) * (1 - beta1**2 / beta2))``); 0 where ``beta1**2 >=
+    beta2`` (no bound).  A frozen variance that the gradients have outgrown breaks it: the
+    floor ``v >= (m / B)**2`` restores it, an update never larger per element than Adam's."""
+    if beta2 <= 0 or beta1 * beta1 >= beta2 or beta2 >= 1:
+        return 0.0
+    return (1 - beta2) * (1 - beta1 * beta1 / beta2) / (1 - beta1) ** 2

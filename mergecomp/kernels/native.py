@@ -46,7 +46,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 31
+_ABI_VERSION = 32
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -117,7 +117,7 @@ _SIGNATURES = {
     "mc_low_rank": ([_P, _P, _I64, _I64, _I32, _P, _P, _I32, _I32], None),
     "mc_momentum_to_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I32, _I32], _I32),
     "mc_momentum_from_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _I32, _I32], None),
-    "mc_frozen_adam_segments": ([_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I32], None),
+    "mc_frozen_adam_segments": ([_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
 }
 #: OpenMP runtimes torch may run its operators on (GNU, LLVM, Intel: each has GOMP_parallel)
@@ -672,16 +672,18 @@ def momentum_from_wire_segments(wire: torch.Tensor, momentum: torch.Tensor, vari
 
 def frozen_adam_segments(params: Sequence[torch.Tensor], grad: torch.Tensor, momentum: torch.Tensor,
                          variance: torch.Tensor, offsets: torch.Tensor, keep: torch.Tensor, correction: torch.Tensor,
-                         eps: torch.Tensor, step: torch.Tensor, active: torch.Tensor) -> None:
+                         eps: torch.Tensor, step: torch.Tensor, inv_bound2: torch.Tensor, active: torch.Tensor) -> None:
     """Adam's update with the variance frozen over a merged group: for each active segment
-    ``s``, ``momentum = grad`` and ``params[s] = params[s] * keep + step * (grad /
-    (sqrt(variance) / correction + eps))`` over its elements; ``params[s]`` (contiguous fp32 of
-    the segment's numel) is read and written where it lies.  One pass."""
+    ``s``, ``momentum = grad``, ``variance = max(variance, grad * grad * inv_bound2)`` and
+    ``params[s] = params[s] * keep + step * (grad / (sqrt(variance) / correction + eps))`` over
+    its elements; ``params[s]`` (contiguous fp32 of the segment's numel) is read and written
+    where it lies.  One pass."""
     n = grad.numel()
-    count = _segments(offsets, n, keep=keep, correction=correction, eps=eps, step=step, active=active)
+    count = _segments(offsets, n, keep=keep, correction=correction, eps=eps, step=step, inv_bound2=inv_bound2,
+                      active=active)
     if len(params) != count:
         raise ValueError(f"frozen_adam_segments: {len(params)} parameters for {count} segments")
     _library().mc_frozen_adam_segments(
         _streams("params", params, torch.float32, (offsets[1:] - offsets[:-1]).tolist()), _buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
         _buf("variance", variance, torch.float32, n), offsets.data_ptr(), count, keep.data_ptr(),
-        correction.data_ptr(), eps.data_ptr(), step.data_ptr(), active.data_ptr(), _threads())
+        correction.data_ptr(), eps.data_ptr(), step.data_ptr(), inv_bound2.data_ptr(), active.data_ptr(), _threads())

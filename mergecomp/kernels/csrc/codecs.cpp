@@ -848,7 +848,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 31; }
+int mc_abi_version() { return 32; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1409,25 +1409,29 @@ void mc_momentum_from_wire_segments(float* wire, const float* momentum, const fl
 
 // mc_frozen_adam_update over the active segments, segment s's parameter at params[s] (its
 // elements in the group's order): m = g; p = p * keep + step * (g / (sqrt(v) / k + eps)).
-void mc_frozen_adam_segments(float* const* params, const float* grad, float* momentum, const float* variance,
+void mc_frozen_adam_segments(float* const* params, const float* grad, float* momentum, float* variance,
                              const int64_t* offsets, int64_t segments, const float* keep, const float* k,
-                             const float* eps, const float* step, const uint8_t* active, int threads) {
+                             const float* eps, const float* step, const float* inv_bound2, const uint8_t* active,
+                             int threads) {
   parallel_segments(offsets, segments, threads, [=](int64_t s, int64_t start, int64_t stop) {
     const float* const g = grad;  // locals, as in mc_momentum_to_wire_segments
     float* const m = momentum;
-    const float* const v = variance;
+    float* const v = variance;
     if (!active[s]) return;
     float* const p = params[s] + (start - offsets[s]);  // p[j]: element start + j
-    const float kp = keep[s], kk = k[s], e = eps[s], st = step[s];
+    const float kp = keep[s], kk = k[s], e = eps[s], st = step[s], ib = inv_bound2[s];
     const int64_t len = stop - start;
     const float* const gs = g + start;
     float* const ms = m + start;
-    const float* const vs = v + start;
+    float* const vs = v + start;
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) {
       const float gi = gs[j];
+      const float floor = gi * gi * ib;  // Adam's own bound: v >= (m / B)^2
+      const float vi = vs[j] < floor ? floor : vs[j];
       ms[j] = gi;
-      p[j] = p[j] * kp + st * (gi / (std::sqrt(vs[j]) / kk + e));
+      vs[j] = vi;
+      p[j] = p[j] * kp + st * (gi / (std::sqrt(vi) / kk + e));
     }
   });
 }
