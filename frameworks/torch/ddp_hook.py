@@ -51,7 +51,8 @@ from mergecomp.pipeline.step import HoldsMergedStep
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import MomentumSettings, warn_adam_gradients
+from .momentum_exchange import REFRESH_OPTION, SEND_OPTION, MomentumSettings, warn_adam_gradients
+from .momentum_recipes import choose
 from .momentum_hook import HookMomentum, adam_of
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
@@ -261,9 +262,9 @@ def ddp_comm_hook(
     named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
     timeout: Optional[float] = None,
     *,
-    exchange_momentum_after: Optional[int] = None,
+    exchange_momentum_after: Union[int, str, None] = None,
     variance_refresh_every: Optional[int] = None,
-    exchange_momentum_as: str = "momentum",
+    exchange_momentum_as: Optional[str] = None,
     optimizer: Any = None,
     grad_scaler: Any = None,
     **options,
@@ -296,6 +297,8 @@ def ddp_comm_hook(
             needs ``named_parameters``); the optimizer (``torch.optim.Adam`` or ``AdamW`` over
             the DDP model's parameters) given here as ``optimizer``, or later by
             :meth:`DDPHookState.set_optimizer`, before the first backward pass.
+            ``"auto"``: the compressor's recipe, scaled to ``total_steps=N`` or
+            ``lr_warmup_steps=W`` (:mod:`frameworks.torch.momentum_recipes`).
         grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
             the loss.
 
@@ -321,16 +324,20 @@ def ddp_comm_hook(
 
 
 def check_settings(compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
-                   named: bool = True, *, exchange_momentum_after: Optional[int] = None,
-                   variance_refresh_every: Optional[int] = None, exchange_momentum_as: str = "momentum",
+                   named: bool = True, *, exchange_momentum_after: Union[int, str, None] = None,
+                   variance_refresh_every: Optional[int] = None, exchange_momentum_as: Optional[str] = None,
                    optimizer: Any = None, grad_scaler: Any = None,
                    **options) -> Tuple[Compressor, Memory, StepOptions, Optional[MomentumSettings]]:
     """:func:`ddp_comm_hook`'s settings checked and resolved, without building anything
     (``named``: whether parameter names will be given): the compressor, the memory, the step
-    options and the momentum exchange's settings (None without ``exchange_momentum_after``);
+    options and the momentum exchange's settings (None without ``exchange_momentum_after``;
+    ``"auto"``: the compressor's recipe, :func:`~frameworks.torch.momentum_recipes.choose`);
     ValueError/TypeError naming the option."""
-    momentum = MomentumSettings.create(exchange_momentum_after, variance_refresh_every, exchange_momentum_as,
-                                       grad_scaler)
+    compression, options = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
+                                                REFRESH_OPTION: variance_refresh_every,
+                                                SEND_OPTION: exchange_momentum_as}, "ddp_comm_hook")
+    momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
+                                       options.pop(SEND_OPTION), grad_scaler)
     if optimizer is not None and momentum is None:
         raise ValueError(f"optimizer is only used with {MOMENTUM_OPTION} (the hook exchanges gradients without it)")
     defaults = {"nonfinite": "propagate"}

@@ -61,7 +61,8 @@ from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import MomentumExchange, MomentumSettings, warn_adam_gradients
+from .momentum_exchange import REFRESH_OPTION, SEND_OPTION, MomentumExchange, MomentumSettings, warn_adam_gradients
+from .momentum_recipes import choose
 from .named_parameters import collect_parameters
 
 __all__ = ["DistributedOptimizer"]
@@ -126,7 +127,10 @@ class DistributedOptimizer(HoldsMergedStep):
             Adam's with the frozen variance (:mod:`frameworks.torch.momentum_exchange`; for
             compressed exchange with Adam, see docs/compressors.md).  With ``groups="auto"``
             the search then sends every group with the compressor (``momentum_exchange.SEARCH``)
-            unless ``scheduler=`` says otherwise.
+            unless ``scheduler=`` says otherwise.  ``"auto"``: the compressor's recipe chooses
+            K from the run (``total_steps=N``, its updates, or ``lr_warmup_steps=W``, its LR
+            warm-up's), the options below and the compressor's own settings when it is given
+            by name (an option given stands; :mod:`frameworks.torch.momentum_recipes`).
         variance_refresh_every: with ``exchange_momentum_after``: every this many updates of the
             momentum phase, the gradients travel as in the warm-up (exactly, or as
             ``compression_warmup_codec`` says) and refresh the variance (as the last
@@ -177,13 +181,16 @@ class DistributedOptimizer(HoldsMergedStep):
         memory: Union[str, Memory, None] = None,
         exchange_momentum_after: Optional[int] = None,
         variance_refresh_every: Optional[int] = None,
-        exchange_momentum_as: str = "momentum",
+        exchange_momentum_as: Optional[str] = None,
         grad_scaler: Any = None,
         **options,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor)
-        momentum = MomentumSettings.create(exchange_momentum_after, variance_refresh_every, exchange_momentum_as,
-                                           grad_scaler)
+        compression, options = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
+                                                    REFRESH_OPTION: variance_refresh_every,
+                                                    SEND_OPTION: exchange_momentum_as}, "DistributedOptimizer")
+        momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
+                                           options.pop(SEND_OPTION), grad_scaler)
         if momentum is not None and op != Average:
             raise ValueError(f"{MOMENTUM_OPTION} needs op=mc.Average (the momentum is averaged), got op={op!r}")
         self._check_passes(backward_passes_per_step)

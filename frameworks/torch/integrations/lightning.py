@@ -29,7 +29,9 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.pipeline.options import StepOptions
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
+from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
+from mergecomp.torch.momentum_recipes import AUTO, RUN_OPTIONS, TOTAL_OPTION
 
 from ._hook import attach
 from ._ranks import collect, own
@@ -86,7 +88,9 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         kwargs: mergecomp's options (``nonfinite``, ``compression_warmup_steps``,
             ``uncompressed``, ``min_compress_numel``, ``scheme``, and ``exchange_momentum_after``,
             ``variance_refresh_every``, ``exchange_momentum_as`` to exchange the momentum of the
-            one Adam or AdamW ``configure_optimizers`` returns) go to the hook; the rest to
+            one Adam or AdamW ``configure_optimizers`` returns; with ``"auto"`` the run's length
+            is fit's ``estimated_stepping_batches`` unless ``total_steps`` or
+            ``lr_warmup_steps`` is given) go to the hook; the rest to
             Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).
             Bad settings raise here, naming the option.  ``ddp_comm_hook``, ``ddp_comm_state``,
             ``ddp_comm_wrapper`` and ``model_averaging_period`` raise ValueError.
@@ -102,8 +106,11 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         _refuse(who, kwargs, _HOOK_ARGUMENTS, "the strategy registers mergecomp's hook (name the compressor with "
                                               "compression=; fp16 is compression='fp16')")
         options = {name: kwargs.pop(name) for name in [*(f.name for f in dataclasses.fields(StepOptions)),
-                                                         *MOMENTUM_OPTIONS] if name in kwargs}
-        check_settings(compression, memory, True, **options)
+                                                         *MOMENTUM_OPTIONS, *RUN_OPTIONS] if name in kwargs}
+        #: ``exchange_momentum_after="auto"`` without the run's length: fit's stepping batches
+        self._auto = options.get(MOMENTUM_OPTION) == AUTO and not any(options.get(name) for name in RUN_OPTIONS)
+        check_settings(compression, memory, True,  # "auto": any run stands in for the one fit will train
+                       **({TOTAL_OPTION: 1, **options} if self._auto else options))
         super().__init__(**kwargs)
         self._hook_settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
@@ -114,6 +121,8 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         ``ddp_comm_hook`` argument registers hooks on CUDA only)."""
         super().configure_ddp()
         compression, memory, options = self._hook_settings
+        if self._auto:
+            options = {**options, TOTAL_OPTION: int(self.lightning_module.trainer.estimated_stepping_batches)}
         # the state of the checkpoint fit() resumes from, else that of an earlier fit with this strategy
         carried = self._resumed if self._resumed is not None else self._local_state({})
         self.hook_state = attach(self.model, compression, memory, options, who=type(self).__name__)

@@ -7,7 +7,8 @@
 With AdamW (or Adam), ``register(trainer, "onebit", exchange_momentum_after=K)`` exchanges its
 momentum instead of its gradients after ``K`` updates (:mod:`mergecomp.torch.momentum_hook`): the
 callback hands the Trainer's optimizer (and, under fp16, its ``GradScaler``) to the hook.
-``exchange_momentum_after="auto"`` takes ``K`` from the run (:func:`auto_warmup`).
+``exchange_momentum_after="auto"`` takes the compressor's recipe, ``K`` scaled to the run's LR
+warm-up (:func:`run_length`).
 
 The callback registers the hook on ``trainer.model_wrapped`` when training begins (the Trainer
 wraps the model in DDP just before), writes every rank's hook state into each checkpoint folder
@@ -24,9 +25,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import os
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 from transformers import TrainerCallback
@@ -35,11 +35,12 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
+from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION
 
 from ._hook import attach
 from ._ranks import AllRanks
 
-__all__ = ["MergecompCallback", "register", "auto_warmup", "STATE_FILE"]
+__all__ = ["MergecompCallback", "register", "run_length", "STATE_FILE"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -47,14 +48,11 @@ logger = logging.getLogger("mergecomp")
 STATE_FILE = "mergecomp_ddp_hook.pt"
 
 
-def auto_warmup(args: Any, max_steps: int) -> int:
-    """``exchange_momentum_after="auto"``: the run's LR warm-up in updates, at least 5 % of its
-    ``max_steps`` (and 1): the warm-up must cover the LR warm-up, and 100 of 2,000 updates (5 %)
-    is what took three seeds of three within reach of AdamW's loss (docs/compressors.md)."""
-    after = max(int(args.get_warmup_steps(max_steps)), math.ceil(0.05 * max_steps), 1)
-    logger.info("MergecompCallback: %s='auto': the momentum is exchanged after %d updates (the LR warm-up's, "
-                "at least 5 %% of %d)", MOMENTUM_OPTION, after, max_steps)
-    return after
+def run_length(args: Any, max_steps: int) -> Dict[str, int]:
+    """``exchange_momentum_after="auto"``'s view of the run (:mod:`mergecomp.torch.momentum_recipes`):
+    its updates and its LR warm-up's (``TrainingArguments.get_warmup_steps``; 0: none, then 5 %
+    of the updates stands for it)."""
+    return {TOTAL_OPTION: max_steps, WARMUP_OPTION: int(args.get_warmup_steps(max_steps))}
 
 
 class MergecompCallback(TrainerCallback):
@@ -66,10 +64,10 @@ class MergecompCallback(TrainerCallback):
 
     def __init__(self, trainer: Any, compression: Union[str, Compressor] = "none",
                  memory: Union[str, Memory, None] = None, **options: Any) -> None:
-        #: ``exchange_momentum_after="auto"``: the warm-up is chosen when training begins
-        self.auto_warmup = options.get(MOMENTUM_OPTION) == "auto"
-        check_settings(compression, memory, True,  # "auto": any valid K stands in for the run's
-                       **({**options, MOMENTUM_OPTION: 1} if self.auto_warmup else options))
+        #: ``exchange_momentum_after="auto"``: the run's length is known when training begins
+        self.auto = options.get(MOMENTUM_OPTION) == AUTO
+        check_settings(compression, memory, True,  # "auto": any run stands in for the one to come
+                       **({TOTAL_OPTION: 1, **options} if self.auto else options))
         self.trainer = trainer
         self.settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
@@ -88,8 +86,8 @@ class MergecompCallback(TrainerCallback):
             return
         if wrapped is not self._wrapped:  # a second train() on the same DDP keeps its hook
             compression, memory, options = self.settings
-            if self.auto_warmup:
-                options = {**options, MOMENTUM_OPTION: auto_warmup(args, state.max_steps)}
+            if self.auto:
+                options = {**run_length(args, state.max_steps), **options}
             self.hook_state = attach(wrapped, compression, memory, options, who="MergecompCallback")
             self._ranks, self._wrapped = AllRanks(self.hook_state, args.device), wrapped
         scaler = getattr(self.trainer.accelerator, "scaler", None)  # the optimizer's state loaded when it resumes

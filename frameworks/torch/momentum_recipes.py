@@ -1,0 +1,102 @@
+"""``exchange_momentum_after="auto"``: the momentum exchange's settings chosen per compressor.
+
+Each :class:`Recipe` is the configuration that came within 1 % of uncompressed AdamW at about
+2 bits per element on the byte-level GPT-2 of ``scripts/bench_adam.py`` (docs/compressors.md):
+the compressor's own settings, the warm-up's length relative to the run's LR warm-up, the
+variance refresh interval, the codec of the warm-up and the refreshes, and what goes on the wire.
+:func:`choose` turns ``"auto"`` into those options for one run; an option the user gave stands.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Dict, Optional, Tuple
+
+from mergecomp.compressors.base.compressor import Compressor
+
+from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION
+
+__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "choose"]
+
+logger = logging.getLogger("mergecomp")
+
+AUTO = "auto"
+#: the run's optimizer updates, and its LR warm-up's, which ``"auto"`` scales the warm-up to
+TOTAL_OPTION, WARMUP_OPTION = "total_steps", "lr_warmup_steps"
+RUN_OPTIONS = (TOTAL_OPTION, WARMUP_OPTION)
+#: the LR warm-up assumed when the run's is not known: 5 % of its updates
+LR_WARMUP_SHARE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One compressor's momentum exchange: ``compressor`` (its settings, applied when the
+    compressor is given by name), ``warmup`` (the lossless warm-up in LR warm-ups: K = warmup x
+    the run's LR warm-up), ``refresh_every`` (``variance_refresh_every``), ``codec``
+    (``compression_warmup_codec``), ``send`` (``exchange_momentum_as``)."""
+
+    compressor: Dict[str, Any]
+    warmup: float
+    refresh_every: Optional[int]
+    codec: str
+    send: str = "momentum"
+
+
+#: by compressor name; measured with an LR warm-up of 100 updates in 2,000 (docs/compressors.md)
+RECIPES: Dict[str, Recipe] = {
+    "none": Recipe({}, 1.0, None, "none"),
+    "fp16": Recipe({}, 1.0, None, "none"),
+    "bf16": Recipe({}, 1.0, None, "none"),
+    "onebit": Recipe({}, 0.6, 32, "fp16"),
+    "efsignsgd": Recipe({}, 0.6, 32, "fp16"),
+    "terngrad": Recipe({"packing": "base3"}, 0.6, 40, "qsgd"),
+    "qsgd": Recipe({"levels": 7}, 0.6, 64, "fp16"),
+    "topk": Recipe({"ratio": 0.025, "value_dtype": "fp16"}, 1.5, 32, "qsgd"),
+    "powersgd": Recipe({"rank": 16, "factor_dtype": "bf16"}, 1.2, 48, "qsgd", "increment"),
+}
+
+
+def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Dict[str, Any]]:
+    """``(compression, options)`` with ``exchange_momentum_after="auto"`` replaced by its
+    recipe's settings (:data:`RECIPES`): the compressor named with the recipe's settings, K from
+    the run's LR warm-up (``lr_warmup_steps`` where given, else 5 % of ``total_steps``), and the
+    refresh interval, warm-up codec and wire form unless ``options`` gives them; the two run
+    options are taken out of ``options``.  Without ``"auto"``, unchanged (the run options
+    refused).  ValueError naming the option or the compressor."""
+    options = dict(options)
+    run = {name: options.pop(name, None) for name in RUN_OPTIONS}
+    if options.get(OPTION) != AUTO:
+        given = [name for name, value in run.items() if value is not None]
+        if given:
+            raise ValueError(f"{who}: {given[0]} is only used with {OPTION}='auto'")
+        return compression, options
+    name = compression if isinstance(compression, str) else getattr(compression, "name", None)
+    recipe = RECIPES.get(name) if isinstance(compression, (str, Compressor)) else None
+    if recipe is None:
+        raise ValueError(f"{who}: {OPTION}='auto' has recipes for {sorted(RECIPES)}, not {compression!r}; "
+                         f"give {OPTION}=K and the momentum exchange's other options yourself")
+    for option, value in run.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{who}: {option} must be an int >= 0, got {value!r}")
+    lr_warmup, total = run[WARMUP_OPTION], run[TOTAL_OPTION]
+    if not lr_warmup:
+        if not total:
+            raise ValueError(f"{who}: {OPTION}='auto' scales the warm-up to the run: give {TOTAL_OPTION}=N (the "
+                             f"run's optimizer updates) or {WARMUP_OPTION}=W (its LR warm-up's)")
+        lr_warmup = math.ceil(LR_WARMUP_SHARE * total)
+    options[OPTION] = max(1, math.ceil(recipe.warmup * lr_warmup))
+    if recipe.refresh_every is not None and options.get(REFRESH_OPTION) is None:
+        options[REFRESH_OPTION] = recipe.refresh_every
+    if options.get(SEND_OPTION) is None:
+        options[SEND_OPTION] = recipe.send
+    options.setdefault("compression_warmup_codec", recipe.codec)
+    if isinstance(compression, str) and recipe.compressor:
+        from mergecomp import get_compressor
+
+        compression = get_compressor(compression, **recipe.compressor)
+    logger.info("%s: %s='auto' for %s: %s=%d (%.1f x an LR warm-up of %d updates), %s=%s, %s=%r, "
+                "compression_warmup_codec=%r", who, OPTION, compression, OPTION, options[OPTION], recipe.warmup,
+                lr_warmup, REFRESH_OPTION, options.get(REFRESH_OPTION), SEND_OPTION, options[SEND_OPTION],
+                options["compression_warmup_codec"])
+    return compression, options
