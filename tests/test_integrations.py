@@ -258,14 +258,16 @@ def _accelerate(rank, folder):
     x, y = make_data()
     x, y = x[32 * rank:][:32], y[32 * rank:][:32]
 
-    def run(compression=None, steps=range(6), save=None, load=None, adamw=False):
+    def run(compression=None, steps=range(6), save=None, load=None, adamw=False, after=2):
         with kept_environment():
             accelerator = Accelerator(cpu=True)
             net = make_net()
             made = (torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1) if adamw
                     else torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
             model, opt = accelerator.prepare(net, made)
-            momentum = {"exchange_momentum_after": 2, "optimizer": opt} if adamw else {}
+            momentum = {"exchange_momentum_after": after, "optimizer": opt} if adamw else {}
+            if after == "auto":
+                momentum["total_steps"] = 40  # onebit's recipe: K = 0.6 x 5 % of 40 updates -> 2
             state = register(accelerator, model, compression, **momentum) if compression else None
             if load:
                 accelerator.load_state(load)
@@ -291,6 +293,8 @@ def _accelerate(rank, folder):
     out["adam_updates"] = state.momentum.exchange.updates
     out["adam_resumed"], state = run("onebit", steps=range(3, 6), load=path, adamw=True)
     out["adam_resumed_updates"] = state.momentum.exchange.updates
+    state = run("onebit", adamw=True, after="auto")[1]
+    out["adam_auto"] = (state.momentum.exchange.after, state.momentum.exchange.refresh_every)
     with kept_environment():
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(make_net())
@@ -327,6 +331,7 @@ def test_accelerate_register_exchanges_adamws_momentum_and_resumes_exactly(accel
     for out in accelerate:
         assert out["adam_updates"] == 6 and out["adam_resumed_updates"] == 6
         assert torch.equal(out["adam_resumed"], out["adam"])
+        assert out["adam_auto"] == (2, 32)
     assert torch.equal(accelerate[0]["adam"], accelerate[1]["adam"])
 
 

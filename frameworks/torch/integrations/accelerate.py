@@ -2,8 +2,8 @@
 
     model, opt, loader = accelerator.prepare(model, opt, loader)
     register(accelerator, model, "topk")          # before the first backward pass
-    # with AdamW, its momentum exchanged after 100 lossless updates:
-    # register(accelerator, model, "onebit", exchange_momentum_after=100, optimizer=opt)
+    # with AdamW, its momentum exchanged by the compressor's recipe over a 2,000-update run:
+    # register(accelerator, model, "onebit", exchange_momentum_after="auto", total_steps=2000, optimizer=opt)
 
 ``DistributedDataParallelKwargs(comm_hook=...)`` takes only Accelerate's own hook names (any
 other callable is dropped without a word), hence this function.
@@ -36,7 +36,7 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
             ``nonfinite``, ``compression_warmup_steps``, ``uncompressed``, ...;
             ``exchange_momentum_after=K, optimizer=opt`` with the AdamW ``prepare`` returned:
             its momentum exchanged, in the loss scale of the accelerator's ``GradScaler`` under
-            fp16).
+            fp16; ``exchange_momentum_after="auto", total_steps=N``: the compressor's recipe).
         checkpoint: also ``accelerator.register_for_checkpointing`` every rank's hook state, so
             ``save_state`` writes it (one file, from the main process) and ``load_state`` gives
             each rank its own back.
