@@ -641,6 +641,7 @@ def test_adams_gradients_through_error_feedback_warn_with_the_line_to_add():
     out = run_workers(_warning_worker, 2)[0]
     for label in ("adamw onebit", "adamw topk"):
         [message] = out[label]
-        assert "DistributedOptimizer" in message and "exchange_momentum_after=K" in message, message
+        assert "DistributedOptimizer" in message and "exchange_momentum_after=K" in message \
+            and "exchange_momentum_after='auto'" in message, message
     for label in ("adamw onebit, momentum exchanged", "adamw qsgd (no error feedback)", "adamw none", "sgd onebit"):
         assert out[label] == [], label

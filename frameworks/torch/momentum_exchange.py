@@ -207,7 +207,8 @@ def warn_adam_gradients(optimizer: Any, exchange: Exchange, who: str) -> None:
     if isinstance(optimizer, torch.optim.Adam) and not compressor.lossless and exchange.memory.feeds_back:
         warnings.warn(f"{who}: {compressor.name!r} with error feedback on {type(optimizer).__name__}'s gradients "
                       f"ends far behind uncompressed {type(optimizer).__name__}; exchange its momentum instead: add "
-                      f"{OPTION}=K (K: at least the LR warm-up's updates)", UserWarning, stacklevel=3)
+                      f"{OPTION}='auto' (the compressor's recipe; total_steps=N where the front end cannot see the "
+                      f"run's length) or {OPTION}=K (K: at least the LR warm-up's updates)", UserWarning, stacklevel=3)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, exchange: Exchange) -> None:
