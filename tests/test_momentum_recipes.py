@@ -79,3 +79,45 @@ def test_distributed_optimizer_with_auto_trains_as_the_recipe_spelled_out():
     (2.5 % in fp16, K = 1.5 x 4, R = 32, the 8-bit QSGD warm-up codec), on every rank."""
     for auto, spelled in run_workers(_auto_worker, 2):
         assert torch.equal(auto, spelled)
+
+
+def test_auto_refreshes_within_the_variances_time_constant_unless_told_otherwise():
+    """beta2 = 0.95: Adam's variance follows about 20 gradients, so the recipe's R = 32 becomes 8
+    (0.4 of that); with beta2 = 0.999 (400) the recipe's stands, and so does an R the user gives."""
+    model = make_model()
+
+    def refresh(beta2, **given):
+        adamw = torch.optim.AdamW(model.parameters(), betas=(0.9, beta2))
+        options = {"exchange_momentum_after": "auto", "total_steps": 2000, **given}
+        return choose("onebit", options, "test", adamw)[1]["variance_refresh_every"]
+
+    assert (refresh(0.95), refresh(0.99), refresh(0.999), refresh(0.95, variance_refresh_every=32)) == (8, 32, 32, 32)
+
+
+def _refresh_warning_worker(rank):
+    import logging
+
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("mergecomp").addHandler(handler)
+    for options in ({"exchange_momentum_after": 2, "variance_refresh_every": 32},
+                    {"exchange_momentum_after": "auto", "lr_warmup_steps": 2}):
+        model = make_model()
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+        opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression="onebit", **options)
+        run(model, opt, shard(x, rank), shard(y, rank), 4)
+        lines.append(f"refresh {opt.momentum_exchange.refresh_every}")
+    logging.getLogger("mergecomp").removeHandler(handler)
+    return [line for line in lines if "follows about" in line or line.startswith("refresh ")]
+
+
+def test_a_refresh_slower_than_adams_variance_is_logged_at_the_freeze():
+    for lines in run_workers(_refresh_warning_worker, 2):
+        warned, first, auto = lines
+        assert warned.startswith("exchange_momentum_after: Adam's variance with beta2=0.95 follows about the last 20 "
+                                 "gradients; refreshed every 32 updates") and "variance_refresh_every=8 or less" in warned
+        assert (first, auto) == ("refresh 32", "refresh 8")

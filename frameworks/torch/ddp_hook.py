@@ -335,7 +335,7 @@ def check_settings(compression: Union[str, Compressor] = "none", memory: Union[s
     ValueError/TypeError naming the option."""
     compression, options = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
                                                 REFRESH_OPTION: variance_refresh_every,
-                                                SEND_OPTION: exchange_momentum_as}, "ddp_comm_hook")
+                                                SEND_OPTION: exchange_momentum_as}, "ddp_comm_hook", optimizer)
     momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
                                        options.pop(SEND_OPTION), grad_scaler)
     if optimizer is not None and momentum is None:

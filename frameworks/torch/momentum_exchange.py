@@ -79,7 +79,7 @@ from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 from .momentum_state import GroupState
 
 __all__ = ["MomentumExchange", "MomentumSettings", "SEARCH", "check_optimizer", "default_memory",
-           "warn_adam_gradients"]
+           "refresh_limit", "warn_adam_gradients"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -108,6 +108,18 @@ SEARCH = SchedulerConfig(codecs=tuple(c for c in SEARCHED if c not in ("fp16", "
 #: :meth:`MomentumExchange._watch`: how far the bound may raise the variance between refreshes
 #: before a log line says so
 STALE = 1.5
+
+
+#: the longest refresh interval, in time constants of Adam's variance (:func:`refresh_limit`): on
+#: a 3-layer GPT-2 with beta2 = 0.95 (time constant 20 updates), 1-bit SGD's recipe with K = 150
+#: ended 3.3 % behind AdamW refreshing every 32 updates and 0.72 % every 8
+REFRESH_SHARE = 0.4
+
+
+def refresh_limit(beta2: float) -> int:
+    """The longest variance refresh interval that follows Adam's variance with ``beta2``:
+    :data:`REFRESH_SHARE` of its time constant ``1 / (1 - beta2)`` (8 for 0.95, 400 for 0.999)."""
+    return max(1, math.ceil(REFRESH_SHARE / (1 - beta2))) if beta2 < 1 else 1 << 30
 
 
 def last_write(n: int, every: Optional[int]) -> int:
@@ -488,6 +500,7 @@ class MomentumExchange:
         the gradients', not the momentum's."""
         self.exchange.clear_memories()
         self._groups, self._step = {}, None
+        self._warn_refresh()
         variances = [state["exp_avg_sq"] for state in map(self.optimizer.state.get, self.params) if state]
         overall = sum(v.double().sum() for v in variances) / max(1, sum(v.numel() for v in variances))
         for variance in variances:  # an element without a gradient in the warm-up
@@ -513,6 +526,18 @@ class MomentumExchange:
         overall = (squares.sum() / sizes.sum().clamp(min=1)).sqrt()
         own = (squares / sizes.clamp(min=1)).sqrt()
         self.coefficients = torch.where(own > 0, overall / own, torch.ones_like(own)).tolist()
+
+    def _warn_refresh(self) -> None:
+        """At the freeze: a logged warning when the variance is refreshed less often than
+        :func:`refresh_limit` of the smallest ``beta2`` (or never): Adam's own follows the
+        gradients faster than that."""
+        beta2 = min(group["betas"][1] for group in self.optimizer.param_groups)
+        limit = refresh_limit(beta2)
+        if self.refresh_every is None or self.refresh_every > limit:
+            every = "never refreshed" if self.refresh_every is None else f"refreshed every {self.refresh_every} updates"
+            logger.warning("%s: Adam's variance with beta2=%s follows about the last %.0f gradients; %s, the frozen "
+                           "one falls behind it and costs accuracy: %s=%d or less follows it (docs/compressors.md)",
+                           OPTION, beta2, 1 / (1 - beta2), every, REFRESH_OPTION, limit)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from mergecomp.compressors.base.compressor import Compressor
 
-from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION
+from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, refresh_limit
 
 __all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "choose"]
 
@@ -27,6 +27,7 @@ TOTAL_OPTION, WARMUP_OPTION = "total_steps", "lr_warmup_steps"
 RUN_OPTIONS = (TOTAL_OPTION, WARMUP_OPTION)
 #: the LR warm-up assumed when the run's is not known: 5 % of its updates
 LR_WARMUP_SHARE = 0.05
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +58,15 @@ RECIPES: Dict[str, Recipe] = {
 }
 
 
-def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Dict[str, Any]]:
+def choose(compression: Any, options: Dict[str, Any], who: str, optimizer: Any = None
+           ) -> Tuple[Any, Dict[str, Any]]:
     """``(compression, options)`` with ``exchange_momentum_after="auto"`` replaced by its
     recipe's settings (:data:`RECIPES`): the compressor named with the recipe's settings, K from
     the run's LR warm-up (``lr_warmup_steps`` where given, else 5 % of ``total_steps``), and the
-    refresh interval, warm-up codec and wire form unless ``options`` gives them; the two run
-    options are taken out of ``options``.  Without ``"auto"``, unchanged (the run options
-    refused).  ValueError naming the option or the compressor."""
+    refresh interval (at most :func:`refresh_limit` of ``optimizer``'s smallest ``beta2`` where
+    it is given), warm-up codec and wire form unless ``options`` gives them; the two run options are
+    taken out of ``options``.  Without ``"auto"``, unchanged (the run options refused).
+    ValueError naming the option or the compressor."""
     options = dict(options)
     run = {name: options.pop(name, None) for name in RUN_OPTIONS}
     if options.get(OPTION) != AUTO:
@@ -87,7 +90,8 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
         lr_warmup = math.ceil(LR_WARMUP_SHARE * total)
     options[OPTION] = max(1, math.ceil(recipe.warmup * lr_warmup))
     if recipe.refresh_every is not None and options.get(REFRESH_OPTION) is None:
-        options[REFRESH_OPTION] = recipe.refresh_every
+        betas = [group["betas"][1] for group in getattr(optimizer, "param_groups", ()) if "betas" in group]
+        options[REFRESH_OPTION] = min(recipe.refresh_every, refresh_limit(min(betas, default=1.0)))
     if options.get(SEND_OPTION) is None:
         options[SEND_OPTION] = recipe.send
     options.setdefault("compression_warmup_codec", recipe.codec)

@@ -188,7 +188,7 @@ class DistributedOptimizer(HoldsMergedStep):
         factor = check_horovod_args(op, gradient_predivide_factor)
         compression, options = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
                                                     REFRESH_OPTION: variance_refresh_every,
-                                                    SEND_OPTION: exchange_momentum_as}, "DistributedOptimizer")
+                                                    SEND_OPTION: exchange_momentum_as}, "DistributedOptimizer", optimizer)
         momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
                                            options.pop(SEND_OPTION), grad_scaler)
         if momentum is not None and op != Average:
