@@ -5,6 +5,9 @@ Each :class:`Recipe` is the configuration that came within 1 % of uncompressed A
 the compressor's own settings, the warm-up's length relative to the run's LR warm-up, the
 variance refresh interval, the codec of the warm-up and the refreshes, and what goes on the wire.
 :func:`choose` turns ``"auto"`` into those options for one run; an option the user gave stands.
+The recipes were measured with ``beta2 = 0.999``: where the optimizer is known, the refresh
+interval is capped to follow a faster variance (:func:`~.momentum_exchange.refresh_limit`) and a
+``beta2`` below 0.99 warns that the warm-up may be too short.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import warnings
 from typing import Any, Dict, Optional, Tuple
 
 from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.registry import get_compressor
 
 from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, refresh_limit
 
@@ -28,7 +32,6 @@ TOTAL_OPTION, WARMUP_OPTION = "total_steps", "lr_warmup_steps"
 RUN_OPTIONS = (TOTAL_OPTION, WARMUP_OPTION)
 #: the LR warm-up assumed when the run's is not known: 5 % of its updates
 LR_WARMUP_SHARE = 0.05
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +109,6 @@ def choose(compression: Any, options: Dict[str, Any], who: str, optimizer: Any =
         options[SEND_OPTION] = recipe.send
     options.setdefault("compression_warmup_codec", recipe.codec)
     if isinstance(compression, str) and recipe.compressor:
-        from mergecomp import get_compressor
-
         compression = get_compressor(compression, **recipe.compressor)
     logger.info("%s: %s='auto' for %s: %s=%d (%.1f x an LR warm-up of %d updates), %s=%s, %s=%r, "
                 "compression_warmup_codec=%r", who, OPTION, compression, OPTION, options[OPTION], recipe.warmup,
