@@ -43,8 +43,8 @@
   sqrt(v)`` (``B = (1 - beta1) / sqrt((1 - beta2) (1 - beta1**2 / beta2))``, Cauchy-Schwarz
   over the two averages of the same gradients), which a frozen variance the gradients have
   outgrown breaks (the updates then grow to thousands of times Adam's and the run diverges);
-  raised to it, no element moves further in one update than Adam's would.  The optimizer's step pre/post hooks run around it as around the
-  class's own step.
+  raised to it, no element moves further in one update than Adam's would.  The optimizer's
+  step pre/post hooks run around it as around the class's own step.
 * **Refresh** (``variance_refresh_every=R``): on a growing interval (:func:`last_write`: the
   momentum phase's updates 1, 2, 4, ... below ``R``, then every ``R``-th) a step sends
   the plain gradient as the warm-up does (exactly, or as fp16 or 8-bit QSGD under
@@ -79,7 +79,7 @@ from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 from .momentum_state import GroupState
 
 __all__ = ["MomentumExchange", "MomentumSettings", "SEARCH", "check_optimizer", "default_memory",
-           "refresh_limit", "warn_adam_gradients"]
+           "refresh_limit", "smallest_beta2", "warn_adam_gradients"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -114,6 +114,13 @@ STALE = 1.5
 #: a 3-layer GPT-2 with beta2 = 0.95 (time constant 20 updates), 1-bit SGD's recipe with K = 150
 #: ended 3.3 % behind AdamW refreshing every 32 updates and 0.72 % every 8
 REFRESH_SHARE = 0.4
+
+
+def smallest_beta2(optimizer: Any) -> float:
+    """The smallest ``beta2`` of ``optimizer``'s parameter groups (the fastest-moving variance);
+    1.0 for None or an optimizer without betas."""
+    return min((group["betas"][1] for group in getattr(optimizer, "param_groups", ()) if "betas" in group),
+               default=1.0)
 
 
 def refresh_limit(beta2: float) -> int:
@@ -531,7 +538,7 @@ class MomentumExchange:
         """At the freeze: a logged warning when the variance is refreshed less often than
         :func:`refresh_limit` of the smallest ``beta2`` (or never): Adam's own follows the
         gradients faster than that."""
-        beta2 = min(group["betas"][1] for group in self.optimizer.param_groups)
+        beta2 = smallest_beta2(self.optimizer)
         limit = refresh_limit(beta2)
         if self.refresh_every is None or self.refresh_every > limit:
             every = "never refreshed" if self.refresh_every is None else f"refreshed every {self.refresh_every} updates"
@@ -549,7 +556,7 @@ class MomentumExchange:
         """Restore :meth:`state_dict`; None (a checkpoint saved without the option): the updates
         are Adam's step count, and a checkpoint past the warm-up freezes the variance now.  The
         optimizer's state was loaded before: each group takes it over at its next use."""
-        self._step, self._groups, self._result = None, {}, None
+        self._step, self._groups, self._result, self._written = None, {}, None, None
         if state is None:
             steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
             self.updates, self.coefficients = int(max(steps, default=0)), None

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.registry import get_compressor
 
-from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, refresh_limit
+from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, refresh_limit, smallest_beta2
 
 __all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "choose"]
 
@@ -89,8 +89,7 @@ def choose(compression: Any, options: Dict[str, Any], who: str, optimizer: Any =
     for option, value in run.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{who}: {option} must be an int >= 0, got {value!r}")
-    beta2 = min((group["betas"][1] for group in getattr(optimizer, "param_groups", ()) if "betas" in group),
-                default=1.0)
+    beta2 = smallest_beta2(optimizer)
     if beta2 < MEASURED_BETA2:
         warnings.warn(f"{who}: {OPTION}='auto' uses recipes measured with beta2=0.999; with beta2={beta2} its "
                       f"warm-up can be too short (beta2=0.95: 1-bit SGD's recipe ended 13 % behind AdamW, a warm-up "
