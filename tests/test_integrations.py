@@ -65,9 +65,9 @@ def _lightning(rank, folder, port):
     x, y = make_data()
 
     class Tiny(pl.LightningModule):
-        def __init__(self, exchange=None, momentum_after=None):
+        def __init__(self, exchange=None, momentum_after=None, beta2=0.999):
             super().__init__()
-            self.net, self.exchange, self.momentum_after = make_net(), exchange, momentum_after
+            self.net, self.exchange, self.momentum_after, self.beta2 = make_net(), exchange, momentum_after, beta2
 
         def training_step(self, batch, index):
             self.wrapped = self.trainer.strategy.model is not self  # in DDP?
@@ -75,7 +75,7 @@ def _lightning(rank, folder, port):
 
         def configure_optimizers(self):
             if self.exchange == "hook":  # plain AdamW: the DDP hook exchanges its momentum
-                return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+                return torch.optim.AdamW(self.parameters(), lr=0.01, betas=(0.9, self.beta2), weight_decay=0.1)
             if self.momentum_after:  # AdamW with its momentum exchanged after a lossless warm-up
                 opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
                 return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
@@ -132,9 +132,12 @@ def _lightning(rank, folder, port):
     out["hook_adam_resumed"] = fit(strategy, module=Tiny("hook"), ckpt=path)
     out["hook_adam_resumed_updates"] = strategy.hook_state.momentum.exchange.updates
     strategy = MergecompDDPStrategy("onebit", exchange_momentum_after="auto")  # fit's 8 updates: K = 1
-    fit(strategy, module=Tiny("hook"))
+    with warnings.catch_warnings(record=True) as caught:  # the optimizer comes after the hook: R follows its beta2
+        warnings.simplefilter("always")
+        fit(strategy, module=Tiny("hook", beta2=0.95))
     momentum = strategy.hook_state.momentum.exchange
     out["hook_adam_auto"] = (momentum.after, momentum.refresh_every, momentum.updates)
+    out["hook_adam_auto_warnings"] = [str(w.message) for w in caught if "measured with beta2" in str(w.message)]
     with warnings.catch_warnings(record=True) as caught:  # AdamW's gradients through top-k: told what to add
         warnings.simplefilter("always")
         fit(MergecompDDPStrategy("topk"), epochs=1, module=Tiny("hook"))
@@ -209,7 +212,8 @@ def test_lightning_hook_strategy_exchanges_adamws_momentum_and_resumes_exactly(l
     backward pass inside optimizer.step(closure)); resumed after epoch 1, the same parameters."""
     for out in lightning:
         assert out["hook_adam_updates"] == 8 and out["hook_adam_resumed_updates"] == 8
-        assert out["hook_adam_auto"] == (1, 32, 8)  # onebit's recipe, 0.6 of 5 % of fit's 8 updates
+        assert out["hook_adam_auto"] == (1, 8, 8)  # onebit's recipe, 0.6 of 5 % of fit's 8 updates, R for beta2 0.95
+        assert len(out["hook_adam_auto_warnings"]) == 1 and "with beta2=0.95" in out["hook_adam_auto_warnings"][0]
         [told] = out["hook_adam_warnings"]
         assert told.startswith("MergecompDDPStrategy: 'topk'") and "exchange_momentum_after=K" in told
         assert torch.equal(out["hook_adam_resumed"], out["hook_adam"])

@@ -8,17 +8,18 @@ from distributed import run_workers
 from test_momentum_exchange import AFTER, flat_params, make_adam, make_data, make_model, make_schedule, run, shard
 
 import mergecomp
-from mergecomp.torch.momentum_recipes import RECIPES, choose
+from mergecomp.torch.momentum_exchange import MomentumSettings
+from mergecomp.torch.momentum_recipes import RECIPES, choose, fit
 
 
 def test_each_recipe_scales_its_warm_up_to_the_runs_lr_warm_up():
     """K in LR warm-ups (5 % of total_steps where the warm-up is not given), the recipe's
     refresh interval, warm-up codec, wire form and compressor settings."""
-    compression, options = choose("topk", {"exchange_momentum_after": "auto", "total_steps": 2000}, "test")
+    compression, options, _ = choose("topk", {"exchange_momentum_after": "auto", "total_steps": 2000}, "test")
     assert (compression.ratio, compression.value_dtype) == (0.025, "fp16")
     assert options == {"exchange_momentum_after": 150, "variance_refresh_every": 32,
                        "exchange_momentum_as": "momentum", "compression_warmup_codec": "qsgd"}
-    compression, options = choose("powersgd", {"exchange_momentum_after": "auto", "lr_warmup_steps": 100,
+    compression, options, _ = choose("powersgd", {"exchange_momentum_after": "auto", "lr_warmup_steps": 100,
                                                "total_steps": 5000}, "test")
     assert (compression.rank, options["exchange_momentum_after"], options["exchange_momentum_as"]) == (16, 120, "increment")
     assert choose("onebit", {"exchange_momentum_after": "auto", "total_steps": 600}, "test")[1][
@@ -29,14 +30,14 @@ def test_each_recipe_scales_its_warm_up_to_the_runs_lr_warm_up():
 
 def test_what_the_user_gives_stands():
     mine = mergecomp.get_compressor("topk", ratio=0.1)
-    compression, options = choose(mine, {"exchange_momentum_after": "auto", "total_steps": 2000,
+    compression, options, _ = choose(mine, {"exchange_momentum_after": "auto", "total_steps": 2000,
                                          "variance_refresh_every": 8, "exchange_momentum_as": "increment",
                                          "compression_warmup_codec": "fp16", "nonfinite": "skip"}, "test")
     assert compression is mine
     assert options == {"exchange_momentum_after": 150, "variance_refresh_every": 8, "exchange_momentum_as": "increment",
                        "compression_warmup_codec": "fp16", "nonfinite": "skip"}
     given = {"exchange_momentum_after": 7, "variance_refresh_every": None}  # no "auto": untouched
-    assert choose("topk", given, "test") == ("topk", given)
+    assert choose("topk", given, "test") == ("topk", given, ())
 
 
 @pytest.mark.parametrize("compression,options,message", [
@@ -54,7 +55,7 @@ def test_what_auto_cannot_do_raises_naming_it(compression, options, message):
 
 def test_every_recipe_builds_its_compressor():
     for name, recipe in RECIPES.items():
-        compression, options = choose(name, {"exchange_momentum_after": "auto", "total_steps": 2000}, "test")
+        compression, options, _ = choose(name, {"exchange_momentum_after": "auto", "total_steps": 2000}, "test")
         assert getattr(compression, "name", compression) == name
         assert options["exchange_momentum_after"] == round(recipe.warmup * 100)
 
@@ -91,8 +92,10 @@ def test_auto_refreshes_within_the_variances_time_constant_unless_told_otherwise
 
     def refresh(beta2, **given):
         adamw = torch.optim.AdamW(model.parameters(), betas=(0.9, beta2))
-        options = {"exchange_momentum_after": "auto", "total_steps": 2000, **given}
-        return choose("onebit", options, "test", adamw)[1]["variance_refresh_every"]
+        _, options, chosen = choose("onebit", {"exchange_momentum_after": "auto", "total_steps": 2000, **given}, "test")
+        settings = MomentumSettings.create(options["exchange_momentum_after"], options["variance_refresh_every"],
+                                           chosen=chosen)
+        return fit(settings, adamw, "test").refresh_every
 
     with pytest.warns(UserWarning, match="measured with beta2=0.999; with beta2=0.95 its warm-up can be too short"):
         assert (refresh(0.95), refresh(0.95, variance_refresh_every=32)) == (8, 32)

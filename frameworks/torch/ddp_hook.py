@@ -333,11 +333,11 @@ def check_settings(compression: Union[str, Compressor] = "none", memory: Union[s
     options and the momentum exchange's settings (None without ``exchange_momentum_after``;
     ``"auto"``: the compressor's recipe, :func:`~frameworks.torch.momentum_recipes.choose`);
     ValueError/TypeError naming the option."""
-    compression, options = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
-                                                REFRESH_OPTION: variance_refresh_every,
-                                                SEND_OPTION: exchange_momentum_as}, "ddp_comm_hook", optimizer)
+    compression, options, chosen = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
+                                                        REFRESH_OPTION: variance_refresh_every,
+                                                        SEND_OPTION: exchange_momentum_as}, "ddp_comm_hook")
     momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
-                                       options.pop(SEND_OPTION), grad_scaler)
+                                       options.pop(SEND_OPTION), grad_scaler, chosen)
     if optimizer is not None and momentum is None:
         raise ValueError(f"optimizer is only used with {MOMENTUM_OPTION} (the hook exchanges gradients without it)")
     defaults = {"nonfinite": "propagate"}

@@ -182,12 +182,16 @@ class MomentumSettings:
     after: int
     refresh_every: Optional[int] = None
     send: str = "momentum"
+    #: the options ``exchange_momentum_after="auto"`` chose, not the user
+    #: (:func:`~frameworks.torch.momentum_recipes.fit` adapts them to the optimizer)
+    chosen: Tuple[str, ...] = ()
 
     @classmethod
     def create(cls, after: Any = None, refresh_every: Any = None, send: Any = None,
-               grad_scaler: Any = None) -> Optional["MomentumSettings"]:
+               grad_scaler: Any = None, chosen: Tuple[str, ...] = ()) -> Optional["MomentumSettings"]:
         """The settings, or None without ``after`` (then the others must be left unset; ``send``
-        None: ``"momentum"``); ValueError/TypeError naming the option."""
+        None: ``"momentum"``); ``chosen``: the options a recipe chose.  ValueError/TypeError
+        naming the option."""
         if after is None:
             given = [name for name, value in (("grad_scaler", grad_scaler), (REFRESH_OPTION, refresh_every),
                                               (SEND_OPTION, send)) if value is not None]
@@ -202,7 +206,7 @@ class MomentumSettings:
             raise ValueError(f"{SEND_OPTION} must be one of {SENDS}, got {send!r}")
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        return cls(after, refresh_every, send)
+        return cls(after, refresh_every, send, tuple(chosen))
 
     def agreed(self) -> Tuple[Tuple[str, Any], ...]:
         """The options every rank must give alike, by name."""

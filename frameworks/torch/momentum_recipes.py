@@ -5,9 +5,10 @@ Each :class:`Recipe` is the configuration that came within 1 % of uncompressed A
 the compressor's own settings, the warm-up's length relative to the run's LR warm-up, the
 variance refresh interval, the codec of the warm-up and the refreshes, and what goes on the wire.
 :func:`choose` turns ``"auto"`` into those options for one run; an option the user gave stands.
-The recipes were measured with ``beta2 = 0.999``: where the optimizer is known, the refresh
-interval is capped to follow a faster variance (:func:`~.momentum_exchange.refresh_limit`) and a
-``beta2`` below 0.99 warns that the warm-up may be too short.
+The recipes were measured with ``beta2 = 0.999``: once the optimizer is known (:func:`fit`, when
+the momentum exchange takes it over, in every front end), the refresh interval is capped to
+follow a faster variance (:func:`~.momentum_exchange.refresh_limit`) and a ``beta2`` below 0.99
+warns that the warm-up may be too short.
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from typing import Any, Dict, Optional, Tuple
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.registry import get_compressor
 
-from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, refresh_limit, smallest_beta2
+from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, MomentumSettings, refresh_limit, smallest_beta2
 
-__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "choose"]
+__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "choose", "fit"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -65,14 +66,13 @@ RECIPES: Dict[str, Recipe] = {
 }
 
 
-def choose(compression: Any, options: Dict[str, Any], who: str, optimizer: Any = None
-           ) -> Tuple[Any, Dict[str, Any]]:
-    """``(compression, options)`` with ``exchange_momentum_after="auto"`` replaced by its
+def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Dict[str, Any], Tuple[str, ...]]:
+    """``(compression, options, chosen)`` with ``exchange_momentum_after="auto"`` replaced by its
     recipe's settings (:data:`RECIPES`): the compressor named with the recipe's settings, K from
     the run's LR warm-up (``lr_warmup_steps`` where given, else 5 % of ``total_steps``), and the
-    refresh interval (at most :func:`refresh_limit` of ``optimizer``'s smallest ``beta2`` where
-    it is given), warm-up codec and wire form unless ``options`` gives them; the two run options are
-    taken out of ``options``.  Without ``"auto"``, unchanged (the run options refused).
+    refresh interval, warm-up codec and wire form unless ``options`` gives them; ``chosen``: the
+    momentum options the recipe set (for :func:`fit`); the two run options are taken out of
+    ``options``.  Without ``"auto"``, unchanged and nothing chosen (the run options refused).
     ValueError naming the option or the compressor."""
     options = dict(options)
     run = {name: options.pop(name, None) for name in RUN_OPTIONS}
@@ -80,7 +80,7 @@ def choose(compression: Any, options: Dict[str, Any], who: str, optimizer: Any =
         given = [name for name, value in run.items() if value is not None]
         if given:
             raise ValueError(f"{who}: {given[0]} is only used with {OPTION}='auto'")
-        return compression, options
+        return compression, options, ()
     name = compression if isinstance(compression, str) else getattr(compression, "name", None)
     recipe = RECIPES.get(name) if isinstance(compression, (str, Compressor)) else None
     if recipe is None:
@@ -89,21 +89,17 @@ def choose(compression: Any, options: Dict[str, Any], who: str, optimizer: Any =
     for option, value in run.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{who}: {option} must be an int >= 0, got {value!r}")
-    beta2 = smallest_beta2(optimizer)
-    if beta2 < MEASURED_BETA2:
-        warnings.warn(f"{who}: {OPTION}='auto' uses recipes measured with beta2=0.999; with beta2={beta2} its "
-                      f"warm-up can be too short (beta2=0.95: 1-bit SGD's recipe ended 13 % behind AdamW, a warm-up "
-                      f"of a quarter of the run 0.7 %): give {OPTION}=K (docs/compressors.md)", UserWarning,
-                      stacklevel=3)
     lr_warmup, total = run[WARMUP_OPTION], run[TOTAL_OPTION]
     if not lr_warmup:
         if not total:
             raise ValueError(f"{who}: {OPTION}='auto' scales the warm-up to the run: give {TOTAL_OPTION}=N (the "
                              f"run's optimizer updates) or {WARMUP_OPTION}=W (its LR warm-up's)")
         lr_warmup = math.ceil(LR_WARMUP_SHARE * total)
+    chosen = [OPTION]
     options[OPTION] = max(1, math.ceil(recipe.warmup * lr_warmup))
     if recipe.refresh_every is not None and options.get(REFRESH_OPTION) is None:
-        options[REFRESH_OPTION] = min(recipe.refresh_every, refresh_limit(beta2))
+        options[REFRESH_OPTION] = recipe.refresh_every
+        chosen.append(REFRESH_OPTION)
     if options.get(SEND_OPTION) is None:
         options[SEND_OPTION] = recipe.send
     options.setdefault("compression_warmup_codec", recipe.codec)
@@ -113,4 +109,22 @@ def choose(compression: Any, options: Dict[str, Any], who: str, optimizer: Any =
                 "compression_warmup_codec=%r", who, OPTION, compression, OPTION, options[OPTION], recipe.warmup,
                 lr_warmup, REFRESH_OPTION, options.get(REFRESH_OPTION), SEND_OPTION, options[SEND_OPTION],
                 options["compression_warmup_codec"])
-    return compression, options
+    return compression, options, tuple(chosen)
+
+
+def fit(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSettings:
+    """``settings`` for ``optimizer`` (an Adam or AdamW), once it is known: a refresh interval
+    the recipe chose is at most :func:`refresh_limit` of its smallest ``beta2``, and a ``beta2``
+    below :data:`MEASURED_BETA2` under ``"auto"`` warns (``UserWarning`` naming ``who``) that the
+    recipe's warm-up may be too short.  Settings the user gave are returned as they are."""
+    if OPTION not in settings.chosen:
+        return settings
+    beta2 = smallest_beta2(optimizer)
+    if beta2 < MEASURED_BETA2:
+        warnings.warn(f"{who}: {OPTION}='auto' uses recipes measured with beta2=0.999; with beta2={beta2} its "
+                      f"warm-up can be too short (beta2=0.95: 1-bit SGD's recipe ended 13 % behind AdamW, a warm-up "
+                      f"of a quarter of the run 0.7 %): give {OPTION}=K (docs/compressors.md)", UserWarning,
+                      stacklevel=4)
+    if REFRESH_OPTION in settings.chosen:
+        return dataclasses.replace(settings, refresh_every=min(settings.refresh_every, refresh_limit(beta2)))
+    return settings

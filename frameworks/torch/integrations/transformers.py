@@ -87,7 +87,7 @@ class MergecompCallback(TrainerCallback):
         if wrapped is not self._wrapped:  # a second train() on the same DDP keeps its hook
             compression, memory, options = self.settings
             if self.auto:
-                options = {**run_length(args, state.max_steps), "optimizer": kwargs["optimizer"], **options}
+                options = {**run_length(args, state.max_steps), **options}
             self.hook_state = attach(wrapped, compression, memory, options, who="MergecompCallback")
             self._ranks, self._wrapped = AllRanks(self.hook_state, args.device), wrapped
         scaler = getattr(self.trainer.accelerator, "scaler", None)  # the optimizer's state loaded when it resumes
