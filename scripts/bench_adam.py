@@ -107,8 +107,8 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None, lr=LR, beta2=0.
         kwargs["memory"] = memory_of(memory)
     if mode in ("momentum", "increment"):
         kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh, exchange_momentum_as=mode)
-    if mode == "auto":  # the compressor's recipe, scaled to the run's LR warm-up
-        kwargs.update(exchange_momentum_after="auto", lr_warmup_steps=warm or lr_warmup(steps))
+    if mode == "auto":  # the compressor's recipe, scaled to the run and its LR warm-up
+        kwargs.update(exchange_momentum_after="auto", lr_warmup_steps=warm or lr_warmup(steps), total_steps=steps)
     compression = spec if mode == "auto" and ":" not in spec else compressor_of(spec)
     opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compression, groups=groups,
                                   **kwargs)
@@ -217,7 +217,10 @@ def worker(rank, world, port, jobs, args, queue):
 
 def report(records, configs, seeds):
     base = {r["seed"]: r["final_test_loss"] for r in records if r["config"] == BASELINE and r["status"] == "ok"}
-    print(f"GPT-2 4x256 on stdlib bytes, AdamW, 2 workers x batch {BATCH} x {CONTEXT} bytes, seeds {seeds}: "
+    setting = next((r["setting"] for r in records if "setting" in r), {})
+    print(f"GPT-2 {setting.get('layers', 4)}x256 on stdlib bytes, AdamW (lr {setting.get('lr', LR)}, beta2 "
+          f"{setting.get('beta2', 0.999)}, clip {setting.get('clip')}), {setting.get('workers', 2)} workers x batch "
+          f"{setting.get('batch', BATCH)} x {CONTEXT} bytes, {records[0].get('steps')} steps, seeds {seeds}: "
           f"medians over seeds, paired with uncompressed AdamW ({BASELINE}) on the same seed\n")
     print("| configuration | warm-up | bits per element (run) | validation loss | vs uncompressed AdamW | within 1 % "
           "| MB beyond AdamW's state |")
