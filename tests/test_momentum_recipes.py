@@ -9,7 +9,7 @@ from test_momentum_exchange import AFTER, flat_params, make_adam, make_data, mak
 
 import mergecomp
 from mergecomp.torch.momentum_exchange import MomentumSettings
-from mergecomp.torch.momentum_recipes import RECIPES, choose, fit
+from mergecomp.torch.momentum_recipes import RECIPES, adapt, choose
 
 
 def test_each_recipe_scales_its_warm_up_to_the_runs_lr_warm_up():
@@ -101,7 +101,7 @@ def test_auto_refreshes_within_the_variances_time_constant_unless_told_otherwise
         _, options, chosen = choose("onebit", {"exchange_momentum_after": "auto", "total_steps": 2000, **given}, "test")
         settings = MomentumSettings.create(options["exchange_momentum_after"], options["variance_refresh_every"],
                                            chosen=chosen)
-        return fit(settings, adamw, "test").refresh_every
+        return adapt(settings, adamw, "test").refresh_every
 
     with pytest.warns(UserWarning, match="measured with beta2=0.999 .*; with beta2=0.95 its warm-up can be too short"):
         assert (refresh(0.95), refresh(0.95, variance_refresh_every=32)) == (8, 32)

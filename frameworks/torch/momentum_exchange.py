@@ -183,7 +183,7 @@ class MomentumSettings:
     refresh_every: Optional[int] = None
     send: str = "momentum"
     #: the options ``exchange_momentum_after="auto"`` chose, not the user
-    #: (:func:`~frameworks.torch.momentum_recipes.fit` adapts them to the optimizer)
+    #: (:func:`~frameworks.torch.momentum_recipes.adapt` sets them to the optimizer)
     chosen: Tuple[str, ...] = ()
 
     @classmethod

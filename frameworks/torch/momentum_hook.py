@@ -22,7 +22,7 @@ from mergecomp.exchange.exchange import Exchange
 from mergecomp.pipeline.step import MergedStep
 
 from .momentum_exchange import OPTION, MomentumExchange, MomentumSettings
-from .momentum_recipes import fit
+from .momentum_recipes import adapt
 
 __all__ = ["HookMomentum", "adam_of"]
 
@@ -68,7 +68,7 @@ class HookMomentum:
         if self.exchange is not None and self.exchange.optimizer is optimizer:  # again (a second train())
             self.exchange.grad_scaler = grad_scaler
             return
-        momentum = MomentumExchange(optimizer, self.params, fit(self.settings, optimizer, "ddp_comm_hook"), exchange,
+        momentum = MomentumExchange(optimizer, self.params, adapt(self.settings, optimizer, "ddp_comm_hook"), exchange,
                                     grad_scaler)  # checks it
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [i for i, p in enumerate(self.params) if id(p) not in held]

@@ -5,7 +5,7 @@ Each :class:`Recipe` is the configuration that came within 1 % of uncompressed A
 the compressor's own settings, the warm-up's length relative to the run's LR warm-up, the
 variance refresh interval, the codec of the warm-up and the refreshes, and what goes on the wire.
 :func:`choose` turns ``"auto"`` into those options for one run; an option the user gave stands.
-The recipes were measured with ``beta2 = 0.999``: once the optimizer is known (:func:`fit`, when
+The recipes were measured with ``beta2 = 0.999``: once the optimizer is known (:func:`adapt`, when
 the momentum exchange takes it over, in every front end), the refresh interval is capped to
 follow a faster variance (:func:`~.momentum_exchange.refresh_limit`) and a ``beta2`` below 0.99
 warns that the warm-up may be too short.
@@ -23,7 +23,7 @@ from mergecomp.registry import get_compressor
 
 from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, MomentumSettings, refresh_limit, smallest_beta2
 
-__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "choose", "fit"]
+__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -80,7 +80,7 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
     the run's LR warm-up (``lr_warmup_steps`` where given, else 5 % of ``total_steps``) and at
     least :data:`SHORTEST_WARMUP` (a quarter of a shorter ``total_steps``), and the
     refresh interval, warm-up codec and wire form unless ``options`` gives them; ``chosen``: the
-    momentum options the recipe set (for :func:`fit`); the two run options are taken out of
+    momentum options the recipe set (for :func:`adapt`); the two run options are taken out of
     ``options``.  Without ``"auto"``, unchanged and nothing chosen (the run options refused).
     ValueError naming the option or the compressor."""
     options = dict(options)
@@ -122,7 +122,7 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
     return compression, options, tuple(chosen)
 
 
-def fit(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSettings:
+def adapt(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSettings:
     """``settings`` for ``optimizer`` (an Adam or AdamW), once it is known: a refresh interval
     the recipe chose is at most :func:`refresh_limit` of its smallest ``beta2``, and a ``beta2``
     below :data:`MEASURED_BETA2` under ``"auto"`` warns (``UserWarning`` naming ``who``) that the

@@ -62,7 +62,7 @@ from mergecomp.registry import Compression
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
 from .momentum_exchange import REFRESH_OPTION, SEND_OPTION, MomentumExchange, MomentumSettings, warn_adam_gradients
-from .momentum_recipes import choose, fit
+from .momentum_recipes import adapt, choose
 from .named_parameters import collect_parameters
 
 __all__ = ["DistributedOptimizer"]
@@ -192,7 +192,7 @@ class DistributedOptimizer(HoldsMergedStep):
         momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
                                            options.pop(SEND_OPTION), grad_scaler, chosen)
         if momentum is not None:
-            momentum = fit(momentum, optimizer, "DistributedOptimizer")
+            momentum = adapt(momentum, optimizer, "DistributedOptimizer")
         if momentum is not None and op != Average:
             raise ValueError(f"{MOMENTUM_OPTION} needs op=mc.Average (the momentum is averaged), got op={op!r}")
         self._check_passes(backward_passes_per_step)
