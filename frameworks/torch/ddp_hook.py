@@ -51,8 +51,8 @@ from mergecomp.pipeline.step import HoldsMergedStep
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import REFRESH_OPTION, SEND_OPTION, MomentumSettings, warn_adam_gradients
-from .momentum_recipes import choose
+from .momentum_exchange import MomentumSettings, warn_adam_gradients
+from .momentum_recipes import settings_of
 from .momentum_hook import HookMomentum, adam_of
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
@@ -331,13 +331,11 @@ def check_settings(compression: Union[str, Compressor] = "none", memory: Union[s
     """:func:`ddp_comm_hook`'s settings checked and resolved, without building anything
     (``named``: whether parameter names will be given): the compressor, the memory, the step
     options and the momentum exchange's settings (None without ``exchange_momentum_after``;
-    ``"auto"``: the compressor's recipe, :func:`~frameworks.torch.momentum_recipes.choose`);
+    ``"auto"``: the compressor's recipe, :func:`~frameworks.torch.momentum_recipes.settings_of`);
     ValueError/TypeError naming the option."""
-    compression, options, chosen = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
-                                                        REFRESH_OPTION: variance_refresh_every,
-                                                        SEND_OPTION: exchange_momentum_as}, "ddp_comm_hook")
-    momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
-                                       options.pop(SEND_OPTION), grad_scaler, chosen)
+    compression, options, momentum = settings_of(compression, options, exchange_momentum_after,
+                                                 variance_refresh_every, exchange_momentum_as, grad_scaler,
+                                                 "ddp_comm_hook")
     if optimizer is not None and momentum is None:
         raise ValueError(f"optimizer is only used with {MOMENTUM_OPTION} (the hook exchanges gradients without it)")
     defaults = {"nonfinite": "propagate"}

@@ -23,7 +23,7 @@ from mergecomp.registry import get_compressor
 
 from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, MomentumSettings, refresh_limit, smallest_beta2
 
-__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose"]
+__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose", "settings_of"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -120,6 +120,19 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
                 lr_warmup, shortest, REFRESH_OPTION, options.get(REFRESH_OPTION), SEND_OPTION, options[SEND_OPTION],
                 options["compression_warmup_codec"])
     return compression, options, tuple(chosen)
+
+
+def settings_of(compression: Any, options: Dict[str, Any], after: Any, refresh_every: Any, send: Any,
+                grad_scaler: Any, who: str) -> Tuple[Any, Dict[str, Any], Optional[MomentumSettings]]:
+    """A front end's ``(compression, options, settings)``: ``exchange_momentum_after=after``
+    (``"auto"``: :func:`choose`), ``variance_refresh_every``, ``exchange_momentum_as`` and
+    ``grad_scaler`` as :class:`MomentumSettings` (None without ``after``), ``options`` the rest;
+    ValueError/TypeError naming the option."""
+    compression, options, chosen = choose(compression, {**options, OPTION: after, REFRESH_OPTION: refresh_every,
+                                                        SEND_OPTION: send}, who)
+    settings = MomentumSettings.create(options.pop(OPTION), options.pop(REFRESH_OPTION), options.pop(SEND_OPTION),
+                                       grad_scaler, chosen)
+    return compression, options, settings
 
 
 def adapt(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSettings:

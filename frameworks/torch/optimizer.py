@@ -61,8 +61,8 @@ from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import REFRESH_OPTION, SEND_OPTION, MomentumExchange, MomentumSettings, warn_adam_gradients
-from .momentum_recipes import adapt, choose
+from .momentum_exchange import MomentumExchange, warn_adam_gradients
+from .momentum_recipes import adapt, settings_of
 from .named_parameters import collect_parameters
 
 __all__ = ["DistributedOptimizer"]
@@ -186,11 +186,9 @@ class DistributedOptimizer(HoldsMergedStep):
         **options,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor)
-        compression, options, chosen = choose(compression, {**options, MOMENTUM_OPTION: exchange_momentum_after,
-                                                            REFRESH_OPTION: variance_refresh_every,
-                                                            SEND_OPTION: exchange_momentum_as}, "DistributedOptimizer")
-        momentum = MomentumSettings.create(options.pop(MOMENTUM_OPTION), options.pop(REFRESH_OPTION),
-                                           options.pop(SEND_OPTION), grad_scaler, chosen)
+        compression, options, momentum = settings_of(compression, options, exchange_momentum_after,
+                                                     variance_refresh_every, exchange_momentum_as, grad_scaler,
+                                                     "DistributedOptimizer")
         if momentum is not None:
             momentum = adapt(momentum, optimizer, "DistributedOptimizer")
         if momentum is not None and op != Average:
