@@ -395,6 +395,36 @@ def test_compensated_above_tells_whether_the_gradient_is_finite(bad, where, sour
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("capacity", [3, 10 ** 6])
+@pytest.mark.parametrize("source", ["plain", "residual", "residual in place"])
+def test_compensated_above_takes_what_passes_and_leaves_the_rest(n, capacity, source):
+    """c = x (or x + r): out = c except 0 where the first ``capacity`` elements with |c| >=
+    threshold were taken (returned ascending with their c); the count is of all that passed;
+    the same on 1 and 3 threads."""
+    x, r = torch.randn(n), torch.randn(n)
+    x[::5] = 0.0  # elements exactly at the threshold and zeros
+    x[1::7] = 1.25
+    c = x if source == "plain" else x + r
+    above = torch.nonzero(c.abs() >= 1.25).view(-1)
+    taken = above[:capacity]
+    expected_out = c.clone()
+    expected_out[taken] = 0
+    threads, results = torch.get_num_threads(), []
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            residual = None if source == "plain" else r.clone()
+            out = residual if source == "residual in place" else torch.empty(n)
+            results.append((*native.compensated_above(x, residual, 1.25, out, capacity)[:3], out))
+    finally:
+        torch.set_num_threads(threads)
+    for indices, values, count, out in results:
+        assert count == above.numel() and torch.equal(indices, taken) and torch.equal(values, c[taken])
+        assert torch.equal(out, expected_out)
+
+
+@needs_kernels
 @pytest.mark.parametrize("capacity", [5, 10 ** 6])
 def test_compensated_above_masks_the_momentum_of_what_it_takes(capacity):
     """DGC's scan: u_out = m u + x and c = r + u_out everywhere, except that a candidate it

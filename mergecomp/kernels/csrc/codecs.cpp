@@ -705,37 +705,93 @@ int signs_part(int64_t at, int64_t n, uint8_t* out, double* stats, Code code) {
 
 }  // namespace
 
+// scan(start, len, hits) for each block of BLOCK elements, which appends the block's hits
+// (ascending) to its own list; the blocks run in parallel and their lists come back in block
+// order.
+template <typename Hit, typename Scan>
+std::vector<std::vector<Hit>> scanned_by_block(int64_t n, int threads, Scan scan) {
+  std::vector<std::vector<Hit>> found((n + BLOCK - 1) / BLOCK);
+  std::vector<Hit>* lists = found.data();
+  // Captures by value: a worker reading the caller's stack would share its cache lines.
+  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) scan(b * BLOCK, std::min(BLOCK, n - b * BLOCK), lists[b]);
+  });
+  return found;
+}
+
 // take(i) for the elements i < n whose byte mark(start, len, m) sets in m[i - start] for their
 // block of BLOCK elements (mark may write other outputs of the block; take runs right after it,
 // while the block is in cache), collected one list per block, ascending; the blocks run in
 // parallel.
 template <typename Hit, typename Mark, typename Take>
 std::vector<std::vector<Hit>> marked_by_block(int64_t n, int threads, Mark mark, Take take) {
-  const int64_t blocks = (n + BLOCK - 1) / BLOCK;
-  std::vector<std::vector<Hit>> found(blocks);
-  std::vector<Hit>* lists = found.data();
-  // Captures by value: a worker reading the caller's stack would share its cache lines.
-  parallel_blocks(n, threads, [=](int64_t first, int64_t last) {
-    std::vector<uint8_t> mask(BLOCK + 8);
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t start = b * BLOCK, len = std::min(BLOCK, n - start);
-      uint8_t* m = mask.data();
-      mark(start, len, m);
-      std::fill(m + len, m + len + 8, 0);
-      // Scan the 0/1 bytes a word at a time: most words are zero when few elements pass.
-      std::vector<Hit>& hits = lists[b];
-      for (int64_t w = 0; w < len; w += 8) {
-        uint64_t word;
-        std::memcpy(&word, m + w, 8);
-        while (word) {
-          hits.push_back(take(start + w + __builtin_ctzll(word) / 8));
-          word &= word - 1;
-        }
+  return scanned_by_block<Hit>(n, threads, [=](int64_t start, int64_t len, std::vector<Hit>& hits) {
+    thread_local std::vector<uint8_t> mask(BLOCK + 8);
+    uint8_t* m = mask.data();
+    mark(start, len, m);
+    std::fill(m + len, m + len + 8, 0);
+    // Scan the 0/1 bytes a word at a time: most words are zero when few elements pass.
+    for (int64_t w = 0; w < len; w += 8) {
+      uint64_t word;
+      std::memcpy(&word, m + w, 8);
+      while (word) {
+        hits.push_back(take(start + w + __builtin_ctzll(word) / 8));
+        word &= word - 1;
       }
     }
   });
-  return found;
 }
+
+#if defined(__AVX2__)
+// The elements i in [start, start + len) (len <= BLOCK) with |c| >= threshold, c = x[i] (r null)
+// or x[i] + r[i]: hits gets take(i) for each, ascending, right after out[i] = c is written for
+// every element (take may read and change it).  Returns the largest exponent field of the
+// elements of x (all ones: one is NaN or Inf).  Eight elements at a time, into a bit per element
+// (marked_by_block's bytes cost twice the time: 970 K elements, 1.3 % passing, 0.4 against 1.0
+// ms on an AMD EPYC); the loop calls nothing, so its vectors stay in registers.
+template <typename Hit, typename Take>
+uint32_t above_avx2(const float* x, const float* r, int64_t start, int64_t len, float threshold, float* out,
+                    std::vector<Hit>& hits, Take take) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 bound = _mm256_set1_ps(threshold);
+  const __m256i exponent_field = _mm256_set1_epi32(0x7f800000);
+  __m256i exponents = _mm256_setzero_si256();
+  alignas(8) uint8_t passed[BLOCK / 8 + 8] = {};  // bit j of byte k: element start + 8 k + j
+  const int64_t body = len / 8 * 8;
+  for (int64_t k = 0; k < body; k += 8) {
+    const __m256 xs = _mm256_loadu_ps(x + start + k);
+    const __m256 c = r ? _mm256_add_ps(xs, _mm256_loadu_ps(r + start + k)) : xs;
+    exponents = _mm256_max_epu32(exponents, _mm256_and_si256(_mm256_castps_si256(xs), exponent_field));
+    passed[k / 8] = static_cast<uint8_t>(
+        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(c, magnitude), bound, _CMP_GE_OQ)));
+    if (out) _mm256_storeu_ps(out + start + k, c);
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), exponents);
+  uint32_t exponent = *std::max_element(lanes, lanes + 8);
+  for (int64_t k = body; k < len; ++k) {
+    const float c = r ? x[start + k] + r[start + k] : x[start + k];
+    uint32_t bits;
+    std::memcpy(&bits, x + start + k, 4);
+    exponent = std::max(exponent, bits & 0x7f800000u);
+    passed[k / 8] |= static_cast<uint8_t>((std::fabs(c) >= threshold) << (k % 8));
+    if (out) out[start + k] = c;
+  }
+  int64_t count = 0;
+  for (int64_t w = 0; w < len; w += 64) {
+    uint64_t word;
+    std::memcpy(&word, passed + w / 8, 8);
+    count += __builtin_popcountll(word);
+  }
+  hits.reserve(hits.size() + count);
+  for (int64_t w = 0; w < len; w += 64) {  // a word of 64 elements at a time: most are zero
+    uint64_t word;
+    std::memcpy(&word, passed + w / 8, 8);
+    for (; word; word &= word - 1) hits.push_back(take(start + w + __builtin_ctzll(word)));
+  }
+  return exponent;
+}
+#endif
 
 // What compensated_above_impl scans: c = x, c = x + r (the residual memory), or DGC's momentum
 // correction u' = m * u + x (written to u_out, which may be u), c = r + u' (r: the velocity).
@@ -761,7 +817,21 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
   std::atomic<int> all_finite{1};
   std::atomic<int>* const flag = &all_finite;  // captured by value, as the pointers below
   const bool check = finite != nullptr;
-  const auto found = marked_by_block<Candidate>(
+  std::vector<std::vector<Candidate>> found;
+#if defined(__AVX2__)
+  if constexpr (S != Source::kMomentum) {
+    found = scanned_by_block<Candidate>(n, threads, [=](int64_t start, int64_t len, std::vector<Candidate>& hits) {
+      const uint32_t exponent = above_avx2(x, S == Source::kSum ? r : nullptr, start, len, threshold, out, hits,
+                                           [=](int64_t i) {
+                                             const Candidate hit{i, out[i], 0.0f};
+                                             out[i] = 0.0f;
+                                             return hit;
+                                           });
+      if (check && exponent == 0x7f800000u) flag->store(0, std::memory_order_relaxed);
+    });
+  } else  // DGC's momentum: the marked scan
+#endif
+  found = marked_by_block<Candidate>(
       n, threads,
       [=](int64_t start, int64_t len, uint8_t* m) {
 #pragma omp simd
@@ -1162,6 +1232,11 @@ void mc_low_rank(const float* p, const float* qt, int64_t m, int64_t n, int r, c
 // out and returns how many there are (call again with a larger out if that is > capacity).
 int64_t mc_indices_above(const float* x, int64_t n, float threshold, int64_t* out,
                          int64_t capacity, int threads) {
+#if defined(__AVX2__)
+  const auto found = scanned_by_block<int64_t>(n, threads, [=](int64_t start, int64_t len, std::vector<int64_t>& hits) {
+    above_avx2(x, nullptr, start, len, threshold, nullptr, hits, [](int64_t i) { return i; });
+  });
+#else
   const auto found = marked_by_block<int64_t>(
       n, threads,
       [=](int64_t start, int64_t len, uint8_t* m) {
@@ -1170,6 +1245,7 @@ int64_t mc_indices_above(const float* x, int64_t n, float threshold, int64_t* ou
         for (int64_t k = 0; k < len; ++k) m[k] = std::fabs(src[k]) >= threshold;
       },
       [](int64_t i) { return i; });
+#endif
   int64_t count = 0;
   for (const auto& hits : found) {
     const int64_t take = std::max<int64_t>(0, std::min<int64_t>(hits.size(), capacity - count));
