@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 from mergecomp.bench.gpu_check.cuda_tests import read_junit, read_log
@@ -89,20 +90,30 @@ def test_a_run_stopped_before_its_junit_xml_is_counted_from_its_log(tmp_path):
                              "skip_reasons": []}
 
 
-def test_a_run_past_its_budget_is_interrupted_and_still_reports_its_failures(tmp_path):
+def test_a_run_past_its_budget_is_interrupted_and_still_reports_its_failures(tmp_path, monkeypatch):
     """The stage's pytest is stopped as by Ctrl-C when its time is up: the failure so far
-    and its traceback reach the JUnit XML and the log (a kill would leave neither)."""
-    from mergecomp.bench.gpu_check.cuda_tests import REPORT_S, run
+    and its traceback reach the JUnit XML and the log (a kill would leave neither).  The time
+    is up here once the slow test has begun, however long pytest took to get there."""
+    from mergecomp.bench.gpu_check import cuda_tests
 
     (tmp_path / "tests" / "cuda").mkdir(parents=True)
     (tmp_path / "tests" / "cuda" / "test_slow.py").write_text(
-        "import time\n\n"
+        "import pathlib, time\n\n"
         "def test_bad():\n    assert 1 == 2, 'the reason'\n\n"
-        "def test_slow():\n    time.sleep(120)\n")
+        "def test_slow():\n    pathlib.Path('slow_began').touch()\n    time.sleep(3600)\n")
     out = tmp_path / "out"
     out.mkdir()
-    result = run(tmp_path, out, REPORT_S + 10)
-    assert result["problem"].startswith("timed out") and result["seconds"] < REPORT_S + 10
+    wait = cuda_tests.wait_or_interrupt
+
+    def when_the_slow_test_began(process, seconds):
+        while not (tmp_path / "slow_began").exists():
+            assert process.poll() is None, (out / "cuda_tests.log").read_text()
+            time.sleep(0.05)
+        return wait(process, 0)
+
+    monkeypatch.setattr(cuda_tests, "wait_or_interrupt", when_the_slow_test_began)
+    result = cuda_tests.run(tmp_path, out, 3600)
+    assert result["problem"].startswith("timed out") and result["exit_code"] is None
     assert result["failing"] == ["tests.cuda.test_slow::test_bad"] and "junit" in result, result
     assert "the reason" in (out / "cuda_tests.log").read_text()
 

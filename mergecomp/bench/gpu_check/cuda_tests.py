@@ -13,9 +13,9 @@ import sys
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-__all__ = ["run", "read_junit", "read_log"]
+__all__ = ["run", "wait_or_interrupt", "read_junit", "read_log"]
 
 TESTS = "tests/cuda"
 #: seconds of the budget kept for pytest to report after an interrupt (its failures' tracebacks
@@ -81,16 +81,7 @@ def run(repo: Path, out: Path, timeout_s: float) -> Dict[str, object]:
     with open(log, "w") as output:
         process = subprocess.Popen(command, cwd=repo, stdout=output, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-        try:
-            code = process.wait(timeout=max(timeout_s - REPORT_S, 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGINT)  # pytest and the workers it spawned
-            try:
-                process.wait(timeout=REPORT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            code = None
+        code = wait_or_interrupt(process, max(timeout_s - REPORT_S, 1))
     result: Dict[str, object] = {"command": " ".join(command[1:]), "seconds": time.perf_counter() - began,
                                  "exit_code": code, "log": log.name}
     if code is None:
@@ -102,3 +93,19 @@ def run(repo: Path, out: Path, timeout_s: float) -> Dict[str, object]:
         if code is not None:
             result["problem"] = f"pytest exited with {code} and wrote no JUnit XML (see {log.name})"
     return result
+
+
+def wait_or_interrupt(process: subprocess.Popen, seconds: float) -> Optional[int]:
+    """The exit code of ``process`` (the leader of its own session) if it exits within
+    ``seconds``; else None, once its session was interrupted (SIGINT, as Ctrl-C: pytest and the
+    workers it spawned) and it exited, or was killed ``REPORT_S`` seconds later."""
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=REPORT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        return None
