@@ -1,9 +1,10 @@
 """mergecomp: merged gradient compression for data-parallel training.
 
-The source tree maps onto one installed package, ``mergecomp``:
+The source tree maps onto the library, ``mergecomp``, and the benchmark tooling beside it,
+``mergecomp_bench`` (which imports the library; the library never imports it):
 
     mergecomp/            -> mergecomp               (core: folders by role, docs/architecture.md)
-    mergecomp/bench/      -> mergecomp.bench         (benchmark tooling: runner, cluster, models)
+    mergecomp_bench/      -> mergecomp_bench         (benchmark tooling: runner, cluster, models, GPU check)
     compressors/          -> mergecomp.compressors   (one module per algorithm; base/: what they build on)
     frameworks/torch/     -> mergecomp.torch         (PyTorch front end)
     frameworks/torch/integrations/ -> mergecomp.torch.integrations (Lightning, Accelerate, transformers)
@@ -30,6 +31,8 @@ setup(
         "mergecomp.torch.integrations",
         "mergecomp.tensorflow",
         "mergecomp.tensorflow.keras",
+        "mergecomp_bench",
+        "mergecomp_bench.gpu_check",
     ],
     package_dir={
         "mergecomp": "mergecomp",
@@ -38,6 +41,7 @@ setup(
         "mergecomp.torch.integrations": "frameworks/torch/integrations",
         "mergecomp.tensorflow": "frameworks/tensorflow",
         "mergecomp.tensorflow.keras": "frameworks/tensorflow/keras",
+        "mergecomp_bench": "mergecomp_bench",
     },
     package_data={"mergecomp.kernels": ["csrc/*.cpp"]},  # compiled on first use by mergecomp.kernels.native
     install_requires=["torch>=2.1", "numpy"],
@@ -50,6 +54,6 @@ setup(
         "integrations": ["lightning>=2.0", "accelerate>=1.0", "transformers>=4.40"],
     },
     entry_points={
-        "console_scripts": ["mergecomp=mergecomp.cli:main"],
+        "console_scripts": ["mergecomp=mergecomp.cli:main", "mergecomp-bench=mergecomp_bench.runner:main"],
     },
 )

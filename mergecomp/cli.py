@@ -1,7 +1,9 @@
 """The ``mergecomp`` console script: parses the command line and dispatches.
 
     mergecomp plan ...    the offline planner, :mod:`mergecomp.scheduler.offline`
-    mergecomp bench ...   the throughput benchmark, :mod:`mergecomp.bench.runner`
+
+The throughput benchmark is benchmark tooling, outside the library: ``mergecomp-bench``
+(:mod:`mergecomp_bench.runner`).
 """
 from __future__ import annotations
 
@@ -10,10 +12,9 @@ import json
 import sys
 from typing import List, Sequence
 
-from mergecomp.bench import zoo
 from mergecomp.compressor_args import keyword_args
 from mergecomp.registry import compressor_names
-from mergecomp.scheduler import offline
+from mergecomp.scheduler import offline, zoo
 
 __all__ = ["main"]
 
@@ -98,14 +99,7 @@ def main(argv=None) -> int:
                       help="assume this encode/decode throughput (Gbit/s) instead of measuring here")
     plan.add_argument("--json", help="also write the rows to this JSON file")
     plan.set_defaults(run=_cmd_plan)
-    sub.add_parser("bench", add_help=False, help="throughput benchmark: mergecomp plans vs DDP anchors, optionally "
-                                                 "on a bandwidth-limited namespace cluster (mergecomp bench --help)")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # its options are mergecomp.bench.runner's own
-        from mergecomp.bench.runner import main as bench_main
-
-        return bench_main(argv[1:])
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     return args.run(args)
 
 

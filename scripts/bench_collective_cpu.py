@@ -10,7 +10,7 @@ and wall ms per step for both ways, twice, interleaved.
 
 Run it under the namespace cluster (root) or torchrun::
 
-    python -m mergecomp.bench.cluster --hosts 2 --rate 1gbit -- python scripts/bench_collective_cpu.py
+    python -m mergecomp_bench.cluster --hosts 2 --rate 1gbit -- python scripts/bench_collective_cpu.py
     torchrun --nproc_per_node 2 scripts/bench_collective_cpu.py --bytes 4000000
 """
 import argparse

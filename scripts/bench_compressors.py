@@ -20,7 +20,7 @@ before, the residual update after, or the compressor's fused encode); the gradie
 restored, untimed, before each run, since the exchange writes into them.  As in the pipeline on
 CPU, each run is one step of the exchange's :class:`mergecomp.kernels.workspace.Workspace`
 (outputs recycled; ``--no-workspace``: fresh allocations).  The gradient set is ResNet-50's 161
-tensors (``mergecomp.bench.zoo``; 25,557,032 fp32 elements, randn values) in backward order,
+tensors (``mergecomp.scheduler.zoo``; 25,557,032 fp32 elements, randn values) in backward order,
 cut into:
 
 * ``layerwise``: 161 groups, one tensor each (``shapes=[shape]``);
@@ -53,7 +53,7 @@ import time
 import torch
 
 import mergecomp
-from mergecomp.bench import zoo
+from mergecomp.scheduler import zoo
 from mergecomp.exchange.exchange import Exchange
 from mergecomp.exchange.plan import build_plan, layout
 from mergecomp.scheduler.probes import Rehearsal

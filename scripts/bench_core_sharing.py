@@ -17,7 +17,7 @@ difference; and the CPU the process's other threads took per step meanwhile, by 
 (gloo's socket loop ``gloo_tcp_loop``, the threads that run its collectives ``pt_gloo_runloop``).
 Run it under the namespace cluster (root) or torchrun::
 
-    python -m mergecomp.bench.cluster --hosts 2 --rate 1gbit -- python scripts/bench_core_sharing.py
+    python -m mergecomp_bench.cluster --hosts 2 --rate 1gbit -- python scripts/bench_core_sharing.py
 """
 import argparse
 import glob
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import mergecomp.torch as mc
-from mergecomp.bench.models import build_model, loss
+from mergecomp_bench.models import build_model, loss
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
 TASKS = "/proc/self/task/*"

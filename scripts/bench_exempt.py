@@ -54,7 +54,7 @@ def worker(rank, args, port, results):
     torch.set_num_threads(args.threads)
     import mergecomp
     import mergecomp.torch as mc
-    from mergecomp.bench import zoo
+    from mergecomp.scheduler import zoo
     from mergecomp.exchange.exchange import Exchange
     from mergecomp.exchange.plan import EXEMPT, GroupPlan, layout
     from mergecomp.pipeline.options import FrontEnd, StepOptions

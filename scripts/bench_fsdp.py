@@ -3,7 +3,7 @@
 
 Every configuration trains ``bench_adam``'s GPT-2 (4 layers x 256, byte-level; 3.2 M parameters)
 with ``fully_shard`` on each transformer block and on the root, AdamW, one worker per host and one
-thread each, the hosts joined by ``--rate`` links (``mergecomp.bench.cluster``; root).  It reports
+thread each, the hosts joined by ``--rate`` links (``mergecomp_bench.cluster``; root).  It reports
 the median step time over ``--steps`` steps after ``--warmup``, each configuration's ratio to
 FSDP fp32 and to FSDP bf16 from the same run, the training loss of the last step, each rank's
 peak resident memory (``ru_maxrss``), and the bytes each rank's interface sent per step and

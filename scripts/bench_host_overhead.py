@@ -29,7 +29,7 @@ import time
 # -----------------------------------------------------------------------------
 # defaults
 models = "gpt2-12x64,gpt2-24x56"
-configs = "all"       # or labels from mergecomp.bench.host_overhead.CONFIGS, comma-separated
+configs = "all"       # or labels from mergecomp_bench.host_overhead.CONFIGS, comma-separated
 groups = 4            # mergecomp's groups (an int, "auto", or "default": groups of about 25 MB, at most 4)
 rounds = 20           # interleaved rounds; each row: the median over them
 steps = 3             # timed steps per configuration and round
@@ -77,7 +77,7 @@ def table(rows):
 def per_tensor(rows, small, large):
     """What each configuration adds to its torch anchor's step (its ratio less 1, times the
     anchor's median) on the two models, and how much more on the one with more tensors."""
-    from mergecomp.bench.host_overhead import ANCHORS
+    from mergecomp_bench.host_overhead import ANCHORS
 
     by = {(row["model"], row["config"]): row for row in rows}
     print(f"\n{small} -> {large}: ms a configuration adds to its torch anchor's step, and how much more with "
@@ -95,7 +95,7 @@ def main(argv=None):
     args = parse_args(argv)
     import torch
 
-    from mergecomp.bench.host_overhead import CONFIGS, build, compare
+    from mergecomp_bench.host_overhead import CONFIGS, build, compare
 
     torch.set_num_threads(args.threads)
     chosen = CONFIGS if args.configs == "all" else [c for c in CONFIGS if c.label in args.configs.split(",")]

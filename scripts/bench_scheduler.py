@@ -82,7 +82,7 @@ def byte_cut(prefix, fraction):
 def head_to_head(w, plans, rounds, steps):
     """Step times of each of ``plans`` (label -> plan) over ``rounds`` rounds, the order reversed
     every round (A B C, C B A, ...) so that a slow drift of the machine weighs on all alike."""
-    from mergecomp.bench.runner import measure_plans
+    from mergecomp_bench.runner import measure_plans
 
     order = list(plans.items())
     times = {label: [] for label in plans}
@@ -93,7 +93,7 @@ def head_to_head(w, plans, rounds, steps):
 
 
 def run_worker():
-    from mergecomp.bench.runner import _Worker, describe_plan, fixed_plan, make_optimizer, measure_plans, search_auto
+    from mergecomp_bench.runner import _Worker, describe_plan, fixed_plan, make_optimizer, measure_plans, search_auto
     from mergecomp.exchange.plan import GroupPlan
 
     worker_args = argparse.Namespace(model=args.model, width=1.0, input_size=None, batch_size=args.batch_size,
@@ -190,8 +190,8 @@ def verdict(ok):
 
 
 def main():
-    from mergecomp.bench.cluster import Cluster, ClusterError, install_signal_handlers
-    from mergecomp.bench.runner import machine
+    from mergecomp_bench.cluster import Cluster, ClusterError, install_signal_handlers
+    from mergecomp_bench.runner import machine
 
     install_signal_handlers()
     rate = None if args.rate.lower() in ("none", "unlimited") else args.rate.lower()

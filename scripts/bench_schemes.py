@@ -56,7 +56,7 @@ def _rank(rank, args, port, out):
                        "WORLD_SIZE": str(args.world), "LOCAL_RANK": str(rank), "MERGECOMP_TIMEOUT": "600"})
     torch.set_num_threads(1)
     import mergecomp.torch as mc
-    from mergecomp.bench.zoo import named_shapes
+    from mergecomp.scheduler.zoo import named_shapes
     from mergecomp.pipeline.options import FrontEnd, StepOptions
     from mergecomp.pipeline.planned import PlannedStep
 

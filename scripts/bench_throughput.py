@@ -1,7 +1,7 @@
 """Throughput benchmark, Horovod-synthetic style: samples/s per worker and in total, for a
 model, a compressor and merge plans, with PyTorch DDP anchors in the same script (``--mode``).
 
-A thin wrapper: the logic lives in :mod:`mergecomp.bench.runner` (also ``mergecomp bench``), so
+A thin wrapper: the logic lives in :mod:`mergecomp_bench.runner` (also ``mergecomp-bench``), so
 the installed console script and this file take the same options (``--help``).
 
     # 2 namespace hosts, 1 Gbit/s links (root), ResNet-50 shapes, 32x32 inputs, batch 8, 1 thread
@@ -15,7 +15,7 @@ the installed console script and this file take the same options (``--help``).
 """
 import sys
 
-from mergecomp.bench.runner import main
+from mergecomp_bench.runner import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@ the 2-host namespace cluster, for DDP's own exchange and hooks and for mergecomp
 
 Every configuration trains the same GPT-2 (``bench_adam``'s 4 layers x 256, byte-level, on
 CPython's standard-library sources; AdamW, warm-up + cosine LR schedule) from the same seed, one
-worker per host, one thread each, the hosts joined by ``--rate`` links (``mergecomp.bench.cluster``;
+worker per host, one thread each, the hosts joined by ``--rate`` links (``mergecomp_bench.cluster``;
 root).  The clock counts training steps only (batch sampling and the evaluations every 50 steps
 are left out).  The target is DDP fp32's final validation loss (mean of its last four
 evaluations) plus 1 %; a configuration's time to accuracy is the training time of its first
@@ -87,7 +87,7 @@ def step_without_exchange(model, train, batch, repeats=10):
 
 def wrap_ddp(model, config, steps, after, warm):
     """``model`` in DDP with the hook ``config`` names, and AdamW: (module to call, optimizer, scheduler)."""
-    from mergecomp.bench.runner import ddp_with_hook
+    from mergecomp_bench.runner import ddp_with_hook
 
     mode, _, rank = config.partition(":")
     mode = "ddp-powersgd-serial" if mode == "ddp-powersgd" else mode  # the stock hook aborts on gloo
@@ -161,8 +161,8 @@ def run_cluster(args, configs, command_of, timeout):
     """Every configuration in turn on one cluster of ``args.hosts`` hosts at ``args.rate``, each
     worker started as ``command_of(config, out)`` (rank 0 writes its JSON record to ``out``); yields
     each record (``status`` says how it ended) with the rate and the load before and after."""
-    from mergecomp.bench.cluster import Cluster, install_signal_handlers
-    from mergecomp.bench.runner import loadavg
+    from mergecomp_bench.cluster import Cluster, install_signal_handlers
+    from mergecomp_bench.runner import loadavg
 
     install_signal_handlers()
     with Cluster(args.hosts, None if args.rate in ("none", "unlimited") else args.rate) as cluster, \

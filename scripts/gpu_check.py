@@ -4,14 +4,14 @@ line, printed last.  About 2 minutes on one H200 (stage budgets: 8 minutes); sec
 
     bash scripts/gpu_check.sh [OUT_DIR]         (or: python scripts/gpu_check.py [OUT_DIR])
 
-The stages: :mod:`mergecomp.bench.gpu_check`.  Exit status 0 when the check passes or there is
+The stages: :mod:`mergecomp_bench.gpu_check`.  Exit status 0 when the check passes or there is
 no CUDA device, 1 when it fails, 2 when mergecomp is not installed.
 """
 import sys
 from pathlib import Path
 
 try:
-    from mergecomp.bench.gpu_check.run import main
+    from mergecomp_bench.gpu_check.run import main
 except ImportError as err:
     print(f"gpu_check: FAIL: mergecomp cannot be imported ({err}); install it as README.md says", flush=True)
     sys.exit(2)

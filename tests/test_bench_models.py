@@ -3,8 +3,8 @@ a working forward/backward scaled down."""
 import pytest
 import torch
 
-from mergecomp.bench import zoo
-from mergecomp.bench.models import MODELS, build_model, loss
+from mergecomp.scheduler import zoo
+from mergecomp_bench.models import MODELS, build_model, loss
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -58,14 +58,14 @@ def test_without_transformers_the_error_says_what_to_install(monkeypatch):
 
 
 def test_bench_cli_runs_in_one_process(tmp_path):
-    """`mergecomp bench` with a tiny model, one process (local engine): every plan gets a record
+    """`mergecomp-bench` with a tiny model, one process (local engine): every plan gets a record
     with its step breakdown and the optimizer's nonfinite policy."""
     import json
     import subprocess
     import sys
 
     out_json = tmp_path / "bench.jsonl"
-    out = subprocess.run([sys.executable, "-m", "mergecomp.cli", "bench", "--model", "resnet18", "--width", "0.125",
+    out = subprocess.run([sys.executable, "-m", "mergecomp_bench", "--model", "resnet18", "--width", "0.125",
                           "--input-size", "16", "--batch-size", "2", "--compressor", "topk",
                           "--plan", "auto,layerwise,1,fp32", "--steps", "1", "--rounds", "1", "--warmup", "1",
                           "--nonfinite", "ignore", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
@@ -81,14 +81,14 @@ def test_bench_cli_runs_in_one_process(tmp_path):
 
 
 def test_cluster_runs_one_worker_per_namespace_and_tears_down():
-    """mergecomp.bench.cluster (needs root and iproute2; skipped otherwise): the workers get torchrun's
+    """mergecomp_bench.cluster (needs root and iproute2; skipped otherwise): the workers get torchrun's
     variables, a timeout kills them, and no namespace survives the run."""
     import os
     import shutil
     import subprocess
     import sys
 
-    from mergecomp.bench.cluster import Cluster, ClusterError
+    from mergecomp_bench.cluster import Cluster, ClusterError
 
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         pytest.skip("needs root and iproute2")
@@ -110,7 +110,7 @@ def _serialized_powersgd_worker(rank):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mergecomp.bench.runner import one_bucket_at_a_time
+    from mergecomp_bench.runner import one_bucket_at_a_time
 
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]), bucket_cap_mb=0.02)

@@ -70,7 +70,7 @@ def test_exchange_codecs_follow_the_compressor_and_the_cluster():
 
 
 def test_votes_compressors_never_get_fp16_or_none(monkeypatch):
-    from mergecomp.bench.zoo import backward_shapes
+    from mergecomp.scheduler.zoo import backward_shapes
     from mergecomp.scheduler import offline as planner
 
     def plain_codecs(name):

@@ -2,7 +2,6 @@
 real gloo ranks.  Checks are grouped into few worker runs: each spawn costs seconds."""
 import math
 
-import pytest
 import torch
 from distributed import run_workers
 

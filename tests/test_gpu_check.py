@@ -8,9 +8,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from mergecomp.bench.gpu_check.cuda_tests import read_junit, read_log
-from mergecomp.bench.gpu_check.report import markdown, verdict
-from mergecomp.bench.gpu_check.run import BUDGET_S
+from mergecomp_bench.gpu_check.cuda_tests import read_junit, read_log
+from mergecomp_bench.gpu_check.report import markdown, verdict
+from mergecomp_bench.gpu_check.run import BUDGET_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def test_a_run_past_its_budget_is_interrupted_and_still_reports_its_failures(tmp
     """The stage's pytest is stopped as by Ctrl-C when its time is up: the failure so far
     and its traceback reach the JUnit XML and the log (a kill would leave neither).  The time
     is up here once the slow test has begun, however long pytest took to get there."""
-    from mergecomp.bench.gpu_check import cuda_tests
+    from mergecomp_bench.gpu_check import cuda_tests
 
     (tmp_path / "tests" / "cuda").mkdir(parents=True)
     (tmp_path / "tests" / "cuda" / "test_slow.py").write_text(
@@ -123,7 +123,7 @@ def test_a_configuration_that_fails_leaves_the_others_rows_and_fails_the_verdict
     not exist) gets its error, the others their times, and the verdict names it."""
     import torch
 
-    from mergecomp.bench.host_overhead import Config, build, compare
+    from mergecomp_bench.host_overhead import Config, build, compare
 
     model = build("gpt2-2x8", torch.device("cpu"))
     rows = compare(model, [Config("torch sgd"), Config("bad", "sgd", "mergecomp", "no-such-compressor"),

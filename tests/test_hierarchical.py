@@ -286,9 +286,9 @@ def cluster_worker() -> int:
 
 
 def test_cluster_of_two_hosts_of_two_processes_gives_identical_results():
-    """mergecomp.bench.cluster with 2 processes per namespace host (needs root and iproute2;
+    """mergecomp_bench.cluster with 2 processes per namespace host (needs root and iproute2;
     skipped otherwise): the hierarchical schemes across the veth links."""
-    from mergecomp.bench.cluster import Cluster, ClusterError
+    from mergecomp_bench.cluster import Cluster, ClusterError
 
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         pytest.skip("needs root and iproute2")

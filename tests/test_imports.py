@@ -1,10 +1,11 @@
-"""The package's import structure, read from its source with ``ast`` (nothing is imported):
-the core never imports a front end, no module imports itself through others (no cycle), and the
-core's folders import one way (pipeline, scheduler, exchange, compressors, kernels and engines).
+"""The packages' import structure, read from their source with ``ast`` (nothing is imported):
+the core never imports a front end, the library never imports the benchmark tooling, no module
+imports itself through others (no cycle), and the core's folders import one way (pipeline,
+scheduler, exchange, compressors, kernels and engines).
 
-The modules are whatever setup.py's ``package_dir`` folders hold; the core is every module
-outside the front ends (``mergecomp.torch``, ``mergecomp.tensorflow``) and outside the
-benchmark tooling (``mergecomp.bench``, which may use the torch front end).
+The modules are whatever setup.py's ``package_dir`` folders hold; the core is every module of
+``mergecomp`` outside the front ends (``mergecomp.torch``, ``mergecomp.tensorflow``); the
+benchmark tooling (``mergecomp_bench``, a package of its own) may use any of it.
 """
 import ast
 import graphlib
@@ -14,7 +15,7 @@ from typing import Dict, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_ENDS = ("mergecomp.torch", "mergecomp.tensorflow")
-TOOLING = ("mergecomp.bench",)
+TOOLING = ("mergecomp_bench",)
 
 
 def within(name: str, packages) -> bool:
@@ -59,7 +60,7 @@ def imported(module: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
                 source = f"{base}.{source}" if source else base
             names.update(f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
                          for alias in node.names)
-    return {name for name in names if within(name, ("mergecomp",))}
+    return {name for name in names if within(name, ("mergecomp",) + TOOLING)}
 
 
 MODULES = source_files()
@@ -68,9 +69,16 @@ CORE = sorted(m for m in MODULES if not within(m, FRONT_ENDS + TOOLING))
 
 
 def test_the_package_is_found_and_imports_only_its_own_modules():
-    assert {"mergecomp", "mergecomp.exchange.plan", "mergecomp.torch", "mergecomp.tensorflow"} <= set(MODULES)
+    assert {"mergecomp", "mergecomp.exchange.plan", "mergecomp.torch", "mergecomp.tensorflow",
+            "mergecomp_bench.runner"} <= set(MODULES)
     unknown = {(m, name) for m, names in IMPORTS.items() for name in names if name not in MODULES}
     assert not unknown, f"imports of modules that do not exist: {sorted(unknown)}"
+
+
+def test_the_library_never_imports_the_benchmark_tooling():
+    offending = sorted((m, name) for m in MODULES if not within(m, TOOLING) for name in IMPORTS[m]
+                       if within(name, TOOLING))
+    assert not offending, f"library modules importing the benchmark tooling: {offending}"
 
 
 def test_the_core_never_imports_a_front_end():

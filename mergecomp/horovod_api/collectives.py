@@ -19,7 +19,6 @@ not implemented.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch

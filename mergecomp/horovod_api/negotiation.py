@@ -24,7 +24,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mergecomp.engines.communicator import CommunicationError, Communicator
 from mergecomp.horovod_api.operations import Operation

@@ -1,7 +1,7 @@
 """Stage 2: every compressor's exchange of a model's gradients on the GPU, merged against
 layer-wise.
 
-For each gradient set (:mod:`mergecomp.bench.zoo`: ResNet-50's 161 tensors, GPT-2 small's 148;
+For each gradient set (:mod:`mergecomp.scheduler.zoo`: ResNet-50's 161 tensors, GPT-2 small's 148;
 randn values, fp32, on the device) and each registered compressor with its default memory, one
 step of the exchange itself (:class:`~mergecomp.exchange.exchange.Exchange`) runs on a one-rank
 :class:`~mergecomp.scheduler.probes.Rehearsal` (every collective answered at once): the encode,
@@ -25,8 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 import mergecomp
-from mergecomp.bench import zoo
-from mergecomp.bench.gpu_check.timing import event_ms
+from mergecomp.scheduler import zoo
+from mergecomp_bench.gpu_check.timing import event_ms
 from mergecomp.exchange.exchange import Exchange
 from mergecomp.exchange.plan import Group, build_plan, layout
 from mergecomp.scheduler.probes import Rehearsal

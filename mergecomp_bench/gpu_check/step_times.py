@@ -1,8 +1,8 @@
 """Stage 3: training step times on one GPU, the rows of ``scripts/bench_host_overhead.py``.
 
-A benchmark model (:mod:`mergecomp.bench.models`: ResNet-50 on 32x32 images, GPT-2 small on
+A benchmark model (:mod:`mergecomp_bench.models`: ResNet-50 on 32x32 images, GPT-2 small on
 64 tokens; ``transformers``' classes from configs) trains on one fixed synthetic batch in every
-configuration of :data:`mergecomp.bench.host_overhead.CONFIGS` (plain torch SGD and AdamW,
+configuration of :data:`mergecomp_bench.host_overhead.CONFIGS` (plain torch SGD and AdamW,
 default, foreach and fused; DDP on a process group of one rank; ``DistributedOptimizer`` on the
 local engine with ``none``, ``fp16``, ``topk``, ``powersgd`` in groups of about 25 MB and 1-bit
 SGD exchanging AdamW's momentum) and with top-k under ``groups="auto"`` (the scheduler's search
@@ -19,7 +19,7 @@ from typing import Callable, Dict, Sequence
 
 import torch
 
-from mergecomp.bench.host_overhead import CONFIGS, Config, build, compare
+from mergecomp_bench.host_overhead import CONFIGS, Config, build, compare
 
 __all__ = ["MODELS", "STAGE_CONFIGS", "run"]
 

@@ -8,7 +8,7 @@ positions, LM head tied to the token embedding, dropout 0).  ``transformers`` co
 ``transformers`` class and is written here, after torchvision's ``vgg16``.
 
 At full width every model has exactly the parameters (names, shapes, order) of
-:mod:`mergecomp.bench.zoo`, so the gradient set a benchmark exchanges is the real one.  What
+:mod:`mergecomp.scheduler.zoo`, so the gradient set a benchmark exchanges is the real one.  What
 makes a CPU run practical is the *input*:
 
 * CNNs take 32x32 images by default (``input_size``); ResNets pool adaptively, VGG-16 keeps its
@@ -19,7 +19,7 @@ makes a CPU run practical is the *input*:
 
 Example::
 
-    from mergecomp.bench.models import build_model, loss
+    from mergecomp_bench.models import build_model, loss
     model, make_batch = build_model("resnet50")          # 25,557,032 parameters
     data, target = make_batch(8)                          # 8 images of 3x32x32, 1000 classes
     loss(model(data), target).backward()
@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mergecomp.bench import zoo
+from mergecomp.scheduler import zoo
 
 __all__ = ["VGG16", "build_model", "loss", "MODELS", "DEFAULT_INPUT"]
 
@@ -131,7 +131,7 @@ def build_model(name: str, width: float = 1.0, input_size: Optional[int] = None,
     Args:
         name: ``resnet50``, ``resnet18``, ``vgg16`` or ``gpt2-small``.
         width: channel / embedding width multiplier (1.0 = the real gradient set, checked
-            against :func:`mergecomp.bench.zoo.numel`).
+            against :func:`mergecomp.scheduler.zoo.numel`).
         input_size: image side (CNNs, default 32) or sequence length (GPT-2, default 64, at
             most 1024).
         seed: initial weights.
@@ -159,7 +159,7 @@ def build_model(name: str, width: float = 1.0, input_size: Optional[int] = None,
     return model, make_batch
 
 
-if __name__ == "__main__":  # quick look: python -m mergecomp.bench.models
+if __name__ == "__main__":  # quick look: python -m mergecomp_bench.models
     for key in MODELS:
         m, _ = build_model(key)
         print(f"{key}: {sum(p.numel() for p in m.parameters()):,} parameters, "

@@ -11,10 +11,10 @@ optimizer (:data:`ANCHORS`) timed right before it (:func:`compare`).
 Models (:func:`build`): ``gpt2-<layers>x<width>``, a ``transformers`` GPT-2 with that many
 layers that wide (4 heads, GPT-2's vocabulary and positions) on 2 sequences of 8 tokens: many
 small tensors and little compute, where per-tensor work shows; and the benchmark models of
-:mod:`mergecomp.bench.models` (``resnet50``, ``gpt2-small``).
+:mod:`mergecomp_bench.models` (``resnet50``, ``gpt2-small``).
 
 Used by ``scripts/bench_host_overhead.py`` (the CPU) and stage 3 of ``scripts/gpu_check.sh``
-(one GPU, :mod:`mergecomp.bench.gpu_check.step_times`).
+(one GPU, :mod:`mergecomp_bench.gpu_check.step_times`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mergecomp.bench.models import build_model, loss as loss_of
+from mergecomp_bench.models import build_model, loss as loss_of
 
 __all__ = ["Config", "CONFIGS", "ANCHORS", "MOMENTUM_AFTER", "Model", "build", "aten_ops", "compare", "cpu_ms",
            "cuda_ms"]
@@ -95,7 +95,7 @@ class Model:
 
 def build(name: str, device: torch.device, batch_size: Optional[int] = None) -> Model:
     """``gpt2-<layers>x<width>`` (2 sequences of 8 tokens unless ``batch_size``), or a model of
-    :mod:`mergecomp.bench.models` (``resnet50``: 8 images; ``gpt2-small``: 2 sequences of 64
+    :mod:`mergecomp_bench.models` (``resnet50``: 8 images; ``gpt2-small``: 2 sequences of 64
     tokens unless ``batch_size``), seeded, on ``device``."""
     narrow = re.fullmatch(r"gpt2-(\d+)x(\d+)", name)
     generator = torch.Generator().manual_seed(0)

@@ -1,6 +1,7 @@
-"""Parameter shapes of the benchmark models, generated in code (no torch, no downloads).
+"""Parameter shapes of the built-in models of ``mergecomp plan`` and of the benchmarks, generated
+in code (no torch, no downloads).
 
-The names, shapes and order are those of :mod:`mergecomp.bench.models`: transformers'
+The names, shapes and order are those of :mod:`mergecomp_bench.models`: transformers'
 ``ResNetForImageClassification`` and ``GPT2LMHeadModel``, and torchvision's ``vgg16``.
 Each ``*_named_shapes()`` returns ``(name, shape)`` in forward (``named_parameters``) order;
 :func:`backward_shapes` reverses it into the order gradients become ready.  Used by the offline

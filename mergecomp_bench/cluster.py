@@ -21,8 +21,8 @@ Everything is torn down on exit, failure, timeout, Ctrl-C or SIGTERM.  Needs roo
 
 Command line (everything after ``--`` is the worker command)::
 
-    sudo python -m mergecomp.bench.cluster --hosts 2 --procs-per-host 1 --rate 1gbit --timeout 300 -- \\
-        python -m mergecomp.bench --model resnet50 --compressor topk --plan auto
+    sudo python -m mergecomp_bench.cluster --hosts 2 --procs-per-host 1 --rate 1gbit --timeout 300 -- \\
+        python -m mergecomp_bench --model resnet50 --compressor topk --plan auto
 
 Python::
 
@@ -57,11 +57,11 @@ class ClusterError(RuntimeError):
 def check_privileges() -> None:
     """Raise ClusterError with a clear message unless we are root with ``ip`` and ``tc``."""
     if os.name != "posix" or not hasattr(os, "geteuid") or os.geteuid() != 0:
-        raise ClusterError("mergecomp.bench.cluster needs root (it creates network namespaces, veth pairs and "
+        raise ClusterError("mergecomp_bench.cluster needs root (it creates network namespaces, veth pairs and "
                            "tc qdiscs): run it with sudo, or run the benchmark under torchrun instead")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise ClusterError(f"mergecomp.bench.cluster needs iproute2: {missing} not found on PATH")
+        raise ClusterError(f"mergecomp_bench.cluster needs iproute2: {missing} not found on PATH")
 
 
 class Cluster:
@@ -286,11 +286,11 @@ def install_signal_handlers() -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mergecomp.bench.cluster",
+    parser = argparse.ArgumentParser(prog="python -m mergecomp_bench.cluster",
                                      description="Run a command on N network-namespace hosts joined by "
                                                  "bandwidth-limited links (needs root).",
-                                     epilog="example: python -m mergecomp.bench.cluster --hosts 2 --rate 1gbit -- "
-                                            "python -m mergecomp.bench --model resnet50")
+                                     epilog="example: python -m mergecomp_bench.cluster --hosts 2 --rate 1gbit -- "
+                                            "python -m mergecomp_bench --model resnet50")
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--procs-per-host", type=int, default=1, help="workers per host (default 1)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate per link, e.g. 1gbit, 10gbit; 'none' = unlimited; "
@@ -313,13 +313,13 @@ def main(argv=None) -> int:
                   f"master {cluster.master_addr}:{cluster.port}", flush=True)
             codes = cluster.run(command, timeout=args.timeout, threads=args.threads)
     except ClusterError as err:
-        print(f"mergecomp.bench.cluster: {err}", file=sys.stderr)
+        print(f"mergecomp_bench.cluster: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("mergecomp.bench.cluster: interrupted; cluster torn down", file=sys.stderr)
+        print("mergecomp_bench.cluster: interrupted; cluster torn down", file=sys.stderr)
         return 130
     if any(codes):
-        print(f"mergecomp.bench.cluster: worker exit codes {codes}" + (" (124 = timed out)" if 124 in codes else ""),
+        print(f"mergecomp_bench.cluster: worker exit codes {codes}" + (" (124 = timed out)" if 124 in codes else ""),
               file=sys.stderr)
     return max(codes) if any(codes) else 0
 

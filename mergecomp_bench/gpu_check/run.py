@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from mergecomp.bench.gpu_check import codec_times, cuda_tests, report, step_times
+from mergecomp_bench.gpu_check import codec_times, cuda_tests, report, step_times
 
 __all__ = ["BUDGET_S", "device_info", "main"]
 

@@ -5,12 +5,12 @@ Every rank trains on one fixed synthetic batch, so the time is compute + exchang
 same code runs under any launcher: ``torchrun``, plain ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
 ``MASTER_PORT`` variables, one process, or the built-in namespace cluster (``--hosts``)::
 
-    mergecomp bench --hosts 2 --rate 1gbit --model resnet50 --compressor topk --plan auto,layerwise,1
-    mergecomp bench --hosts 2 --rate 1gbit --mode ddp                     # DDP fp32, bucket_cap_mb=25
-    mergecomp bench --hosts 2 --rate 1gbit --mode ddp-fp16                # + fp16_compress_hook
-    mergecomp bench --hosts 2 --rate 1gbit --mode ddp-powersgd --powersgd-rank 1
-    mergecomp bench --mode local                                          # one worker, no exchange
-    torchrun --nproc_per_node 2 -m mergecomp.bench --compressor dgc --plan auto
+    mergecomp-bench --hosts 2 --rate 1gbit --model resnet50 --compressor topk --plan auto,layerwise,1
+    mergecomp-bench --hosts 2 --rate 1gbit --mode ddp                     # DDP fp32, bucket_cap_mb=25
+    mergecomp-bench --hosts 2 --rate 1gbit --mode ddp-fp16                # + fp16_compress_hook
+    mergecomp-bench --hosts 2 --rate 1gbit --mode ddp-powersgd --powersgd-rank 1
+    mergecomp-bench --mode local                                          # one worker, no exchange
+    torchrun --nproc_per_node 2 -m mergecomp_bench --compressor dgc --plan auto
 
 Modes: ``mergecomp`` (``mc.DistributedOptimizer``; ``--plan`` takes a comma list of
 ``auto``, ``layerwise``, an int number of groups, ``default``, ``fp32`` or ``fp16`` (one fused
@@ -68,7 +68,7 @@ TIMEOUT = 560.0          # seconds per cluster run (the whole run, all ranks)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mergecomp bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="mergecomp-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--mode", default="mergecomp", choices=MODES)
     p.add_argument("--model", default=MODEL, help="resnet50 | resnet18 | vgg16 | gpt2-small")
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="", help="free text stored in the JSON records")
     cluster = p.add_argument_group("namespace cluster (needs root)")
     cluster.add_argument("--hosts", type=int, default=None,
-                         help="run on this many network-namespace hosts (mergecomp.bench.cluster)")
+                         help="run on this many network-namespace hosts (mergecomp_bench.cluster)")
     cluster.add_argument("--rate", default="1gbit", help="link rate per host, e.g. 1gbit, 10gbit, none")
     cluster.add_argument("--procs-per-host", type=int, default=1,
                          help="workers per host, sharing its link (ranks numbered host by host)")
@@ -114,7 +114,7 @@ def _split_scheme(label: str):
     """``(plan label, scheme or None)`` of a ``--plan`` item."""
     base, _, scheme = label.partition("@")
     if scheme and (scheme not in SCHEME_SUFFIXES or base in ("auto", "fp32", "fp16")):
-        raise SystemExit(f"mergecomp bench: '@scheme' is one of {SCHEME_SUFFIXES} after layerwise, an int or "
+        raise SystemExit(f"mergecomp-bench: '@scheme' is one of {SCHEME_SUFFIXES} after layerwise, an int or "
                          f"default; got {label!r}")
     return base, scheme or None
 
@@ -128,7 +128,7 @@ def _plan_spec(label: str):
     try:
         return int(label)
     except ValueError:
-        raise SystemExit(f"mergecomp bench: --plan items must be auto, layerwise, an int, default, fp32 or fp16, "
+        raise SystemExit(f"mergecomp-bench: --plan items must be auto, layerwise, an int, default, fp32 or fp16, "
                          f"the fixed ones optionally with '@scheme'; got {label!r}")
 
 
@@ -148,7 +148,7 @@ class _Worker:
     """One rank's benchmark: the model, one fixed batch, a train step and a step timer."""
 
     def __init__(self, args) -> None:
-        from mergecomp.bench.models import build_model, loss
+        from mergecomp_bench.models import build_model, loss
 
         torch.set_num_threads(args.threads)
         torch.set_flush_denormal(True)
@@ -443,7 +443,7 @@ def _print_breakdowns(records: List[Dict]) -> None:
 # -- launcher ------------------------------------------------------------------------------------
 
 def _launch_cluster(args, argv: List[str]) -> List[Dict]:
-    from mergecomp.bench.cluster import Cluster, ClusterError, install_signal_handlers
+    from mergecomp_bench.cluster import Cluster, ClusterError, install_signal_handlers
 
     install_signal_handlers()
     rate = None if str(args.rate).lower() in ("none", "unlimited", "0") else args.rate
@@ -452,7 +452,7 @@ def _launch_cluster(args, argv: List[str]) -> List[Dict]:
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             result = os.path.join(tmp, "result.json")
-            worker = [sys.executable, "-m", "mergecomp.bench", *_strip_launcher_args(argv), "--result", result]
+            worker = [sys.executable, "-m", "mergecomp_bench", *_strip_launcher_args(argv), "--result", result]
             env = {"MERGECOMP_TIMEOUT": str(int(args.timeout))}
             began = time.perf_counter()
             try:
@@ -461,7 +461,7 @@ def _launch_cluster(args, argv: List[str]) -> List[Dict]:
                     time.sleep(0.2)  # let the output threads drain
                     lines = [line for out in cluster.output for line in out]
             except ClusterError as err:
-                raise SystemExit(f"mergecomp bench: {err}") from None
+                raise SystemExit(f"mergecomp-bench: {err}") from None
             wall = time.perf_counter() - began
             if os.path.exists(result):  # rank 0 wrote the agreed numbers: every rank finished measuring
                 with open(result) as f:
