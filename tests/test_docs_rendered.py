@@ -1,0 +1,42 @@
+"""The docs' rendered result tables agree with their records (scripts/render_results.py)."""
+from pathlib import Path
+
+import pytest
+
+from mergecomp_bench import results
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_every_rendered_table_is_what_its_records_give(path):
+    stale = results.render_file(path, check=True)
+    assert not stale, (f"{path.name}: {stale} differ from their records in docs/img/data; "
+                       f"run python scripts/render_results.py")
+
+
+def test_the_docs_hold_every_table():
+    text = "".join(path.read_text() for path in DOCS)
+    assert all(f"<!-- rendered: {name} -->" in text for name in results.TABLES)
+
+
+def test_a_table_edited_by_hand_is_found_and_rendered_back(tmp_path):
+    doc = tmp_path / "doc.md"
+    table = results.TABLES["own-work"]()
+    doc.write_text(f"intro\n\n<!-- rendered: own-work -->\n{table.replace('1.09x', '1.01x')}<!-- end rendered -->\n\nafter\n")
+    assert results.render_file(doc, check=True) == ["own-work"]
+    assert "1.01x" in doc.read_text()  # check writes nothing
+    assert results.render_file(doc) == ["own-work"]
+    assert doc.read_text() == f"intro\n\n<!-- rendered: own-work -->\n{table}<!-- end rendered -->\n\nafter\n"
+    assert results.render_file(doc, check=True) == []
+
+
+def test_a_missing_record_or_table_is_named(tmp_path, monkeypatch):
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- rendered: no-such-table -->\n<!-- end rendered -->\n")
+    with pytest.raises(LookupError, match="no-such-table"):
+        results.render_file(doc)
+    monkeypatch.setattr(results, "DATA", tmp_path)
+    with pytest.raises(LookupError, match="host_overhead_cpu.jsonl"):
+        results.own_work()
