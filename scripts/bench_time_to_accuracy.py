@@ -21,9 +21,9 @@ warm-up and the refreshes sent as fp16 or 8-bit QSGD), with ``groups=--groups``.
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
-    python scripts/bench_time_to_accuracy.py --json docs/img/data/time_to_accuracy_gpt2_4x256_1gbit.jsonl
-    python scripts/bench_time_to_accuracy.py --report docs/img/data/time_to_accuracy_gpt2_4x256_1gbit.jsonl \\
-        --plot docs/img/time_to_accuracy_gpt2_4x256_1gbit.png
+    G=docs/img/data/time_to_accuracy_gpt2_4x256_batch2_1gbit_qsgd_warmup.jsonl
+    python scripts/bench_time_to_accuracy.py --batch 2 --json $G --configs "ddp-fp16,onebit@momentum/64^qsgd"
+    python scripts/bench_time_to_accuracy.py --report $G --seed 0 --plot docs/img/time_to_accuracy_gpt2_4x256_batch2_1gbit.png
 """
 import argparse
 import copy
