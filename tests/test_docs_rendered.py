@@ -1,4 +1,5 @@
 """The docs' rendered result tables agree with their records (scripts/render_results.py)."""
+import re
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,27 @@ def test_a_missing_record_or_table_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "DATA", tmp_path)
     with pytest.raises(LookupError, match="host_overhead_cpu.jsonl"):
         results.own_work()
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_reaches_its_file_and_heading():
+    headings = {}
+    for path in DOCS:
+        prose = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        headings[path.resolve()] = {_anchor(m.group(1)) for m in re.finditer(r"^#+ (.*)$", prose, re.M)}
+    broken = []
+    for path in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", path.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            linked = (path.parent / target).resolve() if target else path.resolve()
+            if not linked.exists():
+                broken.append(f"{path.name}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in headings.get(linked, ()):
+                broken.append(f"{path.name}: {target}#{anchor}")
+    assert not broken, f"links to nothing: {broken}"
