@@ -282,10 +282,12 @@ def test_sending_the_increment_keeps_ranks_identical_and_learns(scheme):
             assert math.isfinite(after) and after < before, (name, before, after)
 
 
-def test_an_8_bit_qsgd_warmup_and_refreshes_keep_ranks_identical_and_learn():
-    """``compression_warmup_codec="qsgd"``: the warm-up's and the refreshes' gradients arrive
-    quantized (each rank draws its own rounding), and every rank still averages the same."""
-    for result in run_workers(_compressor_worker, 2, ["onebit", "topk"], None, 3, 2, "cpu", "qsgd", timeout=300):
+@pytest.mark.parametrize("codec", ["qsgd", "qsgd4"])
+def test_a_qsgd_warmup_and_refreshes_keep_ranks_identical_and_learn(codec):
+    """``compression_warmup_codec="qsgd"`` (8-bit) or ``"qsgd4"``: the warm-up's and the
+    refreshes' gradients arrive quantized (each rank draws its own rounding), and every rank
+    still averages the same."""
+    for result in run_workers(_compressor_worker, 2, ["onebit", "topk"], None, 3, 2, "cpu", codec, timeout=300):
         for name, (identical, before, after, _) in result.items():
             assert identical, name
             assert math.isfinite(after) and after < before, (name, before, after)

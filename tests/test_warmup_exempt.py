@@ -99,6 +99,11 @@ def _core(rank):
     got_eight = run(eight, range(2))
     eight_state = len(eight.exchange.memory.state)
     got_eight += run(eight, range(2, 5))
+    # compression_warmup_codec="qsgd4": its 4-bit codes (levels=7), likewise
+    four = merged("dgc", compression_warmup_steps=2, compression_warmup_codec="qsgd4")
+    got_four = run(four, range(2))
+    four_state = len(four.exchange.memory.state)
+    got_four += run(four, range(2, 5))
     # a gradient beyond fp16's range in such a warm-up is a non-finite step, named, not an Inf
     huge = merged("dgc", compression_warmup_steps=2, compression_warmup_codec="fp16", nonfinite="raise")
     for i, g in enumerate(step_grads(rank, 0)):
@@ -128,6 +133,8 @@ def _core(rank):
             "half_state": half_state, "overflow": overflow, "refresh_overflow": (skipped, memory_kept),
             "eight": got_eight[:2], "eight_state": eight_state, "eight_then_fresh": [
                 all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got_eight[2:], want[2:])],
+            "four": got_four[:2], "four_state": four_state, "four_then_fresh": [
+                all(torch.equal(a, b) for a, b in zip(g, w)) for g, w in zip(got_four[2:], want[2:])],
             "exact": got[:2]}
 
 
@@ -227,22 +234,28 @@ def test_warmup_steps_are_the_plain_average_then_compression_starts_clean(result
         assert out["warmup"] == [ALL, ALL, set()]
 
 
-def test_a_qsgd_warmup_sends_the_8_bit_average_outside_error_feedback(results):
-    """Every rank gets the same average, within QSGD's 8-bit rounding of the exact one (each
-    group is one bucket here: one level is its norm / 64 on each rank), and compression then
-    starts as fresh as after the exact warm-up."""
+@pytest.mark.parametrize("codec,levels", [("eight", 64), ("four", 7)], ids=["qsgd", "qsgd4"])
+def test_a_qsgd_warmup_sends_the_quantized_average_outside_error_feedback(results, codec, levels):
+    """Every rank gets the same average, within QSGD's rounding of the exact one (each group is
+    one bucket here: one level is its norm / 64 on each rank with ``"qsgd"``, norm / 7 with the
+    4-bit ``"qsgd4"``), and compression then starts as fresh as after the exact warm-up."""
     groups = ((3, 2), (1, 0))
     for out in results:
         core = out["core"]
-        assert core["eight_state"] == 0 and core["eight_then_fresh"] == [True] * 3
-        for step, (got, exact) in enumerate(zip(core["eight"], core["exact"])):
+        assert core[f"{codec}_state"] == 0 and core[f"{codec}_then_fresh"] == [True] * 3
+        for step, (got, exact) in enumerate(zip(core[codec], core["exact"])):
             grads = [step_grads(rank, step) for rank in range(len(results))]
             for group in groups:
-                level = max(float(torch.cat([g[i].flatten() for i in group]).norm()) / 64 for g in grads)
+                level = max(float(torch.cat([g[i].flatten() for i in group]).norm()) / levels for g in grads)
                 for i in group:
-                    assert torch.equal(got[i], results[0]["core"]["eight"][step][i]), "ranks agree"
+                    assert torch.equal(got[i], results[0]["core"][codec][step][i]), "ranks agree"
                     error = float((got[i] - exact[i]).abs().max())
                     assert 0 < error <= level, (step, i, error, level)
+    fine = max(float((a - b).abs().max()) for got, exact in zip(results[0]["core"]["eight"], results[0]["core"]["exact"])
+               for a, b in zip(got, exact))
+    coarse = max(float((a - b).abs().max()) for got, exact in zip(results[0]["core"]["four"], results[0]["core"]["exact"])
+                 for a, b in zip(got, exact))
+    assert coarse > fine, "the 4-bit codes round more coarsely"
 
 
 def test_an_fp16_warmup_sends_the_fp16_average_outside_error_feedback(results):
@@ -287,5 +300,5 @@ def test_bad_options_name_the_option(results):
     errors = results[0]["errors"]
     assert "compression_warmup_steps must be an int >= 0, got -1" in errors["negative"]
     assert "min_compress_numel must be an int >= 0, got -5" in errors["numel"]
-    assert "compression_warmup_codec must be one of ('none', 'fp16', 'qsgd'), got 'bf16'" in errors["codec"]
+    assert "compression_warmup_codec must be one of ('none', 'fp16', 'qsgd', 'qsgd4'), got 'bf16'" in errors["codec"]
     assert len(errors["unmatched"]) == 1 and "pattern(s) ['*.gamma'] match none" in errors["unmatched"][0]

@@ -131,7 +131,8 @@ class Exchange:
     def codec(self, name: str) -> Compressor:
         """The compressor behind codec ``name`` (``"compressed"``, a sharded scheme's name,
         ``"fp16"``, ``"none"``, or a route outside error feedback, ``"exempt"``,
-        ``"warm-up-fp16"`` or ``"warm-up-qsgd"``: :data:`~mergecomp.exchange.plan.UNFED`)."""
+        ``"warm-up-fp16"``, ``"warm-up-qsgd"`` or ``"warm-up-qsgd4"``:
+        :data:`~mergecomp.exchange.plan.UNFED`)."""
         if name in SHARDED:
             if self.compressor.rounds > 1:
                 raise ValueError(f"the {name} scheme needs a single-round compressor; "
@@ -140,7 +141,8 @@ class Exchange:
         if name not in self._codecs:
             if name not in (*CODECS, *UNFED):
                 raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, *UNFED)}, got {name!r}")
-            self._codecs[name] = get_compressor(UNFED.get(name, name))
+            registered, arguments = UNFED.get(name, (name, {}))
+            self._codecs[name] = get_compressor(registered, **arguments)
             self._codecs[name].workspace = self.workspace
         return self._codecs[name]
 

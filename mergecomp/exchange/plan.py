@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from mergecomp.compressors.base.compressor import Compressor
 
-__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "WARMUP_QSGD", "Exemptions", "GroupPlan",
+__all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "WARMUP_QSGD", "WARMUP_QSGD4", "Exemptions", "GroupPlan",
            "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
@@ -43,8 +43,12 @@ WARMUP_FP16 = "warm-up-fp16"
 #: the same under ``compression_warmup_codec="qsgd"``: QSGD's default 8-bit levels (unbiased,
 #: allgathered), outside error feedback and compressor state
 WARMUP_QSGD = "warm-up-qsgd"
-#: the routes outside error feedback and compressor state, by the codec that encodes them
-UNFED = {EXEMPT: "none", WARMUP_FP16: "fp16", WARMUP_QSGD: "qsgd"}
+#: the same under ``compression_warmup_codec="qsgd4"``: QSGD's 4-bit codes (``levels=7``)
+WARMUP_QSGD4 = "warm-up-qsgd4"
+#: the routes outside error feedback and compressor state, by the compressor that encodes them
+#: (its registered name and arguments)
+UNFED = {EXEMPT: ("none", {}), WARMUP_FP16: ("fp16", {}), WARMUP_QSGD: ("qsgd", {}),
+         WARMUP_QSGD4: ("qsgd", {"levels": 7})}
 
 
 def has_codec_choice(compressor: "Compressor") -> bool:

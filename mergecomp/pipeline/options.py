@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.exchange.plan import EXEMPT, WARMUP_FP16, WARMUP_QSGD, Exemptions, PlanSpec
+from mergecomp.exchange.plan import EXEMPT, WARMUP_FP16, WARMUP_QSGD, WARMUP_QSGD4, Exemptions, PlanSpec
 from mergecomp.exchange.schemes import OPTIONS, SHARDED
 from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES
 from mergecomp.scheduler.online import SchedulerConfig
@@ -21,7 +21,7 @@ from mergecomp.scheduler.online import SchedulerConfig
 __all__ = ["StepOptions", "FrontEnd", "WARMUP_CODECS"]
 
 #: ``compression_warmup_codec``'s values, by the route the warm-up's groups then take
-WARMUP_CODECS = {"none": EXEMPT, "fp16": WARMUP_FP16, "qsgd": WARMUP_QSGD}
+WARMUP_CODECS = {"none": EXEMPT, "fp16": WARMUP_FP16, "qsgd": WARMUP_QSGD, "qsgd4": WARMUP_QSGD4}
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,10 @@ class StepOptions:
             takes no sample until then.
         compression_warmup_codec: what those steps send: ``"none"`` (the gradients as they are,
             the default), ``"fp16"`` (cast to fp16, half the bytes; a value beyond fp16's range
-            is a non-finite step under ``nonfinite``) or ``"qsgd"`` (QSGD's default unbiased
+            is a non-finite step under ``nonfinite``), ``"qsgd"`` (QSGD's default unbiased
             8-bit levels with one norm per 512 elements, about a quarter of the bytes,
-            allgathered); both still outside error feedback and compressor state.  It applies
+            allgathered) or ``"qsgd4"`` (its 4-bit codes, ``levels=7``: an eighth); all
+            outside error feedback and compressor state.  It applies
             to every group but those of ``uncompressed`` and ``min_compress_numel`` tensors, and
             to the momentum exchange's variance refreshes.
         uncompressed, min_compress_numel: tensors whose name matches one of these patterns
