@@ -47,7 +47,7 @@
   step pre/post hooks run around it as around the class's own step.
 * **Refresh** (``variance_refresh_every=R``): on a growing interval (:func:`last_write`: the
   momentum phase's updates 1, 2, 4, ... below ``R``, then every ``R``-th) a step sends
-  the plain gradient as the warm-up does (exactly, or as fp16 or 8-bit QSGD under
+  the plain gradient as the warm-up does (exactly, or as fp16, 8-bit or 4-bit QSGD under
   ``compression_warmup_codec="fp16"``, ``"qsgd"`` or ``"qsgd4"``; no coefficient, no error feedback) and
   updates ``m = beta1 m + (1 - beta1) g`` and ``v = beta2**k v + (1 - beta2**k) g**2``, the one
   sample standing for the ``k`` updates since the last write, so that ``v`` keeps the weights
