@@ -116,19 +116,20 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None, lr=LR, beta2=0.
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps, warm)), refresh
 
 
-def bits_over_run(opt, steps, refresh):
-    """Bits per element sent over ``steps`` steps: the warm-up's and the variance refreshes'
-    at their codec's bits (32, 16 as fp16, 8.06 as QSGD), the compressor's on the other steps."""
+def bits_over_run(merged, shapes, steps, refresh):
+    """Bits per element sent over ``steps`` steps by ``merged`` (a ``DistributedOptimizer``'s
+    ``opt.merged``, or a DDP hook state's ``state.merged``) for tensors of ``shapes``: the
+    warm-up's and the variance refreshes' at their codec's bits (32, 16 as fp16, 8.06 or 4.06 as
+    QSGD), the compressor's on the other steps."""
     import mergecomp
     from mergecomp.pipeline.options import WARMUP_CODECS
     from mergecomp.torch.momentum_exchange import refreshes
 
-    shapes = [p.shape for group in opt.param_groups for p in group["params"]]
-    exact = min(opt.merged.warmup_steps, steps)
+    exact = min(merged.warmup_steps, steps)
     exact += refreshes(steps - exact, refresh)
     numel = sum(s.numel() for s in shapes)
-    compressed = mergecomp.bits_per_element(opt.compressor, numel, shapes=shapes)
-    warmup = opt.exchange.codec(WARMUP_CODECS[opt.merged.options.compression_warmup_codec])
+    compressed = mergecomp.bits_per_element(merged.exchange.compressor, numel, shapes=shapes)
+    warmup = merged.exchange.codec(WARMUP_CODECS[merged.options.compression_warmup_codec])
     warmup_bits = mergecomp.bits_per_element(warmup, numel, shapes=shapes)
     return (exact * warmup_bits + (steps - exact) * compressed) / steps
 
@@ -190,7 +191,8 @@ def run_one(rank, world, config, seed, args, data):
     after = opt.momentum_exchange.after if opt.momentum_exchange is not None else None
     return {"config": config, "seed": seed, "steps": args.steps, "after": after,
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
-            "refresh": refresh, "bits_per_element": bits_over_run(opt, args.steps, refresh),
+            "refresh": refresh, "bits_per_element": bits_over_run(
+                opt.merged, [p.shape for group in opt.param_groups for p in group["params"]], args.steps, refresh),
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "trace": trace,
             "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok",
             "setting": {"layers": args.layers, "lr": args.lr, "beta2": args.beta2, "clip": args.clip,

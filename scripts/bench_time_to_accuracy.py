@@ -16,7 +16,11 @@ Configurations: ``ddp`` (DDP, fp32 allreduce, ``bucket_cap_mb=25``), ``ddp-fp16`
 bucket so it runs on gloo, ``start_powerSGD_iter=--after``), and mergecomp as in ``bench_adam``:
 ``COMPRESSOR[:args]@MODE`` (``grad``: gradients exchanged; ``momentum/R``:
 ``exchange_momentum_after=--after``, ``variance_refresh_every=R``; ``^fp16`` or ``^qsgd``: the
-warm-up and the refreshes sent as fp16 or 8-bit QSGD), with ``groups=--groups``.
+warm-up and the refreshes sent as fp16 or 8-bit QSGD), with ``groups=--groups``; ``@auto``:
+``exchange_momentum_after="auto"`` with the run's length and LR warm-up.  ``hook:`` before any of
+those: the same through mergecomp's DDP communication hook, the momentum exchange driven from
+AdamW's step hooks, as the transformers ``Trainer``, Accelerate and Lightning's
+``MergecompDDPStrategy`` run it (DDP's buckets are the groups).
 ``--after`` defaults to each configuration's LR warm-up (5 % of its steps).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
@@ -96,6 +100,35 @@ def wrap_ddp(model, config, steps, after, warm):
     return ddp, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm))
 
 
+def wrap_hook(model, config, steps, after, warm):
+    """``model`` in DDP (gloo, ``bucket_cap_mb=25``) with mergecomp's communication hook for
+    ``config`` (as :func:`bench_adam.wrap_adamw` reads it), and AdamW, whose momentum the hook
+    exchanges: (module to call, optimizer, scheduler, the hook's state)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import mergecomp.torch as mc
+    from bench_convergence import compressor_of, memory_of
+
+    spec, mode, memory, refresh, warmup_codec = parse_config(config)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=DECAY)
+    options = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
+    if memory:
+        options["memory"] = memory_of(memory)
+    if mode in ("momentum", "increment"):
+        options.update(exchange_momentum_after=after, variance_refresh_every=refresh, exchange_momentum_as=mode)
+    if mode == "auto":
+        options.update(exchange_momentum_after="auto", total_steps=steps, lr_warmup_steps=warm)
+    compression = spec if mode == "auto" and ":" not in spec else compressor_of(spec)
+    state, hook = mc.ddp_comm_hook(compression, named_parameters=model.named_parameters(), optimizer=adamw, **options)
+    ddp.register_comm_hook(state, hook)
+    return ddp, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm)), state
+
+
 def worker(args):
     """One configuration on this rank (the cluster's RANK, WORLD_SIZE, MASTER_ADDR...); rank 0
     writes the record to ``--out``."""
@@ -112,11 +145,14 @@ def worker(args):
     torch.manual_seed(args.seed)
     model = make_model()
     compute_s = step_without_exchange(model, train, args.batch)
-    bits = None
-    if config.startswith("ddp"):
+    bits = hook = None
+    if config.startswith(("ddp", "hook:")):
         import torch.distributed as dist
 
-        net, opt, lr_schedule = wrap_ddp(model, config, steps, after, warm)
+        if config.startswith("hook:"):
+            net, opt, lr_schedule, hook = wrap_hook(model, config[len("hook:"):], steps, after, warm)
+        else:
+            net, opt, lr_schedule = wrap_ddp(model, config, steps, after, warm)
         finish = dist.destroy_process_group
     else:
         mc.init(engine="torch")
@@ -124,7 +160,8 @@ def worker(args):
         opt, lr_schedule, refresh = wrap_adamw(model, config, steps, after, groups=groups, warm=warm)
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
         net = model
-        bits = bits_over_run(opt, trained_steps, refresh)
+        bits = bits_over_run(opt.merged, [p.shape for group in opt.param_groups for p in group["params"]],
+                             trained_steps, refresh)
 
         def finish():
             opt.remove_hooks()
@@ -144,6 +181,10 @@ def worker(args):
             with torch.no_grad():
                 loss = model(input_ids=held_out, labels=held_out).loss.item()
             curve.append({"step": step, "seconds": trained, "test_loss": loss})
+    if hook is not None:  # bound by the first step
+        momentum = hook.momentum
+        bits = bits_over_run(hook.merged, [p.shape for p in model.parameters()], trained_steps,
+                             None if momentum is None else momentum.exchange.refresh_every)
     finish()
     if rank == 0:
         record = {"config": args.worker, "steps": steps, "seed": args.seed, "batch": args.batch, "world": world,
@@ -229,13 +270,16 @@ def label(record):
     momentum exchanged (R=64), 1.25x the steps``, with its ``groups=`` for lossless mergecomp."""
     config, _, factor = record["config"].partition("*")
     names = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook", "ddp-powersgd": "DDP + PowerSGD hook (rank 1)"}
+    route = " through the DDP hook" if config.startswith("hook:") else ""
+    config = config[len("hook:"):] if route else config
     if config in names:
         name = names[config]
     else:
         spec, mode, _, refresh, warmup_codec = parse_config(config)
-        name = (f"mergecomp {spec}" + (f" (lossless), groups={record.get('groups') or 'auto'}" if spec == "none" else "")
+        name = (f"mergecomp {spec}{route}" + (f" (lossless), groups={record.get('groups') or 'auto'}" if spec == "none" else "")
                 + (f", momentum exchanged (R={refresh})" if mode == "momentum" else "")
                 + (f", momentum exchanged as increments (R={refresh})" if mode == "increment" else "")
+                + (", momentum exchanged (\"auto\")" if mode == "auto" else "")
                 + (f", {warmup_codec} warm-up" if warmup_codec else ""))
     return name + (f", {factor}x the steps" if factor else "")
 
