@@ -14,11 +14,16 @@ from mergecomp.exchange.breakdown import GROUP_PARTS, PARTS, Breakdown, Stopwatc
 #: The parts are exclusive slices of one step and ``compute`` is the rest, so they add up to the
 #: step up to float rounding.
 ROUNDING = 1e-9
-#: A breakdown's steps run from the end of one update to the end of the next; a training loop's
-#: clock runs from the top of one iteration to its end.  Over consecutive steps both telescope,
-#: so their sums differ only by the loop's few statements at the two ends of the window: 5 ms
-#: covers one preemption there on a loaded 2-core machine.
-LOOP_SLACK = 5e-3
+
+
+def step_bounds(befores, afters, steps):
+    """Bounds on the mean of the last ``steps`` spans of a clock that stamps each step's end
+    once between the host readings ``befores[k]`` and ``afters[k]`` (a breakdown's steps run
+    from the end of one update to the end of the next): whatever the machine's speed, the mean
+    lies between the two."""
+    last = range(len(befores) - steps, len(befores))
+    return (sum(befores[k] - afters[k - 1] for k in last) / steps,
+            sum(afters[k] - befores[k - 1] for k in last) / steps)
 
 
 def check_parts(breakdown, steps):
@@ -42,7 +47,9 @@ def test_stopwatch_charges_nested_time_to_the_inner_part_only():
     span = time.perf_counter() - began
     seconds = clock.take()
     assert set(seconds) == {("decode", None), ("wait", "g")}
-    assert seconds[("wait", "g")] >= 0.02 and 0.01 <= seconds[("decode", None)] < 0.02
+    # the outer part holds its own 0.01 s and not the inner 0.02 s: with it, the parts would add
+    # up to more than the span, however slow the machine
+    assert seconds[("wait", "g")] >= 0.02 and seconds[("decode", None)] >= 0.01
     assert sum(seconds.values()) <= span and clock.take() == {}
 
 
@@ -72,19 +79,20 @@ def test_the_window_keeps_the_newest_steps():
 
 def test_local_steps_add_up_to_the_loop_clock():
     step, g = local_step(), grads(0)
-    loop, compute, update = [], 0.004, 0.002
+    befores, afters, compute, update = [], [], 0.004, 0.002
     for _ in range(6):
-        began = time.perf_counter()
         time.sleep(compute)  # the "forward and backward"
         for i in reversed(range(len(NAMES))):
             step.add(i, g[i])
         step.finish()
+        befores.append(time.perf_counter())
         with step.time_update():
             time.sleep(update)
-        loop.append(time.perf_counter() - began)
+        afters.append(time.perf_counter())
     out = step.step_breakdown(4)
     check_parts(out, 4)
-    assert sum(loop[-4:]) / 4 == pytest.approx(out["step_s"], abs=LOOP_SLACK / 4)
+    lower, upper = step_bounds(befores, afters, 4)
+    assert lower <= out["step_s"] <= upper
     assert out["compute_s"] >= compute and out["optimizer_s"] >= update
     assert [(grp["name"], grp["codec"], grp["bytes"]) for grp in out["groups"]] == \
         [(grp.name, "compressed", grp.numel * 4) for grp in step.groups]
@@ -187,21 +195,21 @@ def _optimizer_worker(rank, compression, scheme):
                                   named_parameters=model.named_parameters(), compression=compression, groups=1,
                                   scheme=scheme)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-    loop = []
+    befores, afters = [], []
     for _ in range(6):
-        began = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        befores.append(time.perf_counter())
         opt.step()
-        loop.append(time.perf_counter() - began)
-    return opt.step_breakdown(4), sum(loop[-4:]) / 4, native.usable(torch.zeros(1))
+        afters.append(time.perf_counter())
+    return opt.step_breakdown(4), step_bounds(befores, afters, 4), native.usable(torch.zeros(1))
 
 
 @pytest.mark.parametrize("compression,scheme", list(PASSES))
 def test_optimizer_breakdown_and_passes_per_codec_path(compression, scheme):
-    for out, loop, fused in run_workers(_optimizer_worker, 2, compression, scheme):
+    for out, (lower, upper), fused in run_workers(_optimizer_worker, 2, compression, scheme):
         check_parts(out, 4)
-        assert loop == pytest.approx(out["step_s"], abs=LOOP_SLACK / 4)
+        assert lower <= out["step_s"] <= upper
         assert out["optimizer_s"] > 0 and out["wait_s"] > 0
         [group] = out["groups"]
         expected = PASSES[compression, scheme] if fused else UNFUSED.get((compression, scheme), PASSES[compression, scheme])
