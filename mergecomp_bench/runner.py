@@ -40,7 +40,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -53,6 +52,7 @@ from mergecomp.compressor_args import keyword_args
 from mergecomp.exchange.breakdown import GROUP_PARTS, PARTS, combine
 from mergecomp.horovod_api.allocator import hold_freed_memory
 from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES
+from mergecomp_bench.records import machine
 
 MODES = ("mergecomp", "ddp", "ddp-fp16", "ddp-powersgd", "ddp-powersgd-serial", "local")
 
@@ -130,16 +130,6 @@ def _plan_spec(label: str):
     except ValueError:
         raise SystemExit(f"mergecomp-bench: --plan items must be auto, layerwise, an int, default, fp32 or fp16, "
                          f"the fixed ones optionally with '@scheme'; got {label!r}")
-
-
-def machine() -> Dict[str, object]:
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
 # -- worker --------------------------------------------------------------------------------------

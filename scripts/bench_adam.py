@@ -265,13 +265,15 @@ def main():
     for p in procs:
         p.start()
     records = []
+    from mergecomp_bench.records import append, provenance
+
+    made_by = provenance()
     try:
         for config, seed in jobs:
             record = queue.get(timeout=3600)
             records.append(record)
             if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append(args.json, record, made_by)
             status = f"{record['final_test_loss']:.4f}" if record["status"] == "ok" else record["status"]
             print(f"# {record['config']} seed {record['seed']}: {status}", file=sys.stderr, flush=True)
     finally:

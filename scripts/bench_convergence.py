@@ -311,12 +311,14 @@ def main():
         progress = tqdm(total=len(jobs), desc=args.task, file=sys.stderr)
     except ImportError:
         progress = None
+    from mergecomp_bench.records import append, provenance
+
+    made_by = provenance()
     for r in run_all(jobs, args):
         name, seed = r["compressor"], r["seed"]
         results[name].append(r)
         if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(r) + "\n")
+            append(args.json, r, made_by)
         status = (f"test loss {r['final_test_loss']:.4f}" + (f", acc {r['final_acc']:.4f}" if r["final_acc"] else "")
                   if r["status"] == "ok" else r["status"])
         message = f"# {name} seed {seed}: {status}"

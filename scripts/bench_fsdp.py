@@ -215,11 +215,13 @@ def main():
         "--warmup", str(args.warmup), "--batch", str(args.batch), "--param-dtype", args.param_dtype,
         "--seed", str(args.seed), *(["--converge"] if args.converge else []),
         *(["--no-reshard"] if args.no_reshard else [])]
+    from mergecomp_bench.records import append, provenance
+
+    made_by = provenance()
     for record in run_cluster(args, configs, command_of, timeout=1200):
         records = [r for r in records if r["config"] != record["config"]] + [record]
         if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append(args.json, record, made_by)
     base = {r["config"]: r["step_s"] for r in records
             if r["status"] == "ok" and r["config"] in BASELINES + NCCL_BYTES_BASELINES}
     against = [b for b in NCCL_BYTES_BASELINES if b in base]  # their columns where they ran

@@ -20,9 +20,7 @@ process's CPU time (wall time beside it).
 import argparse
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 
@@ -51,13 +49,6 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=threads)
     p.add_argument("--out", help="append one JSON record per row to this file")
     return p.parse_args(argv)
-
-
-def machine():
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return {"cpu": cpu, "cores": os.cpu_count(), "commit": commit or None}
 
 
 def table(rows):
@@ -103,8 +94,9 @@ def main(argv=None):
     if unknown:
         sys.exit(f"unknown configurations {sorted(unknown)}; known: {[c.label for c in CONFIGS]}")
     plan = None if args.groups == "default" else args.groups if args.groups == "auto" else int(args.groups)
-    info = {**machine(), "threads": args.threads, "load_before": os.getloadavg()[0],
-            "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
+    from mergecomp_bench.records import provenance
+
+    info = {**provenance(), "threads": args.threads, "load_before": os.getloadavg()[0]}
     rows = []
     began = time.time()
     for name in args.models.split(","):

@@ -191,7 +191,7 @@ def verdict(ok):
 
 def main():
     from mergecomp_bench.cluster import Cluster, ClusterError, install_signal_handlers
-    from mergecomp_bench.runner import machine
+    from mergecomp_bench.records import machine
 
     install_signal_handlers()
     rate = None if args.rate.lower() in ("none", "unlimited") else args.rate.lower()

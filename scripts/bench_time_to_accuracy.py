@@ -318,12 +318,14 @@ def main():
         return
     configs = [BASELINE] + [c for c in args.configs.split(",") if c and c != BASELINE]
     records = []
+    from mergecomp_bench.records import append, provenance
+
+    made_by = provenance()
     for record in run_cluster(args, configs, worker_command(args), args.timeout):
         record.setdefault("seed", args.seed)
         records.append(record)
         if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append(args.json, record, made_by)
         shown = f"{record['final_test_loss']:.4f} in {record['train_s']:.0f} s" if record["status"] == "ok" \
             else record["status"]
         print(f"# {record['config']}: {shown}", file=sys.stderr, flush=True)
