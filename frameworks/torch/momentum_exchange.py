@@ -185,13 +185,16 @@ class MomentumSettings:
     #: the options ``exchange_momentum_after="auto"`` chose, not the user
     #: (:func:`~frameworks.torch.momentum_recipes.adapt` sets them to the optimizer)
     chosen: Tuple[str, ...] = ()
+    #: the compressor whose recipe chose them (None: none did)
+    recipe: Optional[str] = None
 
     @classmethod
     def create(cls, after: Any = None, refresh_every: Any = None, send: Any = None,
-               grad_scaler: Any = None, chosen: Tuple[str, ...] = ()) -> Optional["MomentumSettings"]:
+               grad_scaler: Any = None, chosen: Tuple[str, ...] = (),
+               recipe: Optional[str] = None) -> Optional["MomentumSettings"]:
         """The settings, or None without ``after`` (then the others must be left unset; ``send``
-        None: ``"momentum"``); ``chosen``: the options a recipe chose.  ValueError/TypeError
-        naming the option."""
+        None: ``"momentum"``); ``chosen``: the options ``recipe``'s recipe chose.
+        ValueError/TypeError naming the option."""
         if after is None:
             given = [name for name, value in (("grad_scaler", grad_scaler), (REFRESH_OPTION, refresh_every),
                                               (SEND_OPTION, send)) if value is not None]
@@ -206,7 +209,7 @@ class MomentumSettings:
             raise ValueError(f"{SEND_OPTION} must be one of {SENDS}, got {send!r}")
         if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        return cls(after, refresh_every, send, tuple(chosen))
+        return cls(after, refresh_every, send, tuple(chosen), recipe)
 
     def agreed(self) -> Tuple[Tuple[str, Any], ...]:
         """The options every rank must give alike, by name."""
