@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["DATA", "TABLES", "render_file", "own_work", "adam_auto"]
+__all__ = ["DATA", "TABLES", "render_file", "own_work", "adam_auto", "time_to_accuracy"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "img" / "data"
@@ -167,8 +167,68 @@ def adam_auto() -> str:
     return _table(header, ["---", *["---:"] * len(_AUTO_COMPRESSORS), "---"], rows)
 
 
+# -- time to accuracy (scripts/bench_time_to_accuracy.py) ----------------------------------------
+#: the target: DDP fp32's final validation loss plus this share (bench_time_to_accuracy.TARGET)
+_TARGET = 0.01
+_DDP_LABELS = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook"}
+
+
+def _time_to(record: dict, target: float) -> Optional[float]:
+    """Training seconds of ``record``'s first evaluation at or below ``target``, or None."""
+    return next((point["seconds"] for point in record["curve"] if point["test_loss"] <= target), None)
+
+
+def time_to_accuracy(record: str, labels: Dict[str, str], bold: Sequence[str] = ()) -> str:
+    """Each seed's runs of one ``bench_time_to_accuracy.py`` record (those ``labels`` names, in the
+    record's order): step time, the share of it above the step without exchange, bits per
+    element, final validation loss, and the time to DDP fp32's final loss + 1 % of the same seed,
+    against DDP fp32's and the fp16 hook's; ``bold``: configurations whose times are bold."""
+    seeds: Dict[int, List[dict]] = {}
+    for run in _records(record):
+        if run.get("status") == "ok":
+            seeds.setdefault(run["seed"], []).append(run)
+    rows = []
+    for seed, runs in sorted(seeds.items()):
+        by = {run["config"]: run for run in runs}
+        if "ddp" not in by:
+            raise LookupError(f"{record}: no DDP fp32 run for seed {seed}")
+        base = by["ddp"]
+        target = base["final_test_loss"] * (1 + _TARGET)
+        anchors = [_time_to(by[c], target) if c in by else None for c in ("ddp", "ddp-fp16")]
+        for run in runs:
+            config = run["config"]
+            if config not in {**_DDP_LABELS, **labels}:
+                continue
+            reached = _time_to(run, target)
+            ratios = ["–" if reached is None or anchor is None else f"{anchor / reached:.2f}x" for anchor in anchors]
+            times = ["not reached" if reached is None else f"{reached:.0f} s", *ratios]
+            if config in bold:
+                times = [f"**{t}**" if reached is not None else t for t in times]
+            bits = {"ddp": "32", "ddp-fp16": "16"}.get(config) or f"{run['bits_per_element']:.2f}"
+            loss = run["final_test_loss"]
+            rows.append([str(seed), {**_DDP_LABELS, **labels}[config], f"{run['step_s']:.3f}",
+                         f"{round(100 * (1 - run['compute_s'] / run['step_s']))} %", bits, f"{loss:.4f}",
+                         "–" if config == "ddp" else _signed(100 * (loss / base["final_test_loss"] - 1)), *times])
+    header = ["seed", "configuration", "step (s)", "exchange share", "bits per element (run)", "validation loss",
+              "vs DDP fp32", "time to target", "vs DDP fp32", "vs DDP fp16 hook"]
+    return _table(header, ["---", "---", *["---:"] * 8], rows)
+
+
 #: every table a doc may hold, by the name its markers give
-TABLES: Dict[str, Callable[[], str]] = {"own-work": own_work, "adam-auto": adam_auto}
+TABLES: Dict[str, Callable[[], str]] = {
+    "own-work": own_work,
+    "adam-auto": adam_auto,
+    "time-to-accuracy": lambda: time_to_accuracy(
+        "time_to_accuracy_gpt2_4x256_batch2_1gbit_qsgd_warmup.jsonl",
+        {"onebit@momentum/64^qsgd": "mergecomp 1-bit SGD, momentum exchanged",
+         "terngrad:packing=base3@momentum+residual/40^qsgd": "mergecomp TernGrad (base 3), momentum exchanged"},
+        bold=("onebit@momentum/64^qsgd",)),
+    "time-to-accuracy-trainer-route": lambda: time_to_accuracy(
+        "time_to_accuracy_gpt2_4x256_batch2_1gbit_trainer_route.jsonl",
+        {"hook:onebit@auto": "1-bit SGD `\"auto\"` through the DDP hook",
+         "onebit@auto": "1-bit SGD `\"auto\"` through `DistributedOptimizer`"},
+        bold=("hook:onebit@auto",)),
+}
 
 
 def render_file(path: Path, check: bool = False) -> List[str]:

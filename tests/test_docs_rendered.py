@@ -1,4 +1,5 @@
 """The docs' rendered result tables agree with their records (scripts/render_results.py)."""
+import json
 import re
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def test_a_missing_record_or_table_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "DATA", tmp_path)
     with pytest.raises(LookupError, match="host_overhead_cpu.jsonl"):
         results.own_work()
+    run = {"config": "ddp-fp16", "seed": 3, "status": "ok", "curve": [], "step_s": 0.1, "compute_s": 0.05,
+           "final_test_loss": 2.0}
+    (tmp_path / "tta.jsonl").write_text(json.dumps(run) + "\n")
+    with pytest.raises(LookupError, match="tta.jsonl: no DDP fp32 run for seed 3"):
+        results.time_to_accuracy("tta.jsonl", {})
 
 
 def _anchor(heading: str) -> str:
