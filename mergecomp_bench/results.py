@@ -141,7 +141,7 @@ def adam_auto() -> str:
         setting = {**_ADAM_DEFAULTS, **differs}
         baseline = {r["seed"]: r["final_test_loss"] for r in records
                     if r["config"] == "none@grad" and _setting(r) == setting and r["steps"] == steps}
-        seeds_of_row = set()
+        seeds_of_row: set = set()  # the seeds of the row's runs
         cells = []
         for compressor in _AUTO_COMPRESSORS:
             after, refresh = _auto_now(compressor, setting, steps)
@@ -154,14 +154,15 @@ def adam_auto() -> str:
             if missing:
                 raise LookupError(f"{record}: no uncompressed AdamW run with seed {missing[0]} of its setting")
             deltas = [100 * (r["final_test_loss"] / baseline[r["seed"]] - 1) for r in runs]
-            seeds_of_row.add(len(runs))
+            seeds_of_row.update(r["seed"] for r in runs)
             middle = _signed(statistics.median(deltas))
             bits = f"{statistics.median(r['bits_per_element'] for r in runs):.2f} bits"
             worst = f"worst {_signed(max(deltas))}; " if len(runs) > 1 else ""
             cells.append(f"{f'**{middle}**' if statistics.median(deltas) <= 1.0 else middle} ({worst}{bits})")
         if not seeds_of_row:
             raise LookupError(f"{record}: no run of today's recipes")
-        seeds = "seed 0" if seeds_of_row == {1} else f"median of {max(seeds_of_row)} seeds"
+        seeds = (f"seed {min(seeds_of_row)}" if len(seeds_of_row) == 1
+                 else f"median of seeds {', '.join(map(str, sorted(seeds_of_row)))}")
         rows.append([f"{label}, {seeds}", *cells, f"`{record}`"])
     header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS), "record (`docs/img/data/`)"]
     return _table(header, ["---", *["---:"] * len(_AUTO_COMPRESSORS), "---"], rows)
