@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["DATA", "TABLES", "render_file", "own_work", "adam_auto", "time_to_accuracy"]
+__all__ = ["DATA", "TABLES", "TARGET", "render_file", "own_work", "adam_auto", "time_to_accuracy", "time_to"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "img" / "data"
@@ -143,9 +143,10 @@ def adam_auto() -> str:
                     if r["config"] == "none@grad" and _setting(r) == setting and r["steps"] == steps}
         seeds_of_row: set = set()  # the seeds of the row's runs
         cells = []
+        measured = _records(record)
         for compressor in _AUTO_COMPRESSORS:
             after, refresh = _auto_now(compressor, setting, steps)
-            runs = [r for r in _records(record) if r["config"] == f"{compressor}@auto" and _setting(r) == setting
+            runs = [r for r in measured if r["config"] == f"{compressor}@auto" and _setting(r) == setting
                     and r["steps"] == steps and r["after"] == after and r.get("refresh") == refresh]
             if not runs:
                 cells.append("–")
@@ -169,12 +170,12 @@ def adam_auto() -> str:
 
 
 # -- time to accuracy (scripts/bench_time_to_accuracy.py) ----------------------------------------
-#: the target: DDP fp32's final validation loss plus this share (bench_time_to_accuracy.TARGET)
-_TARGET = 0.01
+#: the target of time to accuracy: DDP fp32's final validation loss plus this share
+TARGET = 0.01
 _DDP_LABELS = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook"}
 
 
-def _time_to(record: dict, target: float) -> Optional[float]:
+def time_to(record: dict, target: float) -> Optional[float]:
     """Training seconds of ``record``'s first evaluation at or below ``target``, or None."""
     return next((point["seconds"] for point in record["curve"] if point["test_loss"] <= target), None)
 
@@ -194,13 +195,13 @@ def time_to_accuracy(record: str, labels: Dict[str, str], bold: Sequence[str] = 
         if "ddp" not in by:
             raise LookupError(f"{record}: no DDP fp32 run for seed {seed}")
         base = by["ddp"]
-        target = base["final_test_loss"] * (1 + _TARGET)
-        anchors = [_time_to(by[c], target) if c in by else None for c in ("ddp", "ddp-fp16")]
+        target = base["final_test_loss"] * (1 + TARGET)
+        anchors = [time_to(by[c], target) if c in by else None for c in ("ddp", "ddp-fp16")]
         for run in runs:
             config = run["config"]
             if config not in {**_DDP_LABELS, **labels}:
                 continue
-            reached = _time_to(run, target)
+            reached = time_to(run, target)
             ratios = ["–" if reached is None or anchor is None else f"{anchor / reached:.2f}x" for anchor in anchors]
             times = ["not reached" if reached is None else f"{reached:.0f} s", *ratios]
             if config in bold:

@@ -94,14 +94,12 @@ def parse_config(config):
     return spec, mode, memory or None, int(refresh) if refresh else None, warmup_codec or None
 
 
-def wrap_adamw(model, config, steps, after, groups=1, warm=None, lr=LR, beta2=0.999):
-    """AdamW (lr ``lr``, betas 0.9 / ``beta2``, weight decay ``DECAY``) in
-    ``mc.DistributedOptimizer`` as ``config`` says, with the LR schedule of ``steps`` steps (its
-    warm-up ``warm``): (optimizer, scheduler, refresh interval or None)."""
-    import mergecomp.torch as mc
-
+def exchange_options(config, steps, after, warm=None):
+    """What ``config`` asks of mergecomp, for ``mc.DistributedOptimizer`` or ``mc.ddp_comm_hook``
+    alike: (compression, keyword options, mode, refresh interval or None).  ``after``: the
+    warm-up of ``@momentum`` / ``@increment``; ``@auto`` takes the run's ``steps`` and LR
+    warm-up ``warm`` (default :func:`lr_warmup`)."""
     spec, mode, memory, refresh, warmup_codec = parse_config(config)
-    adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, beta2), weight_decay=DECAY)
     kwargs = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
     if memory:
         kwargs["memory"] = memory_of(memory)
@@ -110,6 +108,18 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None, lr=LR, beta2=0.
     if mode == "auto":  # the compressor's recipe, scaled to the run and its LR warm-up
         kwargs.update(exchange_momentum_after="auto", lr_warmup_steps=warm or lr_warmup(steps), total_steps=steps)
     compression = spec if mode == "auto" and ":" not in spec else compressor_of(spec)
+    return compression, kwargs, mode, refresh
+
+
+def wrap_adamw(model, config, steps, after, groups=1, warm=None, lr=LR, beta2=0.999):
+    """AdamW (lr ``lr``, betas 0.9 / ``beta2``, weight decay ``DECAY``) in
+    ``mc.DistributedOptimizer`` as ``config`` says (:func:`exchange_options`), with the LR
+    schedule of ``steps`` steps (its warm-up ``warm``): (optimizer, scheduler, refresh interval or
+    None)."""
+    import mergecomp.torch as mc
+
+    compression, kwargs, mode, refresh = exchange_options(config, steps, after, warm)
+    adamw = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, beta2), weight_decay=DECAY)
     opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compression, groups=groups,
                                   **kwargs)
     refresh = opt.momentum_exchange.refresh_every if mode == "auto" else refresh

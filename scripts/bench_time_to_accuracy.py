@@ -43,12 +43,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_convergence import StdlibBytes  # noqa: E402
-from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, lr_warmup, make_model, parse_config,  # noqa: E402
-                        random_windows, rank_data, schedule, wrap_adamw)
+from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, exchange_options, lr_warmup, make_model,  # noqa: E402
+                        parse_config, random_windows, rank_data, schedule, wrap_adamw)
+from mergecomp_bench.results import TARGET, time_to  # noqa: E402
 
 BASELINE = "ddp"
 CONFIGS = "ddp-fp16,ddp-powersgd,none@grad,onebit@momentum/64,efsignsgd@momentum/64"
-EVAL_EVERY, EVAL_WINDOWS, TARGET = 50, 128, 0.01
+EVAL_EVERY, EVAL_WINDOWS = 50, 128
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,28 +103,20 @@ def wrap_ddp(model, config, steps, after, warm):
 
 def wrap_hook(model, config, steps, after, warm):
     """``model`` in DDP (gloo, ``bucket_cap_mb=25``) with mergecomp's communication hook for
-    ``config`` (as :func:`bench_adam.wrap_adamw` reads it), and AdamW, whose momentum the hook
-    exchanges: (module to call, optimizer, scheduler, the hook's state)."""
+    ``config`` (:func:`bench_adam.exchange_options`, as ``DistributedOptimizer`` gets it), and
+    AdamW, whose momentum the hook exchanges: (module to call, optimizer, scheduler, the hook's
+    state)."""
     import datetime
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import mergecomp.torch as mc
-    from bench_convergence import compressor_of, memory_of
 
-    spec, mode, memory, refresh, warmup_codec = parse_config(config)
+    compression, options, _, _ = exchange_options(config, steps, after, warm)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     ddp = DistributedDataParallel(model, bucket_cap_mb=25)
     adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=DECAY)
-    options = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
-    if memory:
-        options["memory"] = memory_of(memory)
-    if mode in ("momentum", "increment"):
-        options.update(exchange_momentum_after=after, variance_refresh_every=refresh, exchange_momentum_as=mode)
-    if mode == "auto":
-        options.update(exchange_momentum_after="auto", total_steps=steps, lr_warmup_steps=warm)
-    compression = spec if mode == "auto" and ":" not in spec else compressor_of(spec)
     state, hook = mc.ddp_comm_hook(compression, named_parameters=model.named_parameters(), optimizer=adamw, **options)
     ddp.register_comm_hook(state, hook)
     return ddp, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm)), state
@@ -228,11 +221,6 @@ def worker_command(args):
     return lambda config, out: [sys.executable, os.path.abspath(__file__), "--worker", config, "--out", out,
                                 "--steps", str(args.steps), "--batch", str(args.batch), "--groups", args.groups,
                                 "--seed", str(args.seed), *(x for option in options for x in option)]
-
-
-def time_to(record, target):
-    """Training seconds of ``record``'s first evaluation at or below ``target``, or None."""
-    return next((p["seconds"] for p in record["curve"] if p["test_loss"] <= target), None)
 
 
 def report(records):

@@ -82,6 +82,11 @@ RECIPES: Dict[str, Recipe] = {
 }
 
 
+def _named(compression: Any) -> Optional[str]:
+    """The registry name of ``compression`` (a name, or a compressor instance; None otherwise)."""
+    return compression if isinstance(compression, str) else getattr(compression, "name", None)
+
+
 def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Dict[str, Any], Tuple[str, ...]]:
     """``(compression, options, chosen)`` with ``exchange_momentum_after="auto"`` replaced by its
     recipe's settings (:data:`RECIPES`): the compressor named with the recipe's settings, K from
@@ -98,7 +103,7 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
         if given:
             raise ValueError(f"{who}: {given[0]} is only used with {OPTION}='auto'")
         return compression, options, ()
-    name = compression if isinstance(compression, str) else getattr(compression, "name", None)
+    name = _named(compression)
     recipe = RECIPES.get(name) if isinstance(compression, (str, Compressor)) else None
     if recipe is None:
         raise ValueError(f"{who}: {OPTION}='auto' has recipes for {sorted(RECIPES)}, not {compression!r}; "
@@ -136,7 +141,7 @@ def settings_of(compression: Any, options: Dict[str, Any], after: Any, refresh_e
     (``"auto"``: :func:`choose`), ``variance_refresh_every``, ``exchange_momentum_as`` and
     ``grad_scaler`` as :class:`MomentumSettings` (None without ``after``), ``options`` the rest;
     ValueError/TypeError naming the option."""
-    named = compression if isinstance(compression, str) else getattr(compression, "name", None)
+    named = _named(compression)
     compression, options, chosen = choose(compression, {**options, OPTION: after, REFRESH_OPTION: refresh_every,
                                                         SEND_OPTION: send}, who)
     settings = MomentumSettings.create(options.pop(OPTION), options.pop(REFRESH_OPTION), options.pop(SEND_OPTION),
