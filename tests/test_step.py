@@ -318,7 +318,7 @@ def _two_rank_worker(rank):
     comm = mc.communicator()
     out = {}
     # averaging over ranks, with the first step's arrival order adopted (rank 0's)
-    step = planned("none", None, comm, NAMES, SHAPES, [torch.float32] * 4, groups=2)
+    step = planned("none", None, comm, NAMES, SHAPES, [torch.float32] * 4, groups=2, nonfinite="raise")
     g = [t * (rank + 1) for t in grads(5)]
     for i in (0, 1, 2, 3):
         step.add(i, g[i])

@@ -247,7 +247,7 @@ def _loss_scaled_tape_loop(x, y):
 
 def test_mixed_float16_with_a_loss_scale_optimizer_skips_overflows_on_every_rank():
     """Keras' mixed precision: the DistributedOptimizer wraps the LossScaleOptimizer, exchanges
-    before its overflow check, and (nonfinite='propagate', its default there) gives every rank NaN
+    before its overflow check, and (nonfinite='propagate', the default) gives every rank NaN
     when one rank's fp16 gradients overflow: both ranks skip the same steps and keep equal weights.
     A plain optimizer, which Keras would wrap itself, is refused with the way to do it.  A custom
     loop's DistributedGradientTape does the same under that policy by default."""

@@ -248,5 +248,5 @@ def test_front_ends_train_with_two_phase_on_three_ranks():
         assert loss < 0.9 * initial, f"{name}: loss {initial:.3f} -> {loss:.3f}"
     ring, powersgd, acpsgd = results[0]["errors"]
     assert "scheme must be one of" in ring and "'ring'" in ring
-    assert "powersgd" in powersgd and "single-round" in powersgd
+    assert "powersgd" in powersgd and "rounds" in powersgd
     assert "acpsgd" in acpsgd and "whole matrices" in acpsgd

@@ -97,8 +97,9 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
         scale_local_gradients: divide the gradients of variables registered with
             ``register_local_var`` by the number of ranks.
         options: mergecomp's own, as keywords, as in :class:`~.reducer.GradientReducer`:
-            ``memory``, ``nonfinite`` (``"raise"``, ``"propagate"`` or ``"ignore"``; default
-            ``"propagate"`` for a ``keras.optimizers.LossScaleOptimizer``, else ``"raise"``),
+            ``memory``, ``nonfinite`` (``"propagate"``, the default: NaN/Inf on any rank makes
+            every rank's gradients NaN, which a ``LossScaleOptimizer`` skips; ``"raise"``;
+            ``"ignore"``),
             ``scheduler``, ``compression_warmup_steps``, ``compression_warmup_codec``, ``uncompressed``,
             ``min_compress_numel``, ``scheme``.
 
@@ -187,8 +188,6 @@ def make_distributed(optimizer, compression: Any = Compression.none, sparse_as_d
     if hasattr(optimizer, "mergecomp_reducer"):
         raise TypeError("the optimizer is already a mergecomp DistributedOptimizer")
     check_process_set(process_set)
-    if _loss_scaled(optimizer):
-        options.setdefault("nonfinite", "propagate")
     reducer = GradientReducer(compression, groups=resolve_groups(groups, num_groups, variable_name), op=op,
                               gradient_predivide_factor=gradient_predivide_factor,
                               backward_passes_per_step=backward_passes_per_step,
@@ -212,9 +211,9 @@ class DistributedGradientTape:
 
     Horovod's pattern, creating the wrapper every step, keeps error-feedback state: the reducer
     is shared by every tape with the same settings, variables and local sources (or pass
-    ``reducer``).  Under the ``mixed_float16`` policy ``nonfinite`` defaults to ``"propagate"``:
-    the loop's ``LossScaleOptimizer`` then sees an overflow on any rank as NaN on every rank and
-    skips the step everywhere.
+    ``reducer``).  Under the ``mixed_float16`` policy the loop's ``LossScaleOptimizer`` sees an
+    overflow on any rank as NaN on every rank (``nonfinite="propagate"``, the default) and skips
+    the step everywhere.
 
     Example::
 
@@ -236,8 +235,6 @@ class DistributedGradientTape:
         check_process_set(process_set)
         self._tape = gradtape
         self._reducer = reducer
-        if _mixed_float16():  # the loop scales its loss: an overflow must reach its LossScaleOptimizer
-            options.setdefault("nonfinite", "propagate")
         self._options = dict(compression=compression, groups=resolve_groups(groups, num_groups, variable_name),
                              op=op, gradient_predivide_factor=gradient_predivide_factor,
                              scale_local_gradients=scale_local_gradients, **options)

@@ -28,8 +28,6 @@ from mergecomp.scheduler.online import MergeScheduler
 
 __all__ = ["GradientReducer"]
 
-_NONFINITE = ("raise", "propagate", "ignore")
-
 
 class GradientReducer:
     """Average (or sum) gradients over ranks, merged into groups and compressed.
@@ -51,10 +49,10 @@ class GradientReducer:
         scale_local_gradients: divide local variables' gradients by the number of ranks (as
             the exchanged ones are averaged).
         options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`):
-            ``nonfinite`` (default ``"raise"``: FloatingPointError on every rank naming the rank
-            and the variables; ``"propagate"``: every rank's gradients come back NaN and the
+            ``nonfinite`` (default ``"propagate"``: every rank's gradients come back NaN and the
             error-feedback memory is put back, so a ``LossScaleOptimizer`` skips the step on
-            every rank; ``"ignore"``), ``scheduler``, ``compression_warmup_steps``,
+            every rank; ``"raise"``: FloatingPointError on every rank naming the rank and the
+            variables; ``"ignore"``), ``scheduler``, ``compression_warmup_steps``,
             ``compression_warmup_codec``, ``uncompressed`` (Keras: names are variables' ``path``, e.g. ``"dense/bias"``),
             ``min_compress_numel``, ``scheme``.
     """
@@ -72,11 +70,8 @@ class GradientReducer:
             comm = communicator()
         self.comm = comm
         self.compressor, self.memory = resolve(compression, memory)
-        self.options = StepOptions.create("GradientReducer", options, defaults={"nonfinite": "raise"},
+        self.options = StepOptions.create("GradientReducer", options,
                                           fixed={"groups": groups, **scaling(op, factor, comm.size)})
-        if self.options.nonfinite not in _NONFINITE:
-            raise ValueError(f"nonfinite must be one of {_NONFINITE} in the TensorFlow front end, "
-                             f"got {self.options.nonfinite!r}")
         self.options.check(self.compressor)
         self.passes = backward_passes_per_step
         self._average_passes = average_aggregated_gradients

@@ -57,8 +57,6 @@ from .momentum_hook import HookMomentum, adam_of
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
 
-_NONFINITE = ("propagate", "raise", "ignore")
-
 
 class DDPHookState(HoldsMergedStep):
     """Settings and state of :func:`mergecomp_hook`: a :class:`~mergecomp.pipeline.buckets.BucketStep`
@@ -338,18 +336,14 @@ def check_settings(compression: Union[str, Compressor] = "none", memory: Union[s
                                                  "ddp_comm_hook")
     if optimizer is not None and momentum is None:
         raise ValueError(f"optimizer is only used with {MOMENTUM_OPTION} (the hook exchanges gradients without it)")
-    defaults = {"nonfinite": "propagate"}
+    defaults = {}
     if momentum is not None:
         changed, memory = momentum.defaults(compression, memory)
         defaults["compression_warmup_steps"] = changed["compression_warmup_steps"]  # no search in a hook
         if not named:
             raise ValueError(f"ddp_comm_hook: {MOMENTUM_OPTION} finds Adam's state by parameter: pass "
                              f"named_parameters too")
-    step_options = StepOptions.create("ddp_comm_hook", options, defaults=defaults,
-                                      without=("groups", "scheduler", "average", "prescale", "postscale"))
-    if step_options.nonfinite not in _NONFINITE:
-        raise ValueError(f"nonfinite must be one of {_NONFINITE} for a DDP hook (a hook cannot skip the "
-                         f"optimizer step), got {step_options.nonfinite!r}")
+    step_options = StepOptions.create("ddp_comm_hook", options, defaults=defaults)
     if step_options.uncompressed and not named:
         raise ValueError("ddp_comm_hook: uncompressed matches parameter names: pass named_parameters too")
     compressor, memory = resolve(compression, memory)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.torch_dist import TorchCommunicator
+from mergecomp.exchange.compatibility import FSDP, check
 from mergecomp.exchange.exchange import resolve
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.quantize import from_int8_blocks, int8_blocks, int8_blocks_nbytes
@@ -91,15 +92,7 @@ class _CompressedCollective:
     def __init__(self, compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  name: str = "fsdp", timeout: Optional[float] = None) -> None:
         self.compressor, self.memory = resolve(compression, memory)
-        if self.compressor.rounds > 1:
-            raise ValueError(f"compression={self.compressor.name or compression!r} needs {self.compressor.rounds} "
-                             f"rounds; FSDP's reduce-scatter has one")
-        if self.compressor.low_rank:
-            raise ValueError(f"compression={self.compressor.name or compression!r} approximates whole matrices; "
-                             f"FSDP reduces flat shards that cut them")
-        if self.compressor.votes:
-            raise ValueError(f"compression={self.compressor.name or compression!r} takes a majority vote; FSDP "
-                             f"needs the average of the gradients")
+        check(self.compressor, FSDP, "mc.fsdp")
         self.name = name
         self._comm = _Communicators(timeout)
 

@@ -69,6 +69,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from mergecomp.exchange.compatibility import MOMENTUM, check
 from mergecomp.exchange.exchange import Exchange, resolve
 from mergecomp.exchange.plan import Group
 from mergecomp.kernels import frozen_adam
@@ -242,12 +243,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, exchange: Exchange) -> Non
     AdamW without the options it does not implement) and ``exchange``'s compressor and memory."""
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
         raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
-    if exchange.compressor.votes:
-        raise ValueError(f"{OPTION}: compressor {exchange.compressor.name!r} returns a majority vote, not the "
-                         f"average the momentum needs; use 'efsignsgd' or 'onebit' for signs")
-    if exchange.memory.name == "dgc":
-        raise ValueError(f"{OPTION}: memory 'dgc' applies momentum to what it is given, which is Adam's "
-                         f"momentum already; use memory='residual' or 'averaged'")
+    check(exchange.compressor, MOMENTUM, OPTION, exchange.memory.name)
     for g, group in enumerate(optimizer.param_groups):
         for key, allowed in _UNSUPPORTED.items():
             if group.get(key, False) not in allowed:

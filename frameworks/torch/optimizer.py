@@ -203,7 +203,7 @@ class DistributedOptimizer(HoldsMergedStep):
         # A rank outside the process set trains on its own gradients, as under Horovod.
         comm = resolve_process_set(process_set, "DistributedOptimizer", member=False).communicator \
             or LocalCommunicator(communicator().timeout)
-        defaults = {"nonfinite": "propagate", "compression_warmup_steps": 0}
+        defaults = {}
         if momentum is not None:
             changed, memory = momentum.defaults(compression, memory)
             defaults.update(changed)

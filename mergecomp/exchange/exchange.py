@@ -40,6 +40,7 @@ from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.base.stateful import GroupStateful
 from mergecomp.engines.communicator import Communicator
 from mergecomp.exchange.breakdown import DECODE, ENCODE, Stopwatch
+from mergecomp.exchange.compatibility import check
 from mergecomp.exchange.encoder import Encoder
 from mergecomp.exchange.job import Job
 from mergecomp.exchange.plan import CODECS, COMPRESSED, UNFED, Group
@@ -134,9 +135,7 @@ class Exchange:
         ``"warm-up-fp16"``, ``"warm-up-qsgd"`` or ``"warm-up-qsgd4"``:
         :data:`~mergecomp.exchange.plan.UNFED`)."""
         if name in SHARDED:
-            if self.compressor.rounds > 1:
-                raise ValueError(f"the {name} scheme needs a single-round compressor; "
-                                 f"{self.compressor.name!r} takes {self.compressor.rounds} rounds")
+            check(self.compressor, name, f"codec {name!r}")
             return self.compressor
         if name not in self._codecs:
             if name not in (*CODECS, *UNFED):

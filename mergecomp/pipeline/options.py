@@ -1,27 +1,51 @@
 """The options of a merged step, in one place for the three front ends.
 
 :class:`StepOptions` holds what a user may set on ``DistributedOptimizer``, ``ddp_comm_hook``
-and the TensorFlow ``GradientReducer`` beyond Horovod's own arguments; each front end passes
-its keyword arguments through :meth:`StepOptions.create`, which rejects an unknown or
-inapplicable one by name.  :class:`FrontEnd` holds what a front end tells the step about
-itself.
+and the TensorFlow ``GradientReducer`` beyond Horovod's own arguments, with one default each;
+:data:`FRONT_ENDS` declares which of them, and which values, each front end takes.  Each front
+end passes its keyword arguments through :meth:`StepOptions.create`, which rejects an unknown,
+inapplicable or refused one by name.  :class:`FrontEnd` holds what a front end tells the step
+about itself.  What the compressor can travel by is :mod:`mergecomp.exchange.compatibility`.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.exchange.compatibility import check
 from mergecomp.exchange.plan import EXEMPT, WARMUP_FP16, WARMUP_QSGD, WARMUP_QSGD4, Exemptions, PlanSpec
-from mergecomp.exchange.schemes import OPTIONS, SHARDED
+from mergecomp.exchange.schemes import OPTIONS
 from mergecomp.pipeline.nonfinite import NONFINITE_POLICIES
 from mergecomp.scheduler.online import SchedulerConfig
 
-__all__ = ["StepOptions", "FrontEnd", "WARMUP_CODECS"]
+__all__ = ["StepOptions", "FrontEnd", "Accepts", "FRONT_ENDS", "WARMUP_CODECS"]
 
 #: ``compression_warmup_codec``'s values, by the route the warm-up's groups then take
 WARMUP_CODECS = {"none": EXEMPT, "fp16": WARMUP_FP16, "qsgd": WARMUP_QSGD, "qsgd4": WARMUP_QSGD4}
+
+
+@dataclass(frozen=True)
+class Accepts:
+    """What one front end takes of :class:`StepOptions`: all but those it sets from its own
+    arguments (``fixed``) or has no use for (``without``), each with every valid value but
+    those of ``values`` (option -> (the values it takes, why only those))."""
+
+    fixed: Tuple[str, ...] = ()
+    without: Tuple[str, ...] = ()
+    values: Mapping[str, Tuple[Tuple[Any, ...], str]] = dataclasses.field(default_factory=dict)
+
+
+_HOROVOD_ARGUMENTS = ("groups", "average", "prescale", "postscale")  # groups/num_groups, op, gradient_predivide_factor
+_NO_SKIP = (("propagate", "raise", "ignore"), "it hands the gradients back and cannot skip the optimizer's step")
+#: each front end's options, by the name it gives in errors
+FRONT_ENDS: Dict[str, Accepts] = {
+    "DistributedOptimizer": Accepts(fixed=_HOROVOD_ARGUMENTS),
+    "ddp_comm_hook": Accepts(without=("groups", "scheduler", "average", "prescale", "postscale"),
+                             values={"nonfinite": _NO_SKIP}),
+    "GradientReducer": Accepts(fixed=_HOROVOD_ARGUMENTS, values={"nonfinite": _NO_SKIP}),
+}
 
 
 @dataclass(frozen=True)
@@ -35,7 +59,7 @@ class StepOptions:
             25 MB, at most 4).
         nonfinite: what NaN/Inf in any rank's gradients does; one small allreduce per step
             agrees on it, and it never enters the error-feedback memory (unless ``"ignore"``).
-            ``"propagate"``: every rank's results are NaN (so a ``GradScaler`` on every rank
+            ``"propagate"`` (the default, as Horovod and DDP): every rank's results are NaN (so a ``GradScaler`` on every rank
             skips the same step and lowers its scale) and the error-feedback memory and
             compressor state are put back as they were before the step; a step whose every
             group travels as a plain sum (lossless, by allreduce) is not checked: the sum
@@ -78,7 +102,7 @@ class StepOptions:
     """
 
     groups: PlanSpec = "auto"
-    nonfinite: str = "raise"
+    nonfinite: str = "propagate"
     scheduler: Optional[SchedulerConfig] = None
     compression_warmup_steps: int = 0
     compression_warmup_codec: str = "none"
@@ -107,17 +131,22 @@ class StepOptions:
 
     @classmethod
     def create(cls, who: str, options: Mapping[str, Any], defaults: Mapping[str, Any] = (),
-               fixed: Mapping[str, Any] = (), without: Collection[str] = ()) -> "StepOptions":
-        """The options front end ``who`` was given as keywords (``options``) over its ``defaults``,
-        with the values its own arguments set (``fixed``); TypeError naming a keyword that is
-        not an option of ``who`` (its ``fixed`` ones and those ``without`` are not)."""
-        fixed = dict(fixed)
-        accepted = [f.name for f in dataclasses.fields(cls) if f.name not in fixed and f.name not in without]
+               fixed: Mapping[str, Any] = ()) -> "StepOptions":
+        """The options front end ``who`` (a name in :data:`FRONT_ENDS`) was given as keywords
+        (``options``) over ``defaults`` (where a setting of its own changes one), with the values
+        its own arguments set (``fixed``: those :attr:`Accepts.fixed`); TypeError naming a
+        keyword that is not an option of ``who``, ValueError naming a value it refuses."""
+        accepts = FRONT_ENDS[who]
+        accepted = [f.name for f in dataclasses.fields(cls) if f.name not in accepts.fixed + accepts.without]
         unknown = sorted(set(options) - set(accepted))
         if unknown:
             raise TypeError(f"{who}() got unexpected keyword argument(s) {unknown}; its mergecomp options are "
                             f"{accepted}")
-        return cls(**{**dict(defaults), **options, **fixed})
+        made = cls(**{**dict(defaults), **options, **dict(fixed)})
+        for option, (values, why) in accepts.values.items():
+            if getattr(made, option) not in values:
+                raise ValueError(f"{who}: {option} must be one of {values} ({why}), got {getattr(made, option)!r}")
+        return made
 
     @property
     def exemptions(self) -> Exemptions:
@@ -125,14 +154,10 @@ class StepOptions:
         return Exemptions.create(self.uncompressed, self.min_compress_numel)
 
     def check(self, compressor: Compressor) -> None:
-        """ValueError where ``compressor`` cannot take these options: a sharded scheme needs a
-        single-round compressor that does not approximate whole matrices."""
-        if self.scheme in SHARDED and compressor.rounds > 1:
-            raise ValueError(f"scheme={self.scheme!r} needs a single-round compressor; {compressor.name!r} "
-                             f"takes {compressor.rounds} rounds")
-        if self.scheme in SHARDED and compressor.low_rank:
-            raise ValueError(f"scheme={self.scheme!r} cuts groups into shards; {compressor.name!r} approximates "
-                             f"whole matrices")
+        """ValueError where the ``scheme`` asked for cannot carry ``compressor``
+        (:mod:`~mergecomp.exchange.compatibility`)."""
+        if self.scheme is not None:
+            check(compressor, self.scheme, f"scheme={self.scheme!r}")
 
     def described(self) -> Dict[str, Any]:
         """What every rank must share, for :func:`~mergecomp.pipeline.agreement.check_ranks_agree`."""

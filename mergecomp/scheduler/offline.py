@@ -32,6 +32,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.exchange.compatibility import carries
 from mergecomp.exchange.plan import CODECS, COMPRESSED, has_codec_choice
 from mergecomp.exchange.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, TWO_PHASE
 from mergecomp.registry import get_compressor, get_memory
@@ -89,14 +90,15 @@ def _codec_fits(compressors: Dict[str, Compressor], shapes, codec_gbps) -> Dict[
 
 def exchange_codecs(compressor: Compressor, cluster: Cluster) -> Tuple[str, ...]:
     """The codecs that send a group with ``compressor`` on ``cluster``: ``compressed`` always;
-    for a non-summable single-round compressor also ``two-phase`` (N >= 3) and, with several
-    ranks per host, ``hierarchical`` and ``hierarchical-two-phase`` (3 hosts or more)."""
-    if compressor.summable or compressor.rounds > 1:
+    for a compressor whose payloads are allgathered also, where they can carry it
+    (:func:`~mergecomp.exchange.compatibility.carries`), ``two-phase`` (N >= 3) and, with
+    several ranks per host, ``hierarchical`` and ``hierarchical-two-phase`` (3 hosts or more)."""
+    if compressor.summable:  # payloads that add up travel best by allreduce
         return (COMPRESSED,)
     wanted = {COMPRESSED: True, TWO_PHASE: cluster.world_size >= 3,
               HIERARCHICAL: cluster.host_size > 1,
               HIERARCHICAL_TWO_PHASE: cluster.host_size > 1 and cluster.hosts >= 3}
-    return tuple(name for name, ok in wanted.items() if ok)
+    return tuple(name for name, ok in wanted.items() if ok and carries(compressor, name))
 
 
 def _fastest(predictions: Sequence[Prediction]) -> Prediction:

@@ -40,6 +40,7 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.communicator import Communicator
+from mergecomp.exchange.compatibility import carries
 from mergecomp.exchange.plan import CODECS, COMPRESSED, GroupPlan, has_codec_choice
 from mergecomp.exchange.schemes import HIERARCHICAL, HIERARCHICAL_TWO_PHASE, SHARDED, TWO_PHASE
 from mergecomp.scheduler.costmodel import Prediction, Profile, predict, search, search_by_scheme
@@ -95,8 +96,9 @@ def searched_codecs(codecs: Sequence[str], compressor: Compressor, world_size: i
                     scheme: Optional[str] = None, per_host: int = 1) -> Tuple[str, ...]:
     """The codecs of ``codecs`` the search offers each group on ``world_size`` ranks in hosts of
     ``per_host`` processes: fp16 and none only where the compressor leaves a choice
-    (:func:`~mergecomp.exchange.plan.has_codec_choice`); for a single-round compressor whose payloads
-    are allgathered also two-phase on 3 or more ranks (on 2 it moves the same bytes as the
+    (:func:`~mergecomp.exchange.plan.has_codec_choice`); for a compressor whose payloads are
+    allgathered, where it can travel so (:func:`~mergecomp.exchange.compatibility.carries`), also
+    two-phase on 3 or more ranks (on 2 it moves the same bytes as the
     allgather, with a second encode), hierarchical with several processes on each of several
     hosts, and hierarchical-two-phase with 3 hosts or more.  ``scheme="allgather"`` keeps the
     allgather only; a sharded ``scheme`` (two-phase or hierarchical) sends every compressed
@@ -108,17 +110,17 @@ def searched_codecs(codecs: Sequence[str], compressor: Compressor, world_size: i
     hosts = world_size // per_host
     offered = {TWO_PHASE: world_size >= 3, HIERARCHICAL: per_host > 1 and hosts > 1,
                HIERARCHICAL_TWO_PHASE: per_host > 1 and hosts >= 3}
-    if scheme == "allgather" or compressor.summable or compressor.rounds > 1:
+    if scheme == "allgather" or compressor.summable:  # payloads that add up travel best by allreduce
         offered = {}
-    return tuple(dict.fromkeys(c for c in codecs if c not in SHARDED or offered.get(c)))
+    return tuple(dict.fromkeys(c for c in codecs if c not in SHARDED or (offered.get(c) and carries(compressor, c))))
 
 
 def _processes_per_host(comm: Communicator, compressor: Compressor, scheme: Optional[str]) -> int:
     """Processes per host as the engine splits them (a collective, so that the search may offer
-    the hierarchical schemes), or 1 where they are not searched: a summable or multi-round
-    compressor, ``scheme`` set, or an engine that cannot split hosts or an irregular layout
+    the hierarchical schemes), or 1 where they are not searched: a summable compressor or one
+    they cannot carry, ``scheme`` set, or an engine that cannot split hosts or an irregular layout
     (which the scheme option, when asked for, reports)."""
-    if scheme is not None or compressor.summable or compressor.rounds > 1 or comm.size < 4:
+    if scheme is not None or compressor.summable or not carries(compressor, HIERARCHICAL) or comm.size < 4:
         return 1
     try:
         local, _ = comm.split_hosts()
