@@ -25,7 +25,7 @@ __all__ = ["DATA", "TABLES", "TARGET", "render_file", "summary", "throughput_anc
            "every_compressor", "scaling", "schemes_by_ranks", "schemes_fixed_vs_auto", "plans", "scheduler_summary",
            "convergence", "memories", "own_work", "adam_auto", "adam_momentum_exchange", "time_to_accuracy",
            "time_to_accuracy_recipes", "time_to", "fsdp2_step", "fsdp2_bytes", "fsdp2_accuracy", "gpu_runs",
-           "gpu_training"]
+           "gpu_training", "codec_work"]
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "img" / "data"
@@ -818,6 +818,25 @@ def gpu_training(records: Sequence[str] = _GPU_RUNS) -> str:
                   ["---"] + ["---:"] * len(columns), rows)
 
 
+# -- the codecs' own work (scripts/bench_compressors.py) ------------------------------------------
+def codec_work(record: str = "codec_encode_decode_resnet50_memory.json") -> str:
+    """One rank's encode, error-feedback memory and decode of ResNet-50's gradients per compressor:
+    a memcpy of the same floats timed beside it, layer-wise and merged into 1, 2 and 4 groups (ms,
+    the median of the runs), the best merged plan over the memcpy, layer-wise over the best merged,
+    and the target the best merged plan was held to."""
+    rows = []
+    for row in _json(record)["results"]:
+        ms = row["ms"]
+        target = row.get("target_x_memcpy")
+        rows.append([_name(row["compressor"]), row["memory"], f"{row['memcpy_ms']:.1f}",
+                     *(f"{ms[plan]:.1f}" for plan in ("layerwise", "merged1", "merged2", "merged4")),
+                     _x(row["best_x_memcpy"]), _x(row["layerwise_x_best"]),
+                     f"<= {target:g}x: {'met' if row['pass_target'] else 'missed'}" if target else "–"])
+    header = ["compressor", "memory", "memcpy ms", "layer-wise ms", "1 group ms", "2 groups ms", "4 groups ms",
+              "best merged / memcpy", "layer-wise / best merged", "target"]
+    return _table(header, ["---", "---", *["---:"] * 7, "---"], rows)
+
+
 # -- the summary: which configuration for which optimizer and link --------------------------------
 #: the time-to-accuracy configuration the summary quotes
 _HEADLINE = "onebit@momentum/64^qsgd"
@@ -937,6 +956,7 @@ TABLES: Dict[str, Callable[[], str]] = {
          "onebit@auto": "1-bit SGD `\"auto\"` through `DistributedOptimizer`"},
         bold=("hook:onebit@auto",)),
     "time-to-accuracy-recipes": time_to_accuracy_recipes,
+    "codec-work": codec_work,
     "fsdp2-step": fsdp2_step,
     "fsdp2-bytes": fsdp2_bytes,
     "fsdp2-accuracy": fsdp2_accuracy,
