@@ -132,14 +132,14 @@ def bits_over_run(merged, shapes, steps, refresh):
     warm-up's and the variance refreshes' at their codec's bits (32, 16 as fp16, 8.06 or 4.06 as
     QSGD), the compressor's on the other steps."""
     import mergecomp
-    from mergecomp.pipeline.options import WARMUP_CODECS
+    from mergecomp.exchange.plan import COMPRESSED
     from mergecomp.torch.momentum_exchange import refreshes
 
     exact = min(merged.warmup_steps, steps)
     exact += refreshes(steps - exact, refresh)
     numel = sum(s.numel() for s in shapes)
     compressed = mergecomp.bits_per_element(merged.exchange.compressor, numel, shapes=shapes)
-    warmup = merged.exchange.codec(WARMUP_CODECS[merged.options.compression_warmup_codec])
+    warmup = merged.route(COMPRESSED, compressing=False).compressor
     warmup_bits = mergecomp.bits_per_element(warmup, numel, shapes=shapes)
     return (exact * warmup_bits + (steps - exact) * compressed) / steps
 

@@ -82,7 +82,7 @@ def worker(rank, args, port, results):
             group = layout(GroupPlan((tuple(small),)), shapes)[0]
             flat = torch.cat([grads[i].reshape(-1) for i in small])
             buffer = torch.empty_like(flat)
-            row[0] = median_seconds(lambda: exchange.finish(exchange.start(group, buffer.copy_(flat), EXEMPT)),
+            row[0] = median_seconds(lambda: exchange.finish(exchange.start(group, buffer.copy_(flat), exchange.route(EXEMPT))),
                                     args.repeats)
             for c, name in enumerate(compressors):
                 codec = mergecomp.get_compressor(name)

@@ -51,12 +51,12 @@ def test_the_scheme_option_and_a_plans_codec_consult_the_table(scheme):
         exchange = Exchange.create(compressor, None, LocalCommunicator())
         if refusal(compressor, scheme) is None:
             StepOptions(scheme=scheme).check(compressor)
-            assert exchange.codec(scheme) is compressor
+            assert exchange.route(scheme).compressor is compressor
             continue
         with pytest.raises(ValueError, match=f"scheme={scheme!r}: {scheme} cannot carry compressor {name!r}"):
             StepOptions(scheme=scheme).check(compressor)
         with pytest.raises(ValueError, match=f"codec {scheme!r}: {scheme} cannot carry compressor {name!r}"):
-            exchange.codec(scheme)
+            exchange.route(scheme)
 
 
 def test_the_schedulers_never_offer_a_route_that_refuses_the_compressor():
@@ -80,7 +80,7 @@ def test_every_front_end_gets_one_default_and_refuses_a_value_by_name():
             bad = next(v for v in ("skip", "propagate") if v not in values)
             with pytest.raises(ValueError, match=f"{who}: {option} must be one of .*{why}.*{bad!r}"):
                 StepOptions.create(who, {option: bad}, fixed=given)
-        for option in accepts.fixed + accepts.without:
+        for option in (*accepts.fixed, *accepts.without):
             with pytest.raises(TypeError, match=f"{who}.*{option}"):
                 StepOptions.create(who, {option: None}, fixed=given)
     assert "nonfinite" in FRONT_ENDS["ddp_comm_hook"].values and "nonfinite" in FRONT_ENDS["GradientReducer"].values

@@ -6,10 +6,11 @@ hand-over to the scheme that moves it.
     check finite -> [keep state] -> memory.compensate (+ a carry) -> scheme.start
                  ... scheme.advance (the scheme's later stages) ... scheme.finish -> result
 
-The group's plan codec (its *route*) picks what encodes it (the configured compressor, or the
-``"fp16"`` and ``"none"`` codecs) and how it travels (:mod:`mergecomp.exchange.schemes`): the configured
+The group's codec resolves once into its :class:`~mergecomp.exchange.job.Route`
+(:meth:`Exchange.route`): what encodes it (the configured compressor, or the ``"fp16"`` and
+``"none"`` codecs) and how it travels (:mod:`mergecomp.exchange.schemes`): the configured
 compressor's payloads by allreduce where they add up, else by allgather, or by a sharded scheme
-the route names (``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"``).  The
+the codec names (``"two-phase"``, ``"hierarchical"``, ``"hierarchical-two-phase"``).  The
 scheme encodes through the exchange's :class:`~mergecomp.exchange.encoder.Encoder`, which feeds
 the memory what was sent.  A group sent whole whose compressor fuses the memory's work into its
 own passes (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`) skips the
@@ -42,7 +43,7 @@ from mergecomp.engines.communicator import Communicator
 from mergecomp.exchange.breakdown import DECODE, ENCODE, Stopwatch
 from mergecomp.exchange.compatibility import check
 from mergecomp.exchange.encoder import Encoder
-from mergecomp.exchange.job import Job
+from mergecomp.exchange.job import Job, Route
 from mergecomp.exchange.plan import CODECS, COMPRESSED, UNFED, Group
 from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, Scheme
 from mergecomp.compressors.horovod_codec import HorovodCodec, is_horovod_codec
@@ -112,12 +113,12 @@ class Exchange:
         self._kept = []  # (state holder, group, what it kept)
         self.workspace = Workspace() if recycle and torch.device(comm.device).type == "cpu" else None
         compressor.workspace = self.workspace
-        self._codecs: Dict[str, Compressor] = {COMPRESSED: compressor}
+        self._routes: Dict[str, Route] = {}
         #: the seconds each group spends in each part of the step (:mod:`mergecomp.exchange.breakdown`)
         self.clock = Stopwatch()
         self.encoder = Encoder(compressor, memory, self.clock, self.workspace, check_finite, average)
         #: one instance of every scheme, by name
-        self.schemes: Dict[str, Scheme] = {name: scheme(comm, self.encoder, self.scheme)
+        self.schemes: Dict[str, Scheme] = {name: scheme(comm, self.encoder, self.route)
                                            for name, scheme in SCHEMES.items()}
         self._stateful = [scheme for scheme in self.schemes.values() if scheme.holders]  # those with carries
 
@@ -129,49 +130,36 @@ class Exchange:
                    recycle=recycle, keep_state=keep_state)
 
     # -- routes -------------------------------------------------------------------------------
-    def codec(self, name: str) -> Compressor:
-        """The compressor behind codec ``name`` (``"compressed"``, a sharded scheme's name,
-        ``"fp16"``, ``"none"``, or a route outside error feedback, ``"exempt"``,
-        ``"warm-up-fp16"``, ``"warm-up-qsgd"`` or ``"warm-up-qsgd4"``:
-        :data:`~mergecomp.exchange.plan.UNFED`)."""
-        if name in SHARDED:
-            check(self.compressor, name, f"codec {name!r}")
-            return self.compressor
-        if name not in self._codecs:
-            if name not in (*CODECS, *UNFED):
-                raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, *UNFED)}, got {name!r}")
-            registered, arguments = UNFED.get(name, (name, {}))
-            self._codecs[name] = get_compressor(registered, **arguments)
-            self._codecs[name].workspace = self.workspace
-        return self._codecs[name]
+    def route(self, codec: str) -> Route:
+        """How a group given ``codec`` travels, resolved once per codec: ``"compressed"`` (the
+        configured compressor, by allreduce where its payloads add up, else by allgather), a
+        sharded scheme's name (the configured compressor by that scheme, where the scheme
+        applies, else by its :attr:`~Scheme.fallback`: a hierarchical codec on one host, or on
+        hosts of one process, asks every rank for the hosts' layout the first time, and every
+        rank gets there at once), ``"fp16"``, ``"none"``, or a route outside error feedback
+        (:data:`~mergecomp.exchange.plan.UNFED`: ``"exempt"``, ``"warm-up-fp16"``,
+        ``"warm-up-qsgd"``, ``"warm-up-qsgd4"``).  ValueError for another codec, or a sharded
+        scheme that cannot carry the compressor (:mod:`~mergecomp.exchange.compatibility`)."""
+        route = self._routes.get(codec)
+        if route is None:
+            route = self._routes[codec] = self._resolve(codec)
+        return route
 
-    def sent_as(self, codec: str) -> str:
-        """The codec a group given ``codec`` travels with: a scheme's :attr:`~Scheme.fallback`
-        where it does not apply (a hierarchical codec on one host, or on hosts of one process,
-        where it asks every rank for the hosts' layout the first time: every rank gets there at
-        once)."""
-        scheme = SCHEMES.get(codec)
-        if scheme is not None and scheme.fallback is not None and not scheme.applies(self.comm):
-            return scheme.fallback
-        return codec
-
-    def sums_losslessly(self, codec: str) -> bool:
-        """Whether a group given ``codec`` travels as the plain sum of the ranks' gradients: a
-        lossless codec by allreduce, whose result any rank's NaN/Inf reaches on every rank, and
-        which keeps no state that such values could spoil."""
-        route = self.sent_as(codec)
-        if route in SHARDED:
-            return False
-        compressor = self.codec(route)
-        return compressor.lossless and self.scheme(route, compressor).name == ALLREDUCE
-
-    def scheme(self, codec: str, compressor: Compressor) -> Scheme:
-        """The scheme a group of ``codec`` (as :meth:`sent_as` gives it) encoded by ``compressor``
-        takes: the sharded scheme it names where that applies, else allreduce or allgather as
-        the compressor's payloads require."""
-        if codec in SHARDED and SCHEMES[codec].applies(self.comm):
-            return self.schemes[codec]
-        return self.schemes[ALLREDUCE if compressor.summable else ALLGATHER]
+    def _resolve(self, codec: str) -> Route:
+        compressor = self.compressor
+        if codec in SHARDED:
+            check(compressor, codec, f"codec {codec!r}")
+            if SCHEMES[codec].applies(self.comm):
+                return Route(codec, compressor, self.schemes[codec])
+            if SCHEMES[codec].fallback is not None:
+                return self.route(SCHEMES[codec].fallback)
+        elif codec not in (*CODECS, *UNFED):
+            raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, *UNFED)}, got {codec!r}")
+        elif codec != COMPRESSED:
+            registered, arguments = UNFED.get(codec, (codec, {}))
+            compressor = get_compressor(registered, **arguments)
+            compressor.workspace = self.workspace
+        return Route(codec, compressor, self.schemes[ALLREDUCE if compressor.summable else ALLGATHER])
 
     # -- one group ------------------------------------------------------------------------------
     @property
@@ -180,15 +168,16 @@ class Exchange:
         that offers it, :class:`~mergecomp.compressors.base.capabilities.PartsEncode`)."""
         return isinstance(self.compressor, PartsEncode) and self.compressor.rounds == 1
 
-    def begin(self, group: Group, flat: torch.Tensor, codec: str = COMPRESSED) -> Optional[FusedParts]:
-        """Where ``group`` (sent with ``codec``; ``flat``: its buffer, not read) can be encoded
+    def begin(self, group: Group, flat: torch.Tensor, route: Optional[Route] = None) -> Optional[FusedParts]:
+        """Where ``group`` (sent by ``route``, default ``"compressed"``'s; ``flat``: its buffer,
+        not read) can be encoded
         tensor by tensor as its gradients arrive (:meth:`Encoder.parts`: the
         sign codes on fp32 CPU): its :class:`FusedParts`, for the caller to
         :meth:`~FusedParts.add` each gradient to and pass to :meth:`start`; the group's state
         is kept meanwhile (a part found not finite puts it back).  Else None: the caller fills
         ``flat`` and starts it."""
         name = group.name
-        if (not self.encodes_parts or self.sent_as(codec) != COMPRESSED or group.numel == 0
+        if (not self.encodes_parts or (route is not None and route.name != COMPRESSED) or group.numel == 0
                 or any(scheme.has_carry(name) for scheme in self._stateful)):
             return None
         if self.workspace is not None:
@@ -205,10 +194,11 @@ class Exchange:
             holder.restore(name, kept)
         parts.kept = []
 
-    def start(self, group: Group, flat: torch.Tensor, codec: str = COMPRESSED,
+    def start(self, group: Group, flat: torch.Tensor, route: Optional[Route] = None,
               finite: Optional[bool] = None, parts: Optional[FusedParts] = None, check: bool = True) -> Job:
-        """Check, compensate and hand ``flat`` (the group's gradients; modified in place) to its
-        scheme, which starts the first collective.  ``check`` False: no NaN/Inf check this step
+        """Check, compensate and hand ``flat`` (the group's gradients; modified in place) to the
+        scheme of its ``route`` (:meth:`route`; default ``"compressed"``'s), which starts the
+        first collective.  ``check`` False: no NaN/Inf check this step
         (:attr:`Job.finite` is True), even with ``check_finite``.
 
         ``finite``: whether ``flat`` holds no NaN/Inf, when the caller already knows (e.g. from
@@ -221,10 +211,8 @@ class Exchange:
         with self.clock(ENCODE, group.name):
             if self.workspace is not None:
                 self.workspace.advance(self.step)
-            codec = self.sent_as(codec)
-            compressor = self.codec(codec)
-            scheme = self.scheme(codec, compressor)
-            job = Job(group, codec, compressor, scheme, flat, self.comm, self.step)
+            job = Job(group, route or self.route(COMPRESSED), flat, self.comm, self.step)
+            compressor, scheme = job.compressor, job.scheme
             if parts is not None:
                 if finite or not check:
                     job.finite = flat.new_ones((), dtype=torch.bool)
@@ -338,13 +326,12 @@ class Exchange:
             holder.restore(name, kept)
         self._kept = []
 
-    def fold(self, groups: Sequence[Group], codecs: Sequence[str]) -> None:
-        """Before the plan changes away from ``groups``, last started with ``codecs``: each
-        scheme turns its state of them into what their elements carry to the new groups
-        (:meth:`Scheme.fold`)."""
-        for group, codec in zip(groups, codecs):
-            codec = self.sent_as(codec)
-            self.scheme(codec, self.codec(codec)).fold(group, self.comm, (0, group.numel))
+    def fold(self, groups: Sequence[Group], routes: Sequence[Route]) -> None:
+        """Before the plan changes away from ``groups``, last started by ``routes``: each
+        route's scheme turns its state of them into what their elements carry to the new
+        groups (:meth:`Scheme.fold`)."""
+        for group, route in zip(groups, routes):
+            route.scheme.fold(group, self.comm, (0, group.numel))
 
     def _scheme_holders(self) -> Tuple[GroupStateful, ...]:
         return tuple(holder for scheme in self.schemes.values() for holder in scheme.holders.values())

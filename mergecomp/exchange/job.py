@@ -5,10 +5,13 @@ checks and compensates it, and hands it to the group's scheme (:mod:`mergecomp.e
 encodes it through the exchange's :class:`~mergecomp.exchange.encoder.Encoder`, starts its
 collectives, runs its later stages and decodes the result.  A scheme that moves part of the
 group elsewhere (the hierarchical scheme across hosts) gives that part a job of its own
-(:meth:`Job.within`); a job's fields keep their meaning from start to finish.
+(:meth:`Job.within`); a job's fields keep their meaning from start to finish.  How the group
+travels is its :class:`Route`, resolved once per codec by the exchange.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -18,7 +21,34 @@ from mergecomp.engines.communicator import Communicator, Handle
 from mergecomp.exchange.breakdown import STAGES
 from mergecomp.exchange.plan import UNFED, Group
 
-__all__ = ["Job"]
+__all__ = ["Route", "Job"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a group travels (:meth:`~mergecomp.exchange.exchange.Exchange.route`).
+
+    ``name``: the codec it is sent with: a plan codec (``"compressed"``, ``"fp16"``,
+    ``"none"``), a sharded scheme's name (moved by that scheme where it applies, else by its
+    fallback's route, or where it has none by allreduce or allgather), or a route outside
+    error feedback (:data:`~mergecomp.exchange.plan.UNFED`); ``compressor``
+    encodes it; ``scheme`` (a :class:`~mergecomp.exchange.schemes.base.Scheme`) moves it."""
+
+    name: str
+    compressor: Compressor
+    scheme: Any
+
+    @property
+    def feedback(self) -> bool:
+        """The error-feedback memory and the compressor state take part (every route but those
+        of :data:`~mergecomp.exchange.plan.UNFED`)."""
+        return self.name not in UNFED
+
+    @property
+    def sums_losslessly(self) -> bool:
+        """The group travels as the plain sum of the ranks' gradients (a lossless codec by
+        allreduce): any rank's NaN/Inf reaches every rank's result, and no state keeps it."""
+        return self.compressor.lossless and self.scheme.sums
 
 
 class Job:
@@ -31,16 +61,13 @@ class Job:
     ``[start, stop)`` of the group.
     """
 
-    def __init__(self, group: Group, route: str, compressor: Compressor, scheme: Any,
-                 compensated: torch.Tensor, comm: Communicator, step: int) -> None:
+    def __init__(self, group: Group, route: Route, compensated: torch.Tensor, comm: Communicator,
+                 step: int) -> None:
         self.group = group
-        #: what the group travels with: a plan codec (``"compressed"``, ``"fp16"``, ...) or a
-        #: scheme's name, as :meth:`~mergecomp.exchange.exchange.Exchange.sent_as` gives it
+        #: how it travels
         self.route = route
-        #: what encodes it: the configured compressor, or the fp16 or plain codec
-        self.compressor = compressor
-        #: what moves it: a :class:`~mergecomp.exchange.schemes.base.Scheme`
-        self.scheme = scheme
+        #: what encodes it (the route's compressor) and what moves it (its scheme)
+        self.compressor, self.scheme = route.compressor, route.scheme
         self.compensated = compensated
         self.comm = comm
         self.span: Tuple[int, int] = (0, group.numel)
@@ -54,8 +81,8 @@ class Job:
         #: the gradient's NaN/Inf check is left to the encode (a cast that checks its payload
         #: in its own pass, with no error feedback to keep NaN out of)
         self.checked_by_encode = False
-        #: the error-feedback memory takes part (every route but those of :data:`UNFED`)
-        self.feedback = route not in UNFED
+        #: the error-feedback memory takes part (:attr:`Route.feedback`)
+        self.feedback = route.feedback
         #: what the encoder made: this rank's payload and its ctx
         self.payload: Payload = ()
         self.ctx: Any = None
@@ -80,8 +107,8 @@ class Job:
         """A job for the elements ``span`` of this group, moved by ``scheme`` among ``comm``'s
         ranks: the same group, route, compressor, ``compensated`` tensor and checks, its passes
         counted with this job's."""
-        part = Job(self.group, self.route, self.compressor, scheme, self.compensated, comm, self.step)
-        part.span, part.rank, part.finite, part.feedback = span, self.rank, self.finite, self.feedback
+        part = Job(self.group, dataclasses.replace(self.route, scheme=scheme), self.compensated, comm, self.step)
+        part.span, part.rank, part.finite = span, self.rank, self.finite
         part.passes = self.passes
         return part
 
@@ -100,6 +127,6 @@ class Job:
 
     def describe(self) -> Dict[str, Any]:
         """The group as a step breakdown lists it (:meth:`~mergecomp.exchange.breakdown.Breakdown.end_step`)."""
-        return {"name": self.group.name, "codec": self.route,
+        return {"name": self.group.name, "codec": self.route.name,
                 "bytes": self.group.numel * self.compensated.element_size(),
                 "passes_by_stage": {stage: self.passes[stage] for stage in STAGES if stage in self.passes}}

@@ -284,8 +284,7 @@ class PlannedStep(MergedStep):
         when its gradients are encoded as they arrive (:meth:`Exchange.begin`; asked only while
         :meth:`_arm` allows it), else None: they are copied into its buffer."""
         if g not in self._arriving:
-            codec = self._started_as(self._plan.codec(g))
-            self._arriving[g] = self.exchange.begin(self._groups[g], self._flat(g), codec)
+            self._arriving[g] = self.exchange.begin(self._groups[g], self._flat(g), self.route(self._plan.codec(g)))
         return self._arriving[g]
 
     def _part(self, i: int, grad: Optional[torch.Tensor], g: int) -> torch.Tensor:

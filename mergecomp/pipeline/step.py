@@ -32,7 +32,7 @@ from mergecomp.compressors.base.capabilities import FusedParts
 from mergecomp.engines.communicator import Communicator
 from mergecomp.exchange.breakdown import DECODE, ENCODE, WAIT, Breakdown
 from mergecomp.exchange.exchange import Exchange
-from mergecomp.exchange.job import Job
+from mergecomp.exchange.job import Job, Route
 from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, remap_state
 from mergecomp.exchange.schemes import SHARDED
 from mergecomp.pipeline.agreement import check_ranks_agree
@@ -198,7 +198,7 @@ class MergedStep:
 
     def _fold(self) -> None:
         """The schemes' state of the current groups becomes per-element carries."""
-        self.exchange.fold(self._groups, [self._sent_as(codec) for codec in self._plan.codec_names()])
+        self.exchange.fold(self._groups, [self.route(codec, compressing=True) for codec in self._plan.codec_names()])
 
     def _remap(self, new: Sequence[Group]) -> None:
         """Move the state of the current groups onto ``new``."""
@@ -219,15 +219,14 @@ class MergedStep:
         """Whether this step's gradients are checked for NaN/Inf and the ranks agree on the
         culprits: under every policy but ``"ignore"``, except ``"propagate"`` when every group
         this step can send travels as the plain sum of the ranks' gradients
-        (:meth:`~mergecomp.exchange.exchange.Exchange.sums_losslessly`; not so where
+        (:attr:`~mergecomp.exchange.job.Route.sums_losslessly`; not so where
         :attr:`before_start` transforms them): any rank's NaN/Inf then reaches every rank's
         result of its group by itself, and no state needs putting back."""
         if self.nonfinite != "propagate":
             return self.nonfinite != "ignore"
         if self.before_start is not None:  # the front end must know (Reduced.nonfinite)
             return True
-        codecs = {self._started_as(codec) for codec in (*self._plan.codec_names(), COMPRESSED)}
-        return not all(self.exchange.sums_losslessly(codec) for codec in codecs)
+        return not all(self.route(codec).sums_losslessly for codec in (*self._plan.codec_names(), COMPRESSED))
 
     def launch(self, group: Group, flat: torch.Tensor, codec: str, finite: Optional[bool] = None,
                copied: int = 0, parts: Optional[FusedParts] = None) -> Job:
@@ -236,24 +235,22 @@ class MergedStep:
         (the warm-up and the ``scheme`` option decide how it travels)."""
         if not self._started:
             self._checking = self._checks()
-        job = self.exchange.start(group, flat, self._started_as(codec), finite, parts, self._checking)
+        job = self.exchange.start(group, flat, self.route(codec), finite, parts, self._checking)
         job.count("copy-in", 1, copied)
         self._started.append(job)
         self._outs.append(flat)
         return job
 
-    def _started_as(self, codec: str) -> str:
-        """The codec a group of the plan's ``codec`` is started with this step: outside
-        compression, an exempt group's stays ``"exempt"``, the others take the warm-up's."""
-        if self.compressing:
-            return self._sent_as(codec)
-        return EXEMPT if codec == EXEMPT else WARMUP_CODECS[self.options.compression_warmup_codec]
-
-    def _sent_as(self, codec: str) -> str:
-        """The codec a group of the plan's ``codec`` is started with: ``"compressed"`` travels by
-        the ``scheme`` option's scheme."""
-        scheme = self.options.scheme
-        return scheme if codec == COMPRESSED and scheme in SHARDED else codec
+    def route(self, codec: str, compressing: Optional[bool] = None) -> Route:
+        """How a group of the plan's ``codec`` travels this step (:meth:`Exchange.route`), or
+        on a step that is (not) ``compressing``: outside compression an exempt group's stays
+        ``"exempt"``, the others take the warm-up's; while compressing ``"compressed"``
+        travels by the ``scheme`` option's sharded scheme where it names one."""
+        if not (self.compressing if compressing is None else compressing):
+            codec = EXEMPT if codec == EXEMPT else WARMUP_CODECS[self.options.compression_warmup_codec]
+        elif codec == COMPRESSED and self.options.scheme in SHARDED:
+            codec = self.options.scheme
+        return self.exchange.route(codec)
 
     def finish(self) -> Optional[Reduced]:
         """Finish the step: start what is left, wait, decode, average; then count the step.

@@ -181,7 +181,7 @@ def _timed_exchange(exchange: Exchange, group: Group, flat: torch.Tensor, codec:
     """Seconds of ``exchange``'s start, its stages, and its finish of ``group`` from ``flat``."""
     settle(device)
     began = time.perf_counter()
-    job = exchange.start(group, flat, codec, finite=True)
+    job = exchange.start(group, flat, exchange.route(codec), finite=True)
     settle(device)
     started = time.perf_counter()
     while exchange.advance(job):

@@ -24,6 +24,7 @@ class AllReduce(WholeGroup):
     """Each round's payload summed over the ranks by one allreduce."""
 
     name = "allreduce"
+    sums = True
 
     def send(self, job: "Job", last: bool) -> None:
         if last:  # the sum is taken in place: this rank's payload is needed for the memory first

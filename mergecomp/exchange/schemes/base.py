@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from mergecomp.compressors.base.compressor import Compressor, Payload
+from mergecomp.compressors.base.compressor import Payload
 from mergecomp.compressors.base.stateful import GroupStateful
 from mergecomp.engines.communicator import Communicator
 from mergecomp.exchange.breakdown import DECODE, ENCODE, WAIT
@@ -27,12 +27,12 @@ from mergecomp.exchange.plan import Group
 
 if TYPE_CHECKING:
     from mergecomp.exchange.encoder import Encoder
-    from mergecomp.exchange.job import Job
+    from mergecomp.exchange.job import Job, Route
 
-__all__ = ["Scheme", "WholeGroup", "Route"]
+__all__ = ["Scheme", "WholeGroup", "Routes"]
 
-#: ``route(codec, compressor)``: the scheme a group of that plan codec and compressor takes
-Route = Callable[[str, Compressor], "Scheme"]
+#: ``routes(codec)``: the :class:`~mergecomp.exchange.job.Route` a group sent with that codec takes
+Routes = Callable[[str], "Route"]
 
 
 class Scheme(abc.ABC):
@@ -43,8 +43,7 @@ class Scheme(abc.ABC):
     Args:
         comm: the exchange's communicator: its size divides the sum when averaging.
         encoder: the exchange's :class:`~mergecomp.exchange.encoder.Encoder`.
-        route: ``route(codec, compressor)``, the scheme the exchange sends a group of that plan
-            codec and compressor by (for a scheme that sends part of its work by another).
+        routes: the exchange's :data:`Routes` (for a scheme that sends part of its work by another).
     """
 
     #: the name groups give to be sent this way (a plan codec, the ``scheme`` option)
@@ -55,14 +54,16 @@ class Scheme(abc.ABC):
     #: sends the group's payload whole on the exchange's communicator: the encode may be fused
     #: with the memory's work, or be the gradient's NaN/Inf check
     whole: bool = False
+    #: the payloads travel as their sum on every rank (an allreduce)
+    sums: bool = False
     #: the plan codec a group of this scheme is sent with where the scheme does not apply
     #: (:meth:`applies`); None: it applies everywhere
     fallback: Optional[str] = None
 
-    def __init__(self, comm: Communicator, encoder: "Encoder", route: Route) -> None:
+    def __init__(self, comm: Communicator, encoder: "Encoder", routes: Routes) -> None:
         self.comm = comm
         self.encoder = encoder
-        self.route = route
+        self.routes = routes
         self.clock = encoder.clock
 
     @classmethod

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Optional, Tuple
 import torch
 
 from mergecomp.compressors.base.capabilities import shard_alignment
-from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.engines.communicator import Communicator
 from mergecomp.exchange.breakdown import ENCODE
 from mergecomp.exchange.plan import Group
@@ -86,9 +85,9 @@ class Hierarchical(Scheme):
     def applies(cls, comm: Communicator) -> bool:
         return across_hosts_of(comm) is not None
 
-    def across(self, compressor: Compressor) -> Scheme:
+    def across(self) -> Scheme:
         """The scheme across hosts (the fallback's)."""
-        return self.route(self.fallback, compressor)
+        return self.routes(self.fallback).scheme
 
     def hosts(self, numel: int) -> Hosts:
         """The host level of a group of ``numel`` elements."""
@@ -114,7 +113,7 @@ class Hierarchical(Scheme):
         torch.sum(rows[:, :stop - start], dim=0, out=compensated[start:stop])
         zero_outside(compensated, start, stop)
         job.count("decode", 1)  # reads every local rank's shard, writes this one, zeroes the rest
-        across = job.flight.across = job.within(self.across(job.compressor), hosts.cross, hosts.span)
+        across = job.flight.across = job.within(self.across(), hosts.cross, hosts.span)
         with self.clock(ENCODE, job.group.name):
             across.scheme.start(across)
         job.overflowed = across.overflowed
@@ -140,7 +139,7 @@ class Hierarchical(Scheme):
 
     def fold(self, group: Group, comm: Communicator, span: Tuple[int, int]) -> None:
         hosts = self.hosts(group.numel)
-        self.across(self.encoder.compressor).fold(group, hosts.cross, hosts.span)
+        self.across().fold(group, hosts.cross, hosts.span)
 
 
 class HierarchicalTwoPhase(Hierarchical):

@@ -44,7 +44,7 @@ from mergecomp.engines.communicator import Communicator
 from mergecomp.exchange.breakdown import ENCODE, MEMORY
 from mergecomp.exchange.encoder import Encoder, feed
 from mergecomp.exchange.plan import Group
-from mergecomp.exchange.schemes.base import Route, Scheme
+from mergecomp.exchange.schemes.base import Routes, Scheme
 from mergecomp.kernels.wire import Spec, pack_payload, pack_rows, unpack_payload
 
 if TYPE_CHECKING:
@@ -167,8 +167,8 @@ class TwoPhase(Scheme):
     name = "two-phase"
     sharded = True
 
-    def __init__(self, comm: Communicator, encoder: "Encoder", route: Route) -> None:
-        super().__init__(comm, encoder, route)
+    def __init__(self, comm: Communicator, encoder: "Encoder", routes: Routes) -> None:
+        super().__init__(comm, encoder, routes)
         #: the codec of each rank's aggregated shard
         self.second = second_phase(encoder.compressor)
         self.second.workspace = encoder.workspace
