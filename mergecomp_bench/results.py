@@ -21,6 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from mergecomp_bench import compatibility
+
 __all__ = ["DATA", "TABLES", "TARGET", "render_file", "summary", "throughput_anchors", "throughput_repeats",
            "every_compressor", "scaling", "schemes_by_ranks", "schemes_fixed_vs_auto", "plans", "scheduler_summary",
            "convergence", "memories", "own_work", "adam_auto", "adam_momentum_exchange", "time_to_accuracy",
@@ -943,6 +945,8 @@ TABLES: Dict[str, Callable[[], str]] = {
     "memories": lambda: memories({"Adam (GPT-2)": "convergence_stdlib_bytes_gpt2_memories_2workers.jsonl",
                                   "SGD (digits)": "convergence_digits_averaged_memory_2workers.jsonl"}),
     "own-work": own_work,
+    "compatibility-routes": compatibility.routes,
+    "front-end-options": compatibility.front_end_options,
     "adam-auto": adam_auto,
     "adam-momentum-exchange": adam_momentum_exchange,
     "time-to-accuracy": lambda: time_to_accuracy(

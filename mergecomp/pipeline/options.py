@@ -29,15 +29,16 @@ WARMUP_CODECS = {"none": EXEMPT, "fp16": WARMUP_FP16, "qsgd": WARMUP_QSGD, "qsgd
 @dataclass(frozen=True)
 class Accepts:
     """What one front end takes of :class:`StepOptions`: all but those it sets from its own
-    arguments (``fixed``) or has no use for (``without``), each with every valid value but
-    those of ``values`` (option -> (the values it takes, why only those))."""
+    arguments (``fixed``: option -> those arguments) or has no use for (``without``), each with
+    every valid value but those of ``values`` (option -> (the values it takes, why only those))."""
 
-    fixed: Tuple[str, ...] = ()
+    fixed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     without: Tuple[str, ...] = ()
     values: Mapping[str, Tuple[Tuple[Any, ...], str]] = dataclasses.field(default_factory=dict)
 
 
-_HOROVOD_ARGUMENTS = ("groups", "average", "prescale", "postscale")  # groups/num_groups, op, gradient_predivide_factor
+_HOROVOD_ARGUMENTS = {"groups": "groups, num_groups", "average": "op", "prescale": "op, gradient_predivide_factor",
+                      "postscale": "op, gradient_predivide_factor"}
 _NO_SKIP = (("propagate", "raise", "ignore"), "it hands the gradients back and cannot skip the optimizer's step")
 #: each front end's options, by the name it gives in errors
 FRONT_ENDS: Dict[str, Accepts] = {
@@ -137,7 +138,7 @@ class StepOptions:
         its own arguments set (``fixed``: those :attr:`Accepts.fixed`); TypeError naming a
         keyword that is not an option of ``who``, ValueError naming a value it refuses."""
         accepts = FRONT_ENDS[who]
-        accepted = [f.name for f in dataclasses.fields(cls) if f.name not in accepts.fixed + accepts.without]
+        accepted = [f.name for f in dataclasses.fields(cls) if f.name not in (*accepts.fixed, *accepts.without)]
         unknown = sorted(set(options) - set(accepted))
         if unknown:
             raise TypeError(f"{who}() got unexpected keyword argument(s) {unknown}; its mergecomp options are "
