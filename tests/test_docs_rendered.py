@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from mergecomp_bench import results
+from mergecomp_bench.results import data
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -39,7 +40,7 @@ def test_a_missing_record_or_table_is_named(tmp_path, monkeypatch):
     doc.write_text("<!-- rendered: no-such-table -->\n<!-- end rendered -->\n")
     with pytest.raises(LookupError, match="no-such-table"):
         results.render_file(doc)
-    monkeypatch.setattr(results, "DATA", tmp_path)
+    monkeypatch.setattr(data, "DATA", tmp_path)
     with pytest.raises(LookupError, match="host_overhead_cpu.jsonl"):
         results.own_work()
     run = {"config": "ddp-fp16", "seed": 3, "status": "ok", "curve": [], "step_s": 0.1, "compute_s": 0.05,

@@ -4,6 +4,7 @@ import json
 import re
 
 from mergecomp_bench import results
+from mergecomp_bench.results import data, markdown, step_time
 
 
 def _run(mode, step, label="", compressor=None):
@@ -16,14 +17,14 @@ def test_a_round_ends_where_a_configuration_comes_again_and_runs_before_a_change
             _run("mergecomp", 0.6, "round 1, before (commit abc)", "onebit"),
             _run("ddp", 1.2), _run("mergecomp", 0.4, compressor="onebit")]
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(run) + "\n" for run in runs))
-    monkeypatch.setattr(results, "DATA", tmp_path)
-    assert results._steps("r.jsonl") == {("1gbit", "ddp", "ddp"): [1.0, 1.2], ("1gbit", "onebit", "auto"): [0.5, 0.4]}
+    monkeypatch.setattr(data, "DATA", tmp_path)
+    assert step_time.steps("r.jsonl") == {("1gbit", "ddp", "ddp"): [1.0, 1.2], ("1gbit", "onebit", "auto"): [0.5, 0.4]}
 
 
 def test_a_difference_that_rounds_to_zero_has_no_minus_sign():
-    assert results._signed(-0.0004) == "+0.00 %"
-    assert results._signed(-0.5, 1, "pp") == "−0.5 pp"
-    assert results._signed(float("nan")) == "diverged"
+    assert markdown.signed(-0.0004) == "+0.00 %"
+    assert markdown.signed(-0.5, 1, "pp") == "−0.5 pp"
+    assert markdown.signed(float("nan")) == "diverged"
 
 
 def test_the_summary_quotes_the_tables_it_points_at():

@@ -8,13 +8,9 @@ from typing import Dict, List
 from mergecomp.exchange.compatibility import ROUTES, TRAITS
 from mergecomp.pipeline.options import FRONT_ENDS, StepOptions
 from mergecomp.registry import compressor_names, get_compressor
+from mergecomp_bench.results.markdown import table
 
 __all__ = ["routes", "front_end_options"]
-
-
-def _table(header: List[str], rows: List[List[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
 def _value(value) -> str:
@@ -44,7 +40,7 @@ def routes() -> str:
         rows.append([f"`{name}`", *cells])
     header = ["compressor", *(", ".join(names) for names in columns)]
     memories = [f"{route.name} refuses memory `{memory}`" for route in ROUTES.values() for memory in route.memories]
-    return _table(header, rows) + ("\n" + "; ".join(memories) + ".\n" if memories else "")
+    return table(header, ["---"] * len(header), rows) + ("\n" + "; ".join(memories) + ".\n" if memories else "")
 
 
 def front_end_options() -> str:
@@ -65,4 +61,5 @@ def front_end_options() -> str:
                 cells.append("yes")
         default = option.default if option.default is not dataclasses.MISSING else option.default_factory()
         rows.append([f"`{option.name}`", _value(default), *cells])
-    return _table(["option", "default", *(f"`{who}`" for who in FRONT_ENDS)], rows)
+    header = ["option", "default", *(f"`{who}`" for who in FRONT_ENDS)]
+    return table(header, ["---"] * len(header), rows)

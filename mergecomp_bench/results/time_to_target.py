@@ -1,0 +1,125 @@
+"""Time to accuracy (``scripts/bench_time_to_accuracy.py``): training seconds until DDP fp32's
+final validation loss + :data:`TARGET` of the same seed, against DDP fp32's and its fp16 hook's."""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from mergecomp_bench.results.data import finished
+from mergecomp_bench.results.markdown import signed, table, times
+
+__all__ = ["TARGET", "TTA", "HEADLINE", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS", "time_to",
+           "runs_by_seed", "speed_ups", "median_or_dash", "time_to_accuracy", "time_to_accuracy_recipes"]
+
+#: the target of time to accuracy: DDP fp32's final validation loss plus this share
+TARGET = 0.01
+_DDP_LABELS = {"ddp": "DDP fp32", "ddp-fp16": "DDP + fp16 hook"}
+TTA = "time_to_accuracy_gpt2_4x256_batch2_1gbit_qsgd_warmup.jsonl"
+#: the time-to-accuracy configuration the docs quote
+HEADLINE = "onebit@momentum/64^qsgd"
+#: the configurations of :data:`TTA` the docs show, as they name them
+TTA_LABELS = {HEADLINE: "mergecomp 1-bit SGD, momentum exchanged",
+              "terngrad:packing=base3@momentum+residual/40^qsgd": "mergecomp TernGrad (base 3), momentum exchanged"}
+#: mergecomp's DDP hook beside DistributedOptimizer, both with "auto"
+TRAINER_ROUTE = "time_to_accuracy_gpt2_4x256_batch2_1gbit_trainer_route.jsonl"
+TRAINER_ROUTE_LABELS = {"hook:onebit@auto": "1-bit SGD `\"auto\"` through the DDP hook",
+                        "onebit@auto": "1-bit SGD `\"auto\"` through `DistributedOptimizer`"}
+
+
+def time_to(record: dict, target: float) -> Optional[float]:
+    """Training seconds of ``record``'s first evaluation at or below ``target``, or None."""
+    return next((point["seconds"] for point in record["curve"] if point["test_loss"] <= target), None)
+
+
+def runs_by_seed(record: str) -> Dict[int, Dict[str, dict]]:
+    """A bench_time_to_accuracy.py record's finished runs by seed, then configuration; every seed
+    has its DDP fp32 run."""
+    seeds: Dict[int, Dict[str, dict]] = {}
+    for run in finished(record):
+        seeds.setdefault(run["seed"], {})[run["config"]] = run
+    for seed, by in seeds.items():
+        if "ddp" not in by:
+            raise LookupError(f"{record}: no DDP fp32 run for seed {seed}")
+    return dict(sorted(seeds.items()))
+
+
+def speed_ups(by: Dict[str, dict], config: str) -> Tuple[Optional[float], List[Optional[float]]]:
+    """``config``'s time to DDP fp32's final loss + :data:`TARGET` of the same seed, and DDP fp32's
+    and the fp16 hook's times over it (None where one is missing or never reached it)."""
+    target = by["ddp"]["final_test_loss"] * (1 + TARGET)
+    reached = time_to(by[config], target)
+    anchors = [time_to(by[c], target) if c in by else None for c in _DDP_LABELS]
+    return reached, [None if reached is None or anchor is None else anchor / reached for anchor in anchors]
+
+
+def time_to_accuracy(record: str, labels: Dict[str, str], bold: Sequence[str] = ()) -> str:
+    """Each seed's runs of one ``bench_time_to_accuracy.py`` record (those ``labels`` names, in the
+    record's order): step time, the share of it above the step without exchange, bits per
+    element, final validation loss, and the time to DDP fp32's final loss + 1 % of the same seed,
+    against DDP fp32's and the fp16 hook's; ``bold``: configurations whose times are bold."""
+    names = {**_DDP_LABELS, **labels}
+    rows = []
+    for seed, by in runs_by_seed(record).items():
+        base = by["ddp"]["final_test_loss"]
+        for config, run in by.items():
+            if config not in names:
+                continue
+            reached, ratios = speed_ups(by, config)
+            cells = ["not reached" if reached is None else f"{reached:.0f} s",
+                     *("–" if ratio is None else times(ratio) for ratio in ratios)]
+            if config in bold:
+                cells = [f"**{t}**" if reached is not None else t for t in cells]
+            bits = {"ddp": "32", "ddp-fp16": "16"}.get(config) or f"{run['bits_per_element']:.2f}"
+            loss = run["final_test_loss"]
+            rows.append([str(seed), names[config], f"{run['step_s']:.3f}",
+                         f"{round(100 * (1 - run['compute_s'] / run['step_s']))} %", bits, f"{loss:.4f}",
+                         "–" if config == "ddp" else signed(100 * (loss / base - 1)), *cells])
+    header = ["seed", "configuration", "step (s)", "exchange share", "bits per element (run)", "validation loss",
+              "vs DDP fp32", "time to target", "vs DDP fp32", "vs DDP fp16 hook"]
+    return table(header, ["---", "---", *["---:"] * 8], rows)
+
+
+#: the rows of :func:`time_to_accuracy_recipes`: label, record, configuration
+_TTA_RECIPES: Tuple[Tuple[str, str, str], ...] = (
+    ("1-bit SGD, fp16 warm-up", "time_to_accuracy_gpt2_4x256_batch2_1gbit_fp16_warmup.jsonl",
+     "onebit@momentum/64^fp16"),
+    ("1-bit SGD, exact warm-up", "time_to_accuracy_gpt2_4x256_batch2_1gbit_fp16_warmup.jsonl", "onebit@momentum/64"),
+    ("1-bit SGD, fp16 warm-up, R = 32", "time_to_accuracy_gpt2_4x256_batch2_1gbit_onebit_refresh32.jsonl",
+     "onebit@momentum/32^fp16"),
+    ("EF-signSGD, fp16 warm-up, R = 32", "time_to_accuracy_gpt2_4x256_batch2_1gbit_qsgd_efsignsgd.jsonl",
+     "efsignsgd@momentum/32^fp16"),
+    ("4-bit QSGD, fp16 warm-up", "time_to_accuracy_gpt2_4x256_batch2_1gbit_qsgd_efsignsgd.jsonl",
+     "qsgd:levels=7@momentum/64^fp16"),
+    ("1-bit SGD, exact warm-up shorter than the LR warm-up",
+     "time_to_accuracy_gpt2_4x256_batch2_1gbit_momentum_search.jsonl", "onebit@momentum/64"),
+    ("the same with `groups=2`", "time_to_accuracy_gpt2_4x256_batch2_1gbit_groups_2.jsonl", "onebit@momentum/64"),
+)
+
+
+def median_or_dash(values: Iterable[Optional[float]]) -> str:
+    """The median speed-up of the known ``values``; ``–`` where none is."""
+    known = [v for v in values if v is not None]
+    return times(statistics.median(known)) if known else "–"
+
+
+def time_to_accuracy_recipes(rows: Sequence[Tuple[str, str, str]] = _TTA_RECIPES) -> str:
+    """Further recipes on the time-to-accuracy benchmark, each from its record: seeds, warm-up K,
+    bits per element, final loss against DDP fp32 (median), the time to DDP fp32's loss + 1 %
+    against DDP fp32's and the fp16 hook's (medians of the seeds that reached it), and the seeds
+    that did not."""
+    found = []
+    for label, record, config in rows:
+        seeds = {seed: by for seed, by in runs_by_seed(record).items() if config in by}
+        if not seeds:
+            raise LookupError(f"{record}: no run of {config}")
+        results = {seed: speed_ups(by, config) for seed, by in seeds.items()}
+        losses = [100 * (by[config]["final_test_loss"] / by["ddp"]["final_test_loss"] - 1) for by in seeds.values()]
+        run = next(iter(seeds.values()))[config]
+        missed = ", ".join(str(seed) for seed, (reached, _) in results.items() if reached is None)
+        found.append([label, f"`{config}`", ", ".join(map(str, seeds)), str(run["after"]),
+                      f"{run['bits_per_element']:.2f}", signed(statistics.median(losses)),
+                      *(median_or_dash(ratios[i] for _, ratios in results.values()) for i in range(len(_DDP_LABELS))),
+                      missed or "–", f"`{record}`"])
+    header = ["recipe", "`--configs`", "seeds", "K", "bits per element", "vs DDP fp32's loss", "time: vs DDP fp32",
+              "vs DDP fp16 hook", "target missed on seed", "record (`docs/img/data/`)"]
+    return table(header, ["---", "---", "---", "---:", "---:", "---:", "---:", "---:", "---", "---"], found)
