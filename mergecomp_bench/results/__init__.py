@@ -33,16 +33,18 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 from mergecomp_bench.results import compatibility
-from mergecomp_bench.results.accuracy import DIGITS, DIGITS_VARIANTS, LM, LM_VARIANTS, convergence, memories
+from mergecomp_bench.results.accuracy import (DIGITS, DIGITS_VARIANTS, LM, LM_VARIANTS, by_compressor, convergence,
+                                              memories)
 from mergecomp_bench.results.adam import adam_auto, adam_momentum_exchange
 from mergecomp_bench.results.decision import summary
 from mergecomp_bench.results.fsdp2 import fsdp2_accuracy, fsdp2_bytes, fsdp2_step
 from mergecomp_bench.results.gpu import gpu_runs, gpu_training
-from mergecomp_bench.results.host_work import codec_work, own_work
+from mergecomp_bench.results.host_work import HEADLINE_ROWS, codec_work, own_work
 from mergecomp_bench.results.schemes import plans, scheduler_summary, schemes_by_ranks, schemes_fixed_vs_auto
 from mergecomp_bench.results.step_time import every_compressor, scaling, throughput_anchors, throughput_repeats
-from mergecomp_bench.results.time_to_target import (HEADLINE, TARGET, TRAINER_ROUTE, TRAINER_ROUTE_LABELS, TTA,
-                                                    TTA_LABELS, time_to, time_to_accuracy, time_to_accuracy_recipes)
+from mergecomp_bench.results.time_to_target import (HEADLINE, HEADLINE_LABELS, TARGET, TRAINER_ROUTE,
+                                                    TRAINER_ROUTE_LABELS, TTA, TTA_LABELS, headline, time_to,
+                                                    time_to_accuracy, time_to_accuracy_recipes)
 
 __all__ = ["TABLES", "TARGET", "render_file", "summary", "throughput_anchors", "throughput_repeats",
            "every_compressor", "scaling", "schemes_by_ranks", "schemes_fixed_vs_auto", "plans", "scheduler_summary",
@@ -52,10 +54,13 @@ __all__ = ["TABLES", "TARGET", "render_file", "summary", "throughput_anchors", "
 
 _BLOCK = re.compile(r"(<!-- rendered: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end rendered -->)", re.S)
 
-#: every table a doc may hold, by the name its markers give
+#: every table a doc may hold, by the name its markers give (``readme-``: the README's shorter variant of
+#: a table, or its opening sentence)
 TABLES: Dict[str, Callable[[], str]] = {
     "summary": summary,
+    "readme-headline": headline,
     "throughput-anchors": throughput_anchors,
+    "readme-throughput-anchors": partial(throughput_anchors, links=("1gbit",)),
     "throughput-repeats": throughput_repeats,
     "every-compressor": every_compressor,
     "scaling": scaling,
@@ -66,12 +71,15 @@ TABLES: Dict[str, Callable[[], str]] = {
     "convergence-digits": partial(convergence, DIGITS, DIGITS_VARIANTS),
     "convergence-lm": partial(convergence, LM, LM_VARIANTS),
     "memories": memories,
+    "accuracy-by-compressor": by_compressor,
     "own-work": own_work,
+    "readme-own-work": partial(own_work, rows=HEADLINE_ROWS),
     "compatibility-routes": compatibility.routes,
     "front-end-options": compatibility.front_end_options,
     "adam-auto": adam_auto,
     "adam-momentum-exchange": adam_momentum_exchange,
     "time-to-accuracy": partial(time_to_accuracy, TTA, TTA_LABELS, bold=(HEADLINE,)),
+    "readme-time-to-accuracy": partial(time_to_accuracy, TTA, HEADLINE_LABELS, bold=(HEADLINE,)),
     "time-to-accuracy-trainer-route": partial(time_to_accuracy, TRAINER_ROUTE, TRAINER_ROUTE_LABELS,
                                               bold=("hook:onebit@auto",)),
     "time-to-accuracy-recipes": time_to_accuracy_recipes,

@@ -11,7 +11,7 @@ from mergecomp_bench.results.data import finished
 from mergecomp_bench.results.markdown import compressor_name, median_span, signed, table
 
 __all__ = ["DIGITS", "LM", "FP32", "DIGITS_VARIANTS", "LM_VARIANTS", "MEMORIES", "Runs", "runs_by_compressor",
-           "vs_fp32", "vs_fp32_text", "default_memory", "convergence", "memories"]
+           "vs_fp32", "vs_fp32_text", "default_memory", "convergence", "memories", "by_compressor"]
 
 DIGITS = "convergence_digits_mlp_2workers.jsonl"
 LM = "convergence_stdlib_bytes_gpt2_2workers.jsonl"
@@ -72,6 +72,12 @@ def default_memory(runs: Runs, compressor: str) -> Dict[int, dict]:
     return next(seeds for (name, _), seeds in runs.items() if name == compressor)
 
 
+def _lr_note(seeds: Dict[int, dict], fp32: Dict[int, dict]) -> str:
+    """`` (lr 0.002)`` where the runs had another learning rate than fp32's."""
+    lr = next(iter(seeds.values()))["lr"]
+    return "" if lr == next(iter(fp32.values()))["lr"] else f" (lr {lr:g})"
+
+
 def _metric(seeds: Dict[int, dict]) -> str:
     """Test accuracy % (digits) or validation loss: median (range) over the seeds."""
     runs = list(seeds.values())
@@ -92,9 +98,8 @@ def convergence(record: str, variants: Sequence[Variant] = ()) -> str:
     columns = [(header, runs_by_compressor(other, **where)) for header, other, where in variants]
     rows = []
     for (compressor, memory), seeds in runs.items():
-        lr = next(iter(seeds.values()))["lr"]
-        name = compressor_name(compressor) + ("" if lr == next(iter(fp32.values()))["lr"] else f" (lr {lr:g})")
-        cells = [name, memory, _metric(seeds), "–" if seeds is fp32 else vs_fp32_text(seeds, fp32)]
+        cells = [compressor_name(compressor) + _lr_note(seeds, fp32), memory, _metric(seeds),
+                 "–" if seeds is fp32 else vs_fp32_text(seeds, fp32)]
         cells += [vs_fp32_text(other[(compressor, memory)], other.get(FP32, fp32))
                   if (compressor, memory) in other and seeds is not fp32 else "" for _, other in columns]
         rows.append(cells)
@@ -113,6 +118,41 @@ def memories(records: Dict[str, str] = MEMORIES) -> str:
     for label, by in runs.items():
         fp32 = by[FP32]
         for compressor in dict.fromkeys(c for c, _ in by if c != "none"):
-            rows.append([f"{compressor_name(compressor)}, {label}"] + [vs_fp32_text(by[(compressor, m)], fp32)
-                                                                      if (compressor, m) in by else "–" for m in kinds])
+            rows.append([f"{compressor_name(compressor)}, {label}"] + [
+                vs_fp32_text(by[(compressor, m)], fp32) if (compressor, m) in by else "–" for m in kinds])
     return table(["compressor", *(f"`{m}`" for m in kinds)], ["---"] + ["---:"] * len(kinds), rows)
+
+
+#: the rows of :func:`by_compressor`: the compressors of a row (their cells joined by " / "), when to use them
+_ADVICE: Tuple[Tuple[Tuple[str, ...], str], ...] = (
+    (("none",), "the default: lossless"),
+    (("fp16", "bf16"), "safe"),
+    (("qsgd",), "safe with SGD; close with Adam"),
+    (("terngrad",), "SGD; with Adam: exchange the momentum"),
+    (("topk",), "SGD; with Adam: exchange the momentum"),
+    (("dgc",), "SGD with momentum; **not with Adam**"),
+    (("randk",), "only with the biases and the output layer exempt; **not with Adam**"),
+    (("efsignsgd",), "SGD; with Adam: exchange the momentum"),
+    (("onebit",), "SGD; with Adam: exchange the momentum"),
+    (("powersgd",), "SGD; with Adam: exchange the momentum increment"),
+    (("acpsgd",), "SGD; **not with Adam**"),
+    (("signsgd", "signum"), "small learning rates only; **not with Adam**"),
+)
+
+
+def by_compressor(advice: Sequence[Tuple[Tuple[str, ...], str]] = _ADVICE) -> str:
+    """Each compressor with its default memory in both convergence benchmarks, digits with SGD
+    and the byte-level GPT-2 with Adam: the difference from fp32 on the same seed (median), and
+    when to use it."""
+    benchmarks = [runs_by_compressor(DIGITS), runs_by_compressor(LM)]
+
+    def cell(runs: Runs, compressors: Sequence[str]) -> str:
+        if (compressors[0], "none") == FP32:
+            return "–"
+        return " / ".join(vs_fp32_text(seeds, runs[FP32]) + _lr_note(seeds, runs[FP32])
+                          for seeds in (default_memory(runs, c) for c in compressors))
+
+    rows = ([" / ".join(f"`{c}`" for c in compressors), *(cell(runs, compressors) for runs in benchmarks), use]
+            for compressors, use in advice)
+    header = ["compressor", "digits (SGD): accuracy vs fp32", "byte GPT-2 (Adam): validation loss vs fp32", "use"]
+    return table(header, ["---", "---:", "---:", "---"], rows)

@@ -36,9 +36,7 @@ def _gave_sgd_fast() -> str:
 
 def _gave_adam() -> str:
     own_run = adam.recipes_on_their_own_run()
-    seeds = [time_to_target.speed_ups(by, time_to_target.HEADLINE)[1]
-             for by in time_to_target.runs_by_seed(time_to_target.TTA).values()]
-    vs_ddp, vs_fp16 = (time_to_target.median_or_dash(s[i] for s in seeds) for i in range(2))
+    vs_ddp, vs_fp16 = time_to_target.headline_speed_ups()
     return (f"{span((delta for delta, _ in own_run), signed)} from AdamW's loss at "
             f"{span((bits for _, bits in own_run), lambda b: f'{b:.2f}')} bits per element "
             f"([Adam](#adam-and-adamw-exchanging-the-momentum)); exchanging the momentum, 1-bit SGD reached DDP "

@@ -9,13 +9,14 @@ from typing import List, Sequence, Tuple
 from mergecomp_bench.results.data import document, records
 from mergecomp_bench.results.markdown import compressor_name, table, times
 
-__all__ = ["OWN_WORK", "NARROW", "own_work", "codec_work"]
+__all__ = ["OWN_WORK", "NARROW", "HEADLINE_ROWS", "own_work", "codec_work"]
 
 OWN_WORK = "host_overhead_cpu.jsonl"
 #: the models of :func:`own_work`: two GPT-2s of about the same size, one with twice the tensors
 NARROW = ("gpt2-12x64", "gpt2-24x56")
-#: the rows of :func:`own_work`: label, the configurations shown in it (joined by " / "), bold
-_OWN_WORK_ROWS: Tuple[Tuple[str, Tuple[str, ...], bool], ...] = (
+#: a row of :func:`own_work`: label, the configurations shown in it (joined by " / "), bold
+Row = Tuple[str, Tuple[str, ...], bool]
+_OWN_WORK_ROWS: Tuple[Row, ...] = (
     ("torch SGD (default)", ("torch sgd",), False),
     ("torch SGD foreach / fused", ("torch sgd foreach", "torch sgd fused"), False),
     ("DDP on one rank, SGD", ("ddp sgd",), False),
@@ -29,11 +30,15 @@ _OWN_WORK_ROWS: Tuple[Tuple[str, Tuple[str, ...], bool], ...] = (
     ("**mergecomp 1-bit SGD, AdamW's momentum exchanged**", ("onebit momentum",), True),
     ("**the same through the DDP hook**", ("hook onebit momentum",), True),
 )
+#: the rows the README quotes: plain torch, DDP, mergecomp `none` and top-k with SGD, 1-bit SGD with AdamW
+HEADLINE_ROWS = tuple(row for row in _OWN_WORK_ROWS if set(row[1]) <= {
+    "torch sgd", "ddp sgd", "none", "topk", "torch adamw", "ddp adamw", "onebit momentum", "hook onebit momentum"})
 
 
-def own_work(record: str = OWN_WORK, models: Sequence[str] = NARROW) -> str:
+def own_work(record: str = OWN_WORK, models: Sequence[str] = NARROW, rows: Sequence[Row] = _OWN_WORK_ROWS) -> str:
     """ms per step, its ratio to plain torch with the same optimizer (``x``) and aten operators
-    per step, of each configuration on each model, from one ``bench_host_overhead.py`` record."""
+    per step, of each configuration of ``rows`` on each model, from one ``bench_host_overhead.py``
+    record."""
     by = {(r["model"], r["config"]): r for r in records(record)}
 
     def cells(model: str, configs: Sequence[str], bold: bool) -> List[str]:
@@ -49,7 +54,7 @@ def own_work(record: str = OWN_WORK, models: Sequence[str] = NARROW) -> str:
     header = ["configuration"] + [f"{_model_label(m)}: {c}" if c == "ms" else c for m in models
                                   for c in ("ms", "x torch", "aten ops")]
     body = ([label] + [cell for model in models for cell in cells(model, configs, bold)]
-            for label, configs, bold in _OWN_WORK_ROWS)
+            for label, configs, bold in rows)
     return table(header, ["---"] + ["---:"] * 3 * len(models), body)
 
 

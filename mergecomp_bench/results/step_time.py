@@ -70,10 +70,11 @@ def _label(key: Key) -> str:
     return _MODES.get(config) or f"mergecomp {compressor_name(config)} `{plan}`"
 
 
-def throughput_anchors(record: str = ANCHORS) -> str:
-    """Each configuration of a bench_throughput.py anchor run: its step (mean of its rounds, each
-    beside it), scaling factor (the single worker's step over it) and speed-up over DDP with the
-    PowerSGD hook and DDP fp32 on the same link (ratios of the means)."""
+def throughput_anchors(record: str = ANCHORS, links: Sequence[str] = tuple(LINKS)) -> str:
+    """Each configuration of a bench_throughput.py anchor run on ``links`` (and the single worker):
+    its step (mean of its rounds, each beside it), scaling factor (the single worker's step over
+    it) and speed-up over DDP with the PowerSGD hook and DDP fp32 on the same link (ratios of the
+    means)."""
     found, mean = steps(record), means(record)
 
     def speed_up(base: Key, key: Key) -> str:
@@ -81,6 +82,8 @@ def throughput_anchors(record: str = ANCHORS) -> str:
 
     rows = []
     for key, values in found.items():
+        if key[0] not in links and key != _SINGLE:
+            continue
         each = f" ({', '.join(f'{v:.3f}' for v in values)})" if len(values) > 1 else ""
         rows.append([LINKS[key[0]], _label(key), f"{mean[key]:.3f}{each}",
                      f"{100 * mean[_SINGLE] / mean[key]:.1f} %", speed_up(anchor_key(key[0]), key),
@@ -139,6 +142,7 @@ def scaling(record: str = "scaling_4workers_resnet50.jsonl", rates: Sequence[str
         return [f"{auto:.3f}", f"{layerwise:.3f}", times(layerwise / auto), times(mean[ddp_key(rate)] / auto)]
 
     header = ["compressor"] + [cell for rate in rates for cell in (
-        f"{LINKS[rate]}: `auto` s", "layer-wise s", "layer-wise / `auto`", f"vs DDP fp32 ({mean[ddp_key(rate)]:.3f} s)")]
+        f"{LINKS[rate]}: `auto` s", "layer-wise s", "layer-wise / `auto`",
+        f"vs DDP fp32 ({mean[ddp_key(rate)]:.3f} s)")]
     rows = ([compressor_name(c)] + [cell for rate in rates for cell in cells(rate, c)] for c in compressors)
     return table(header, ["---"] + ["---:"] * 4 * len(rates), rows)
