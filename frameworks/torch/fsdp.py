@@ -14,11 +14,12 @@ Example::
 FSDP2 hands each module's gradients to its reduce-scatter as one flat buffer: ``world`` equal
 chunks, chunk ``d`` holding the rows of rank ``d``'s shard, in FSDP's ``reduce_dtype``.
 :class:`CompressedReduceScatter` (plugged in with FSDP2's public ``set_custom_reduce_scatter``)
-compresses each other rank's chunk with the chosen compressor after its error feedback (the memory
-is keyed by module and destination: ``(world - 1) / world`` of a gradient per rank, for
-compressors that keep one), sends chunk ``d``'s payload to rank ``d`` by one all-to-all of packed
-payload bytes (and one byte saying whether the sender's gradients were finite), and decodes and
-sums (or averages) the payloads it receives, with its own chunk exact, into its shard: a
+runs it on the same path as every other exchange (:class:`~mergecomp.exchange.exchange.Exchange`
+with the :mod:`~mergecomp.exchange.schemes.reduce_scatter` scheme): each chunk compressed after
+its error feedback (the memory keyed by module: a gradient per rank, zero at the own chunk, for
+compressors that keep one), chunk ``d``'s payload sent to rank ``d`` by one all-to-all of packed
+payload bytes (and a flag saying whether the sender's gradients were finite), and the payloads
+received decoded and summed (or averaged), with the own chunk exact, into the shard: a
 reduce-scatter of ``(world - 1) / world`` of the payload bytes per rank.  A non-finite gradient
 on any rank (a ``GradScaler`` overflow) makes every rank's shard NaN, so every rank's scaler skips
 the step, and leaves the memories as they were.  With the lossless compressor it is FSDP's own
@@ -49,10 +50,11 @@ from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.torch_dist import TorchCommunicator
 from mergecomp.exchange.compatibility import FSDP, check
-from mergecomp.exchange.exchange import resolve
-from mergecomp.kernels.codecs import all_finite
+from mergecomp.exchange.exchange import Exchange, resolve
+from mergecomp.exchange.plan import COMPRESSED, Group
+from mergecomp.exchange.schemes import REDUCE_SCATTER
 from mergecomp.kernels.quantize import from_int8_blocks, int8_blocks, int8_blocks_nbytes
-from mergecomp.kernels.wire import pack_rows, unpack_payload
+from mergecomp.pipeline.nonfinite import NonfiniteCheck
 
 __all__ = ["CompressedAllReduce", "CompressedReduceScatter", "QuantizedAllGather", "Reductions", "compress"]
 
@@ -64,9 +66,6 @@ _INT8_GATHERED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: what each holder's part of a Reductions checkpoint holds
 _PARTS = ("compressor", "memory")
-
-#: bytes after each packed payload row carrying "the sender's gradients were not finite"
-_FLAG_BYTES = 8
 
 
 class _Communicators:
@@ -84,10 +83,13 @@ class _Communicators:
 
 
 class _CompressedCollective:
-    """What the compressed reduce-scatter and all-reduce share: the compressor and memory, one
-    communicator per process group, and the round trip of packed payload rows that carry a
-    non-finite flag.  ``state_dict()``/``load_state_dict()`` hold the compressor's and the
-    memory's state (per rank: every rank saves its own)."""
+    """What the compressed reduce-scatter and all-reduce share: the compressor and memory, and
+    the common path that runs them (:class:`~mergecomp.exchange.exchange.Exchange`: check,
+    error compensation, encode, the scheme's collectives, the memory's update), one exchange
+    per process group and reduction (sum or mean).  A non-finite gradient on any rank makes
+    every rank's result NaN and puts every rank's state back as it was.
+    ``state_dict()``/``load_state_dict()`` hold the compressor's and the memory's state (per
+    rank: every rank saves its own)."""
 
     def __init__(self, compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  name: str = "fsdp", timeout: Optional[float] = None) -> None:
@@ -95,59 +97,27 @@ class _CompressedCollective:
         check(self.compressor, FSDP, "mc.fsdp")
         self.name = name
         self._comm = _Communicators(timeout)
+        self._exchanges: Dict[Tuple[Any, bool], Exchange] = {}
 
-    def _encode(self, chunks: torch.Tensor, key: str,
-                own: Optional[int] = None) -> Tuple[torch.Tensor, list, list, Any]:
-        """Each row of ``chunks`` (2-D, the tensor's parts, one per payload) compensated by its
-        memory, compressed and packed: (rows of payload bytes, each followed by the 8-byte
-        "not finite" flag; what :meth:`_decode` needs: the kept sends, the specs, the context).
-        Row ``own`` (the sender's own shard in a reduce-scatter) is neither compressed nor
-        remembered: its packed row is a placeholder of the others' size that never leaves the
-        rank.  A sender whose tensor holds NaN/Inf sends zeros and raises the flag."""
-        finite = bool(all_finite(chunks))
-        passthrough = self.memory.passthrough  # no error feedback: the chunks are compressed as they are
-        sent = []  # (compensated chunk, its memory key, its payload) per compressed row
-        for row in range(chunks.shape[0]):
-            if row == own:
-                continue
-            name = f"{key}.{row}"
-            if not finite:
-                compensated = torch.zeros_like(chunks[row])
-            else:
-                compensated = chunks[row] if passthrough else self.memory.compensate(chunks[row].clone(), name)
-            payload, ctx = self.compressor.compress(compensated, name)
-            sent.append((compensated, name, tuple(t.clone() for t in payload)))  # scratch: reused by the next row
-        payloads = [payload for _, _, payload in sent]
-        if own is not None:
-            payloads.insert(own, payloads[0])
-        rows, specs = pack_rows(payloads)
-        # on the payloads' device; _FLAG_BYTES keeps the rows 8-aligned
-        flag = torch.full((len(payloads), _FLAG_BYTES), int(not finite), dtype=torch.uint8, device=rows.device)
-        return torch.cat([rows, flag], dim=1), sent, specs, ctx
-
-    def _decode(self, received: torch.Tensor, encoded: Tuple[torch.Tensor, list, list, Any], row: int,
-                out: torch.Tensor, average: bool, own: Optional[torch.Tensor] = None) -> None:
-        """``out`` = the sum (or mean) of the payloads in ``received``'s rows (one per sender,
-        packed as row ``row`` of :meth:`_encode`), and the memories updated with what was sent;
-        with ``own`` (a reduce-scatter's own chunk, exact), received row ``row`` is its
-        placeholder and ``own`` takes its place.  NaN everywhere, memories untouched, when any
-        sender raised its flag."""
-        _, sent, specs, ctx = encoded
-        if bool(received[:, -1].any()):  # a rank's gradients overflowed: every rank's result is NaN,
-            out.fill_(float("nan"))      # and every rank's memories stay as they were
-            return
-        if not self.memory.passthrough:  # the own payloads decoded only for a memory that keeps their error
-            for compensated, name, payload in sent:
-                self.memory.update(compensated, name, self.compressor.decompress(payload, ctx))
-        senders = range(received.shape[0])
-        payloads = [unpack_payload(received[s, :-_FLAG_BYTES], specs[row]) for s in senders
-                    if own is None or s != row]
-        if own is None:
-            out.copy_(self.compressor.aggregate(payloads, ctx, received.shape[0], average))
-            return
-        torch.add(self.compressor.aggregate(payloads, ctx, 1, False), own, out=out)
-        if average:
-            out.div_(received.shape[0])
+    def _reduce(self, flat: torch.Tensor, group: Optional[dist.ProcessGroup], average: bool, codec: str,
+                key: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``flat`` (1-D, overwritten) reduced over ``group`` by the route ``codec`` of the
+        exchange for ``(group, average)``, as the group named ``key``: the result (in ``out``
+        when given); NaN, the state put back, where any rank's gradient was not finite."""
+        exchange = self._exchanges.get((group, average))
+        if exchange is None:
+            exchange = self._exchanges[(group, average)] = Exchange(
+                self.compressor, self.memory, self._comm(group), average=average, recycle=False, keep_state=True)
+        job = exchange.start(Group(key, (0,), (0,), (flat.shape,), flat.numel()), flat, exchange.route(codec))
+        check_ranks = NonfiniteCheck(exchange.comm, [job], exchange.step) if codec != REDUCE_SCATTER else None
+        result = exchange.finish(job, out)
+        finite = job.all_finite if check_ranks is None else not check_ranks.culprits([key])
+        if finite:
+            exchange.commit()
+        else:
+            exchange.rollback()
+            result.fill_(float("nan"))
+        return result
 
     def state_dict(self) -> Dict[str, Any]:
         return {part: getattr(self, part).state_dict() for part in _PARTS}
@@ -170,10 +140,11 @@ def _reduction(op: Any, name: str) -> Tuple[bool, float]:
 
 
 class CompressedReduceScatter(_CompressedCollective):
-    """FSDP2's ``ReduceScatter`` interface (``allocate``, ``__call__``) for one FSDP module:
-    chunk ``d`` of the input compressed (memory key ``<name>.<d>``) and sent to rank ``d`` by one
-    all-to-all of payload bytes; each rank reduces the payloads it received and its own chunk,
-    uncompressed, into its shard."""
+    """FSDP2's ``ReduceScatter`` interface (``allocate``, ``__call__``) for one FSDP module: the
+    input's chunk ``d`` compressed after its error feedback and sent to rank ``d`` by one
+    all-to-all, each rank reducing the payloads it received and its own chunk, exact, into its
+    shard (:mod:`~mergecomp.exchange.schemes.reduce_scatter`); the memory holds the module's
+    whole input, keyed by the module's name (zero at the own chunk)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -186,15 +157,8 @@ class CompressedReduceScatter(_CompressedCollective):
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op if factor == 1.0 else dist.ReduceOp.SUM,
                                        group=group)
         else:
-            comm = self._comm(group)
-            chunks = input_tensor.view(comm.size, -1)
-            if comm.size == 1:
-                output_tensor.copy_(chunks[0])
-            else:
-                encoded = self._encode(chunks, key or self.name, own=comm.rank)
-                received = comm.alltoall(encoded[0].reshape(-1), f"{self.name}: compressed reduce-scatter")
-                self._decode(received.view(comm.size, -1), encoded, comm.rank, output_tensor, average,
-                             own=chunks[comm.rank])
+            self._reduce(input_tensor.view(-1), group, average, REDUCE_SCATTER, key or self.name,
+                         out=output_tensor.view(-1))
         if factor != 1.0:
             output_tensor.mul_(factor)
         return None
@@ -202,21 +166,20 @@ class CompressedReduceScatter(_CompressedCollective):
 
 class CompressedAllReduce(_CompressedCollective):
     """An in-place all-reduce of one flat tensor over a process group: the tensor compressed once
-    (memory key ``<name>``), the payloads allgathered, each rank decodes and reduces them all.
-    HSDP's replica all-reduce (FSDP2's ``set_all_reduce_hook``) and FSDP1's ``NO_SHARD``."""
+    (memory key ``<name>``), by allreduce where the compressor's payloads add up, else
+    allgathered and each rank decoding them all.  HSDP's replica all-reduce (FSDP2's
+    ``set_all_reduce_hook``) and FSDP1's ``NO_SHARD``."""
 
     @torch.no_grad()
     def __call__(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup], average: bool = True,
                  key: Optional[str] = None) -> None:
-        comm = self._comm(group)
         if self.compressor.lossless:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
             if average:
-                tensor.div_(comm.size)
+                tensor.div_(self._comm(group).size)
             return
-        encoded = self._encode(tensor.view(1, -1), key or self.name)
-        received = comm.allgather(encoded[0].reshape(-1), f"{self.name}: compressed all-reduce")
-        self._decode(received.view(comm.size, -1), encoded, 0, tensor.view(-1), average)
+        flat = tensor.view(-1)
+        self._reduce(flat, group, average, COMPRESSED, key or self.name, out=flat)
 
 
 class QuantizedAllGather:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Mapping, Optional
 
 from mergecomp.compressors.base.compressor import Compressor
-from mergecomp.exchange.schemes import SHARDED
+from mergecomp.exchange.schemes import REDUCE_SCATTER, SHARDED
 
 __all__ = ["Trait", "TRAITS", "Rules", "ROUTES", "FSDP", "MOMENTUM", "refusal", "carries", "check"]
 
@@ -49,8 +49,8 @@ class Rules:
 
 _SHARDS = {"several rounds": "its shards travel in one round",
            "whole matrices": "it cuts a group into shards, which cut its matrices"}
-#: FSDP2's compressed reduce-scatter and HSDP's replica all-reduce (``mc.fsdp.compress``)
-FSDP = "FSDP reduce-scatter"
+#: the compressed reduce-scatter of FSDP2 and FSDP1 (``mc.fsdp.compress``)
+FSDP = REDUCE_SCATTER
 #: Adam's momentum exchanged in place of the gradients (``exchange_momentum_after``)
 MOMENTUM = "momentum exchange"
 
@@ -58,9 +58,9 @@ MOMENTUM = "momentum exchange"
 #: exchange (allreduce and allgather carry every compressor)
 ROUTES: Dict[str, Rules] = {rules.name: rules for rules in (
     *(Rules(name, _SHARDS) for name in SHARDED),
-    Rules(FSDP, {"several rounds": "FSDP's reduce-scatter has one round",
-                 "whole matrices": "FSDP reduces flat shards that cut them",
-                 "majority vote": "FSDP needs the average of the gradients"}),
+    Rules(FSDP, {"several rounds": "a reduce-scatter has one round",
+                 "whole matrices": "it reduces flat shards that cut them (FSDP's)",
+                 "majority vote": "it must give the sum or the average of the gradients"}),
     Rules(MOMENTUM, {"majority vote": "the momentum needs the average; use 'efsignsgd' or 'onebit' for signs"},
           {"dgc": "it applies momentum to what it is given, which is Adam's momentum already; use "
                   "memory='residual' or 'averaged'"}),

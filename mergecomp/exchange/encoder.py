@@ -60,16 +60,17 @@ def fused_parts(compressor: Compressor, memory: Memory, like: torch.Tensor, name
 
 
 def feed(memory: Memory, codec: Compressor, compensated: torch.Tensor, name: str,
-         parts: Sequence[Tuple[Payload, Any, int]]) -> float:
+         parts: Sequence[Tuple[Payload, Any, int]], exact: Optional[Tuple[int, int]] = None) -> float:
     """Tell ``memory`` what of ``compensated`` (group ``name``) ``codec`` sent in ``parts``, each
-    ``(payload, ctx, start)``: payloads of consecutive ranges of ``compensated``, each from its
-    ``start`` on (as many elements as it decodes to), and nothing else was sent.  The cheapest
-    way the codec and the memory allow: the codec writes the residual of a whole-group payload
-    itself (:class:`~mergecomp.compressors.base.capabilities.SubtractsDecode`, where the memory
-    lends its buffer); the sent entries (``update_sparse``); nothing for a lossless payload of the
+    ``(payload, ctx, start)``: payloads of ranges of ``compensated`` in order, each from its
+    ``start`` on (as many elements as it decodes to), with ``exact`` (``(start, stop)``) sent
+    exactly, in the one gap between them if any, and nothing else.  The cheapest way the codec
+    and the memory allow: the codec writes the residual of a whole-group payload itself
+    (:class:`~mergecomp.compressors.base.capabilities.SubtractsDecode`, where the memory lends
+    its buffer); the sent entries (``update_sparse``); nothing for a lossless payload of the
     whole group the memory takes note of (``sent_whole``); else the decodes side by side, zero
     elsewhere (``update``).  Returns the passes made over ``compensated``."""
-    whole = len(parts) == 1 and parts[0][2] == 0
+    whole = len(parts) == 1 and parts[0][2] == 0 and exact is None
     if whole and isinstance(codec, SubtractsDecode):
         writer = memory.residual_writer(name, compensated)
         payload, ctx, _ = parts[0]
@@ -80,10 +81,13 @@ def feed(memory: Memory, codec: Compressor, compensated: torch.Tensor, name: str
     if all(e is not None for e in entries):
         indices = [i + start if start else i for (i, _), (_, _, start) in zip(entries, parts)]
         values = [v for _, v in entries]
+        if exact is not None:  # in the gradient's dtype: nothing of the exact range is left behind
+            indices.append(torch.arange(*exact, dtype=indices[0].dtype, device=indices[0].device))
+            values = [v.to(compensated.dtype) for v in values] + [compensated[exact[0]:exact[1]]]
         memory.update_sparse(compensated, name, *(torch.cat(t) if len(t) > 1 else t[0] for t in (indices, values)))
         return memory.passes.sparse_update
     first = codec.decompress(*parts[0][:2])
-    if len(parts) == 1 and first.numel() == compensated.numel():
+    if whole and first.numel() == compensated.numel():
         if codec.lossless and memory.sent_whole(name):
             return 0  # nothing left behind: no residual to write
         memory.update(compensated, name, first)
@@ -97,6 +101,8 @@ def feed(memory: Memory, codec: Compressor, compensated: torch.Tensor, name: str
         sent[start:stop] = part
         decoded += part.numel()
     sent[stop:].zero_()
+    if exact is not None:
+        sent[exact[0]:exact[1]] = compensated[exact[0]:exact[1]]
     memory.update(compensated, name, sent)
     # the decodes, the copies into `sent` and the zeros around them, the update
     return codec.passes.decompress * decoded / max(compensated.numel(), 1) + 1 + memory.passes.update
@@ -207,12 +213,15 @@ class Encoder:
                 job.count("memory", feed(self.memory, job.compressor, job.compensated, name,
                                          [(job.payload, job.ctx, job.span[0])]))
 
-    def feed_shards(self, job: Job, shards: Sequence[Encoded], bounds: Sequence[Tuple[int, int]]) -> None:
-        """The memory's update for ``shards`` (from :meth:`encode_shards` over ``bounds``)."""
+    def feed_shards(self, job: Job, shards: Sequence[Encoded], bounds: Sequence[Tuple[int, int]],
+                    exact: Optional[Tuple[int, int]] = None) -> None:
+        """The memory's update for ``shards`` (from :meth:`encode_shards` over ``bounds``), and the
+        range ``exact`` sent as it is (:func:`feed`)."""
         if job.feedback and self.memory.feeds_back:
             with self.clock(MEMORY, job.group.name):
                 job.count("memory", feed(self.memory, job.compressor, job.compensated, job.group.name,
-                                         [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)]))
+                                         [(payload, ctx, start) for (payload, ctx), (start, _) in zip(shards, bounds)],
+                                         exact))
 
     def decode_into(self, job: Job, out: Optional[torch.Tensor], decode: Callable[..., torch.Tensor],
                     *args) -> torch.Tensor:

@@ -45,7 +45,7 @@ from mergecomp.exchange.compatibility import check
 from mergecomp.exchange.encoder import Encoder
 from mergecomp.exchange.job import Job, Route
 from mergecomp.exchange.plan import CODECS, COMPRESSED, UNFED, Group
-from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, SCHEMES, SHARDED, Scheme
+from mergecomp.exchange.schemes import ALLGATHER, ALLREDUCE, REDUCE_SCATTER, SCHEMES, SHARDED, Scheme
 from mergecomp.compressors.horovod_codec import HorovodCodec, is_horovod_codec
 from mergecomp.kernels.codecs import all_finite
 from mergecomp.kernels.workspace import Workspace
@@ -138,8 +138,10 @@ class Exchange:
         hosts of one process, asks every rank for the hosts' layout the first time, and every
         rank gets there at once), ``"fp16"``, ``"none"``, or a route outside error feedback
         (:data:`~mergecomp.exchange.plan.UNFED`: ``"exempt"``, ``"warm-up-fp16"``,
-        ``"warm-up-qsgd"``, ``"warm-up-qsgd4"``).  ValueError for another codec, or a sharded
-        scheme that cannot carry the compressor (:mod:`~mergecomp.exchange.compatibility`)."""
+        ``"warm-up-qsgd"``, ``"warm-up-qsgd4"``); or ``"reduce-scatter"`` (the configured
+        compressor by :mod:`~mergecomp.exchange.schemes.reduce_scatter`: no plan codec, what
+        ``mc.fsdp`` sends by).  ValueError for another codec, or a scheme that cannot carry the
+        compressor (:mod:`~mergecomp.exchange.compatibility`)."""
         route = self._routes.get(codec)
         if route is None:
             route = self._routes[codec] = self._resolve(codec)
@@ -147,6 +149,9 @@ class Exchange:
 
     def _resolve(self, codec: str) -> Route:
         compressor = self.compressor
+        if codec == REDUCE_SCATTER:
+            check(compressor, codec, f"codec {codec!r}")
+            return Route(codec, compressor, self.schemes[codec])
         if codec in SHARDED:
             check(compressor, codec, f"codec {codec!r}")
             if SCHEMES[codec].applies(self.comm):
@@ -154,7 +159,7 @@ class Exchange:
             if SCHEMES[codec].fallback is not None:
                 return self.route(SCHEMES[codec].fallback)
         elif codec not in (*CODECS, *UNFED):
-            raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, *UNFED)}, got {codec!r}")
+            raise ValueError(f"codec must be one of {(*CODECS, *SHARDED, *UNFED, REDUCE_SCATTER)}, got {codec!r}")
         elif codec != COMPRESSED:
             registered, arguments = UNFED.get(codec, (codec, {}))
             compressor = get_compressor(registered, **arguments)

@@ -78,6 +78,9 @@ class Job:
         #: 0-d bool: the payload of the finite, error-compensated gradient overflowed (its
         #: cast to fp16, e.g.); None: not checked (:attr:`Compressor.may_overflow`)
         self.overflowed: Optional[torch.Tensor] = None
+        #: whether every rank's gradient was finite, where the scheme carries the ranks' flags
+        #: with their payloads (a reduce-scatter's, known at its finish); None: not known
+        self.all_finite: Optional[bool] = None
         #: the gradient's NaN/Inf check is left to the encode (a cast that checks its payload
         #: in its own pass, with no error feedback to keep NaN out of)
         self.checked_by_encode = False
