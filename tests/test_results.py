@@ -4,7 +4,7 @@ import json
 import re
 
 from mergecomp_bench import results
-from mergecomp_bench.results import data, markdown, step_time
+from mergecomp_bench.results import adam, data, markdown, step_time
 
 
 def _run(mode, step, label="", compressor=None):
@@ -34,3 +34,16 @@ def test_the_summary_quotes_the_tables_it_points_at():
     for row, table in quoted.items():
         ratios = re.findall(r"\d+\.\d\dx", rows[row])
         assert ratios and all(ratio in table for ratio in ratios), (row, ratios)
+
+
+def test_the_readme_headline_quotes_the_table_of_its_runs():
+    ratio = re.search(r"(\d+\.\d\dx) sooner", results.TABLES["readme-headline"]()).group(1)
+    assert f"**{ratio}**" in results.TABLES["readme-time-to-accuracy"]()
+
+
+def test_a_table_of_named_records_reads_only_their_runs():
+    """The same configurations in the same setting, before and after the variance floor: each
+    table keeps to its record."""
+    without_floor = results.TABLES["adam-without-variance-floor"]()
+    with_floor = adam.adam_momentum_exchange(adam.WITHOUT_FLOOR_ROWS, adam.BETA2_095, 600, (adam.BETA2_095_RECORD,))
+    assert "diverged" in without_floor and "diverged" not in with_floor

@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List
 
-from mergecomp_bench.results import compatibility
+from mergecomp_bench.results import adam, compatibility
 from mergecomp_bench.results.accuracy import (DIGITS, DIGITS_VARIANTS, LM, LM_VARIANTS, by_compressor, convergence,
                                               memories)
 from mergecomp_bench.results.adam import adam_auto, adam_momentum_exchange
@@ -78,6 +78,12 @@ TABLES: Dict[str, Callable[[], str]] = {
     "front-end-options": compatibility.front_end_options,
     "adam-auto": adam_auto,
     "adam-momentum-exchange": adam_momentum_exchange,
+    "adam-by-compressor": partial(adam_momentum_exchange, adam.BY_COMPRESSOR),
+    "adam-warm-ups": partial(adam_momentum_exchange, adam.WARM_UPS, adam.SHORT_RUN, 600, adam.SHORT_RUN_RECORDS),
+    "adam-beta2-095": partial(adam_momentum_exchange, adam.BETA2_095_ROWS, adam.BETA2_095, 600,
+                              (adam.BETA2_095_RECORD,)),
+    "adam-without-variance-floor": partial(adam_momentum_exchange, adam.WITHOUT_FLOOR_ROWS, adam.BETA2_095, 600,
+                                           (adam.WITHOUT_FLOOR_RECORD,)),
     "time-to-accuracy": partial(time_to_accuracy, TTA, TTA_LABELS, bold=(HEADLINE,)),
     "readme-time-to-accuracy": partial(time_to_accuracy, TTA, HEADLINE_LABELS, bold=(HEADLINE,)),
     "time-to-accuracy-trainer-route": partial(time_to_accuracy, TRAINER_ROUTE, TRAINER_ROUTE_LABELS,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mergecomp_bench.results.data import named, records
-from mergecomp_bench.results.markdown import signed, table
+from mergecomp_bench.results.markdown import median_span, signed, table
 
-__all__ = ["adam_auto", "adam_momentum_exchange", "recipes_on_their_own_run"]
+__all__ = ["BY_COMPRESSOR", "SHORT_RUN", "SHORT_RUN_RECORDS", "WARM_UPS", "BETA2_095", "BETA2_095_RECORD",
+           "BETA2_095_ROWS", "WITHOUT_FLOOR_RECORD", "WITHOUT_FLOOR_ROWS", "adam_auto", "adam_momentum_exchange",
+           "recipes_on_their_own_run"]
 
 #: bench_adam.py's defaults, which records made before it wrote its setting leave out
 _ADAM_DEFAULTS = {"layers": 4, "lr": 1e-3, "beta2": 0.999, "clip": None, "batch": 8, "workers": 2}
@@ -30,8 +32,9 @@ def _setting(record: dict) -> Dict[str, object]:
     return {**_ADAM_DEFAULTS, **(record.get("setting") or {})}
 
 
-def _adam_records() -> List[dict]:
-    return [r for name in named("adam_*.jsonl") for r in records(name) if r.get("status") == "ok"]
+def _adam_records(names: Sequence[str] = ()) -> List[dict]:
+    """The finished runs of the records ``names``, else of every bench_adam.py record."""
+    return [r for name in names or named("adam_*.jsonl") for r in records(name) if r.get("status") == "ok"]
 
 
 def _auto_now(compressor: str, setting: Dict[str, object], steps: int) -> Tuple[int, Optional[int]]:
@@ -116,8 +119,10 @@ def _auto_cell(runs: List[dict], baseline: Dict[int, float], record: str) -> str
     return f"{f'**{middle}**' if statistics.median(deltas) <= 1.0 else middle} ({worst}{bits})"
 
 
-#: the rows of :func:`adam_momentum_exchange`: label, bench_adam.py configuration, warm-up K
-_EXCHANGE_ROWS: Tuple[Tuple[str, str, Optional[int]], ...] = (
+#: a row of :func:`adam_momentum_exchange`: label, bench_adam.py configuration, warm-up K
+Row = Tuple[str, str, Optional[int]]
+#: what the exchange needs, on bench_adam.py's defaults
+_EXCHANGE_ROWS: Tuple[Row, ...] = (
     ("AdamW's gradients through 1-bit SGD", "onebit@grad", None),
     ("momentum exchanged losslessly, variance frozen for good", "none@momentum", 60),
     ("the same, a longer warm-up", "none@momentum", 200),
@@ -127,22 +132,106 @@ _EXCHANGE_ROWS: Tuple[Tuple[str, str, Optional[int]], ...] = (
     ("top-k 1 %", "topk@momentum/64", 30),
     ("PowerSGD rank 1", "powersgd@momentum/64", 30),
 )
+#: each compressor with the momentum exchanged, on bench_adam.py's defaults
+BY_COMPRESSOR: Tuple[Row, ...] = (
+    ("lossless", "none@momentum/64", 30),
+    ("fp16", "fp16@momentum/64", 30),
+    ("4-bit QSGD, residual memory, fp16 warm-up", "qsgd:levels=7@momentum+residual/64^fp16", 30),
+    ("4-bit QSGD, no memory", "qsgd:levels=7@momentum+none/64", 30),
+    ("TernGrad, residual memory, fp16 warm-up", "terngrad@momentum+residual/64^fp16", 30),
+    ("TernGrad base 3, residual memory, 8-bit QSGD warm-up", "terngrad:packing=base3@momentum+residual/40^qsgd", 60),
+    ("TernGrad, no memory", "terngrad@momentum+none/64", 30),
+    ("top-k 1 %", "topk@momentum/64", 30),
+    ("top-k 1 %, averaged memory", "topk@momentum+averaged/64", 30),
+    ("top-k 1 %, fp16 warm-up", "topk@momentum/32^fp16", 60),
+    ("the same, a longer warm-up", "topk@momentum/32^fp16", 100),
+    ("top-k 2 %, 8-bit QSGD warm-up", "topk:ratio=0.02@momentum/32^qsgd", 150),
+    ("the same, the increment sent", "topk:ratio=0.02@increment/32^qsgd", 150),
+    ("top-k 2.5 % in fp16 (the recipe)", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd", 150),
+    ("rand-k 1 %", "randk@momentum/64", 30),
+    ("EF-signSGD", "efsignsgd@momentum/64", 30),
+    ("EF-signSGD, fp16 warm-up", "efsignsgd@momentum/32^fp16", 30),
+    ("the same, a longer warm-up", "efsignsgd@momentum/32^fp16", 60),
+    ("1-bit SGD", "onebit@momentum/64", 30),
+    ("1-bit SGD, R = 80", "onebit@momentum/80", 30),
+    ("1-bit SGD, fp16 warm-up", "onebit@momentum/32^fp16", 60),
+    ("1-bit SGD, 4-bit QSGD warm-up", "onebit@momentum/32^qsgd4", 150),
+    ("PowerSGD rank 1", "powersgd@momentum/64", 30),
+    ("PowerSGD rank 4", "powersgd:rank=4@momentum/64", 30),
+    ("the same, fp16 warm-up", "powersgd:rank=4@momentum/32^fp16", 60),
+    ("PowerSGD rank 4, the increment sent", "powersgd:rank=4@increment/32^qsgd", 60),
+    ("PowerSGD rank 8, the increment sent", "powersgd:rank=8@increment/32^qsgd", 60),
+    ("PowerSGD rank 16 in bf16, the increment sent", "powersgd:rank=16;factor_dtype=bf16@increment/32^qsgd", 60),
+    ("the same, R = 48 (the recipe)", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 120),
+    ("ACP-SGD rank 32 in bf16, the increment sent", "acpsgd:rank=32;factor_dtype=bf16@increment/32^qsgd", 60),
+)
+#: the short run (``--layers 3 --lr 3e-3 --clip 1.0 --steps 600``) and its records of warm-ups
+SHORT_RUN = {"layers": 3, "lr": 3e-3, "clip": 1.0}
+SHORT_RUN_RECORDS = ("adam_gpt2_3x256_warmup_length_2workers.jsonl", "adam_gpt2_qsgd4_warmup_2workers.jsonl")
+#: its rows: the recipes' warm-up K before its floor of 150 updates, and the warm-up's codec
+WARM_UPS: Tuple[Row, ...] = (
+    ("1-bit SGD recipe before the floor", "onebit@auto", 18),
+    ("1-bit SGD, fp16 warm-up", "onebit@momentum/32^fp16", 60),
+    ("the same, a longer warm-up", "onebit@momentum/32^fp16", 150),
+    ("1-bit SGD, 8-bit QSGD warm-up (the recipe)", "onebit@momentum/32^qsgd", 150),
+    ("1-bit SGD, 4-bit QSGD warm-up", "onebit@momentum/32^qsgd4", 150),
+    ("PowerSGD recipe before the floor", "powersgd@auto", 36),
+    ("PowerSGD rank 16 in bf16, the increment sent", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 120),
+    ("the same, 4-bit QSGD warm-up", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd4", 150),
+    ("top-k recipe before the floor", "topk@auto", 45),
+    ("top-k 2.5 % in fp16, 4-bit QSGD warm-up", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd4", 150),
+    ("TernGrad recipe before the floor", "terngrad@auto", 18),
+    ("TernGrad base 3, 4-bit QSGD warm-up", "terngrad:packing=base3@momentum/40^qsgd4", 150),
+)
+#: the short run with beta2 = 0.95, and its record
+BETA2_095 = {**SHORT_RUN, "beta2": 0.95}
+BETA2_095_RECORD = "adam_gpt2_3x256_beta2_095_2workers.jsonl"
+#: its rows: warm-up and refresh interval against a variance that follows the last 20 gradients
+BETA2_095_ROWS: Tuple[Row, ...] = (
+    ("lossless momentum exchange", "none@momentum/32", 60),
+    ("the same, a longer warm-up", "none@momentum/32", 150),
+    ("1-bit SGD, fp16 warm-up", "onebit@momentum/32^fp16", 60),
+    ("the same, R = 8", "onebit@momentum/8^fp16", 60),
+    ("1-bit SGD, fp16 warm-up", "onebit@momentum/32^fp16", 150),
+    ("the same, R = 8", "onebit@momentum/8^fp16", 150),
+    ("1-bit SGD recipe before the floor", "onebit@auto", 18),
+    ("top-k recipe before the floor", "topk@auto", 45),
+    ("top-k 2.5 % in fp16, R = 32", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd", 150),
+    ("PowerSGD recipe before the floor", "powersgd@auto", 36),
+    ("PowerSGD rank 16 in bf16, R = 48", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 120),
+    ("TernGrad recipe before the floor", "terngrad@auto", 18),
+    ("the same, its settings spelled out", "terngrad:packing=base3@momentum/8^qsgd", 18),
+    ("the same, a longer warm-up", "terngrad:packing=base3@momentum/8^qsgd", 60),
+)
+#: the record of the same run before the update's variance floor, and its rows
+WITHOUT_FLOOR_RECORD = "adam_gpt2_3x256_beta2_095_without_variance_floor_2workers.jsonl"
+WITHOUT_FLOOR_ROWS: Tuple[Row, ...] = (
+    ("1-bit SGD, fp16 warm-up", "onebit@momentum/32^fp16", 60),
+    ("top-k 2.5 % in fp16, R = 32", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd", 150),
+    ("PowerSGD rank 16 in bf16, R = 48", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 120),
+)
 
 
-def adam_momentum_exchange(steps: int = 2000) -> str:
-    """What exchanging AdamW's momentum needs, on bench_adam.py's defaults: per configuration and
-    warm-up K of :data:`_EXCHANGE_ROWS`, its seeds, bits per element over the run and validation
-    loss against uncompressed AdamW on the same seed (medians over the seeds)."""
-    runs_of = [r for r in _adam_records() if _setting(r) == _ADAM_DEFAULTS and r["steps"] == steps]
-    baseline = _adamw(runs_of, _ADAM_DEFAULTS, steps)
-    rows = []
-    for label, config, after in _EXCHANGE_ROWS:
-        runs = [r for r in runs_of if r["config"] == config and r["after"] == after]
+def adam_momentum_exchange(rows: Sequence[Row] = _EXCHANGE_ROWS, differs: Optional[Dict[str, object]] = None,
+                           steps: int = 2000, records_of: Sequence[str] = ()) -> str:
+    """What exchanging AdamW's momentum needs: per configuration and warm-up K of ``rows``, on
+    bench_adam.py's defaults but for ``differs`` and runs of ``steps`` updates (``records_of``:
+    only those records' runs, else every bench_adam.py record's), its seeds, bits per element over
+    the run (median) and validation loss against uncompressed AdamW on the same seed (median, and
+    the range where several seeds ran)."""
+    setting = {**_ADAM_DEFAULTS, **(differs or {})}
+    every = _adam_records()
+    baseline = _adamw(every, setting, steps)
+    measured = [r for r in (_adam_records(records_of) if records_of else every)
+                if _setting(r) == setting and r["steps"] == steps]
+    found = []
+    for label, config, after in rows:
+        runs = [r for r in measured if r["config"] == config and r["after"] == after]
         if not runs:
             raise LookupError(f"no bench_adam.py run of {config} with K = {after}")
         bits = statistics.median(r["bits_per_element"] for r in runs)
-        rows.append([label, f"`{config}`", "–" if after is None else str(after),
-                     ", ".join(str(r["seed"]) for r in runs), f"{bits:.2f}",
-                     signed(statistics.median(_vs_adamw(runs, baseline, config)))])
+        found.append([label, f"`{config}`", "–" if after is None else str(after),
+                      ", ".join(str(r["seed"]) for r in runs), f"{bits:.2f}",
+                      median_span(_vs_adamw(runs, baseline, config), signed)])
     header = ["configuration", "`bench_adam.py --configs`", "K", "seeds", "bits per element", "vs AdamW"]
-    return table(header, ["---", "---", "---:", "---", "---:", "---:"], rows)
+    return table(header, ["---", "---", "---:", "---", "---:", "---:"], found)
