@@ -32,7 +32,7 @@ setup(
         "mergecomp.tensorflow",
         "mergecomp.tensorflow.keras",
         "mergecomp_bench",
-        "mergecomp_bench.gpu_check",
+        *(f"mergecomp_bench.{p}" for p in find_packages("mergecomp_bench")),
     ],
     package_dir={
         "mergecomp": "mergecomp",
