@@ -75,7 +75,8 @@ def test_every_front_end_gets_one_default_and_refuses_a_value_by_name():
     for who, accepts in FRONT_ENDS.items():
         given = {k: v for k, v in fixed.items() if k in accepts.fixed}
         made = StepOptions.create(who, {}, fixed=given)
-        assert made.nonfinite == StepOptions().nonfinite == "propagate"
+        assert made.nonfinite == accepts.defaults.get("nonfinite", StepOptions().nonfinite)
+        assert all(made.nonfinite in values for values, _ in accepts.values.values())
         for option, (values, why) in accepts.values.items():
             bad = next(v for v in ("skip", "propagate") if v not in values)
             with pytest.raises(ValueError, match=f"{who}: {option} must be one of .*{why}.*{bad!r}"):
@@ -84,4 +85,5 @@ def test_every_front_end_gets_one_default_and_refuses_a_value_by_name():
             with pytest.raises(TypeError, match=f"{who}.*{option}"):
                 StepOptions.create(who, {option: None}, fixed=given)
     assert "nonfinite" in FRONT_ENDS["ddp_comm_hook"].values and "nonfinite" in FRONT_ENDS["GradientReducer"].values
+    assert StepOptions().nonfinite == "propagate" and FRONT_ENDS["DiLoCo"].defaults == {"nonfinite": "skip"}
     StepOptions.create("DistributedOptimizer", {"nonfinite": "skip"}, fixed=fixed)

@@ -30,11 +30,13 @@ WARMUP_CODECS = {"none": EXEMPT, "fp16": WARMUP_FP16, "qsgd": WARMUP_QSGD, "qsgd
 class Accepts:
     """What one front end takes of :class:`StepOptions`: all but those it sets from its own
     arguments (``fixed``: option -> those arguments) or has no use for (``without``), each with
-    every valid value but those of ``values`` (option -> (the values it takes, why only those))."""
+    every valid value but those of ``values`` (option -> (the values it takes, why only those)),
+    and the default of :class:`StepOptions` but where ``defaults`` (option -> value) refuses it."""
 
     fixed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     without: Tuple[str, ...] = ()
     values: Mapping[str, Tuple[Tuple[Any, ...], str]] = dataclasses.field(default_factory=dict)
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _HOROVOD_ARGUMENTS = {"groups": "groups, num_groups", "average": "op", "prescale": "op, gradient_predivide_factor",
@@ -46,6 +48,10 @@ FRONT_ENDS: Dict[str, Accepts] = {
     "ddp_comm_hook": Accepts(without=("groups", "scheduler", "average", "prescale", "postscale"),
                              values={"nonfinite": _NO_SKIP}),
     "GradientReducer": Accepts(fixed=_HOROVOD_ARGUMENTS, values={"nonfinite": _NO_SKIP}),
+    "DiLoCo": Accepts(without=("average", "prescale", "postscale"),
+                      values={"nonfinite": (("skip", "raise", "ignore"), "no loss scaler sees the outer step: a NaN "
+                                            "would reach the global parameters")},
+                      defaults={"nonfinite": "skip"}),
 }
 
 
@@ -134,7 +140,8 @@ class StepOptions:
     def create(cls, who: str, options: Mapping[str, Any], defaults: Mapping[str, Any] = (),
                fixed: Mapping[str, Any] = ()) -> "StepOptions":
         """The options front end ``who`` (a name in :data:`FRONT_ENDS`) was given as keywords
-        (``options``) over ``defaults`` (where a setting of its own changes one), with the values
+        (``options``) over ``defaults`` (where a setting of its own changes one) and its
+        :attr:`Accepts.defaults`, with the values
         its own arguments set (``fixed``: those :attr:`Accepts.fixed`); TypeError naming a
         keyword that is not an option of ``who``, ValueError naming a value it refuses."""
         accepts = FRONT_ENDS[who]
@@ -143,7 +150,7 @@ class StepOptions:
         if unknown:
             raise TypeError(f"{who}() got unexpected keyword argument(s) {unknown}; its mergecomp options are "
                             f"{accepted}")
-        made = cls(**{**dict(defaults), **options, **dict(fixed)})
+        made = cls(**{**accepts.defaults, **dict(defaults), **options, **dict(fixed)})
         for option, (values, why) in accepts.values.items():
             if getattr(made, option) not in values:
                 raise ValueError(f"{who}: {option} must be one of {values} ({why}), got {getattr(made, option)!r}")

@@ -45,7 +45,8 @@ def routes() -> str:
 
 def front_end_options() -> str:
     """Each :class:`StepOptions` field against each front end: taken (with its values where
-    the front end refuses some), set by its own arguments, or not an option there."""
+    the front end refuses some, and its own default where it refuses the common one), set by
+    its own arguments, or not an option there."""
     rows = []
     for option in dataclasses.fields(StepOptions):
         cells = []
@@ -59,6 +60,8 @@ def front_end_options() -> str:
                 cells.append(" / ".join(_value(v) for v in values) + f" ({why})")
             else:
                 cells.append("yes")
+            if option.name in accepts.defaults:
+                cells[-1] += f"; default {_value(accepts.defaults[option.name])}"
         default = option.default if option.default is not dataclasses.MISSING else option.default_factory()
         rows.append([f"`{option.name}`", _value(default), *cells])
     header = ["option", "default", *(f"`{who}`" for who in FRONT_ENDS)]
