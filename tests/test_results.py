@@ -1,7 +1,9 @@
-"""The result tables' own rules (mergecomp_bench.results): rounds, signs, and a summary that quotes
-the tables below it."""
+"""The result tables' own rules (mergecomp_bench.results): rounds, signs, a summary that quotes
+the tables below it, and every record's provenance."""
 import json
 import re
+
+import pytest
 
 from mergecomp_bench import results
 from mergecomp_bench.results import adam, data, markdown, step_time
@@ -47,3 +49,51 @@ def test_a_table_of_named_records_reads_only_their_runs():
     without_floor = results.TABLES["adam-without-variance-floor"]()
     with_floor = adam.adam_momentum_exchange(adam.WITHOUT_FLOOR_ROWS, adam.BETA2_095, 600, (adam.BETA2_095_RECORD,))
     assert "diverged" in without_floor and "diverged" not in with_floor
+
+
+# Records older than provenance in every row (mergecomp_bench/records.py) for which neither the docs
+# nor the commit messages give a command (docs/img/data/provenance.json says what they give instead).
+# A gap may be filled; a new record must carry its command.
+_NO_COMMAND_FOUND = {"adam_gpt2_3x256_beta2_095_without_variance_floor_2workers.jsonl",
+                     "adam_gpt2_3x256_warmup_length_2workers.jsonl", "adam_gpt2_qsgd4_warmup_2workers.jsonl",
+                     "convergence_digits_averaged_memory_2workers.jsonl"}
+
+
+def test_every_record_carries_its_provenance_in_its_rows_or_in_the_index():
+    names = sorted(path.name for path in data.DATA.iterdir() if path.is_file() and path.name != data.INDEX)
+    without_command = set()
+    for name in names:
+        made = data.provenance(name)
+        if made["source"] == "rows":
+            assert made["runs"] and all(run["command"] and run["commit"] for run in made["runs"]), name
+            continue
+        assert set(made) >= {"command", "recorded_in", "machine", "note"}, name
+        assert re.fullmatch(r"[0-9a-f]{7,40}", made["recorded_in"]), name
+        assert made["note"], name
+        if made["command"] is None:
+            without_command.add(name)
+        else:
+            assert isinstance(made["command"], str) and made["command"].strip(), name
+    assert without_command <= _NO_COMMAND_FOUND, without_command - _NO_COMMAND_FOUND
+
+
+def test_every_index_entry_names_a_record_that_exists_and_lacks_its_own():
+    index = data.provenance_index()
+    assert "about" in json.loads(data.read(data.INDEX))
+    for name in index:
+        assert (data.DATA / name).is_file(), f"{data.INDEX} names {name}, which is not in {data.DATA}"
+        assert data.provenance(name)["source"] == "index", f"{name}'s rows carry their own: drop its index entry"
+
+
+def test_a_record_without_provenance_is_named(tmp_path, monkeypatch):
+    made_by = {"command": "python scripts/bench_adam.py --json r.jsonl", "commit": "abc1234", "cpu": "AMD EPYC"}
+    (tmp_path / "inline.jsonl").write_text(json.dumps({**made_by, "step_s": 1.0}) + "\n")
+    (tmp_path / "bare.jsonl").write_text(json.dumps({"step_s": 1.0}) + "\n")
+    (tmp_path / "indexed.jsonl").write_text(json.dumps({"step_s": 1.0}) + "\n")
+    entry = {"command": "python x.py", "recorded_in": "abc1234", "machine": None, "note": "n"}
+    (tmp_path / data.INDEX).write_text(json.dumps({"about": "a", "indexed.jsonl": entry}))
+    monkeypatch.setattr(data, "DATA", tmp_path)
+    assert data.provenance("inline.jsonl") == {"source": "rows", "runs": [made_by]}
+    assert data.provenance("indexed.jsonl") == {"source": "index", **entry}
+    with pytest.raises(KeyError, match="bare.jsonl"):
+        data.provenance("bare.jsonl")
