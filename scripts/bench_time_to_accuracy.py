@@ -22,6 +22,8 @@ those: the same through mergecomp's DDP communication hook, the momentum exchang
 AdamW's step hooks, as the transformers ``Trainer``, Accelerate and Lightning's
 ``MergecompDDPStrategy`` run it (DDP's buckets are the groups).
 ``--after`` defaults to each configuration's LR warm-up (5 % of its steps).
+``COMPRESSOR[:args]@diloco/H[+MEMORY]``: ``mc.DiLoCo`` around the same AdamW, its pseudo-gradient
+sent with that compressor every H steps (``none@diloco/H``: dense DiLoCo), groups as above.
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -42,7 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_convergence import StdlibBytes  # noqa: E402
+from bench_convergence import StdlibBytes, compressor_of, memory_of  # noqa: E402
 from bench_adam import (CONTEXT, DECAY, LR, bits_over_run, exchange_options, lr_warmup, make_model,  # noqa: E402
                         parse_config, random_windows, rank_data, schedule, wrap_adamw)
 from mergecomp_bench.results import TARGET, time_to  # noqa: E402
@@ -122,6 +124,22 @@ def wrap_hook(model, config, steps, after, warm):
     return ddp, adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm)), state
 
 
+def wrap_diloco(model, config, steps, warm, groups):
+    """AdamW with the LR schedule, and ``mc.DiLoCo`` around it as ``config``
+    (``COMPRESSOR[:args]@diloco/H[+MEMORY]``) says: (optimizer, scheduler, the DiLoCo, bits per
+    element per step)."""
+    import mergecomp
+    import mergecomp.torch as mc
+
+    spec, _, memory, sync_every, _ = parse_config(config)
+    adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    diloco = mc.DiLoCo(model.named_parameters(), adamw, sync_every=sync_every, compression=compressor_of(spec),
+                       memory=memory_of(memory) if memory else None, groups=groups)
+    shapes = [p.shape for p in model.parameters()]
+    bits = mergecomp.bits_per_element(diloco.compressor, sum(s.numel() for s in shapes), shapes=shapes) / sync_every
+    return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm)), diloco, bits
+
+
 def worker(args):
     """One configuration on this rank (the cluster's RANK, WORLD_SIZE, MASTER_ADDR...); rank 0
     writes the record to ``--out``."""
@@ -147,6 +165,15 @@ def worker(args):
         else:
             net, opt, lr_schedule = wrap_ddp(model, config, steps, after, warm)
         finish = dist.destroy_process_group
+    elif "@diloco/" in config:
+        mc.init(engine="torch")
+        groups = int(args.groups) if args.groups.isdigit() else args.groups
+        opt, lr_schedule, diloco, bits = wrap_diloco(model, config, steps, warm, groups)
+        net = model
+
+        def finish():
+            diloco.close()
+            mc.shutdown()
     else:
         mc.init(engine="torch")
         groups = int(args.groups) if args.groups.isdigit() else args.groups

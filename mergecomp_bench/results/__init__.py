@@ -42,7 +42,8 @@ from mergecomp_bench.results.gpu import gpu_runs, gpu_training
 from mergecomp_bench.results.host_work import HEADLINE_ROWS, codec_work, own_work
 from mergecomp_bench.results.schemes import plans, scheduler_summary, schemes_by_ranks, schemes_fixed_vs_auto
 from mergecomp_bench.results.step_time import every_compressor, scaling, throughput_anchors, throughput_repeats
-from mergecomp_bench.results.time_to_target import (HEADLINE, HEADLINE_LABELS, TARGET, TRAINER_ROUTE,
+from mergecomp_bench.results.time_to_target import (DILOCO, DILOCO_LABELS, HEADLINE, HEADLINE_LABELS, TARGET,
+                                                    TRAINER_ROUTE,
                                                     TRAINER_ROUTE_LABELS, TTA, TTA_LABELS, headline, time_to,
                                                     time_to_accuracy, time_to_accuracy_recipes)
 
@@ -89,6 +90,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "time-to-accuracy-trainer-route": partial(time_to_accuracy, TRAINER_ROUTE, TRAINER_ROUTE_LABELS,
                                               bold=("hook:onebit@auto",)),
     "time-to-accuracy-recipes": time_to_accuracy_recipes,
+    "time-to-accuracy-diloco": partial(time_to_accuracy, DILOCO, DILOCO_LABELS),
     "codec-work": codec_work,
     "fsdp2-step": fsdp2_step,
     "fsdp2-bytes": fsdp2_bytes,

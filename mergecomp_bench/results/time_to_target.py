@@ -9,6 +9,7 @@ from mergecomp_bench.results.data import finished
 from mergecomp_bench.results.markdown import signed, table, times
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
+           "DILOCO", "DILOCO_LABELS",
            "time_to", "runs_by_seed", "speed_ups", "median_or_dash", "headline_speed_ups", "headline",
            "time_to_accuracy", "time_to_accuracy_recipes"]
 
@@ -26,6 +27,11 @@ TTA_LABELS = {**HEADLINE_LABELS,
 TRAINER_ROUTE = "time_to_accuracy_gpt2_4x256_batch2_1gbit_trainer_route.jsonl"
 TRAINER_ROUTE_LABELS = {"hook:onebit@auto": "1-bit SGD `\"auto\"` through the DDP hook",
                         "onebit@auto": "1-bit SGD `\"auto\"` through `DistributedOptimizer`"}
+#: DiLoCo beside the momentum exchange
+DILOCO = "time_to_accuracy_gpt2_4x256_batch2_1gbit_diloco.jsonl"
+DILOCO_LABELS = {HEADLINE: "mergecomp 1-bit SGD, momentum exchanged every step",
+                 "none@diloco/50": "DiLoCo, H = 50, dense", "topk@diloco/50": "DiLoCo, H = 50, top-k 1 %",
+                 "none@diloco/10": "DiLoCo, H = 10, dense", "topk:ratio=0.1@diloco/10": "DiLoCo, H = 10, top-k 10 %"}
 
 
 def time_to(record: dict, target: float) -> Optional[float]:
