@@ -23,7 +23,9 @@ AdamW's step hooks, as the transformers ``Trainer``, Accelerate and Lightning's
 ``MergecompDDPStrategy`` run it (DDP's buckets are the groups).
 ``--after`` defaults to each configuration's LR warm-up (5 % of its steps).
 ``COMPRESSOR[:args]@diloco/H[+MEMORY]``: ``mc.DiLoCo`` around the same AdamW, its pseudo-gradient
-sent with that compressor every H steps (``none@diloco/H``: dense DiLoCo), groups as above.
+sent with that compressor every H steps (``none@diloco/H``: dense DiLoCo), groups as above;
+``@averaging/H``: the same with plain SGD at lr 1 as the outer optimizer (the parameters averaged
+every H steps, Local SGD).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -131,10 +133,11 @@ def wrap_diloco(model, config, steps, warm, groups):
     import mergecomp
     import mergecomp.torch as mc
 
-    spec, _, memory, sync_every, _ = parse_config(config)
+    spec, mode, memory, sync_every, _ = parse_config(config)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    outer = (lambda params: torch.optim.SGD(params, lr=1.0)) if mode == "averaging" else None
     diloco = mc.DiLoCo(model.named_parameters(), adamw, sync_every=sync_every, compression=compressor_of(spec),
-                       memory=memory_of(memory) if memory else None, groups=groups)
+                       memory=memory_of(memory) if memory else None, groups=groups, outer_optimizer=outer)
     shapes = [p.shape for p in model.parameters()]
     bits = mergecomp.bits_per_element(diloco.compressor, sum(s.numel() for s in shapes), shapes=shapes) / sync_every
     return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm)), diloco, bits
@@ -165,7 +168,7 @@ def worker(args):
         else:
             net, opt, lr_schedule = wrap_ddp(model, config, steps, after, warm)
         finish = dist.destroy_process_group
-    elif "@diloco/" in config:
+    elif "@diloco/" in config or "@averaging/" in config:
         mc.init(engine="torch")
         groups = int(args.groups) if args.groups.isdigit() else args.groups
         opt, lr_schedule, diloco, bits = wrap_diloco(model, config, steps, warm, groups)

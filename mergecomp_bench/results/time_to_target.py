@@ -31,7 +31,9 @@ TRAINER_ROUTE_LABELS = {"hook:onebit@auto": "1-bit SGD `\"auto\"` through the DD
 DILOCO = "time_to_accuracy_gpt2_4x256_batch2_1gbit_diloco.jsonl"
 DILOCO_LABELS = {HEADLINE: "mergecomp 1-bit SGD, momentum exchanged every step",
                  "none@diloco/50": "DiLoCo, H = 50, dense", "topk@diloco/50": "DiLoCo, H = 50, top-k 1 %",
-                 "none@diloco/10": "DiLoCo, H = 10, dense", "topk:ratio=0.1@diloco/10": "DiLoCo, H = 10, top-k 10 %"}
+                 "none@diloco/10": "DiLoCo, H = 10, dense", "topk:ratio=0.1@diloco/10": "DiLoCo, H = 10, top-k 10 %",
+                 "none@averaging/10": "outer SGD lr 1 (averaging), H = 10, dense",
+                 "none@averaging/50": "outer SGD lr 1 (averaging), H = 50, dense"}
 
 
 def time_to(record: dict, target: float) -> Optional[float]:
