@@ -149,10 +149,7 @@ class Exchange:
 
     def _resolve(self, codec: str) -> Route:
         compressor = self.compressor
-        if codec == REDUCE_SCATTER:
-            check(compressor, codec, f"codec {codec!r}")
-            return Route(codec, compressor, self.schemes[codec])
-        if codec in SHARDED:
+        if codec in (*SHARDED, REDUCE_SCATTER):  # the configured compressor by that scheme
             check(compressor, codec, f"codec {codec!r}")
             if SCHEMES[codec].applies(self.comm):
                 return Route(codec, compressor, self.schemes[codec])
@@ -175,9 +172,8 @@ class Exchange:
 
     def begin(self, group: Group, flat: torch.Tensor, route: Optional[Route] = None) -> Optional[FusedParts]:
         """Where ``group`` (sent by ``route``, default ``"compressed"``'s; ``flat``: its buffer,
-        not read) can be encoded
-        tensor by tensor as its gradients arrive (:meth:`Encoder.parts`: the
-        sign codes on fp32 CPU): its :class:`FusedParts`, for the caller to
+        not read) can be encoded tensor by tensor as its gradients arrive
+        (:meth:`Encoder.parts`: the sign codes on fp32 CPU): its :class:`FusedParts`, for the caller to
         :meth:`~FusedParts.add` each gradient to and pass to :meth:`start`; the group's state
         is kept meanwhile (a part found not finite puts it back).  Else None: the caller fills
         ``flat`` and starts it."""
@@ -203,8 +199,8 @@ class Exchange:
               finite: Optional[bool] = None, parts: Optional[FusedParts] = None, check: bool = True) -> Job:
         """Check, compensate and hand ``flat`` (the group's gradients; modified in place) to the
         scheme of its ``route`` (:meth:`route`; default ``"compressed"``'s), which starts the
-        first collective.  ``check`` False: no NaN/Inf check this step
-        (:attr:`Job.finite` is True), even with ``check_finite``.
+        first collective.  ``check`` False: no NaN/Inf check this step (:attr:`Job.finite` is
+        True), even with ``check_finite``.
 
         ``finite``: whether ``flat`` holds no NaN/Inf, when the caller already knows (e.g. from
         :func:`mergecomp.kernels.codecs.copy_finite` while filling it); None: checked here.

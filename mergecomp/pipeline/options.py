@@ -66,8 +66,8 @@ class StepOptions:
             25 MB, at most 4).
         nonfinite: what NaN/Inf in any rank's gradients does; one small allreduce per step
             agrees on it, and it never enters the error-feedback memory (unless ``"ignore"``).
-            ``"propagate"`` (the default, as Horovod and DDP): every rank's results are NaN (so a ``GradScaler`` on every rank
-            skips the same step and lowers its scale) and the error-feedback memory and
+            ``"propagate"`` (the default, as Horovod and DDP): every rank's results are NaN (so a
+            ``GradScaler`` on every rank skips the same step and lowers its scale) and the error-feedback memory and
             compressor state are put back as they were before the step; a step whose every
             group travels as a plain sum (lossless, by allreduce) is not checked: the sum
             carries the NaN/Inf into its group's result on every rank; ``"raise"``:
@@ -141,9 +141,9 @@ class StepOptions:
                fixed: Mapping[str, Any] = ()) -> "StepOptions":
         """The options front end ``who`` (a name in :data:`FRONT_ENDS`) was given as keywords
         (``options``) over ``defaults`` (where a setting of its own changes one) and its
-        :attr:`Accepts.defaults`, with the values
-        its own arguments set (``fixed``: those :attr:`Accepts.fixed`); TypeError naming a
-        keyword that is not an option of ``who``, ValueError naming a value it refuses."""
+        :attr:`Accepts.defaults`, with the values its own arguments set (``fixed``: those
+        :attr:`Accepts.fixed`); TypeError naming a keyword that is not an option of ``who``,
+        ValueError naming a value it refuses."""
         accepts = FRONT_ENDS[who]
         accepted = [f.name for f in dataclasses.fields(cls) if f.name not in (*accepts.fixed, *accepts.without)]
         unknown = sorted(set(options) - set(accepted))

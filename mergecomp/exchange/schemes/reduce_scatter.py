@@ -71,8 +71,8 @@ class ReduceScatter(Scheme):
         flags = job.finite.logical_not().to(torch.uint8).expand(comm.size, _FLAG_BYTES)
         job.flight = Scattered(bounds, shards[comm.rank][1], specs[comm.rank])
         job.handle = comm.alltoall_async(torch.cat([rows, flags], dim=1).reshape(-1))
-        others = [(shard, bound) for d, (shard, bound) in enumerate(zip(shards, bounds)) if d != comm.rank]
-        encoder.feed_shards(job, [shard for shard, _ in others], [bound for _, bound in others], exact=own)
+        others = [d for d in range(comm.size) if d != comm.rank]
+        encoder.feed_shards(job, [shards[d] for d in others], [bounds[d] for d in others], exact=own)
 
     def finish(self, job: "Job", out: Optional[torch.Tensor]) -> torch.Tensor:
         """This rank's chunk reduced over the ranks (in ``out`` when given); NaN where any
