@@ -5,7 +5,10 @@ uncompressed AdamW; validation loss and the bits each element costs over the who
 Model: ``transformers.GPT2LMHeadModel`` from a ``GPT2Config`` (4 layers, 256 wide, 4 heads,
 64-byte context, 256-symbol vocabulary: 3.2 M parameters, no download), byte-level, on CPython's
 standard-library sources (``bench_convergence.load_stdlib_bytes``: 90 % train, 10 % held out;
-the loss reported is the mean of the last four evaluations).  AdamW (lr 1e-3, betas 0.9/0.999,
+the loss reported is the mean of the last four evaluations).  ``--model llama``: transformers'
+Llama instead (rotary positions, RMSNorm, SwiGLU 688 wide, untied embeddings, no biases; 3 layers:
+2.5 M parameters against GPT-2's 2.45 M); ``--corpus prose``: the Python reference's English
+text from ``pydoc_data.topics`` (466 KB) instead of the sources.  AdamW (lr 1e-3, betas 0.9/0.999,
 weight decay 0.1), a linear LR warm-up over the first 5 % of the steps then a cosine decay to
 10 %; 2 workers (gloo over loopback) x batch 8, ``groups=1``.
 
@@ -43,6 +46,7 @@ CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsig
 CONTEXT, BATCH, LR, DECAY, EVAL_EVERY = 64, 8, 1e-3, 0.1, 50
 TARGET = 0.01  # within 1 % of uncompressed AdamW's validation loss
 BASELINE = "none@grad"
+MODELS, CORPORA = ("gpt2", "llama"), ("stdlib", "prose")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +57,13 @@ parser.add_argument("--seeds", default="0,1,2")
 parser.add_argument("--json", default=None, help="append one JSON record (with its curve) per run")
 parser.add_argument("--no-baseline", action="store_true", help=f"do not run {BASELINE} (its records are in --json)")
 parser.add_argument("--report", default=None, help="print the table from the records of earlier --json runs")
-parser.add_argument("--layers", type=int, default=4, help="GPT-2 layers")
+parser.add_argument("--layers", type=int, default=4, help="the model's layers")
+parser.add_argument("--model", choices=MODELS, default="gpt2",
+                    help="gpt2 (learned positions, LayerNorm, GELU, tied embeddings) or llama (rotary positions, "
+                         "RMSNorm, SwiGLU, untied, no biases); 256 wide, 4 heads either way")
+parser.add_argument("--corpus", choices=CORPORA, default="stdlib",
+                    help="stdlib (CPython's library sources) or prose (the Python reference's English text that "
+                         "ships in pydoc_data)")
 parser.add_argument("--lr", type=float, default=LR, help="AdamW's peak learning rate")
 parser.add_argument("--beta2", type=float, default=0.999, help="AdamW's beta2")
 parser.add_argument("--clip", type=float, default=None,
@@ -64,12 +74,31 @@ parser.add_argument("--trace", action="store_true",
                     help="record each update's RMS over the parameters of (change / lr) in the record's 'trace'")
 
 
-def make_model(layers=4):
+def make_model(layers=4, family="gpt2"):
+    """A byte-level decoder, 256 wide, 4 heads, ``CONTEXT`` positions, built from its config."""
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=CONTEXT,
+                             bos_token_id=0, eos_token_id=0, pad_token_id=None)
+        return LlamaForCausalLM(config)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=256, n_positions=CONTEXT, n_embd=256, n_layer=layers, n_head=4, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
+
+
+def load_prose_bytes():
+    """The Python language reference's English text (``pydoc_data.topics``, shipped with
+    CPython) as one uint8 tensor: (train, held out), 90 % / 10 %."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key] for key in sorted(topics)).encode()
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(0.9 * len(data))
+    return data[:cut], data[cut:]
 
 
 def lr_warmup(steps):
@@ -144,10 +173,10 @@ def bits_over_run(merged, shapes, steps, refresh):
     return (exact * warmup_bits + (steps - exact) * compressed) / steps
 
 
-def rank_data(rank, world, held_out_windows=64):
-    """This rank's share of the training bytes and the held-out windows every rank evaluates on:
-    (1-D int64, (held_out_windows, CONTEXT) int64)."""
-    train, held = load_stdlib_bytes()
+def rank_data(rank, world, held_out_windows=64, corpus="stdlib"):
+    """This rank's share of the training bytes of ``corpus`` (:data:`CORPORA`) and the held-out
+    windows every rank evaluates on: (1-D int64, (held_out_windows, CONTEXT) int64)."""
+    train, held = load_prose_bytes() if corpus == "prose" else load_stdlib_bytes()
     per = len(train) // world
     starts = torch.linspace(0, len(held) - CONTEXT - 1, held_out_windows).long()
     return train[rank * per:(rank + 1) * per], torch.stack([held[s:s + CONTEXT] for s in starts])
@@ -164,7 +193,7 @@ def run_one(rank, world, config, seed, args, data):
 
     train, held_out = data
     torch.manual_seed(seed)
-    model = make_model(args.layers)
+    model = make_model(args.layers, args.model)
     opt, lr_schedule, refresh = wrap_adamw(model, config, args.steps, args.after, lr=args.lr, beta2=args.beta2)
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -205,7 +234,7 @@ def run_one(rank, world, config, seed, args, data):
                 opt.merged, [p.shape for group in opt.param_groups for p in group["params"]], args.steps, refresh),
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "trace": trace,
             "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok",
-            "setting": {"layers": args.layers, "lr": args.lr, "beta2": args.beta2, "clip": args.clip,
+            "setting": {"model": args.model, "corpus": args.corpus, "layers": args.layers, "lr": args.lr, "beta2": args.beta2, "clip": args.clip,
                         "batch": args.batch, "workers": world}}
 
 
@@ -216,7 +245,7 @@ def worker(rank, world, port, jobs, args, queue):
 
     torch.set_num_threads(1)
     mc.init(engine="torch")
-    data = rank_data(rank, world)
+    data = rank_data(rank, world, corpus=args.corpus)
     for config, seed in jobs:
         try:
             record = run_one(rank, world, config, seed, args, data)
@@ -230,7 +259,7 @@ def worker(rank, world, port, jobs, args, queue):
 def report(records, configs, seeds):
     base = {r["seed"]: r["final_test_loss"] for r in records if r["config"] == BASELINE and r["status"] == "ok"}
     setting = next((r["setting"] for r in records if "setting" in r), {})
-    print(f"GPT-2 {setting.get('layers', 4)}x256 on stdlib bytes, AdamW (lr {setting.get('lr', LR)}, beta2 "
+    print(f"{setting.get('model', 'gpt2')} {setting.get('layers', 4)}x256 on {setting.get('corpus', 'stdlib')} bytes, AdamW (lr {setting.get('lr', LR)}, beta2 "
           f"{setting.get('beta2', 0.999)}, clip {setting.get('clip')}), {setting.get('workers', 2)} workers x batch "
           f"{setting.get('batch', BATCH)} x {CONTEXT} bytes, {records[0].get('steps')} steps, seeds {seeds}: "
           f"medians over seeds, paired with uncompressed AdamW ({BASELINE}) on the same seed\n")
