@@ -1,5 +1,6 @@
-"""mc.DiLoCo on real gloo ranks: dense DiLoCo against the algorithm written out by hand, compressed
-DiLoCo keeping every rank equal, resume, NaN/Inf, bad input."""
+"""mc.DiLoCo on real gloo ranks: dense DiLoCo and Streaming DiLoCo against the algorithm written
+out by hand, compressed DiLoCo keeping every rank equal, resume (also with a fragment's exchange in
+flight), NaN/Inf, bad input."""
 import copy
 
 import pytest
@@ -69,6 +70,56 @@ def test_dense_diloco_is_the_algorithm(world):
         assert steps == 12
 
 
+def _streaming_worker(rank, world, fragments, delay, alpha, H=4, rounds=4):
+    """Streaming DiLoCo (dense) against the algorithm by hand: fragment p (consecutive
+    parameters) sends global minus local at the steps (p + 1) * H // P modulo H, its outer
+    Nesterov step lands ``delay`` inner steps later, and its local parameters become
+    alpha * local + (1 - alpha) * global."""
+    import torch.distributed as dist
+
+    import mergecomp.torch as mc
+
+    data = batches(rank, H * rounds)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = mc.DiLoCo(model.named_parameters(), opt, sync_every=H, fragments=fragments,
+                       fragment_sync_delay=delay, fragment_update_alpha=alpha)
+    split = [f.indices for f in diloco.fragments]
+    for x, y in data:
+        inner_step(model, opt, x, y)
+    ours = [p.detach().clone() for p in model.parameters()]
+
+    reference = make_model()
+    params = list(reference.parameters())
+    inner = torch.optim.AdamW(params, lr=1e-2)
+    global_params = [p.detach().clone() for p in params]
+    outers = [torch.optim.SGD([global_params[i] for i in f], lr=0.7, momentum=0.9, nesterov=True) for f in split]
+    sent = {}
+    for step, (x, y) in enumerate(data, 1):
+        inner_step(reference, inner, x, y)
+        for k, f in enumerate(split):
+            if step % H == (k + 1) * H // len(split) % H:
+                sent[step + delay] = k, [(global_params[i] - params[i].detach()).contiguous() for i in f]
+        if step in sent:
+            k, deltas = sent.pop(step)
+            for i, delta in zip(split[k], deltas):
+                dist.all_reduce(delta)
+                global_params[i].grad = delta / world
+            outers[k].step()
+            with torch.no_grad():
+                for i in split[k]:
+                    params[i].mul_(alpha).add_(global_params[i], alpha=1 - alpha)
+    theirs = [p.detach() for p in params]
+    return max(float((a - b).abs().max()) for a, b in zip(ours, theirs)), [len(f) for f in split]
+
+
+@pytest.mark.parametrize("world,fragments,delay,alpha", [(2, 2, 0, 0.0), (2, 2, 1, 0.5), (3, 4, 0, 0.0)])
+def test_streaming_diloco_is_the_algorithm(world, fragments, delay, alpha):
+    for gap, sizes in run_workers(_streaming_worker, world, world, fragments, delay, alpha, timeout=120):
+        assert gap < 1e-5, gap
+        assert len(sizes) == fragments and sum(sizes) == 4 and min(sizes) >= 1
+
+
 def _compressed_worker(rank, H=4, rounds=6):
     """Top-k 10 % with its residual memory on the pseudo-gradients: every rank ends with the same
     parameters, the loss falls, the memory holds this rank's residual."""
@@ -83,8 +134,10 @@ def _compressed_worker(rank, H=4, rounds=6):
     for x, y in data:
         inner_step(model, opt, x, y)
     after = float(torch.nn.functional.cross_entropy(model(x0), y0))
-    residual = sum(float(t.abs().sum()) for fields in diloco.memory.state_dict().values() for t in fields.values())
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), before, after, residual, len(diloco.groups)
+    merged = diloco.fragments[0].merged
+    residual = sum(float(t.abs().sum()) for fields in merged.exchange.memory.state_dict().values()
+                   for t in fields.values())
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), before, after, residual, len(merged.groups)
 
 
 def test_compressed_diloco_keeps_the_ranks_equal_and_learns():
@@ -94,24 +147,27 @@ def test_compressed_diloco_keeps_the_ranks_equal_and_learns():
         assert after < before and residual > 0 and groups == 2
 
 
-def _resume_worker(rank, path, H=3):
-    """Save after 2 rounds and one more inner step (model, inner optimizer, DiLoCo), go on 2
-    rounds; a fresh run loads the checkpoint and goes on the same way."""
+def _resume_worker(rank, path, H, streaming, saved_at):
+    """Save after ``saved_at`` inner steps (model, inner optimizer, DiLoCo), go on to 4 rounds; a
+    fresh run loads the checkpoint and goes on the same way.  ``streaming``: two fragments with a
+    delay of one step, saved while the first fragment's exchange is in flight."""
     import mergecomp.torch as mc
 
-    data = batches(rank, 5 * H)
+    data = batches(rank, 4 * H)
+    streams = {"fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5} if streaming else {}
 
     def build():
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return model, opt, mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="topk")
+        return model, opt, mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="topk", **streams)
 
     model, opt, diloco = build()
-    for x, y in data[:2 * H + 1]:
+    for x, y in data[:saved_at]:
         inner_step(model, opt, x, y)
+    in_flight = diloco.in_flight == 0
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "diloco": diloco.state_dict()})
     torch.save(saved, f"{path}.{rank}")
-    for x, y in data[2 * H + 1:]:
+    for x, y in data[saved_at:]:
         inner_step(model, opt, x, y)
     straight = [p.detach().clone() for p in model.parameters()]
 
@@ -120,14 +176,16 @@ def _resume_worker(rank, path, H=3):
     model.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["opt"])
     diloco.load_state_dict(loaded["diloco"])
-    for x, y in data[2 * H + 1:]:
+    for x, y in data[saved_at:]:
         inner_step(model, opt, x, y)
-    return all(torch.equal(a, b) for a, b in zip(straight, model.parameters())), diloco.inner_steps
+    return all(torch.equal(a, b) for a, b in zip(straight, model.parameters())), diloco.inner_steps, in_flight
 
 
-def test_resume_continues_exactly(tmp_path):
-    for exact, steps in run_workers(_resume_worker, 2, str(tmp_path / "ckpt"), timeout=120):
-        assert exact and steps == 15
+@pytest.mark.parametrize("H,streaming,saved_at", [(3, False, 7), (4, True, 6)])
+def test_resume_continues_exactly(tmp_path, H, streaming, saved_at):
+    for exact, steps, in_flight in run_workers(_resume_worker, 2, str(tmp_path / "ckpt"), H, streaming, saved_at,
+                                               timeout=120):
+        assert exact and steps == 4 * H and in_flight == streaming
 
 
 def _nonfinite_worker(rank, nonfinite):
@@ -171,7 +229,10 @@ def _bad_input_worker(rank):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     errors = []
     for kwargs in ({"sync_every": 0}, {"sync_every": 2, "nonfinite": "propagate"}, {"sync_every": 2, "average": False},
-                   {"sync_every": 2 + rank}):
+                   {"sync_every": 2 + rank}, {"sync_every": 4, "fragments": 5}, {"sync_every": 2, "fragments": 3},
+                   {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 2},
+                   {"sync_every": 4, "fragment_update_alpha": 1.0}, {"sync_every": 4, "fragments": [model[0]]},
+                   {"sync_every": 4, "fragments": 2, "fragment_sync_delay": rank}):
         try:
             mc.DiLoCo(model.named_parameters(), opt, **kwargs).close()
             errors.append(None)
@@ -181,8 +242,15 @@ def _bad_input_worker(rank):
 
 
 def test_bad_input_is_refused_by_name_on_every_rank():
-    for every, propagate, average, disagree in run_workers(_bad_input_worker, 2, timeout=120):
+    for (every, propagate, average, disagree, too_many, more_than_h, delay, alpha, uncovered,
+         disagree_delay) in run_workers(_bad_input_worker, 2, timeout=120):
         assert every.startswith("ValueError") and "sync_every" in every
+        assert "fragments must be between 1 and the 4 parameters" in too_many
+        assert "3 fragments" in more_than_h and "sync_every=2" in more_than_h
+        assert "fragment_sync_delay" in delay and "[0, sync_every // fragments = 2)" in delay
+        assert "fragment_update_alpha" in alpha
+        assert "parameters [2, 3] (by position) are in no fragment" in uncovered
+        assert disagree_delay is not None and "fragment_sync_delay" in disagree_delay, disagree_delay
         assert propagate.startswith("ValueError") and "nonfinite" in propagate and "'propagate'" in propagate
         assert average.startswith("TypeError") and "average" in average
         assert disagree is not None and "sync_every" in disagree, disagree

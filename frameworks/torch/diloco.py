@@ -1,5 +1,6 @@
 """DiLoCo: local steps, and every ``sync_every`` of them one compressed exchange of the
-parameters' change (Douillard et al., 2023), for links too slow for an exchange per step.
+parameters' change (Douillard et al., 2023), for links too slow for an exchange per step;
+Streaming DiLoCo (Douillard et al., 2025) where the parameters are split into fragments.
 
 Each rank takes ``sync_every`` (H) steps of its own optimizer (the *inner* one, AdamW in the
 papers) with no communication.  Then its pseudo-gradient, the global parameters minus its local
@@ -16,13 +17,23 @@ rank continues from them::
         opt.step()                          # every 100th step also synchronizes (a step hook)
         opt.zero_grad()
 
+Streaming (``fragments=P``): the parameters split into P fragments, each with its own merged
+step, memory and outer optimizer; fragment ``p`` sends its pseudo-gradient at the steps
+``(p + 1) * H // P`` modulo H, so a sync moves 1/P of the model and the link is busy P times
+as often with a P-th of the bytes.  With ``fragment_sync_delay=d`` the exchange stays in flight
+over the next d inner steps (the collectives progress while the model computes) and the outer
+step lands then; the fragment's local parameters, which went on training meanwhile, become
+``alpha * local + (1 - alpha) * global`` (``fragment_update_alpha``; 0: the global ones).
+
 Bytes per rank: one pseudo-gradient per ``sync_every`` steps, at the compressor's bits per
 element.  Memory per rank: the global parameters and the outer optimizer's state besides the
-model's (:meth:`DiLoCo.state_bytes`).
+model's, and the memories (:meth:`DiLoCo.state_bytes`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -31,7 +42,6 @@ from mergecomp.compressors.base.memory import Memory
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
-from mergecomp.pipeline.step import HoldsMergedStep
 
 from .functions import broadcast_parameters
 
@@ -58,7 +68,62 @@ def _named(params: Params) -> Tuple[List[str], List[torch.nn.Parameter]]:
     return [name for name, _ in named], [p for _, p in named]
 
 
-class DiLoCo(HoldsMergedStep):
+def _split(params: List[torch.nn.Parameter], fragments: Union[int, Sequence[torch.nn.Module]]) -> List[List[int]]:
+    """The indices of ``params`` in each fragment: ``fragments`` consecutive runs of about equal
+    elements, or each module's parameters (every parameter in exactly one module)."""
+    if isinstance(fragments, bool) or not isinstance(fragments, (int, list, tuple)):
+        raise TypeError(f"DiLoCo: fragments must be an int or a list of modules, got {type(fragments).__name__}")
+    if isinstance(fragments, int):
+        if not 1 <= fragments <= len(params):
+            raise ValueError(f"DiLoCo: fragments must be between 1 and the {len(params)} parameters, got {fragments}")
+        ends = torch.tensor([p.numel() for p in params]).cumsum(0)
+        bounds = [0]
+        for k in range(1, fragments):  # after about k / fragments of the elements, none empty
+            cut = int(torch.searchsorted(ends, ends[-1] * k / fragments)) + 1
+            bounds.append(min(max(cut, bounds[-1] + 1), len(params) - fragments + k))
+        bounds.append(len(params))
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    position = {id(p): i for i, p in enumerate(params)}
+    split, seen = [], {}
+    for k, module in enumerate(fragments):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"DiLoCo: fragments[{k}] must be a torch.nn.Module, got {type(module).__name__}")
+        mine = [position[id(p)] for p in module.parameters() if id(p) in position]
+        twice = [i for i in mine if i in seen]
+        if twice:
+            raise ValueError(f"DiLoCo: parameter {twice[0]} is in fragments {seen[twice[0]]} and {k}")
+        if not mine:
+            raise ValueError(f"DiLoCo: fragments[{k}] holds none of the parameters DiLoCo synchronizes")
+        seen.update((i, k) for i in mine)
+        split.append(sorted(mine))
+    left = [i for i in range(len(params)) if i not in seen]
+    if left:
+        raise ValueError(f"DiLoCo: parameters {left[:8]} (by position) are in no fragment")
+    return split
+
+
+@dataclass
+class _Fragment:
+    """One fragment: its parameters (indices), merged step and outer optimizer, and the step
+    within each round of H at which it sends."""
+
+    indices: List[int]
+    merged: PlannedStep
+    outer_optimizer: torch.optim.Optimizer
+    offset: int
+
+
+@dataclass
+class _InFlight:
+    """A fragment's exchange between its send and the inner step ``due`` that applies it;
+    ``averaged``: its result once received (None before; an empty list for a skipped round)."""
+
+    fragment: int
+    due: int
+    averaged: Optional[List[torch.Tensor]] = None
+
+
+class DiLoCo:
     """Synchronize ``params`` every ``sync_every`` steps of ``inner_optimizer`` (module docstring).
 
     Args:
@@ -66,84 +131,161 @@ class DiLoCo(HoldsMergedStep):
             names serve ``groups`` and ``uncompressed`` specs and errors); frozen ones are left
             alone.  Every rank starts from rank 0's values (broadcast here).
         inner_optimizer: the optimizer of the local steps; each of its ``step()`` calls counts
-            (a post-step hook), and the ``sync_every``-th synchronizes before it returns.
-        sync_every: H, the local steps between synchronizations (an int >= 1, the same on
-            every rank).
+            (a post-step hook), and a fragment's send or outer step happens before it returns.
+        sync_every: H, the local steps between a fragment's synchronizations (an int >= 1, the
+            same on every rank).
         compression, memory: what the pseudo-gradients travel with, as for
             :class:`~frameworks.torch.optimizer.DistributedOptimizer` (default ``"none"``: the
-            exact average, dense DiLoCo).
-        outer_optimizer: a function of the global parameters (a list of tensors) returning the
-            outer optimizer; default :func:`nesterov`.
+            exact average, dense DiLoCo).  Each fragment holds its own copy of an instance.
+        outer_optimizer: a function of a fragment's global parameters (a list of tensors)
+            returning its outer optimizer; default :func:`nesterov`.
+        fragments: Streaming DiLoCo's fragments: an int P (consecutive parameters, about equal
+            elements each; 1 <= P <= H) or a list of modules (each one's parameters; every
+            parameter in exactly one), as ``model_fragments`` in torchft.
+        fragment_sync_delay: inner steps a fragment's exchange stays in flight before its outer
+            step (0 <= d < H // P).
+        fragment_update_alpha: how much of its local parameters a fragment keeps when its outer
+            step lands (0 <= alpha < 1; 0: it takes the global ones, and every rank's are equal).
         options: the merged step's (:data:`~mergecomp.pipeline.options.FRONT_ENDS` ``"DiLoCo"``):
-            ``groups``, ``nonfinite`` (default ``"skip"``: a NaN/Inf pseudo-gradient on any rank
-            skips the outer step on every rank, which all go back to the global parameters;
-            counted in ``skipped_steps``; or ``"raise"``), ``scheme``, ``uncompressed``,
-            ``min_compress_numel``, ``compression_warmup_steps`` (synchronizations sent exactly
-            first), ``compression_warmup_codec``, ``scheduler``.
+            ``groups`` (within each fragment), ``nonfinite`` (default ``"skip"``: a NaN/Inf
+            pseudo-gradient on any rank skips the fragment's outer step on every rank, whose
+            parameters go back to its old global ones; counted in ``skipped_steps``; or
+            ``"raise"``), ``scheme``, ``uncompressed``, ``min_compress_numel``,
+            ``compression_warmup_steps`` (each fragment's first synchronizations sent exactly),
+            ``compression_warmup_codec``, ``scheduler``.
     """
 
     def __init__(self, params: Params, inner_optimizer: torch.optim.Optimizer, sync_every: int,
                  compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  outer_optimizer: Optional[Callable[[List[torch.Tensor]], torch.optim.Optimizer]] = None,
-                 **options: Any) -> None:
+                 fragments: Union[int, Sequence[torch.nn.Module]] = 1, fragment_sync_delay: int = 0,
+                 fragment_update_alpha: float = 0.0, **options: Any) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be an int >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
                             f"{type(inner_optimizer).__name__}")
         names, self.params = _named(params)
-        self.sync_every = sync_every
+        split = _split(self.params, fragments)
+        if len(split) > sync_every:
+            raise ValueError(f"DiLoCo: {len(split)} fragments cannot each sync at its own step of sync_every="
+                             f"{sync_every}")
+        if (isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int)
+                or not 0 <= fragment_sync_delay < sync_every // len(split)):
+            raise ValueError(f"DiLoCo: fragment_sync_delay must be an int in [0, sync_every // fragments = "
+                             f"{sync_every // len(split)}), got {fragment_sync_delay!r}")
+        if not isinstance(fragment_update_alpha, (int, float)) or not 0 <= fragment_update_alpha < 1:
+            raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1), got {fragment_update_alpha!r}")
+        self.sync_every, self.sync_delay, self.update_alpha = sync_every, fragment_sync_delay, float(fragment_update_alpha)
         step_options = StepOptions.create("DiLoCo", options)
-        self.merged = PlannedStep(
-            compression, memory, communicator(), names, [p.shape for p in self.params],
-            [p.dtype for p in self.params], self.params[0].device, step_options,
-            FrontEnd("DiLoCo", "parameters", observe_order=False, timed=False, in_place=True,
-                     agree=(("sync_every", sync_every),)))
+        agree = (("sync_every", sync_every), ("fragments", [[names[i] for i in f] for f in split]),
+                 ("fragment_sync_delay", fragment_sync_delay), ("fragment_update_alpha", self.update_alpha))
         broadcast_parameters(list(zip(names, (p.data for p in self.params))), root_rank=0)
-        #: the parameters every rank last agreed on, which the outer optimizer steps
+        #: the parameters every rank last agreed on, which the outer optimizers step
         self.global_params = [p.detach().clone() for p in self.params]
-        self.outer_optimizer = (outer_optimizer or nesterov)(self.global_params)
+        self.fragments: List[_Fragment] = []
+        for k, indices in enumerate(split):
+            own = compression if len(split) == 1 or isinstance(compression, str) else copy.deepcopy(compression)
+            merged = PlannedStep(
+                own, memory if len(split) == 1 or not isinstance(memory, Memory) else copy.deepcopy(memory),
+                communicator(), [names[i] for i in indices], [self.params[i].shape for i in indices],
+                [self.params[i].dtype for i in indices], self.params[0].device, step_options,
+                FrontEnd("DiLoCo", "parameters", observe_order=False, timed=False, in_place=True, agree=agree))
+            outer = (outer_optimizer or nesterov)([self.global_params[i] for i in indices])
+            self.fragments.append(_Fragment(indices, merged, outer, (k + 1) * sync_every // len(split) % sync_every))
         #: the inner steps taken so far (checkpointed)
         self.inner_steps = 0
+        self._in_flight: Optional[_InFlight] = None
         self._hook = inner_optimizer.register_step_post_hook(self._counted)
+
+    compressor = property(lambda self: self.fragments[0].merged.exchange.compressor,
+                          doc="the configured compressor (the first fragment's)")
+    outer_optimizer = property(lambda self: self.fragments[0].outer_optimizer,
+                               doc="the first fragment's outer optimizer (the only one without fragments)")
+    skipped_steps = property(lambda self: sum(f.merged.skipped_steps for f in self.fragments),
+                             doc="fragments' outer steps skipped for NaN/Inf")
+    in_flight = property(lambda self: None if self._in_flight is None else self._in_flight.fragment,
+                         doc="the fragment whose exchange is in flight, or None")
 
     def _counted(self, *_: Any) -> None:
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            self.sync()
+        for k, fragment in enumerate(self.fragments):
+            if self.inner_steps % self.sync_every == fragment.offset:
+                self._send(k)
+        if self._in_flight is not None and self._in_flight.due == self.inner_steps:
+            self._land()
 
     @torch.no_grad()
-    def sync(self) -> bool:
-        """Average the ranks' pseudo-gradients and step the global parameters with them; every
-        rank's parameters become the new global ones.  Returns False where the step was skipped
-        (NaN/Inf under ``nonfinite="skip"``: the parameters go back to the old global ones)."""
-        for i, (g, p) in enumerate(zip(self.global_params, self.params)):  # once per sync_every steps
-            self.merged.add(i, g - p)
-        reduced = self.merged.finish()
-        if reduced is not None:
-            for g, averaged in zip(self.global_params, reduced.tensors(len(self.params))):
+    def _send(self, k: int) -> None:
+        """Start fragment ``k``'s exchange of its pseudo-gradient (global minus local)."""
+        fragment = self.fragments[k]
+        for slot, i in enumerate(fragment.indices):  # once per fragment's sync
+            out = fragment.merged.slot(slot)
+            torch.sub(self.global_params[i], self.params[i], out=out)
+            fragment.merged.add(slot, out)
+        self._in_flight = _InFlight(k, self.inner_steps + self.sync_delay)
+
+    def _receive(self) -> None:
+        """Wait for the fragment in flight: its averaged pseudo-gradient (empty where skipped)."""
+        flight = self._in_flight
+        if flight.averaged is None:
+            fragment = self.fragments[flight.fragment]
+            reduced = fragment.merged.finish()
+            flight.averaged = [] if reduced is None else reduced.tensors(len(fragment.indices))
+
+    @torch.no_grad()
+    def _land(self) -> bool:
+        """The fragment in flight's outer step, and its local parameters merged with the new
+        global ones.  False where its round was skipped (its global parameters unchanged)."""
+        self._receive()
+        flight, self._in_flight = self._in_flight, None
+        fragment = self.fragments[flight.fragment]
+        globals_ = [self.global_params[i] for i in fragment.indices]
+        if flight.averaged:
+            for g, averaged in zip(globals_, flight.averaged):
                 g.grad = averaged.view_as(g)
-            self.outer_optimizer.step()
-        for p, g in zip(self.params, self.global_params):
-            p.copy_(g)
-        return reduced is not None
+            fragment.outer_optimizer.step()
+            for g in globals_:
+                g.grad = None
+        locals_ = [self.params[i].data for i in fragment.indices]
+        if self.update_alpha:
+            torch._foreach_lerp_(locals_, globals_, 1.0 - self.update_alpha)
+        else:
+            torch._foreach_copy_(locals_, globals_)
+        return bool(flight.averaged)
+
+    def sync(self) -> bool:
+        """Land the fragment in flight, then synchronize every fragment now (at the end of
+        training, for one model on every rank).  False where any fragment's round was skipped."""
+        landed = self._land() if self._in_flight is not None else True
+        for k in range(len(self.fragments)):
+            self._send(k)
+            landed = self._land() and landed
+        return landed
 
     def state_bytes(self) -> int:
         """Bytes this rank keeps for DiLoCo besides the model: the global parameters, the outer
-        optimizer's state and the error-feedback memory."""
-        tensors = [*self.global_params, *(t for s in self.outer_optimizer.state.values() for t in s.values()
-                                          if isinstance(t, torch.Tensor))]
-        memory = [t for fields in self.memory.state_dict().values() for t in fields.values()]
-        return sum(t.numel() * t.element_size() for t in tensors + memory)
+        optimizers' state and the error-feedback memories."""
+        outer = [t for f in self.fragments for s in f.outer_optimizer.state.values() for t in s.values()
+                 if isinstance(t, torch.Tensor)]
+        memory = [t for f in self.fragments for fields in f.merged.exchange.memory.state_dict().values()
+                  for t in fields.values()]
+        return sum(t.numel() * t.element_size() for t in self.global_params + outer + memory)
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """The global parameters, the outer optimizer's state, the inner steps counted and the
-        merged step's (plan, compressor state, this rank's memory); save it beside the model's
-        and the inner optimizer's."""
-        return {"global_params": [g.clone() for g in self.global_params],
-                "outer_optimizer": self.outer_optimizer.state_dict(), "inner_steps": self.inner_steps,
-                "mergecomp": self.merged.state_dict()}
+        """The global parameters, the outer optimizers' state, the inner steps counted, each
+        fragment's merged step (plan, compressor state, this rank's memory) and a fragment's
+        exchange in flight (received first: every rank must call this at the same step); save
+        it beside the model's and the inner optimizer's."""
+        flight = self._in_flight
+        if flight is not None:
+            self._receive()
+        return {"global_params": [g.clone() for g in self.global_params], "inner_steps": self.inner_steps,
+                "fragments": [{"parameters": len(f.indices), "outer_optimizer": f.outer_optimizer.state_dict(),
+                               "mergecomp": f.merged.state_dict()} for f in self.fragments],
+                "in_flight": None if flight is None else {"fragment": flight.fragment, "due": flight.due,
+                                                          "averaged": [t.clone() for t in flight.averaged]}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s, on every rank with its own, between steps."""
@@ -151,11 +293,20 @@ class DiLoCo(HoldsMergedStep):
         if [tuple(t.shape) for t in saved] != [tuple(g.shape) for g in self.global_params]:
             raise ValueError("DiLoCo.load_state_dict: the checkpoint's global parameters do not match these "
                              "parameters' shapes")
+        if [f["parameters"] for f in state["fragments"]] != [len(f.indices) for f in self.fragments]:
+            raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has fragments of "
+                             f"{[f['parameters'] for f in state['fragments']]} parameters, this DiLoCo "
+                             f"{[len(f.indices) for f in self.fragments]}")
+        if self._in_flight is not None:
+            raise RuntimeError("DiLoCo.load_state_dict: a fragment's exchange is in flight; load before training")
         for g, t in zip(self.global_params, saved):
             g.copy_(t)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        for fragment, saved_fragment in zip(self.fragments, state["fragments"]):
+            fragment.outer_optimizer.load_state_dict(saved_fragment["outer_optimizer"])
+            fragment.merged.load_state_dict(saved_fragment["mergecomp"])
         self.inner_steps = int(state["inner_steps"])
-        self.merged.load_state_dict(state["mergecomp"])
+        flight = state["in_flight"]
+        self._in_flight = None if flight is None else _InFlight(flight["fragment"], flight["due"], flight["averaged"])
 
     def close(self) -> None:
         """Stop counting the inner optimizer's steps."""
