@@ -340,12 +340,13 @@ def test_accelerate_register_exchanges_adamws_momentum_and_resumes_exactly(accel
 
 
 # -- transformers' Trainer -----------------------------------------------------------------------
-def trainer_run(output_dir, register_args=None, resume=None, **training_args):
+def trainer_run(output_dir, register_args=None, resume=None, diloco=False, **training_args):
     """The tiny net trained by a transformers ``Trainer`` (``register(trainer, **register_args)``
-    unless None), with ``training_args`` over these: ``(parameters, callback)``."""
+    unless None; ``register_diloco`` with ``diloco``), with ``training_args`` over these:
+    ``(parameters, callback)``."""
     from transformers import Trainer, TrainingArguments
 
-    from mergecomp.torch.integrations.transformers import register
+    from mergecomp.torch.integrations.transformers import register, register_diloco
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     x, y = make_data()
@@ -365,7 +366,7 @@ def trainer_run(output_dir, register_args=None, resume=None, **training_args):
                                     **training_args})
         model = Tiny()
         trainer = Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in zip(x, y)])
-        callback = None if register_args is None else register(trainer, **register_args)
+        callback = None if register_args is None else (register_diloco if diloco else register)(trainer, **register_args)
         trainer.train(resume_from_checkpoint=resume)
     return flat(model), callback
 
@@ -373,7 +374,7 @@ def trainer_run(output_dir, register_args=None, resume=None, **training_args):
 def _transformers(rank, folder):
     import shutil
 
-    from mergecomp.torch.integrations.transformers import STATE_FILE
+    from mergecomp.torch.integrations.transformers import DILOCO_STATE_FILE, STATE_FILE
 
     def train(run, compression=None, resume=None):
         return trainer_run(os.path.join(folder, run), compression and {"compression": compression}, resume,
@@ -422,7 +423,32 @@ def _transformers(rank, folder):
         trainer_run(os.path.join(folder, "adam_gradients"), {"compression": "topk"}, max_steps=1,
                     optim="adamw_torch", save_strategy="no")
     out["adam_warnings"] = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
+
+    # DiLoCo around the Trainer's SGD: with H = 1 and plain averaging as the outer step it is DDP
+    # (unclipped: DDP clips the average of the gradients, DiLoCo each rank's own, whose norms here
+    # pass the Trainer's default of 1 where the average's do not)
+    sgd = {"max_steps": 4, "learning_rate": 0.5, "lr_scheduler_type": "constant", "optim": "sgd",
+           "save_strategy": "no", "max_grad_norm": 0}
+    out["ddp_unclipped"] = trainer_run(os.path.join(folder, "ddp_unclipped"), **sgd)[0]
+    out["diloco_every_step"] = trainer_run(os.path.join(folder, "diloco_every_step"),
+                                           {"sync_every": 1, "outer_optimizer": plain_averaging}, diloco=True, **sgd)[0]
+
+    def train_diloco(run, resume=None):  # streaming top-k, a checkpoint while fragment 0 is in flight
+        return trainer_run(os.path.join(folder, run), {"sync_every": 4, "compression": "topk", "fragments": 2,
+                                                       "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+                           resume, diloco=True, max_steps=6, learning_rate=0.2, lr_scheduler_type="constant",
+                           optim="adamw_torch", save_steps=2)
+
+    out["diloco"], callback = train_diloco("diloco")
+    out["diloco_steps"] = callback.diloco.inner_steps
+    out["diloco_record"] = torch.load(os.path.join(folder, "diloco", "checkpoint-2", DILOCO_STATE_FILE),
+                                      weights_only=True)
+    out["diloco_resumed"], _ = train_diloco("diloco_resumed", resume=os.path.join(folder, "diloco", "checkpoint-2"))
     return out
+
+
+def plain_averaging(params):
+    return torch.optim.SGD(params, lr=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -458,6 +484,22 @@ def test_transformers_trainer_exchanges_adamws_momentum_and_resumes_from_any_fol
         [told] = out["adam_warnings"]
         assert told.startswith("MergecompCallback: 'topk'") and "exchange_momentum_after=K" in told
     assert torch.equal(transformers[0]["adam"], transformers[1]["adam"])
+
+
+@requires("transformers")
+@requires("accelerate")
+def test_transformers_trainer_trains_with_diloco_and_resumes_exactly(transformers):
+    """``register_diloco``: the DDP model sends nothing in the inner steps (with H = 1 and plain
+    averaging DiLoCo is DDP); Streaming DiLoCo with top-k resumes exactly from a checkpoint taken
+    while a fragment is in flight, every rank from its own local parameters (they differ there);
+    at the end every rank holds the global model."""
+    for out in transformers:
+        assert (out["diloco_every_step"] - out["ddp_unclipped"]).abs().max().item() < 1e-6
+        assert out["diloco_steps"] == 6 and torch.equal(out["diloco_resumed"], out["diloco"])
+    assert torch.equal(transformers[0]["diloco"], transformers[1]["diloco"])
+    ranks = transformers[0]["diloco_record"]["ranks"]
+    assert ranks[0]["diloco"]["in_flight"]["fragment"] == 0
+    assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["parameters"], ranks[1]["parameters"]))
 
 
 @requires("transformers")

@@ -53,7 +53,8 @@ from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
 from .momentum_exchange import MomentumSettings, warn_adam_gradients
 from .momentum_recipes import settings_of
-from .momentum_hook import HookMomentum, adam_of
+from .momentum_hook import HookMomentum
+from .named_parameters import inner_optimizer
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
 
@@ -138,7 +139,7 @@ class DDPHookState(HoldsMergedStep):
         if self.momentum is not None:
             self.set_optimizer(optimizer, grad_scaler)
         else:
-            warn_adam_gradients(adam_of(optimizer), self.exchange, who)
+            warn_adam_gradients(inner_optimizer(optimizer), self.exchange, who)
 
     @property
     def nonfinite(self) -> str:

@@ -39,11 +39,12 @@ import torch
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
+from mergecomp.engines.torch_dist import TorchCommunicator
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
 
-from .functions import broadcast_parameters
+from .functions import broadcast_tensors
 
 __all__ = ["DiLoCo", "nesterov"]
 
@@ -146,6 +147,8 @@ class DiLoCo:
             step (0 <= d < H // P).
         fragment_update_alpha: how much of its local parameters a fragment keeps when its outer
             step lands (0 <= alpha < 1; 0: it takes the global ones, and every rank's are equal).
+        process_group: a ``torch.distributed`` group to run on (a framework's, as a DDP model's);
+            default: the engine of ``mc.init()``.
         options: the merged step's (:data:`~mergecomp.pipeline.options.FRONT_ENDS` ``"DiLoCo"``):
             ``groups`` (within each fragment), ``nonfinite`` (default ``"skip"``: a NaN/Inf
             pseudo-gradient on any rank skips the fragment's outer step on every rank, whose
@@ -159,7 +162,7 @@ class DiLoCo:
                  compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  outer_optimizer: Optional[Callable[[List[torch.Tensor]], torch.optim.Optimizer]] = None,
                  fragments: Union[int, Sequence[torch.nn.Module]] = 1, fragment_sync_delay: int = 0,
-                 fragment_update_alpha: float = 0.0, **options: Any) -> None:
+                 fragment_update_alpha: float = 0.0, process_group: Any = None, **options: Any) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be an int >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -180,7 +183,8 @@ class DiLoCo:
         step_options = StepOptions.create("DiLoCo", options)
         agree = (("sync_every", sync_every), ("fragments", [[names[i] for i in f] for f in split]),
                  ("fragment_sync_delay", fragment_sync_delay), ("fragment_update_alpha", self.update_alpha))
-        broadcast_parameters(list(zip(names, (p.data for p in self.params))), root_rank=0)
+        comm = communicator() if process_group is None else TorchCommunicator(process_group)
+        broadcast_tensors(comm, list(zip(names, (p.data for p in self.params))), root_rank=0)
         #: the parameters every rank last agreed on, which the outer optimizers step
         self.global_params = [p.detach().clone() for p in self.params]
         self.fragments: List[_Fragment] = []
@@ -188,7 +192,7 @@ class DiLoCo:
             own = compression if len(split) == 1 or isinstance(compression, str) else copy.deepcopy(compression)
             merged = PlannedStep(
                 own, memory if len(split) == 1 or not isinstance(memory, Memory) else copy.deepcopy(memory),
-                communicator(), [names[i] for i in indices], [self.params[i].shape for i in indices],
+                comm, [names[i] for i in indices], [self.params[i].shape for i in indices],
                 [self.params[i].dtype for i in indices], self.params[0].device, step_options,
                 FrontEnd("DiLoCo", "parameters", observe_order=False, timed=False, in_place=True, agree=agree))
             outer = (outer_optimizer or nesterov)([self.global_params[i] for i in indices])
@@ -234,9 +238,10 @@ class DiLoCo:
             flight.averaged = [] if reduced is None else reduced.tensors(len(fragment.indices))
 
     @torch.no_grad()
-    def _land(self) -> bool:
+    def _land(self, alpha: Optional[float] = None) -> bool:
         """The fragment in flight's outer step, and its local parameters merged with the new
-        global ones.  False where its round was skipped (its global parameters unchanged)."""
+        global ones (keeping ``alpha`` of theirs; default ``fragment_update_alpha``).  False where
+        its round was skipped (its global parameters unchanged)."""
         self._receive()
         flight, self._in_flight = self._in_flight, None
         fragment = self.fragments[flight.fragment]
@@ -248,19 +253,21 @@ class DiLoCo:
             for g in globals_:
                 g.grad = None
         locals_ = [self.params[i].data for i in fragment.indices]
-        if self.update_alpha:
-            torch._foreach_lerp_(locals_, globals_, 1.0 - self.update_alpha)
+        alpha = self.update_alpha if alpha is None else alpha
+        if alpha:
+            torch._foreach_lerp_(locals_, globals_, 1.0 - alpha)
         else:
             torch._foreach_copy_(locals_, globals_)
         return bool(flight.averaged)
 
     def sync(self) -> bool:
-        """Land the fragment in flight, then synchronize every fragment now (at the end of
-        training, for one model on every rank).  False where any fragment's round was skipped."""
+        """Land the fragment in flight, then synchronize every fragment now, every rank's
+        parameters becoming the global ones whatever ``fragment_update_alpha`` (at the end of
+        training: one model on every rank).  False where any fragment's round was skipped."""
         landed = self._land() if self._in_flight is not None else True
         for k in range(len(self.fragments)):
             self._send(k)
-            landed = self._land() and landed
+            landed = self._land(alpha=0.0) and landed
         return landed
 
     def state_bytes(self) -> int:

@@ -1,14 +1,15 @@
 """Broadcasts that start every data-parallel job: parameters and optimizer state from one rank."""
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Tuple, Union
+from typing import Iterable, List, Mapping, Tuple, Union
 
 import torch
 
+from mergecomp.engines.communicator import Communicator
 from mergecomp.horovod_api.collectives import broadcast_object
 from mergecomp.horovod_api.runtime import communicator
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
+__all__ = ["broadcast_parameters", "broadcast_tensors", "broadcast_optimizer_state"]
 
 Params = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
@@ -25,8 +26,13 @@ def broadcast_parameters(params: Params, root_rank: int = 0) -> None:
 
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
     """
-    comm = communicator()
-    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    broadcast_tensors(communicator(), list(params.items()) if isinstance(params, Mapping) else list(params),
+                      root_rank)
+
+
+@torch.no_grad()
+def broadcast_tensors(comm: Communicator, items: List[Tuple[str, torch.Tensor]], root_rank: int) -> None:
+    """:func:`broadcast_parameters` of the ``(name, tensor)`` pairs ``items`` over ``comm``."""
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")

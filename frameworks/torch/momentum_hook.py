@@ -23,16 +23,9 @@ from mergecomp.pipeline.step import MergedStep
 
 from .momentum_exchange import OPTION, MomentumExchange, MomentumSettings
 from .momentum_recipes import adapt
+from .named_parameters import inner_optimizer
 
-__all__ = ["HookMomentum", "adam_of"]
-
-
-def adam_of(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``,
-    Lightning's ``LightningOptimizer``: each holds it as ``.optimizer``), or ``optimizer``."""
-    while not isinstance(optimizer, torch.optim.Adam) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
+__all__ = ["HookMomentum"]
 
 
 class HookMomentum:
@@ -64,7 +57,7 @@ class HookMomentum:
         Without a state loaded (:meth:`load_state_dict`), the updates so far are Adam's step
         count, as :meth:`MomentumExchange.load_state_dict` of None has it: load the optimizer's
         own state first when resuming from a checkpoint without the hook's."""
-        optimizer = adam_of(optimizer)
+        optimizer = inner_optimizer(optimizer)
         if self.exchange is not None and self.exchange.optimizer is optimizer:  # again (a second train())
             self.exchange.grad_scaler = grad_scaler
             return

@@ -1,12 +1,21 @@
 """Which parameters a :class:`~.optimizer.DistributedOptimizer` exchanges, and under which names:
-Horovod's ``named_parameters`` may name more parameters than the optimizer holds."""
+Horovod's ``named_parameters`` may name more parameters than the optimizer holds; and the torch
+optimizer inside a framework's wrapper of one."""
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["collect_parameters"]
+__all__ = ["collect_parameters", "inner_optimizer"]
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``: each holds it as ``.optimizer``), or ``optimizer``."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def collect_parameters(optimizer: torch.optim.Optimizer,

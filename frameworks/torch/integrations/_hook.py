@@ -1,15 +1,17 @@
-"""Registering mergecomp's DDP communication hook on a model a framework wrapped in DDP."""
+"""Registering mergecomp's DDP communication hook on a model a framework wrapped in DDP, or a hook
+that communicates nothing (DiLoCo's inner steps)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Union
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.torch.ddp_hook import DDPHookState, ddp_comm_hook
 
-__all__ = ["attach"]
+__all__ = ["attach", "keep_local"]
 
 
 def attach(ddp: DistributedDataParallel, compression: Union[str, Compressor] = "none",
@@ -23,6 +25,25 @@ def attach(ddp: DistributedDataParallel, compression: Union[str, Compressor] = "
                         f"{type(ddp).__name__} (FSDP, DeepSpeed and other wrappers are not supported)")
     state, hook = ddp_comm_hook(compression, memory, process_group=ddp.process_group,
                                 named_parameters=ddp.module.named_parameters(), **(options or {}))
+    _register(ddp, state, hook, who)
+    return state.bind()
+
+
+def _local(_, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """A ``dist.GradBucket``'s gradients as this rank computed them (a completed future):
+    nothing sent, nothing averaged."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def keep_local(ddp: DistributedDataParallel, who: str) -> None:
+    """Register a hook on ``ddp`` under which every rank keeps its own gradients (DiLoCo's
+    inner steps); RuntimeError naming ``who`` when it already has a communication hook."""
+    _register(ddp, None, _local, who)
+
+
+def _register(ddp: DistributedDataParallel, state: Any, hook: Any, who: str) -> None:
     try:
         ddp.register_comm_hook(state, hook)
     except RuntimeError as err:
@@ -31,4 +52,3 @@ def attach(ddp: DistributedDataParallel, compression: Union[str, Compressor] = "
         raise RuntimeError(f"{who}: this DDP model already has a communication hook (e.g. from "
                            f"DistributedDataParallelKwargs(comm_hook=...) or DDPStrategy(ddp_comm_hook=...)); "
                            f"mergecomp's replaces it: remove the other one") from err
-    return state.bind()

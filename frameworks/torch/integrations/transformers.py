@@ -19,6 +19,15 @@ else ``<output_dir>/checkpoint-<global step>``, where the Trainer writes and
 ``train(resume_from_checkpoint=True)`` finds its checkpoints; a resumed run whose folder holds no
 such file (a checkpoint saved without mergecomp) logs a warning and starts the error feedback
 afresh.
+
+For links too slow for an exchange per step, ``register_diloco(trainer, sync_every=100,
+compression="topk")`` trains with DiLoCo (:class:`mergecomp.torch.DiLoCo`) instead: the DDP model
+gets a hook that sends nothing, the Trainer's optimizer takes the inner steps, and every
+``sync_every`` of its updates the pseudo-gradient is exchanged.  Its checkpoint file
+(``mergecomp_diloco.pt``) holds every rank's DiLoCo state, local parameters and inner optimizer
+state (the Trainer saves rank 0's model and optimizer only, and under DiLoCo they differ between
+synchronizations); at the end of training every fragment synchronizes once more, so that every
+rank holds the same model.
 """
 from __future__ import annotations
 
@@ -37,15 +46,21 @@ from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION
 
-from ._hook import attach
+from mergecomp.torch.diloco import DiLoCo
+from mergecomp.torch.named_parameters import inner_optimizer
+
+from ._hook import attach, keep_local
 from ._ranks import AllRanks
 
-__all__ = ["MergecompCallback", "register", "run_length", "STATE_FILE"]
+__all__ = ["MergecompCallback", "DiLoCoCallback", "register", "register_diloco", "run_length", "STATE_FILE",
+           "DILOCO_STATE_FILE"]
 
 logger = logging.getLogger("mergecomp")
 
 #: the file in each checkpoint folder holding every rank's hook state
 STATE_FILE = "mergecomp_ddp_hook.pt"
+#: the same for :func:`register_diloco`'s
+DILOCO_STATE_FILE = "mergecomp_diloco.pt"
 
 
 def run_length(args: Any, max_steps: int) -> Dict[str, int]:
@@ -55,34 +70,82 @@ def run_length(args: Any, max_steps: int) -> Dict[str, int]:
     return {TOTAL_OPTION: max_steps, WARMUP_OPTION: int(args.get_warmup_steps(max_steps))}
 
 
-class MergecompCallback(TrainerCallback):
+class _EveryRankCallback(TrainerCallback):
+    """Every rank's state of ``self._ranks``'s target in each checkpoint folder (:attr:`state_file`,
+    written by rank 0), and back to each rank when the Trainer resumes (:meth:`_resume`)."""
+
+    #: the file in each checkpoint folder
+    state_file: str = ""
+    #: what starts afresh when a resumed run finds no such file
+    afresh: str = ""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        #: the folder given to the last ``trainer.train(resume_from_checkpoint=...)`` (:func:`register`)
+        self.resume_from: Any = None
+        self._ranks: Optional[AllRanks] = None
+        self._wrapped = None  # the DDP model the callback set up
+
+    def _ddp(self, args: Any) -> Optional[torch.nn.parallel.DistributedDataParallel]:
+        """The Trainer's DDP model; None on one process; TypeError under another wrapper."""
+        wrapped = self.trainer.model_wrapped
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            return wrapped
+        if args.world_size > 1:
+            raise TypeError(f"mergecomp: the Trainer wrapped the model in {type(wrapped).__name__}, not "
+                            f"DistributedDataParallel; {type(self).__name__} needs DDP (FSDP and DeepSpeed are "
+                            f"not supported)")
+        return None
+
+    def _resume(self, args, step: int) -> None:
+        folder = next((f for f in (self.resume_from, args.resume_from_checkpoint)
+                       if isinstance(f, str) and os.path.isdir(f)), None)
+        if folder is None:
+            folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+        path = os.path.join(folder, self.state_file)
+        if not os.path.isfile(path):
+            logger.warning("%s: resuming at step %d, but %s does not exist: %s (set "
+                           "TrainingArguments.resume_from_checkpoint to the checkpoint folder if the Trainer resumed "
+                           "from another one)", type(self).__name__, step, path, self.afresh)
+            return
+        self._ranks.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._ranks is None:
+            return
+        record = self._ranks.state_dict()  # every rank takes part
+        if record["ranks"] is None:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not os.path.isdir(folder):
+            raise RuntimeError(f"{type(self).__name__}: the Trainer's checkpoint folder {folder} does not exist "
+                               f"(hyperparameter search saves to per-trial folders: not supported)")
+        torch.save(record, os.path.join(folder, self.state_file))
+
+
+class MergecompCallback(_EveryRankCallback):
     """The callback :func:`register` adds to ``trainer`` (see the module docstring).
 
     ``hook_state`` is the hook's :class:`~mergecomp.torch.ddp_hook.DDPHookState` once training
     has begun on several processes; None on one process (the Trainer does not use DDP there).
     """
 
+    state_file = STATE_FILE
+    afresh = "the hook's error feedback starts afresh"
+
     def __init__(self, trainer: Any, compression: Union[str, Compressor] = "none",
                  memory: Union[str, Memory, None] = None, **options: Any) -> None:
+        super().__init__(trainer)
         #: ``exchange_momentum_after="auto"``: the run's length is known when training begins
         self.auto = options.get(MOMENTUM_OPTION) == AUTO
         check_settings(compression, memory, True,  # "auto": any run stands in for the one to come
                        **({TOTAL_OPTION: 1, **options} if self.auto else options))
-        self.trainer = trainer
         self.settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
-        #: the folder given to the last ``trainer.train(resume_from_checkpoint=...)`` (:func:`register`)
-        self.resume_from: Any = None
-        self._ranks: Optional[AllRanks] = None
-        self._wrapped = None  # the DDP model the hook is on
 
     def on_train_begin(self, args, state, control, **kwargs):
-        wrapped = self.trainer.model_wrapped
-        if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-            if args.world_size > 1:
-                raise TypeError(f"mergecomp: the Trainer wrapped the model in {type(wrapped).__name__}, not "
-                                f"DistributedDataParallel; the mergecomp hook needs DDP (FSDP and DeepSpeed are "
-                                f"not supported)")
+        wrapped = self._ddp(args)
+        if wrapped is None:
             return
         if wrapped is not self._wrapped:  # a second train() on the same DDP keeps its hook
             compression, memory, options = self.settings
@@ -96,39 +159,62 @@ class MergecompCallback(TrainerCallback):
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
 
-    def _resume(self, args, step: int) -> None:
-        folder = next((f for f in (self.resume_from, args.resume_from_checkpoint)
-                       if isinstance(f, str) and os.path.isdir(f)), None)
-        if folder is None:
-            folder = os.path.join(args.output_dir, f"checkpoint-{step}")
-        path = os.path.join(folder, STATE_FILE)
-        if not os.path.isfile(path):
-            logger.warning("MergecompCallback: resuming at step %d, but %s does not exist: the hook's "
-                           "error feedback starts afresh (set TrainingArguments.resume_from_checkpoint to the "
-                           "checkpoint folder if the Trainer resumed from another one)", step, path)
-            return
-        self._ranks.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
-    def on_save(self, args, state, control, **kwargs):
-        if self._ranks is None:
-            return
-        record = self._ranks.state_dict()  # every rank takes part
-        if record["ranks"] is None:
-            return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if not os.path.isdir(folder):
-            raise RuntimeError(f"MergecompCallback: the Trainer's checkpoint folder {folder} does not exist "
-                               f"(hyperparameter search saves to per-trial folders: not supported)")
-        torch.save(record, os.path.join(folder, STATE_FILE))
+class _DiLoCoRank:
+    """What one rank resumes DiLoCo from: its DiLoCo state, its local parameters and its inner
+    optimizer's state (under DiLoCo each rank's differ between synchronizations)."""
+
+    def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> None:
+        self.diloco, self.optimizer = diloco, optimizer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"diloco": self.diloco.state_dict(), "parameters": [p.detach().clone() for p in self.diloco.params],
+                "inner_optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.diloco.load_state_dict(state["diloco"])
+        torch._foreach_copy_([p.data for p in self.diloco.params], state["parameters"])
+        self.optimizer.load_state_dict(state["inner_optimizer"])
 
 
-def register(trainer: Any, compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
-             **options: Any) -> MergecompCallback:
-    """Add :class:`MergecompCallback` to ``trainer`` (before ``trainer.train()``); arguments as
-    :func:`mergecomp.torch.ddp_comm_hook`'s (``exchange_momentum_after=K`` with the Trainer's
-    AdamW: its momentum exchanged).  ``trainer.train`` then records the checkpoint folder it is
-    given, where the callback finds the hook's state.  Returns the callback."""
-    callback = MergecompCallback(trainer, compression, memory, **options)
+class DiLoCoCallback(_EveryRankCallback):
+    """The callback :func:`register_diloco` adds to ``trainer`` (see the module docstring);
+    ``diloco`` is its :class:`~mergecomp.torch.DiLoCo` once training has begun on several
+    processes."""
+
+    state_file = DILOCO_STATE_FILE
+    afresh = ("every rank continues from rank 0's parameters and inner optimizer state, which become the global "
+              "ones, with fresh outer optimizers and memories")
+
+    def __init__(self, trainer: Any, sync_every: int, compression: Union[str, Compressor] = "none",
+                 memory: Union[str, Memory, None] = None, **options: Any) -> None:
+        super().__init__(trainer)
+        self.settings = (sync_every, compression, memory, options)
+        self.diloco: Optional[DiLoCo] = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        wrapped = self._ddp(args)
+        if wrapped is None:
+            return
+        if wrapped is not self._wrapped:  # a second train() on the same DDP keeps its DiLoCo
+            keep_local(wrapped, type(self).__name__)
+            sync_every, compression, memory, options = self.settings
+            optimizer = inner_optimizer(kwargs["optimizer"])
+            self.diloco = DiLoCo(wrapped.module.named_parameters(), optimizer, sync_every, compression, memory,
+                                 process_group=wrapped.process_group, **options)
+            self._ranks, self._wrapped = AllRanks(_DiLoCoRank(self.diloco, optimizer), args.device), wrapped
+        if state.global_step > 0:  # the Trainer resumed from a checkpoint
+            self._resume(args, state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.diloco is not None:
+            self.diloco.sync()
+
+
+def _install(trainer: Any, callback: _EveryRankCallback) -> None:
+    """Add ``callback`` to ``trainer`` and make ``trainer.train`` record the checkpoint folder it
+    is given, where the callback finds its state."""
     trainer.add_callback(callback)
     train = trainer.train
 
@@ -139,4 +225,23 @@ def register(trainer: Any, compression: Union[str, Compressor] = "none", memory:
         return train(*args, **kwargs)
 
     trainer.train = train_recording_resume
+
+
+def register(trainer: Any, compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
+             **options: Any) -> MergecompCallback:
+    """Add :class:`MergecompCallback` to ``trainer`` (before ``trainer.train()``); arguments as
+    :func:`mergecomp.torch.ddp_comm_hook`'s (``exchange_momentum_after=K`` with the Trainer's
+    AdamW: its momentum exchanged).  Returns the callback."""
+    callback = MergecompCallback(trainer, compression, memory, **options)
+    _install(trainer, callback)
+    return callback
+
+
+def register_diloco(trainer: Any, sync_every: int, compression: Union[str, Compressor] = "none",
+                    memory: Union[str, Memory, None] = None, **options: Any) -> DiLoCoCallback:
+    """Add :class:`DiLoCoCallback` to ``trainer`` (before ``trainer.train()``): DiLoCo around the
+    Trainer's optimizer; arguments as :class:`mergecomp.torch.DiLoCo`'s (``fragments``,
+    ``fragment_sync_delay``, ``outer_optimizer``, ...).  Returns the callback."""
+    callback = DiLoCoCallback(trainer, sync_every, compression, memory, **options)
+    _install(trainer, callback)
     return callback
