@@ -147,6 +147,38 @@ def test_compressed_diloco_keeps_the_ranks_equal_and_learns():
         assert after < before and residual > 0 and groups == 2
 
 
+def _scaler_worker(rank, H=4, rounds=3):
+    """Streaming DiLoCo on 4 ranks with a GradScaler and clipping in the inner steps; rank 1's
+    loss is Inf at step 3, so its scaler skips that step there alone."""
+    import mergecomp.torch as mc
+
+    data = batches(rank, H * rounds)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    diloco = mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="topk", fragments=2,
+                       fragment_sync_delay=1, grad_scaler=scaler)
+    for step, (x, y) in enumerate(data, 1):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss * (float("inf") if rank == 1 and step == 3 else 1.0)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    diloco.sync()
+    diloco.close()
+    return (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), diloco.inner_steps, scaler.get_scale(),
+            all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+
+
+def test_a_grad_scaler_skipping_one_ranks_step_keeps_the_ranks_in_step():
+    out = run_workers(_scaler_worker, 4, timeout=120)
+    for params, steps, scale, finite in out:
+        assert torch.equal(params, out[0][0]) and steps == 12 and finite
+    assert [scale for _, _, scale, _ in out] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 10, 2.0 ** 10]
+
+
 def _resume_worker(rank, path, H, streaming, saved_at):
     """Save after ``saved_at`` inner steps (model, inner optimizer, DiLoCo), go on to 4 rounds; a
     fresh run loads the checkpoint and goes on the same way.  ``streaming``: two fragments with a

@@ -147,6 +147,10 @@ class DiLoCo:
             step (0 <= d < H // P).
         fragment_update_alpha: how much of its local parameters a fragment keeps when its outer
             step lands (0 <= alpha < 1; 0: it takes the global ones, and every rank's are equal).
+        grad_scaler: the ``torch.amp.GradScaler`` of the inner steps, if any: a step it skips
+            for Inf/NaN is skipped on that rank alone (no gradient is exchanged), so the steps
+            are counted at its ``update()``, which every rank calls every iteration, and the
+            ranks stay in step.
         process_group: a ``torch.distributed`` group to run on (a framework's, as a DDP model's);
             default: the engine of ``mc.init()``.
         options: the merged step's (:data:`~mergecomp.pipeline.options.FRONT_ENDS` ``"DiLoCo"``):
@@ -162,7 +166,8 @@ class DiLoCo:
                  compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  outer_optimizer: Optional[Callable[[List[torch.Tensor]], torch.optim.Optimizer]] = None,
                  fragments: Union[int, Sequence[torch.nn.Module]] = 1, fragment_sync_delay: int = 0,
-                 fragment_update_alpha: float = 0.0, process_group: Any = None, **options: Any) -> None:
+                 fragment_update_alpha: float = 0.0, grad_scaler: Any = None, process_group: Any = None,
+                 **options: Any) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be an int >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -200,7 +205,16 @@ class DiLoCo:
         #: the inner steps taken so far (checkpointed)
         self.inner_steps = 0
         self._in_flight: Optional[_InFlight] = None
-        self._hook = inner_optimizer.register_step_post_hook(self._counted)
+        self._scaler = grad_scaler
+        if grad_scaler is None:
+            self._hook = inner_optimizer.register_step_post_hook(self._counted)
+        else:
+            update = grad_scaler.update
+
+            def counted_update(*args: Any, **kwargs: Any) -> None:
+                update(*args, **kwargs)
+                self._counted()
+            grad_scaler.update = counted_update  # on the instance; close() removes it
 
     compressor = property(lambda self: self.fragments[0].merged.exchange.compressor,
                           doc="the configured compressor (the first fragment's)")
@@ -316,5 +330,8 @@ class DiLoCo:
         self._in_flight = None if flight is None else _InFlight(flight["fragment"], flight["due"], flight["averaged"])
 
     def close(self) -> None:
-        """Stop counting the inner optimizer's steps."""
-        self._hook.remove()
+        """Stop counting the inner steps."""
+        if self._scaler is None:
+            self._hook.remove()
+        else:
+            del self._scaler.update

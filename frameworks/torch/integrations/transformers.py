@@ -201,7 +201,9 @@ class DiLoCoCallback(_EveryRankCallback):
             keep_local(wrapped, type(self).__name__)
             sync_every, compression, memory, options = self.settings
             optimizer = inner_optimizer(kwargs["optimizer"])
+            scaler = getattr(self.trainer.accelerator, "scaler", None)  # fp16: it skips steps rank by rank
             self.diloco = DiLoCo(wrapped.module.named_parameters(), optimizer, sync_every, compression, memory,
+                                 grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
                                  process_group=wrapped.process_group, **options)
             self._ranks, self._wrapped = AllRanks(_DiLoCoRank(self.diloco, optimizer), args.device), wrapped
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
