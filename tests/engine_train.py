@@ -78,6 +78,24 @@ def train(compressor: str, steps: int, seed: int, scheme=None):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def train_diloco(steps: int) -> torch.Tensor:
+    """Streaming DiLoCo (top-k, 2 fragments, H = 4, the exchange in flight for one step) around
+    AdamW, then every fragment synchronized: the flat parameters, the same on every rank."""
+    rank, world = mc.rank(), mc.size()
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    diloco = mc.DiLoCo(model.named_parameters(), opt, sync_every=4, compression="topk", fragments=2,
+                       fragment_sync_delay=1)
+    x, y = make_data(rank, world)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    diloco.sync()
+    diloco.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def _expect(failures: list, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
     """Append to ``failures`` unless ``got`` equals ``want`` exactly, in dtype and shape too."""
     if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
@@ -250,6 +268,8 @@ def main(argv=None) -> int:
                 flat = train(name, args.steps, args.seed, None if scheme == "default" else scheme)
                 emit(kind="train", engine=comm.engine, rank=rank, compressor=name, scheme=scheme,
                      params=flat.tolist(), checksum=float(flat.double().sum()))
+        flat = train_diloco(args.steps)
+        emit(kind="diloco", engine=comm.engine, rank=rank, params=flat.tolist())
         if args.out:
             check_timeout(comm, os.path.join(args.out, "rank0-timed-out"))
     mc.shutdown()

@@ -148,6 +148,11 @@ def check_run(run, engine, reference_run, compressors=COMPRESSORS):
         assert got[(name, 0)] == got[(name, 1)], f"{engine}/{name}: the ranks' parameters differ"
         diff = max(abs(a - b) for a, b in zip(got[(name, 0)], want[(name, 0)]))
         assert diff <= 1e-6, f"{engine}/{name}: parameters differ from the torch engine's by {diff}"
+    diloco = {r["rank"]: r["params"] for r in records if r["kind"] == "diloco"}
+    assert sorted(diloco) == [0, 1] and diloco[0] == diloco[1], f"{engine}/DiLoCo: the ranks' parameters differ"
+    want = next(r["params"] for r in reference_run[0] if r["kind"] == "diloco")
+    diff = max(abs(a - b) for a, b in zip(diloco[0], want))
+    assert diff <= 1e-6, f"{engine}/DiLoCo: parameters differ from the torch engine's by {diff}"
 
 
 def check_timeout(run):
