@@ -419,3 +419,48 @@ def test_broadcast_optimizer_state_leaves_zero_gradients_and_training_is_unchang
         assert out["kept"] and out["bias_zero"] and out["adam_step"] == 1
         assert out["stateful_none"]
         assert out["sparse_zero"] and out["sparse_rows"] == [1, 3]
+
+
+def _zero_grad_before_step(rank):
+    """zero_grad() between backward() and the step that takes the exchanged gradients raises
+    AssertionError as Horovod's does, and the step then goes on; after synchronize(), after a
+    GradScaler skipped the step (it read param_groups to unscale), and after step() it is
+    allowed; with a parameter left without a gradient (the exchange still in flight) it raises."""
+    import mergecomp.torch as mc
+
+    model = make_model()
+    opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    x, y = shard(make_data()[0], rank), shard(make_data()[1], rank)
+    loss = lambda scale=1.0: torch.nn.functional.cross_entropy(model(x), y) * scale  # noqa: E731
+    seen = {}
+    loss().backward()
+    try:
+        opt.zero_grad()
+    except AssertionError as err:
+        seen["after backward"] = str(err)
+    opt.step()  # the gradients survived the refused zero_grad
+    opt.zero_grad()
+    loss().backward()
+    opt.synchronize()
+    opt.zero_grad()  # allowed: synchronize() took them
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss(float("inf") if rank == 1 else 1.0)).backward()
+    scaler.step(opt)  # inf: skipped on every rank
+    scaler.update()
+    opt.zero_grad()  # allowed: unscale_ read param_groups
+    (model[0](x).sum() * 0).backward()  # only the first layer gets a gradient: the exchange waits
+    try:
+        opt.zero_grad()
+    except AssertionError as err:
+        seen["in flight"] = str(err)
+    return seen, scaler.get_scale(), flat_params(model)
+
+
+def test_zero_grad_between_backward_and_step_raises_as_horovods():
+    out = run_workers(_zero_grad_before_step, 2, timeout=120)
+    for seen, scale, _ in out:
+        assert set(seen) == {"after backward", "in flight"}
+        assert all("zero_grad() was called after loss.backward() but before optimizer.step()" in m
+                   for m in seen.values())
+        assert scale < 2.0 ** 16
+    assert torch.equal(out[0][2], out[1][2])

@@ -226,6 +226,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self._passes = [0] * len(self._exchanged)
         self._final = 0  # parameters whose gradient is final for this step
         self._synchronized = self._step_skipped = self._warned_step = self._called_synchronize = False
+        #: backward() finished this step's exchange and nothing has taken its gradients yet
+        self._unapplied = False
         self._should_synchronize = True
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if momentum is None else MomentumExchange(
@@ -268,7 +270,7 @@ class DistributedOptimizer(HoldsMergedStep):
     # -- backward -----------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         if self._synchronized:  # the first gradient of a new step, whether or not step() ran
-            self._synchronized = self._step_skipped = self._called_synchronize = False
+            self._synchronized = self._step_skipped = self._called_synchronize = self._unapplied = False
         i = self._index[id(p)]
         self._passes[i] += 1
         if self._passes[i] > self.backward_passes_per_step:
@@ -283,6 +285,7 @@ class DistributedOptimizer(HoldsMergedStep):
             self._final += 1
             if self._final == len(self._exchanged):  # the step's last gradient: backward is over
                 self._finish_exchange()
+                self._unapplied = True
 
     # -- step ---------------------------------------------------------------------------------
     @property
@@ -294,6 +297,7 @@ class DistributedOptimizer(HoldsMergedStep):
         recipe unscales and checks for inf/NaN what is about to be applied, as under DDP).  Not
         to be read from inside the backward pass (an autograd hook)."""
         groups = self.__dict__["param_groups"]
+        self.__dict__["_unapplied"] = False  # whoever reads them after backward() takes the gradients
         merged = self.__dict__.get("merged")
         if merged is not None and self._should_synchronize and not self._synchronized and merged.in_flight:
             self._finish_exchange()
@@ -313,7 +317,7 @@ class DistributedOptimizer(HoldsMergedStep):
         inside :meth:`skip_synchronize` (outside it, ``step()`` warns once).
         """
         self._finish_exchange()
-        self._called_synchronize = True
+        self._called_synchronize, self._unapplied = True, False
 
     def _begin_exchange(self) -> None:
         """This step's first gradient is final (:meth:`MomentumExchange.begin_step`)."""
@@ -364,7 +368,7 @@ class DistributedOptimizer(HoldsMergedStep):
                               "optimizer.synchronize(); the gradients are not exchanged again. Wrap step() in "
                               "skip_synchronize() after an explicit synchronize()", UserWarning, stacklevel=2)
             self._finish_exchange()
-        self._synchronized = self._called_synchronize = False
+        self._synchronized = self._called_synchronize = self._unapplied = False
         if self._step_skipped:
             self._step_skipped = False
             return loss
@@ -400,12 +404,13 @@ class DistributedOptimizer(HoldsMergedStep):
         says (backward then accumulates into the groups, as under DDP's
         ``gradient_as_bucket_view``); every other gradient is set to None
         (``set_to_none=True``) or zeroed, as torch does.  An optimizer class with a
-        ``zero_grad`` of its own runs it instead."""
-        if self.merged.in_flight:
-            raise RuntimeError("optimizer.zero_grad() was called after loss.backward() but before "
-                               "optimizer.step() or optimizer.synchronize() in a step where some "
-                               "parameters got no gradient (so backward() could not finish the "
-                               "exchange); the gradients being exchanged would be lost")
+        ``zero_grad`` of its own runs it instead.  AssertionError, as Horovod's, between a
+        ``backward()`` and the ``step()``, ``synchronize()`` or read of :attr:`param_groups`
+        (``GradScaler.unscale_``) that takes its averaged gradients."""
+        if self.merged.in_flight or self._unapplied:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(): the gradients this step "
+                                 "exchanged would be lost (Horovod refuses this too)")
         if not self._keeps_views:
             super().zero_grad(set_to_none=set_to_none)
             return
