@@ -193,11 +193,11 @@ class DiLoCo:
         #: the parameters every rank last agreed on, which the outer optimizers step
         self.global_params = [p.detach().clone() for p in self.params]
         self.fragments: List[_Fragment] = []
+        def own(given: Any) -> Any:  # each fragment its own instance (names build fresh ones)
+            return given if len(split) == 1 or given is None or isinstance(given, str) else copy.deepcopy(given)
         for k, indices in enumerate(split):
-            own = compression if len(split) == 1 or isinstance(compression, str) else copy.deepcopy(compression)
             merged = PlannedStep(
-                own, memory if len(split) == 1 or not isinstance(memory, Memory) else copy.deepcopy(memory),
-                comm, [names[i] for i in indices], [self.params[i].shape for i in indices],
+                own(compression), own(memory), comm, [names[i] for i in indices], [self.params[i].shape for i in indices],
                 [self.params[i].dtype for i in indices], self.params[0].device, step_options,
                 FrontEnd("DiLoCo", "parameters", observe_order=False, timed=False, in_place=True, agree=agree))
             outer = (outer_optimizer or nesterov)([self.global_params[i] for i in indices])
