@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -450,6 +450,16 @@ class DistributedOptimizer(HoldsMergedStep):
             self.merged.load_state_dict(ours)
         if self.momentum_exchange is not None:
             self.momentum_exchange.load_state_dict(momentum)
+
+    def load_every_rank(self, states: Sequence[Dict[str, Any]], residuals: str = "fold") -> None:
+        """Resume from every rank's :meth:`state_dict` of the job that saved them (in rank
+        order), on this world whatever its size (a torchrun elastic restart): the optimizer's
+        own state from rank 0's (the ranks' are equal), this rank's mergecomp state where the
+        world kept its size, else each per-rank memory the mean of the old ranks'
+        (``residuals="fold"``) or fresh (``"drop"``)
+        (:meth:`~mergecomp.pipeline.step.MergedStep.load_ranks`).  Every rank calls it."""
+        self.load_state_dict({key: value for key, value in states[0].items() if key != "mergecomp"})
+        self.merged.load_ranks([state["mergecomp"] for state in states], residuals)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """The optimizer class's own ``__setstate__`` (``load_state_dict`` and unpickling call

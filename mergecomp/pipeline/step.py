@@ -37,6 +37,7 @@ from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, remap_
 from mergecomp.exchange.schemes import SHARDED
 from mergecomp.pipeline.agreement import check_ranks_agree
 from mergecomp.pipeline.nonfinite import OVERFLOWED, NonfiniteCheck
+from mergecomp.pipeline.resharding import fold
 from mergecomp.pipeline.options import WARMUP_CODECS, FrontEnd, StepOptions
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep"]
@@ -410,6 +411,19 @@ class MergedStep:
         self.exchange.load_state_dict(state)
         self.timings.forget()
         self._loaded(state)
+
+    def load_ranks(self, states: Sequence[Dict[str, Any]], residuals: str = "fold") -> None:
+        """Restore from every rank's :meth:`state_dict` of the job that saved them, between
+        steps: this rank's own where the world has as many ranks, else the state
+        :func:`~mergecomp.pipeline.resharding.fold` makes of them (``residuals``: ``"fold"``,
+        each per-rank memory the mean of the old ranks'; ``"drop"``: fresh), logged."""
+        if len(states) == self.comm.size:
+            return self.load_state_dict(states[self.comm.rank])
+        folded = fold(states, list(self.exchange.holders()), residuals)
+        logger.warning("%s: the checkpoint was saved by %d ranks and runs on %d: per-rank error-feedback state %s, "
+                       "and the scheduler searches again", self.front_end.who, len(states), self.comm.size,
+                       "is the mean of the old ranks'" if residuals == "fold" else "starts afresh")
+        self.load_state_dict(folded)
 
     def _load_layout(self, plan: GroupPlan, shapes: List[torch.Size], state: Dict[str, Any]) -> None:
         """Take the checkpoint's layout ``plan`` (of tensors of ``shapes``)."""

@@ -1,0 +1,67 @@
+"""A merged step's checkpoint, saved on N ranks, for a world of another size (a torchrun elastic
+restart, a Horovod job that lost or gained workers).
+
+Every rank's :meth:`~mergecomp.pipeline.step.MergedStep.state_dict` holds state of two kinds:
+
+* **replicated**: the plan, the step counters, PowerSGD's ``Q``, rand-k's step, ACP-SGD's factor:
+  equal on every rank, so any rank's serves the new world;
+* **per rank**: the error-feedback memories (``"memory"``: residuals, DGC's velocity, the
+  averaged memory's error) and a compressor's own running state (Signum's momentum), each this
+  rank's share of what has not been sent yet.
+
+:func:`fold` makes one state every rank of the new world loads: a tensor equal on every old rank
+is kept; a per-rank one (a floating tensor that differs) becomes the mean over the old ranks
+(``residuals="fold"``: the average of the unsent gradients is what every rank would have added;
+a rank that leaves no longer takes its share with it), or is dropped (``residuals="drop"``: the
+memories start at zero, as DeepSpeed's 1-bit Adam does on every load).  A group whose tensors
+differ in shape between ranks, and the sharded schemes' state (its shards are cut by N), start
+afresh either way.  The scheduler's measured timings depend on N: it searches again.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+__all__ = ["RESIDUAL_POLICIES", "FOLDED", "fold"]
+
+#: what :func:`fold` does with each rank's share of state
+RESIDUAL_POLICIES = ("fold", "drop")
+#: the holders whose per-rank state :func:`fold` may fold (the others start afresh)
+FOLDED = ("memory", "compressor")
+
+
+def _fold_group(fields: List[Dict[str, torch.Tensor]], residuals: str) -> Dict[str, torch.Tensor]:
+    """One group's fields from every old rank's: equal tensors kept, the others folded (their
+    mean) or, under ``"drop"`` or where they cannot be averaged, left out."""
+    out = {}
+    for name, first in fields[0].items():
+        mine = [f.get(name) for f in fields]
+        if any(t is None or t.shape != first.shape or t.dtype != first.dtype for t in mine):
+            continue
+        if all(torch.equal(t, first) for t in mine[1:]):
+            out[name] = first
+        elif residuals == "fold" and first.is_floating_point():
+            out[name] = torch.stack(mine).mean(dim=0, dtype=torch.float64 if first.dtype == torch.float64
+                                               else torch.float32).to(first.dtype)
+    return out
+
+
+def fold(states: Sequence[Dict[str, Any]], holders: Sequence[str], residuals: str = "fold") -> Dict[str, Any]:
+    """The state one rank of a world of any size loads, from the states of every rank of the
+    world that saved them (module docstring); ``holders``: the exchange's state holders
+    (:meth:`~mergecomp.exchange.exchange.Exchange.holders`).  The rest comes from rank 0's; the
+    result names no rank and no world size, so it loads on every rank as its own."""
+    if residuals not in RESIDUAL_POLICIES:
+        raise ValueError(f"residuals must be one of {RESIDUAL_POLICIES}, got {residuals!r}")
+    first = states[0]
+    if any(s["plan"] != first["plan"] or s["shapes"] != first["shapes"] for s in states[1:]):
+        raise ValueError("the ranks' checkpoints hold different plans or tensors: they were not saved by one job")
+    out = {key: value for key, value in first.items() if key not in ("rank", "world_size")}
+    for key in holders:
+        held = [s.get(key, {}) for s in states] if key in FOLDED else [{}]
+        groups = [name for name in held[0] if all(name in h for h in held)]
+        folded = {name: _fold_group([h[name] for h in held], residuals) for name in groups}
+        out[key] = {name: fields for name, fields in folded.items() if fields}  # an empty one starts afresh
+    out["scheduler"] = None
+    return out

@@ -1,0 +1,65 @@
+"""A DistributedOptimizer checkpoint saved by 4 gloo ranks, resumed on 3 (a torchrun elastic
+restart): replicated state kept, per-rank memories folded (their mean) or dropped, no rank given
+another's residual, the ranks in step afterwards."""
+import pytest
+import torch
+from distributed import run_workers
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def wrap(model, compression):
+    import mergecomp.torch as mc
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups=1)
+
+
+def train(model, opt, rank, steps, seed):
+    data = torch.Generator().manual_seed(seed + rank)
+    for _ in range(steps):
+        x, y = torch.randn(6, 8, generator=data), torch.randint(0, 4, (6,), generator=data)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _save(rank, folder, compression):
+    model = make_model()
+    opt = wrap(model, compression)
+    train(model, opt, rank, 5, 0)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{folder}/rank{rank}.pt")
+
+
+def _resume(rank, folder, compression, residuals):
+    model = make_model()
+    opt = wrap(model, compression)
+    saved = [torch.load(f"{folder}/rank{r}.pt", weights_only=False) for r in range(4)]
+    model.load_state_dict(saved[0]["model"])
+    opt.load_every_rank([s["opt"] for s in saved], residuals=residuals)
+    memory = opt.merged.exchange.memory.state_dict()
+    compressor = opt.merged.exchange.compressor.state_dict()
+    train(model, opt, rank, 3, 100)
+    return memory, compressor, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("compression,residuals", [("topk", "fold"), ("topk", "drop"), ("powersgd", "fold")])
+def test_four_ranks_resume_on_three(tmp_path, compression, residuals):
+    run_workers(_save, 4, str(tmp_path), compression, timeout=120)
+    old = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["opt"]["mergecomp"] for r in range(4)]
+    out = run_workers(_resume, 3, str(tmp_path), compression, residuals, timeout=120)
+    [group] = old[0]["memory"]
+    residual = [s["memory"][group]["residual"] for s in old]
+    for memory, compressor, params in out:
+        if residuals == "fold":
+            mine = memory[group]["residual"]
+            assert torch.allclose(mine, torch.stack(residual).mean(0), atol=1e-7)
+            assert not any(torch.equal(mine, r) for r in residual), "a rank holds another rank's residual"
+        else:
+            assert group not in memory
+        for name, fields in old[0]["compressor"].items():  # replicated (PowerSGD's Q): rank 0's, exactly
+            assert all(torch.equal(compressor[name][k], v) for k, v in fields.items())
+        assert torch.equal(params, out[0][2])
