@@ -13,7 +13,8 @@ __all__ = ["BY_COMPRESSOR", "SHORT_RUN", "SHORT_RUN_RECORDS", "WARM_UPS", "BETA2
            "recipes_on_their_own_run"]
 
 #: bench_adam.py's defaults, which records made before it wrote its setting leave out
-_ADAM_DEFAULTS = {"layers": 4, "lr": 1e-3, "beta2": 0.999, "clip": None, "batch": 8, "workers": 2}
+_ADAM_DEFAULTS = {"model": "gpt2", "corpus": "stdlib", "layers": 4, "lr": 1e-3, "beta2": 0.999, "clip": None,
+                  "batch": 8, "workers": 2}
 #: the compressors of :func:`adam_auto`'s columns
 _AUTO_COMPRESSORS = ("onebit", "topk", "powersgd", "terngrad")
 #: its rows: label, the setting (what differs from the defaults), updates, the record of its runs
@@ -25,6 +26,8 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      {"layers": 3, "lr": 3e-3, "clip": 1.0, "workers": 4, "batch": 4}, 600, "adam_gpt2_3x256_auto_4workers.jsonl"),
     ("the same with beta2 = 0.95 (`--beta2 0.95`, R = 8)",
      {"layers": 3, "lr": 3e-3, "clip": 1.0, "beta2": 0.95}, 600, "adam_gpt2_3x256_beta2_095_2workers.jsonl"),
+    ("the same with a Llama (rotary positions, RMSNorm, SwiGLU, untied embeddings; `--model llama`)",
+     {"model": "llama", "layers": 3, "lr": 3e-3, "clip": 1.0}, 600, "adam_llama_3x256_auto_2workers.jsonl"),
 )
 
 
