@@ -25,7 +25,8 @@ AdamW's step hooks, as the transformers ``Trainer``, Accelerate and Lightning's
 ``COMPRESSOR[:args]@diloco/H[+MEMORY]``: ``mc.DiLoCo`` around the same AdamW, its pseudo-gradient
 sent with that compressor every H steps (``none@diloco/H``: dense DiLoCo), groups as above;
 ``@averaging/H``: the same with plain SGD at lr 1 as the outer optimizer (the parameters averaged
-every H steps, Local SGD).
+every H steps, Local SGD).  ``~P~D`` after either: Streaming DiLoCo, P fragments, each exchange in
+flight for D inner steps (``fragments``, ``fragment_sync_delay``).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -72,6 +73,9 @@ parser.add_argument("--hosts", type=int, default=2)
 parser.add_argument("--rate", default="1gbit", help="each host's link (tc tbf), or 'loopback'")
 parser.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
 parser.add_argument("--json", default=None, help="append one JSON record (with its curve) per configuration")
+parser.add_argument("--no-baseline", action="store_true",
+                    help=f"do not run {BASELINE} first (its losses do not depend on the link: --report takes the "
+                         f"target from its record at another rate)")
 parser.add_argument("--report", default=None, help="print the table from the records of earlier --json runs")
 parser.add_argument("--plot", default=None, help="with --report: save validation loss against seconds here")
 parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one configuration on this rank
@@ -128,16 +132,19 @@ def wrap_hook(model, config, steps, after, warm):
 
 def wrap_diloco(model, config, steps, warm, groups):
     """AdamW with the LR schedule, and ``mc.DiLoCo`` around it as ``config``
-    (``COMPRESSOR[:args]@diloco/H[+MEMORY]``) says: (optimizer, scheduler, the DiLoCo, bits per
-    element per step)."""
+    (``COMPRESSOR[:args]@diloco/H[+MEMORY][~P[~D]]``) says: (optimizer, scheduler, the DiLoCo,
+    bits per element per step)."""
     import mergecomp
     import mergecomp.torch as mc
 
+    config, *streaming = config.split("~")
+    fragments, delay = (int(x) for x in (*streaming, 1, 0)[:2])
     spec, mode, memory, sync_every, _ = parse_config(config)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     outer = (lambda params: torch.optim.SGD(params, lr=1.0)) if mode == "averaging" else None
     diloco = mc.DiLoCo(model.named_parameters(), adamw, sync_every=sync_every, compression=compressor_of(spec),
-                       memory=memory_of(memory) if memory else None, groups=groups, outer_optimizer=outer)
+                       memory=memory_of(memory) if memory else None, groups=groups, outer_optimizer=outer,
+                       fragments=fragments, fragment_sync_delay=delay)
     shapes = [p.shape for p in model.parameters()]
     bits = mergecomp.bits_per_element(diloco.compressor, sum(s.numel() for s in shapes), shapes=shapes) / sync_every
     return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm)), diloco, bits
@@ -334,7 +341,8 @@ def main():
         if args.plot:
             plot(records, target, args.plot)
         return
-    configs = [BASELINE] + [c for c in args.configs.split(",") if c and c != BASELINE]
+    configs = [] if args.no_baseline else [BASELINE]
+    configs += [c for c in args.configs.split(",") if c and c not in configs]
     records = []
     from mergecomp_bench.records import append, provenance
 
@@ -347,7 +355,8 @@ def main():
         shown = f"{record['final_test_loss']:.4f} in {record['train_s']:.0f} s" if record["status"] == "ok" \
             else record["status"]
         print(f"# {record['config']}: {shown}", file=sys.stderr, flush=True)
-    report(records)
+    if not args.no_baseline:
+        report(records)
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ from mergecomp_bench.results.host_work import HEADLINE_ROWS, codec_work, own_wor
 from mergecomp_bench.results.schemes import plans, scheduler_summary, schemes_by_ranks, schemes_fixed_vs_auto
 from mergecomp_bench.results.step_time import every_compressor, scaling, throughput_anchors, throughput_repeats
 from mergecomp_bench.results.time_to_target import (DILOCO, DILOCO_LABELS, HEADLINE, HEADLINE_LABELS, TARGET,
-                                                    TRAINER_ROUTE,
-                                                    TRAINER_ROUTE_LABELS, TTA, TTA_LABELS, headline, time_to,
-                                                    time_to_accuracy, time_to_accuracy_recipes)
+                                                    TRAINER_ROUTE, TRAINER_ROUTE_LABELS, TTA, TTA_LABELS,
+                                                    diloco_slow_links, headline, time_to, time_to_accuracy,
+                                                    time_to_accuracy_recipes)
 
 __all__ = ["TABLES", "TARGET", "render_file", "summary", "throughput_anchors", "throughput_repeats",
            "every_compressor", "scaling", "schemes_by_ranks", "schemes_fixed_vs_auto", "plans", "scheduler_summary",
@@ -91,6 +91,7 @@ TABLES: Dict[str, Callable[[], str]] = {
                                               bold=("hook:onebit@auto",)),
     "time-to-accuracy-recipes": time_to_accuracy_recipes,
     "time-to-accuracy-diloco": partial(time_to_accuracy, DILOCO, DILOCO_LABELS),
+    "diloco-slow-links": diloco_slow_links,
     "codec-work": codec_work,
     "fsdp2-step": fsdp2_step,
     "fsdp2-bytes": fsdp2_bytes,

@@ -9,7 +9,7 @@ from mergecomp_bench.results.data import finished
 from mergecomp_bench.results.markdown import signed, table, times
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
-           "DILOCO", "DILOCO_LABELS",
+           "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
            "time_to", "runs_by_seed", "speed_ups", "median_or_dash", "headline_speed_ups", "headline",
            "time_to_accuracy", "time_to_accuracy_recipes"]
 
@@ -34,6 +34,54 @@ DILOCO_LABELS = {HEADLINE: "mergecomp 1-bit SGD, momentum exchanged every step",
                  "none@diloco/10": "DiLoCo, H = 10, dense", "topk:ratio=0.1@diloco/10": "DiLoCo, H = 10, top-k 10 %",
                  "none@averaging/10": "outer SGD lr 1 (averaging), H = 10, dense",
                  "none@averaging/50": "outer SGD lr 1 (averaging), H = 50, dense"}
+
+
+#: DiLoCo with its schedule stretched to twice DDP's steps, on loopback: the losses, step by step
+STRETCHED = "time_to_accuracy_gpt2_4x256_batch2_loopback_diloco_stretched.jsonl"
+#: the same configurations on 10 and 100 Mbit/s links (DDP fp32 over its first steps only)
+SLOW_LINKS = "time_to_accuracy_gpt2_4x256_batch2_slow_links_diloco.jsonl"
+SLOW_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H = 10, dense",
+               "topk:ratio=0.1@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 %",
+               "topk:ratio=0.1@averaging/10~2~1*2": "the same, Streaming: 2 fragments, delay 1",
+               "topk:ratio=0.1@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4"}
+
+
+def steps_to(record: dict, target: float) -> Optional[int]:
+    """The step of ``record``'s first evaluation at or below ``target``, or None."""
+    return next((point["step"] for point in record["curve"] if point["test_loss"] <= target), None)
+
+
+def diloco_slow_links() -> str:
+    """DiLoCo trained twice DDP's steps (its LR schedule stretched) against DDP fp32, by link:
+    the steps each needs to reach DDP fp32's final loss + 1 % (from :data:`STRETCHED`: losses do
+    not depend on the link), the mean step on each link and the time to that loss
+    (:data:`SLOW_LINKS`).  DDP fp32 ran its first steps only on the slow links: its time is its
+    mean step there times its steps to the target, marked as projected."""
+    curves = {run["config"]: run for run in finished(STRETCHED)}
+    target = curves["ddp"]["final_test_loss"] * (1 + TARGET)
+    rows = [["loopback (losses)", SLOW_LABELS[config], f"{run['steps']:,}",
+             "32" if config == "ddp" else f"{run['bits_per_element']:.2f}", "–", "–",
+             str(steps_to(run, target) or "not reached"), "–", "–"] for config, run in curves.items()]
+    for rate in sorted({run["rate"] for run in finished(SLOW_LINKS)}, key=lambda r: int(r.rstrip("mbit"))):
+        runs = [run for run in finished(SLOW_LINKS) if run["rate"] == rate]
+        timed = {}
+        for run in runs:
+            trained = min(run["steps"], run["stop"] or run["steps"])
+            step = run["train_s"] / trained
+            steps = steps_to(curves[run["config"]] if run["stop"] else run, target)
+            timed[run["config"]] = (run, step, steps, None if steps is None else
+                                    (steps * step if run["stop"] else time_to(run, target)))
+        ddp_time = timed["ddp"][3] if "ddp" in timed else None
+        for config, (run, step, steps, reached) in timed.items():
+            shown = "not reached" if reached is None else (
+                f"{reached:,.0f} s" + (f" (projected: {run['stop']} steps timed)" if run["stop"] else ""))
+            rows.append([rate.replace("mbit", " Mbit/s"), SLOW_LABELS[config], f"{run['steps']:,}",
+                         "32" if config == "ddp" else f"{run['bits_per_element']:.2f}", f"{step:.3f}",
+                         f"{run['compute_s']:.3f}", str(steps or "not reached"), shown,
+                         "–" if config == "ddp" or reached is None or ddp_time is None else times(ddp_time / reached)])
+    header = ["link", "configuration", "schedule (steps)", "bits per element per step", "mean step (s)",
+              "one worker's step (s)", "steps to target", "time to target", "vs DDP fp32"]
+    return table(header, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
 
 
 def time_to(record: dict, target: float) -> Optional[float]:
