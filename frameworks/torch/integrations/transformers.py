@@ -43,10 +43,9 @@ from transformers import TrainerCallback
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
+from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION
-
-from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.named_parameters import inner_optimizer
 
 from ._hook import attach, keep_local
