@@ -40,6 +40,7 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.torch_dist import TorchCommunicator
+from mergecomp.exchange.plan import cut_evenly
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
@@ -77,13 +78,7 @@ def _split(params: List[torch.nn.Parameter], fragments: Union[int, Sequence[torc
     if isinstance(fragments, int):
         if not 1 <= fragments <= len(params):
             raise ValueError(f"DiLoCo: fragments must be between 1 and the {len(params)} parameters, got {fragments}")
-        ends = torch.tensor([p.numel() for p in params]).cumsum(0)
-        bounds = [0]
-        for k in range(1, fragments):  # after about k / fragments of the elements, none empty
-            cut = int(torch.searchsorted(ends, ends[-1] * k / fragments)) + 1
-            bounds.append(min(max(cut, bounds[-1] + 1), len(params) - fragments + k))
-        bounds.append(len(params))
-        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+        return cut_evenly(range(len(params)), [p.numel() for p in params], fragments)
     position = {id(p): i for i, p in enumerate(params)}
     split, seen = [], {}
     for k, module in enumerate(fragments):

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from mergecomp.compressors.base.compressor import Compressor
 
 __all__ = ["CODECS", "COMPRESSED", "EXEMPT", "UNFED", "WARMUP_FP16", "WARMUP_QSGD", "WARMUP_QSGD4", "Exemptions", "GroupPlan",
-           "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name"]
+           "Group", "has_codec_choice", "layout", "remap_state", "build_plan", "group_name", "cut_evenly"]
 
 PlanSpec = Union[str, int, Sequence[Sequence[str]], "GroupPlan"]
 
@@ -180,17 +180,18 @@ def layout(plan: GroupPlan, shapes: Sequence[torch.Size]) -> List[Group]:
     return groups
 
 
-def _cut_by_bytes(order: Sequence[int], nbytes: Sequence[int], k: int) -> List[List[int]]:
-    """Split ``order`` into ``min(k, len(order))`` contiguous runs of about equal bytes.
+def cut_evenly(order: Sequence[int], sizes: Sequence[int], k: int) -> List[List[int]]:
+    """Split ``order`` into ``min(k, len(order))`` contiguous runs of about equal total
+    ``sizes`` (bytes for a plan's groups, elements for DiLoCo's fragments), none empty.
 
-    Cut ``j`` goes at the tensor boundary whose prefix of bytes is nearest ``j / k`` of the
-    total, leaving room for one tensor in every later group.
+    Cut ``j`` goes at the tensor boundary whose prefix of sizes is nearest ``j / k`` of the
+    total, leaving room for one tensor in every later run.
     """
     n = len(order)
     k = min(k, n)
     prefix = [0]
     for i in order:
-        prefix.append(prefix[-1] + nbytes[i])
+        prefix.append(prefix[-1] + sizes[i])
     cuts = [0]
     for j in range(1, k):
         target = prefix[-1] * j / k
@@ -235,7 +236,7 @@ def build_plan(
     elif isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 1:
             raise ValueError(f"groups must be a positive number of groups, got {spec}")
-        groups = _cut_by_bytes(sent, nbytes, spec) if sent else []
+        groups = cut_evenly(sent, nbytes, spec) if sent else []
     else:
         groups = _groups_from_names(spec, order, names)
     held = [i for i in order if exempt[i]]
