@@ -59,7 +59,10 @@ def fold(states: Sequence[Dict[str, Any]], holders: Sequence[str], residuals: st
         raise ValueError("the ranks' checkpoints hold different plans or tensors: they were not saved by one job")
     out = {key: value for key, value in first.items() if key not in ("rank", "world_size")}
     for key in holders:
-        held = [s.get(key, {}) for s in states] if key in FOLDED else [{}]
+        if key not in FOLDED:  # the sharded schemes' state, cut by N: afresh
+            out[key] = {}
+            continue
+        held = [s.get(key, {}) for s in states]
         groups = [name for name in held[0] if all(name in h for h in held)]
         folded = {name: _fold_group([h[name] for h in held], residuals) for name in groups}
         out[key] = {name: fields for name, fields in folded.items() if fields}  # an empty one starts afresh
