@@ -138,7 +138,7 @@ def wrap_diloco(model, config, steps, warm, groups):
     import mergecomp.torch as mc
 
     config, *streaming = config.split("~")
-    fragments, delay = (int(x) for x in (*streaming, 1, 0)[:2])
+    fragments, delay = [int(x) for x in streaming] + [1, 0][len(streaming):]  # defaults: 1 fragment, no delay
     spec, mode, memory, sync_every, _ = parse_config(config)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     outer = (lambda params: torch.optim.SGD(params, lr=1.0)) if mode == "averaging" else None
