@@ -51,3 +51,12 @@ __all__ = [
     "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
     "stop_timeline", "synchronize",
 ]
+
+
+def __getattr__(name: str):
+    """``mc.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod."""
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.elastic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ from mergecomp.engines.communicator import Communicator
 from mergecomp.horovod_api.collectives import broadcast_object
 from mergecomp.horovod_api.runtime import communicator
 
-__all__ = ["broadcast_parameters", "broadcast_tensors", "broadcast_optimizer_state"]
+__all__ = ["broadcast_parameters", "broadcast_tensors", "broadcast_optimizer_state", "broadcast_class_state"]
 
 Params = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
@@ -58,13 +58,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """
     from .optimizer import DistributedOptimizer
 
+    broadcast_class_state(optimizer, root_rank)
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.merged.agree_with(root_rank)
+
+
+def broadcast_class_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """:func:`broadcast_optimizer_state` of the optimizer class's own state only (and the
+    momentum exchange's): a :class:`~mergecomp.torch.DistributedOptimizer`'s merged state is
+    left to the caller."""
     state = optimizer.state_dict()
-    state.pop("mergecomp", None)  # per rank; what must agree is agreed below
+    state.pop("mergecomp", None)
     if not state["state"]:
         _zero_missing_grads(optimizer)
     optimizer.load_state_dict(broadcast_object(state, root_rank))
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer.merged.agree_with(root_rank)
 
 
 def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:

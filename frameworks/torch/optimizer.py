@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -61,7 +61,7 @@ from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import MomentumExchange, warn_adam_gradients
+from .momentum_exchange import MomentumExchange, MomentumSettings, warn_adam_gradients
 from .momentum_recipes import adapt, settings_of
 from .named_parameters import collect_parameters
 
@@ -81,6 +81,19 @@ def _distributed_class(base: type) -> type:
     if base not in _CLASSES:
         _CLASSES[base] = type(base.__name__, (DistributedOptimizer, base), {"__module__": base.__module__})
     return _CLASSES[base]
+
+
+class _Construction(NamedTuple):
+    """What a :class:`DistributedOptimizer` builds its merged step from (:meth:`DistributedOptimizer.rebuild`)."""
+    compression: Any
+    memory: Any
+    process_set: Any
+    options: Dict[str, Any]
+    groups: Any
+    op: str
+    factor: float
+    momentum: Optional[MomentumSettings]
+    grad_scaler: Any
 
 
 class DistributedOptimizer(HoldsMergedStep):
@@ -200,41 +213,73 @@ class DistributedOptimizer(HoldsMergedStep):
         self._exchanged, self.param_names = collect_parameters(optimizer, named_parameters)
         name_by_id = {id(p): n for p, n in zip(self._exchanged, self.param_names)}
         groups = resolve_groups(groups, num_groups, lambda t: name_by_id[id(t)])
-        # A rank outside the process set trains on its own gradients, as under Horovod.
-        comm = resolve_process_set(process_set, "DistributedOptimizer", member=False).communicator \
-            or LocalCommunicator(communicator().timeout)
-        defaults = {}
-        if momentum is not None:
-            changed, memory = momentum.defaults(compression, memory)
-            defaults.update(changed)
-        step_options = StepOptions.create("DistributedOptimizer", options, defaults=defaults,
-                                          fixed={"groups": groups, **scaling(op, factor, comm.size)})
-        self.merged = PlannedStep(
-            compression, memory, comm, self.param_names, [p.shape for p in self._exchanged],
-            [p.dtype for p in self._exchanged], self._exchanged[0].device, step_options,
-            FrontEnd("DistributedOptimizer", "parameters", in_place=True,
-                     agree=(("backward_passes_per_step", backward_passes_per_step),
-                            *(momentum.agreed() if momentum else ((MOMENTUM_OPTION, None),)))))
+        self.backward_passes_per_step = backward_passes_per_step
+        #: what builds the merged step, kept to build it again on another world (:meth:`rebuild`)
+        self._construction = _Construction(compression, memory, process_set, dict(options), groups, op, factor,
+                                           momentum, grad_scaler)
+        self._build()
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
-        self.backward_passes_per_step = backward_passes_per_step
         self._index = {id(p): i for i, p in enumerate(self._exchanged)}  # the hooks' lookup, by identity
         #: the optimizer's parameters that are not exchanged (frozen ones), for zero_grad
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in self._index]
         #: zero_grad() keeps the slots as gradients unless the optimizer class has its own
         self._keeps_views = _inherited(type(optimizer), "zero_grad") is _inherited(torch.optim.Optimizer, "zero_grad")
-        self._passes = [0] * len(self._exchanged)
-        self._final = 0  # parameters whose gradient is final for this step
-        self._synchronized = self._step_skipped = self._warned_step = self._called_synchronize = False
-        #: backward() finished this step's exchange and nothing has taken its gradients yet
-        self._unapplied = False
+        self._warned_step = False
         self._should_synchronize = True
-        #: the momentum phase (``exchange_momentum_after``), or None
-        self.momentum_exchange = None if momentum is None else MomentumExchange(
-            optimizer, self._exchanged, momentum, self.merged.exchange, grad_scaler)
         if momentum is None:
             warn_adam_gradients(optimizer, self.merged.exchange, "DistributedOptimizer")
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
+
+    def _build(self) -> None:
+        """The merged step and the momentum phase on the world as it is now, no step begun."""
+        how = self._construction
+        # A rank outside the process set trains on its own gradients, as under Horovod.
+        comm = resolve_process_set(how.process_set, "DistributedOptimizer", member=False).communicator \
+            or LocalCommunicator(communicator().timeout)
+        defaults, memory = {}, how.memory
+        if how.momentum is not None:
+            changed, memory = how.momentum.defaults(how.compression, memory)
+            defaults.update(changed)
+        step_options = StepOptions.create("DistributedOptimizer", dict(how.options), defaults=defaults,
+                                          fixed={"groups": how.groups, **scaling(how.op, how.factor, comm.size)})
+        momentum = how.momentum
+        self.merged = PlannedStep(
+            how.compression, memory, comm, self.param_names, [p.shape for p in self._exchanged],
+            [p.dtype for p in self._exchanged], self._exchanged[0].device, step_options,
+            FrontEnd("DistributedOptimizer", "parameters", in_place=True,
+                     agree=(("backward_passes_per_step", self.backward_passes_per_step),
+                            *(momentum.agreed() if momentum else ((MOMENTUM_OPTION, None),)))))
+        #: the momentum phase (``exchange_momentum_after``), or None
+        self.momentum_exchange = None if momentum is None else MomentumExchange(
+            self._given, self._exchanged, momentum, self.merged.exchange, how.grad_scaler)
+        self._passes = [0] * len(self._exchanged)
+        self._final = 0  # parameters whose gradient is final for this step
+        self._synchronized = self._step_skipped = self._called_synchronize = False
+        #: backward() finished this step's exchange and nothing has taken its gradients yet
+        self._unapplied = False
+
+    def rebuild(self, state: Optional[Dict[str, Any]] = None) -> None:
+        """Build the merged step again on the world as it is now, after ``mc.init()`` joined a
+        world of other ranks (an elastic reset, :mod:`mergecomp.torch.elastic`), with the
+        settings and the collectives of the construction (a worker that joins builds its
+        optimizer then).  The step in progress, if any, is dropped with its gradients.
+        ``state``: this optimizer's :meth:`state_dict` from before the reset (its last commit),
+        carried over as this rank's own (:meth:`~mergecomp.pipeline.step.MergedStep.carry_over`;
+        None: afresh); then every rank calls
+        :meth:`~mergecomp.pipeline.step.MergedStep.rejoin`.  A process set other than the
+        global one does not outlive its world: NotImplementedError."""
+        if self._construction.process_set is not None:
+            raise NotImplementedError("DistributedOptimizer.rebuild(): the optimizer exchanges over a process set, "
+                                      "which ended with its world; elastic training exchanges over every rank")
+        warn_sparse = self.merged.warn_sparse
+        for p in self._exchanged:  # views of the old groups, or half a step's gradients
+            p.grad = None
+        self._build()
+        self.merged.warn_sparse = warn_sparse
+        if state is not None:
+            self.load_state_dict({key: value for key, value in state.items() if key != "mergecomp"})
+            self.merged.carry_over(state["mergecomp"])
 
     @staticmethod
     def _check_passes(n: int) -> None:

@@ -1,5 +1,6 @@
-"""A merged step's checkpoint, saved on N ranks, for a world of another size (a torchrun elastic
-restart, a Horovod job that lost or gained workers).
+"""A merged step's state, saved on N ranks, for a world of another size (a torchrun elastic
+restart from every rank's checkpoint: :func:`fold`; a Horovod elastic reset, where the ranks
+that stay keep their own state in memory and the others join: :func:`rejoined`).
 
 Every rank's :meth:`~mergecomp.pipeline.step.MergedStep.state_dict` holds state of two kinds:
 
@@ -16,14 +17,20 @@ a rank that leaves no longer takes its share with it), or is dropped (``residual
 memories start at zero, as DeepSpeed's 1-bit Adam does on every load).  A group whose tensors
 differ in shape between ranks, and the sharded schemes' state (its shards are cut by N), start
 afresh either way.  The scheduler's measured timings depend on N: it searches again.
+
+:func:`rejoined` makes each rank's state after a Horovod elastic reset: the root's replicated
+state; this rank's own per-rank state where it stayed (its state is at the root's step and
+plan), nothing where it joined (a joiner never starts with another rank's residual); a rank
+that left took its share with it.  Which compressor fields are per rank is told by the ranks
+that stayed: a field that differs between any of them and the root's.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["RESIDUAL_POLICIES", "FOLDED", "fold"]
+__all__ = ["RESIDUAL_POLICIES", "FOLDED", "fold", "rejoined", "same_run", "differing_fields"]
 
 #: what :func:`fold` does with each rank's share of state
 RESIDUAL_POLICIES = ("fold", "drop")
@@ -67,4 +74,48 @@ def fold(states: Sequence[Dict[str, Any]], holders: Sequence[str], residuals: st
         folded = {name: _fold_group([h[name] for h in held], residuals) for name in groups}
         out[key] = {name: fields for name, fields in folded.items() if fields}  # an empty one starts afresh
     out["scheduler"] = None
+    return out
+
+
+def same_run(own: Optional[Dict[str, Any]], root: Dict[str, Any]) -> bool:
+    """Whether ``own`` (this rank's state from before the reset) continues the root's: the
+    same plan, tensors and step."""
+    return own is not None and all(own.get(key) == root.get(key) for key in ("plan", "shapes", "step"))
+
+
+def differing_fields(own: Optional[Dict[str, Any]], root: Dict[str, Any]) -> List[int]:
+    """Per compressor field of the root's state (groups and fields in sorted order): 1 where
+    ``own``, continuing the root's run, holds that field with another value, else 0."""
+    mine = own.get("compressor", {}) if same_run(own, root) else {}
+    flags = []
+    for group, fields in sorted(root.get("compressor", {}).items()):
+        for name, value in sorted(fields.items()):
+            held = mine.get(group, {}).get(name)
+            flags.append(int(held is not None and not (held.shape == value.shape and torch.equal(held, value))))
+    return flags
+
+
+def rejoined(own: Optional[Dict[str, Any]], root: Dict[str, Any], per_rank: Sequence[int],
+             holders: Sequence[str], world_size: int) -> Dict[str, Any]:
+    """The state this rank loads after an elastic reset (module docstring): ``root``, the
+    root's state without its memory; ``own``, this rank's from before the reset (None where it
+    joined); ``per_rank``, per compressor field as :func:`differing_fields` orders them, nonzero
+    where any rank's differs from the root's.  The scheduler searches again unless the world
+    kept its size."""
+    stayed = same_run(own, root)
+    out = {key: value for key, value in root.items() if key not in holders}
+    flags = iter(per_rank)
+    compressor: Dict[str, Dict[str, torch.Tensor]] = {}
+    for group, fields in sorted(root.get("compressor", {}).items()):
+        for name, value in sorted(fields.items()):
+            if not next(flags):
+                compressor.setdefault(group, {})[name] = value
+            elif stayed and name in own["compressor"].get(group, {}):
+                compressor.setdefault(group, {})[name] = own["compressor"][group][name]
+    for key in holders:
+        out[key] = {}
+    out["memory"] = own["memory"] if stayed else {}
+    out["compressor"] = compressor
+    if root.get("world_size") != world_size:
+        out["scheduler"] = None
     return out

@@ -37,7 +37,7 @@ from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, remap_
 from mergecomp.exchange.schemes import SHARDED
 from mergecomp.pipeline.agreement import check_ranks_agree
 from mergecomp.pipeline.nonfinite import OVERFLOWED, NonfiniteCheck
-from mergecomp.pipeline.resharding import fold
+from mergecomp.pipeline.resharding import differing_fields, fold, rejoined
 from mergecomp.pipeline.options import WARMUP_CODECS, FrontEnd, StepOptions
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep"]
@@ -424,6 +424,36 @@ class MergedStep:
                        "and the scheduler searches again", self.front_end.who, len(states), self.comm.size,
                        "is the mean of the old ranks'" if residuals == "fold" else "starts afresh")
         self.load_state_dict(folded)
+
+    def carry_over(self, own: Dict[str, Any]) -> None:
+        """Load ``own``, this rank's :meth:`state_dict` from before the world changed (a Horovod
+        elastic reset), into this step built on the new world, no collective: everything but
+        the sharded schemes' memories, and the scheduler's timings where the world changed size
+        (:func:`~mergecomp.pipeline.resharding.rejoined`).  :meth:`rejoin` then makes it agree."""
+        root = {key: value for key, value in own.items() if key != "memory"}
+        state = rejoined(own, root, [0] * len(differing_fields(own, root)), list(self.exchange.holders()),
+                         self.comm.size)
+        self.load_state_dict({**state, "rank": self.comm.rank, "world_size": self.comm.size})
+
+    def rejoin(self, root: int = 0) -> None:
+        """After the world changed (a Horovod elastic reset), on every rank of the new world:
+        rank ``root``'s plan, step counters and replicated compressor state (PowerSGD's ``Q``);
+        this rank's own error-feedback memory and per-rank compressor state where it continues
+        the root's run (it stayed: :meth:`carry_over`), none where it does not (it joined); the
+        scheduler searches again on a world of another size
+        (:func:`~mergecomp.pipeline.resharding.rejoined`).  One broadcast of the root's state
+        without its memory, and one allreduce of a flag per compressor field."""
+        if self.in_flight:
+            raise RuntimeError(f"{self.front_end.who}: ranks can only rejoin between steps")
+        own = self.state_dict()
+        shared = self.comm.broadcast_object(
+            {key: value for key, value in own.items() if key != "memory"} if self.comm.rank == root else None, root)
+        flags = differing_fields(own, shared)
+        if flags:
+            flags = self.comm.allreduce_async(torch.tensor(flags, dtype=torch.int32, device=self.comm.device)).wait(
+                "the rejoin's per-rank compressor state").cpu().tolist()
+        state = rejoined(own, shared, flags, list(self.exchange.holders()), self.comm.size)
+        self.load_state_dict({**state, "rank": self.comm.rank, "world_size": self.comm.size})
 
     def _load_layout(self, plan: GroupPlan, shapes: List[torch.Size], state: Dict[str, Any]) -> None:
         """Take the checkpoint's layout ``plan`` (of tensors of ``shapes``)."""
