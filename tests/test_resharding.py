@@ -63,3 +63,42 @@ def test_four_ranks_resume_on_three(tmp_path, compression, residuals):
         for name, fields in old[0]["compressor"].items():  # replicated (PowerSGD's Q): rank 0's, exactly
             assert all(torch.equal(compressor[name][k], v) for k, v in fields.items())
         assert torch.equal(params, out[0][2])
+
+
+def _save_dcp(rank, folder):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    opt = wrap(model, "topk")
+    train(model, opt, rank, 5, 0)
+    mc.checkpoint.save(f"{folder}/dcp", model, opt, step=5)
+    return opt.merged.state_dict(), torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _load_dcp(rank, folder):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    opt = wrap(model, "topk")
+    extra = mc.checkpoint.load(f"{folder}/dcp", model, opt)
+    return (extra, opt.merged.state_dict(), torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            opt.state_dict()["state"])
+
+
+def test_distributed_checkpoint_resumes_on_three_ranks_and_on_four(tmp_path):
+    """mc.checkpoint (torch.distributed.checkpoint) saved by 4 ranks: on 3, every rank's memory is
+    the old ranks' mean; on 4, each rank's own; the model and Adam's state on every rank."""
+    saved = run_workers(_save_dcp, 4, str(tmp_path), timeout=120)
+    [group] = saved[0][0]["memory"]
+    residuals = [state["memory"][group]["residual"] for state, _ in saved]
+    for world in (3, 4):
+        out = run_workers(_load_dcp, world, str(tmp_path), timeout=120)
+        for rank, (extra, merged, params, adam) in enumerate(out):
+            assert extra == {"step": 5}
+            assert torch.equal(params, saved[0][1])
+            assert merged["step"] == saved[0][0]["step"] and merged["plan"] == saved[0][0]["plan"]
+            mine = merged["memory"][group]["residual"]
+            expected = torch.stack(residuals).mean(0) if world == 3 else residuals[rank]
+            assert torch.allclose(mine, expected, atol=1e-7)
+            assert set(adam) == set(out[0][3]) and all(
+                torch.equal(adam[k]["exp_avg"], out[0][3][k]["exp_avg"]) for k in adam)

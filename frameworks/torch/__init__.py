@@ -28,7 +28,7 @@ from mergecomp.horovod_api.runtime import (communicator, init, is_initialized, l
 from mergecomp.horovod_api.timeline import start_timeline, stop_timeline
 from mergecomp.registry import Compression
 
-from . import fsdp
+from . import checkpoint, fsdp
 from .ddp_hook import ddp_comm_hook
 from .diloco import DiLoCo
 from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
@@ -42,8 +42,8 @@ __all__ = [
     "Max", "Min", "MismatchError", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "communicator", "cross_rank", "cross_size",
-    "cuda_built", "ddl_built", "ddp_comm_hook", "fsdp", "global_process_set", "gloo_built", "gloo_enabled",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "checkpoint", "communicator", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "ddp_comm_hook", "fsdp", "global_process_set", "gloo_built", "gloo_enabled",
     "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async",
     "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
