@@ -30,6 +30,8 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      {"model": "llama", "layers": 3, "lr": 3e-3, "clip": 1.0}, 600, "adam_llama_3x256_auto_2workers.jsonl"),
     ("the same GPT-2 on English prose (the Python reference's text; `--corpus prose`)",
      {"corpus": "prose", "layers": 3, "lr": 3e-3, "clip": 1.0}, 600, "adam_gpt2_3x256_prose_auto_2workers.jsonl"),
+    ("the same GPT-2 on twice the batch (`--batch 16`)",
+     {"layers": 3, "lr": 3e-3, "clip": 1.0, "batch": 16}, 600, "adam_gpt2_3x256_batch16_auto_2workers.jsonl"),
 )
 
 
