@@ -14,7 +14,8 @@ machine's host name to the discovery script's list (every rank is interrupted at
 and 2 new workers join); a commit every step.
 
 torchrun's elastic restarts: four agents of one process each (``--nnodes 3:4``, c10d
-rendezvous, ``--max-restarts 3``): **torchrun-steady**, 4 ranks throughout; **torchrun-4-3**,
+rendezvous, ``--max-restarts 10``: on a loaded machine the first restarts' workers can fail
+to connect to each other, gloo's "connectFullMesh failed", and torchrun restarts them again): **torchrun-steady**, 4 ranks throughout; **torchrun-4-3**,
 at ``--lose-at`` one worker kills its agent and itself (a lost node), the other agents restart
 their workers on 3 nodes, which resume from the latest ``mc.checkpoint`` (one every
 ``--save-every`` steps; per-rank memories folded or dropped, ``--residuals``).
@@ -57,6 +58,7 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--scenarios", default="steady,4-2-4",
                     help="steady,4-2-4 (horovodrun elastic); torchrun-steady,torchrun-4-3 (torchrun's restarts)")
 parser.add_argument("--json", default=None, help="append one record per run")
+parser.add_argument("--job-timeout", type=float, default=1200, help="seconds before a job is stopped as hung")
 parser.add_argument("--save-every", type=int, default=20, help="torchrun scenarios: mc.checkpoint every this many steps")
 parser.add_argument("--residuals", default="fold", choices=("fold", "drop"), help="torchrun scenarios: on 3 ranks")
 parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "HOSTS"), help=argparse.SUPPRESS)
@@ -201,7 +203,7 @@ def _horovodrun(config: str, scenario: str, args, folder: str, out: str) -> int:
     command = ["horovodrun", "-np", "4", "--min-np", "2", "--max-np", "4", "--network-interface", "lo",
                "--host-discovery-script", discover, sys.executable, *_worker_args(args, changes, changes),
                "--worker", config, out, hosts]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600,
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.job_timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "30"})
     if done.returncode:
         print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
@@ -220,7 +222,7 @@ def _torchrun(config: str, scenario: str, args, folder: str, out: str) -> int:
     for node in range(4):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "3:4", "--nproc_per_node", "1",
                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "bench_elastic",
-                   "--rdzv_conf", f"is_host={str(node == 0).lower()},last_call_timeout=2", "--max-restarts", "3",
+                   "--rdzv_conf", f"is_host={str(node == 0).lower()},last_call_timeout=2", "--max-restarts", "10",
                    "--monitor-interval", "0.5", *_worker_args(args, scenario != "torchrun-steady", False),
                    "--torchrun-worker", config, out, checkpoints]
         victim = "1" if node == 3 and scenario != "torchrun-steady" else "0"
@@ -228,7 +230,12 @@ def _torchrun(config: str, scenario: str, args, folder: str, out: str) -> int:
                                        env={**os.environ, "OMP_NUM_THREADS": "1", "BENCH_ELASTIC_VICTIM": victim}))
         if node == 0:
             time.sleep(1)  # the rendezvous host binds its port first
-    outputs = [agent.communicate(timeout=3600)[0] for agent in agents]
+    try:
+        outputs = [agent.communicate(timeout=args.job_timeout)[0] for agent in agents]
+    except subprocess.TimeoutExpired:  # a restart that never trained again: stop every agent
+        for agent in agents:
+            agent.kill()
+        outputs = [agent.communicate()[0] for agent in agents]
     codes = [agent.returncode for agent in agents]
     if any(code for code in codes[:3]):
         print(*(o[-2000:] for o in outputs), file=sys.stderr)
@@ -267,9 +274,14 @@ def launch(config: str, scenario: str, args) -> dict:
         lost = exits[0]["time"]
         after = [n for n in notes if n["time"] > lost and n["size"] < 4]
         record["lose_at"] = exits[0]["step"]
-        record["kill_to_sync_s"] = min(n["time"] for n in after if n["event"] == "sync") - lost
-        record["kill_to_step_s"] = min(n["time"] for n in after if n["event"] == "stepped") - lost
-        record["resumed_at"] = min(n["step"] for n in after if n["event"] == "sync")
+        synced = [n for n in after if n["event"] == "sync"]
+        stepped = [n for n in after if n["event"] == "stepped"]
+        if not stepped:  # it never trained again
+            record["status"] = "did not train again"
+            return record
+        record["kill_to_sync_s"] = min(n["time"] for n in synced) - lost
+        record["kill_to_step_s"] = min(n["time"] for n in stepped) - lost
+        record["resumed_at"] = min(n["step"] for n in synced)
     adds = [n for n in notes if n["event"] == "add"]
     if adds:
         grown = [n for n in notes if n["time"] > adds[0]["time"] and n["size"] == 4]
@@ -291,7 +303,7 @@ def main() -> None:
         finals = {}
         for scenario in args.scenarios.split(","):
             record = launch(config, scenario, args)
-            finals[scenario] = record["final_test_loss"]
+            finals[scenario] = record["final_test_loss"] if record.get("status", "ok") == "ok" else None
             shown = {k: v for k, v in record.items() if k != "curve"}
             print(json.dumps(shown), flush=True)
             if args.json:

@@ -38,7 +38,7 @@ from mergecomp_bench.results.accuracy import (DIGITS, DIGITS_VARIANTS, LM, LM_VA
                                               memories)
 from mergecomp_bench.results.adam import adam_auto, adam_momentum_exchange
 from mergecomp_bench.results.decision import summary
-from mergecomp_bench.results.elastic import elastic_runs
+from mergecomp_bench.results.elastic import TORCHRUN_RESTARTS, elastic_runs
 from mergecomp_bench.results.fsdp2 import fsdp2_accuracy, fsdp2_bytes, fsdp2_step
 from mergecomp_bench.results.gpu import gpu_runs, gpu_training
 from mergecomp_bench.results.host_work import HEADLINE_ROWS, codec_work, own_work
@@ -95,6 +95,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "time-to-accuracy-diloco": partial(time_to_accuracy, DILOCO, DILOCO_LABELS),
     "diloco-slow-links": diloco_slow_links,
     "elastic": elastic_runs,
+    "elastic-torchrun": partial(elastic_runs, TORCHRUN_RESTARTS),
     "codec-work": codec_work,
     "fsdp2-step": fsdp2_step,
     "fsdp2-bytes": fsdp2_bytes,

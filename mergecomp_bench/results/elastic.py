@@ -2,7 +2,7 @@
 under Horovod's elastic API and torchrun's restarts (``scripts/bench_elastic.py``)."""
 from __future__ import annotations
 
-from mergecomp_bench.results.data import finished
+from mergecomp_bench.results.data import records
 from mergecomp_bench.results.markdown import compressor_name, signed, table
 
 __all__ = ["HOROVOD_ELASTIC", "TORCHRUN_RESTARTS", "elastic_runs"]
@@ -15,13 +15,21 @@ def elastic_runs(record: str = HOROVOD_ELASTIC) -> str:
     """Per compressor (its AdamW recipe): the run on 4 workers throughout and the one whose
     workers changed, the final loss of each and the difference, whether every rank's parameters
     were equal at every sync and at the end, and how long the job took to train again after the
-    loss (and the addition)."""
-    runs = finished(record)
+    loss (and the addition).  A run that never trained again after the loss says so."""
+    runs = records(record)
     steady = {run["config"]: run["final_test_loss"] for run in runs if len(run["worlds"]) == 1}
     rows = []
     for run in runs:
+        if run.get("status", "ok") != "ok":
+            rows.append([compressor_name(run["config"]), " -> ".join(map(str, run["worlds"])), "–", "–", "–",
+                         f"{run['lose_at']} -> **{run['status']}**", "–", "–", f"{run['wall_s']:.0f}",
+                         f"{run['load']:.1f}"])
+            continue
         changed = len(run["worlds"]) > 1
-        rows.append([compressor_name(run["config"]), " -> ".join(map(str, run["worlds"])),
+        workers = " -> ".join(map(str, run["worlds"]))
+        if changed and "residuals" in run:
+            workers += f" (`residuals=\"{run['residuals']}\"`)"
+        rows.append([compressor_name(run["config"]), workers,
                      f"{run['final_test_loss']:.4f}",
                      signed(100 * (run["final_test_loss"] / steady[run["config"]] - 1)) if changed else "–",
                      "yes" if run["ranks_identical"] else "**no**",
