@@ -27,6 +27,7 @@ step, rank); the learning rate does not scale with the workers.  Final loss: the
 last 4 held-out evaluations (every 20 steps), as ``bench_convergence``'s language model.
 """
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -227,14 +228,16 @@ def _torchrun(config: str, scenario: str, args, folder: str, out: str) -> int:
                    "--torchrun-worker", config, out, checkpoints]
         victim = "1" if node == 3 and scenario != "torchrun-steady" else "0"
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True,
                                        env={**os.environ, "OMP_NUM_THREADS": "1", "BENCH_ELASTIC_VICTIM": victim}))
         if node == 0:
             time.sleep(1)  # the rendezvous host binds its port first
     try:
         outputs = [agent.communicate(timeout=args.job_timeout)[0] for agent in agents]
-    except subprocess.TimeoutExpired:  # a restart that never trained again: stop every agent
+    except subprocess.TimeoutExpired:  # a restart that never trained again: stop every agent and its workers
         for agent in agents:
-            agent.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
         outputs = [agent.communicate()[0] for agent in agents]
     codes = [agent.returncode for agent in agents]
     if any(code for code in codes[:3]):
