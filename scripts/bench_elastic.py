@@ -15,10 +15,11 @@ and 2 new workers join); a commit every step.
 
 torchrun's elastic restarts: four agents of one process each (``--nnodes 3:4``, c10d
 rendezvous, ``--max-restarts 10``: on a loaded machine the first restarts' workers can fail
-to connect to each other, gloo's "connectFullMesh failed", and torchrun restarts them again): **torchrun-steady**, 4 ranks throughout; **torchrun-4-3**,
-at ``--lose-at`` one worker kills its agent and itself (a lost node), the other agents restart
-their workers on 3 nodes, which resume from the latest ``mc.checkpoint`` (one every
-``--save-every`` steps; per-rank memories folded or dropped, ``--residuals``).
+to connect to each other, gloo's "connectFullMesh failed", and torchrun restarts them again):
+**torchrun-steady**, 4 ranks throughout; **torchrun-4-3**, at ``--lose-at`` one worker kills
+its agent and itself (a lost node), the other agents restart their workers on 3 nodes, which
+resume from the latest ``mc.checkpoint`` (one every ``--save-every`` steps; per-rank memories
+folded or dropped, ``--residuals``).
 
 The model is ``bench_convergence``'s GPT-2 (2 layers, 96 wide) on the standard library's bytes,
 AdamW with the LR schedule of ``bench_adam`` and ``exchange_momentum_after="auto"`` for the
@@ -60,7 +61,8 @@ parser.add_argument("--scenarios", default="steady,4-2-4",
                     help="steady,4-2-4 (horovodrun elastic); torchrun-steady,torchrun-4-3 (torchrun's restarts)")
 parser.add_argument("--json", default=None, help="append one record per run")
 parser.add_argument("--job-timeout", type=float, default=1200, help="seconds before a job is stopped as hung")
-parser.add_argument("--save-every", type=int, default=20, help="torchrun scenarios: mc.checkpoint every this many steps")
+parser.add_argument("--save-every", type=int, default=20,
+                    help="torchrun scenarios: mc.checkpoint every this many steps")
 parser.add_argument("--residuals", default="fold", choices=("fold", "drop"), help="torchrun scenarios: on 3 ranks")
 parser.add_argument("--worker", nargs=3, metavar=("CONFIG", "OUT", "HOSTS"), help=argparse.SUPPRESS)
 parser.add_argument("--torchrun-worker", nargs=3, metavar=("CONFIG", "OUT", "CHECKPOINTS"), help=argparse.SUPPRESS)
@@ -267,7 +269,7 @@ def launch(config: str, scenario: str, args) -> dict:
                          and n["size"] == size}) == 1
                     for event, step, size in {(n["event"], n["step"], n["size"]) for n in notes
                                               if n["event"] in ("sync", "done")})
-    record = {"config": config, "scenario": scenario, "steps": args.steps, "returncode": returncode,
+    record = {"config": config, "scenario": scenario, "seed": args.seed, "steps": args.steps, "returncode": returncode,
               "worlds": worlds, "ranks_identical": identical, "wall_s": wall, "load": os.getloadavg()[0],
               "curve": curve, "final_test_loss": statistics.fmean(loss for _, loss in curve[-4:]) if curve else None}
     if scenario.startswith("torchrun"):

@@ -17,11 +17,12 @@ def elastic_runs(record: str = HOROVOD_ELASTIC) -> str:
     were equal at every sync and at the end, and how long the job took to train again after the
     loss (and the addition).  A run that never trained again after the loss says so."""
     runs = records(record)
-    steady = {run["config"]: run["final_test_loss"] for run in runs if len(run["worlds"]) == 1}
+    steady = {(run["config"], run.get("seed", 0)): run["final_test_loss"] for run in runs if len(run["worlds"]) == 1}
     rows = []
     for run in runs:
         if run.get("status", "ok") != "ok":
-            rows.append([compressor_name(run["config"]), " -> ".join(map(str, run["worlds"])), "–", "–", "–",
+            rows.append([compressor_name(run["config"]), str(run.get("seed", 0)), " -> ".join(map(str, run["worlds"])),
+                         "–", "–", "–",
                          f"{run['lose_at']} -> **{run['status']}**", "–", "–", f"{run['wall_s']:.0f}",
                          f"{run['load']:.1f}"])
             continue
@@ -29,15 +30,16 @@ def elastic_runs(record: str = HOROVOD_ELASTIC) -> str:
         workers = " -> ".join(map(str, run["worlds"]))
         if changed and "residuals" in run:
             workers += f" (`residuals=\"{run['residuals']}\"`)"
-        rows.append([compressor_name(run["config"]), workers,
+        rows.append([compressor_name(run["config"]), str(run.get("seed", 0)), workers,
                      f"{run['final_test_loss']:.4f}",
-                     signed(100 * (run["final_test_loss"] / steady[run["config"]] - 1)) if changed else "–",
+                     signed(100 * (run["final_test_loss"] / steady[run["config"], run.get("seed", 0)] - 1))
+                     if changed else "–",
                      "yes" if run["ranks_identical"] else "**no**",
                      f"{run['lose_at']} -> {run['resumed_at']}" if changed else "–",
                      f"{run['kill_to_sync_s']:.1f} / {run['kill_to_step_s']:.1f}" if changed else "–",
                      f"{run['add_to_step_s']:.1f}" if "add_to_step_s" in run else "–", f"{run['wall_s']:.0f}",
                      f"{run['load']:.1f}"])
-    header = ["compressor (AdamW, `exchange_momentum_after=\"auto\"`)", "workers", "final loss", "vs uninterrupted",
-              "ranks equal at every sync", "lost at step -> resumed at", "loss to sync / to a step (s)",
-              "addition to a step (s)", "job (s)", "load"]
-    return table(header, ["---", "---", "---:", "---:", "---", "---", "---:", "---:", "---:", "---:"], rows)
+    header = ["compressor (AdamW, `exchange_momentum_after=\"auto\"`)", "seed", "workers", "final loss",
+              "vs uninterrupted", "ranks equal at every sync", "lost at step -> resumed at",
+              "loss to sync / to a step (s)", "addition to a step (s)", "job (s)", "load"]
+    return table(header, ["---", "---:", "---", "---:", "---:", "---", "---", "---:", "---:", "---:", "---:"], rows)
