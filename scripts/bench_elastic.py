@@ -230,16 +230,19 @@ def _torchrun(config: str, scenario: str, args, folder: str, out: str) -> int:
                    "--torchrun-worker", config, out, checkpoints]
         victim = "1" if node == 3 and scenario != "torchrun-steady" else "0"
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True,
                                        env={**os.environ, "OMP_NUM_THREADS": "1", "BENCH_ELASTIC_VICTIM": victim}))
         if node == 0:
             time.sleep(1)  # the rendezvous host binds its port first
     try:
         outputs = [agent.communicate(timeout=args.job_timeout)[0] for agent in agents]
     except subprocess.TimeoutExpired:  # a restart that never trained again: stop every agent and its workers
+        import psutil  # torchrun starts its workers in sessions of their own
+
         for agent in agents:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(agent.pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for process in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
         outputs = [agent.communicate()[0] for agent in agents]
     codes = [agent.returncode for agent in agents]
     if any(code for code in codes[:3]):

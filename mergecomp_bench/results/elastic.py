@@ -17,19 +17,19 @@ def elastic_runs(record: str = HOROVOD_ELASTIC) -> str:
     were equal at every sync and at the end, and how long the job took to train again after the
     loss (and the addition).  A run that never trained again after the loss says so."""
     runs = records(record)
-    steady = {(run["config"], run.get("seed", 0)): run["final_test_loss"] for run in runs if len(run["worlds"]) == 1}
+    steady = {(run["config"], run.get("seed", 0)): run["final_test_loss"] for run in runs
+              if len(run["worlds"]) == 1 and run.get("status", "ok") == "ok"}
     rows = []
     for run in runs:
+        label = f" (`residuals=\"{run['residuals']}\"`)" if "residuals" in run else ""
         if run.get("status", "ok") != "ok":
-            rows.append([compressor_name(run["config"]), str(run.get("seed", 0)), " -> ".join(map(str, run["worlds"])),
-                         "–", "–", "–",
+            rows.append([compressor_name(run["config"]), str(run.get("seed", 0)), " -> ".join(map(str, run["worlds"]))
+                         + label, "–", "–", "–",
                          f"{run['lose_at']} -> **{run['status']}**", "–", "–", f"{run['wall_s']:.0f}",
                          f"{run['load']:.1f}"])
             continue
         changed = len(run["worlds"]) > 1
-        workers = " -> ".join(map(str, run["worlds"]))
-        if changed and "residuals" in run:
-            workers += f" (`residuals=\"{run['residuals']}\"`)"
+        workers = " -> ".join(map(str, run["worlds"])) + (label if changed else "")
         rows.append([compressor_name(run["config"]), str(run.get("seed", 0)), workers,
                      f"{run['final_test_loss']:.4f}",
                      signed(100 * (run["final_test_loss"] / steady[run["config"], run.get("seed", 0)] - 1))
