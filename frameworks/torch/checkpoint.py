@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from mergecomp.engines.communicator import Communicator
 from mergecomp.horovod_api.runtime import communicator
 
 from .optimizer import DistributedOptimizer
@@ -52,12 +53,14 @@ def _unpacked(buffer: io.BytesIO) -> Any:
     return torch.load(buffer, weights_only=False)
 
 
-def _check_engine() -> None:
+def _communicator() -> Communicator:
+    """The communicator, on an engine torch.distributed.checkpoint runs on (RuntimeError else)."""
     comm = communicator()
     if comm.engine not in ("torch", "local"):
         raise RuntimeError(f"mc.checkpoint writes with torch.distributed.checkpoint, which runs on the torch engine "
                            f"(torchrun); this process runs the {comm.engine!r} engine: save each rank's "
                            f"optimizer.state_dict() with torch.save, or use hvd.elastic under horovodrun")
+    return comm
 
 
 def save(checkpoint_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **extra: Any) -> None:
@@ -65,8 +68,7 @@ def save(checkpoint_id: str, model: torch.nn.Module, optimizer: torch.optim.Opti
     objects, rank 0's) to the folder ``checkpoint_id``; every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
-    _check_engine()
-    comm = communicator()
+    comm = _communicator()
     state = optimizer.state_dict()
     merged = state.pop("mergecomp", None)
     written: Dict[str, Any] = {"model": model.state_dict(), "optimizer": _packed(state), "extra": _packed(extra),
@@ -82,8 +84,7 @@ def load(checkpoint_id: str, model: torch.nn.Module, optimizer: torch.optim.Opti
     size (module docstring); returns the ``extra`` objects.  Every rank calls it, between steps."""
     import torch.distributed.checkpoint as dcp
 
-    _check_engine()
-    comm = communicator()
+    comm = _communicator()
     header = {_WORLD: 0}
     dcp.load(header, checkpoint_id=checkpoint_id)
     saved_size = int(header[_WORLD])

@@ -99,10 +99,6 @@ def run(func: Callable) -> Callable:
     """Decorate the training function ``func(state, ...)``: it runs after ``state.sync()``,
     and again after every reset (module docstring) until it returns.  Collectives belong
     inside ``func``, not before it: a joining worker's would meet the others' sync."""
-    def guarded(state, *args, **kwargs):
-        with _failures_as_horovod():
-            return func(state, *args, **kwargs)
-
     @functools.wraps(func)
     def wrapper(state: "TorchState", *args, **kwargs):
         notification_manager.init()
@@ -111,9 +107,10 @@ def run(func: Callable) -> Callable:
         try:
             while True:
                 try:
-                    if not skip_sync:
-                        state.sync()
-                    return guarded(state, *args, **kwargs)
+                    with _failures_as_horovod():
+                        if not skip_sync:
+                            state.sync()
+                        return func(state, *args, **kwargs)
                 except HorovodInternalError:
                     state.restore()
                     skip_sync = False
@@ -229,11 +226,6 @@ class TorchState(ObjectState):
         super().reset()
 
     def sync(self) -> None:
-        with _failures_as_horovod():
-            for handler in self._handlers.values():
-                handler.sync()
-            super().sync()
-
-    def check_host_updates(self) -> None:
-        with _failures_as_horovod():
-            super().check_host_updates()
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()

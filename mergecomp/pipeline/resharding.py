@@ -26,6 +26,7 @@ that stayed: a field that differs between any of them and the root's.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -95,16 +96,16 @@ def differing_fields(own: Optional[Dict[str, Any]], root: Dict[str, Any]) -> Lis
     return flags
 
 
-def rejoined(own: Optional[Dict[str, Any]], root: Dict[str, Any], per_rank: Sequence[int],
+def rejoined(own: Optional[Dict[str, Any]], root: Dict[str, Any], per_rank: Optional[Sequence[int]],
              holders: Sequence[str], world_size: int) -> Dict[str, Any]:
     """The state this rank loads after an elastic reset (module docstring): ``root``, the
     root's state without its memory; ``own``, this rank's from before the reset (None where it
     joined); ``per_rank``, per compressor field as :func:`differing_fields` orders them, nonzero
-    where any rank's differs from the root's.  The scheduler searches again unless the world
-    kept its size."""
+    where any rank's differs from the root's (None: no field does).  The scheduler searches
+    again unless the world kept its size."""
     stayed = same_run(own, root)
     out = {key: value for key, value in root.items() if key not in holders}
-    flags = iter(per_rank)
+    flags = iter(per_rank) if per_rank is not None else itertools.repeat(0)
     compressor: Dict[str, Dict[str, torch.Tensor]] = {}
     for group, fields in sorted(root.get("compressor", {}).items()):
         for name, value in sorted(fields.items()):

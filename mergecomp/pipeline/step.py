@@ -431,8 +431,7 @@ class MergedStep:
         the sharded schemes' memories, and the scheduler's timings where the world changed size
         (:func:`~mergecomp.pipeline.resharding.rejoined`).  :meth:`rejoin` then makes it agree."""
         root = {key: value for key, value in own.items() if key != "memory"}
-        state = rejoined(own, root, [0] * len(differing_fields(own, root)), list(self.exchange.holders()),
-                         self.comm.size)
+        state = rejoined(own, root, None, list(self.exchange.holders()), self.comm.size)
         self.load_state_dict({**state, "rank": self.comm.rank, "world_size": self.comm.size})
 
     def rejoin(self, root: int = 0) -> None:
