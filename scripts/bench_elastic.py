@@ -14,8 +14,8 @@ machine's host name to the discovery script's list (every rank is interrupted at
 and 2 new workers join); a commit every step.
 
 torchrun's elastic restarts: four agents of one process each (``--nnodes 3:4``, c10d
-rendezvous, ``--max-restarts 10``: on a loaded machine the first restarts' workers can fail
-to connect to each other, gloo's "connectFullMesh failed", and torchrun restarts them again):
+rendezvous, ``--max-restarts 10``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: a store of its own
+for every restart, without which a restarted worker can read an earlier attempt's addresses):
 **torchrun-steady**, 4 ranks throughout; **torchrun-4-3**, at ``--lose-at`` one worker kills
 its agent and itself (a lost node), the other agents restart their workers on 3 nodes, which
 resume from the latest ``mc.checkpoint`` (one every ``--save-every`` steps; per-rank memories
@@ -230,7 +230,8 @@ def _torchrun(config: str, scenario: str, args, folder: str, out: str) -> int:
                    "--torchrun-worker", config, out, checkpoints]
         victim = "1" if node == 3 and scenario != "torchrun-steady" else "0"
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env={**os.environ, "OMP_NUM_THREADS": "1", "BENCH_ELASTIC_VICTIM": victim}))
+                                       env={**os.environ, "OMP_NUM_THREADS": "1", "BENCH_ELASTIC_VICTIM": victim,
+                                            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
         if node == 0:
             time.sleep(1)  # the rendezvous host binds its port first
     try:

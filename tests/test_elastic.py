@@ -122,3 +122,19 @@ def test_elastic_script_under_torchrun_runs_once(tmp_path):
     rows = _records(out)
     assert [r["step"] for r in rows if r["at"] == "sync"] == [0, 0]
     assert len({r["params"] for r in rows if r["step"] == 2}) == 1
+
+
+@pytest.mark.parametrize("own_store", [False, True])
+def test_torchrun_restarts_on_a_shared_store_are_warned_of(tmp_path, own_store):
+    """torchrun with --max-restarts shares one TCPStore across its restarts unless its agents run
+    with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a restarted worker can read an earlier attempt's
+    addresses): ``mc.init()`` warns on rank 0 then, and only then."""
+    script = tmp_path / "init_only.py"
+    script.write_text("import warnings\nwarnings.simplefilter('always')\nimport mergecomp.torch as mc\n"
+                      "mc.init()\nmc.shutdown()\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", "1", str(script)]
+    rc, _, text = launch(cmd, env=_env(**({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if own_store else {})),
+                         timeout=120)
+    assert rc == 0, text[-4000:]
+    assert text.count("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment") == (0 if own_store else 1), text[-4000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import warnings
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -47,6 +48,7 @@ def init_process_group(backend: Optional[str], timeout: float) -> None:
     limit = datetime.timedelta(seconds=timeout)
     generation = next(_generations)
     if generation == 0:
+        _warn_shared_store()
         dist.init_process_group(backend, timeout=limit)
         return
     # Again after a shutdown: the launcher's store still holds the earlier group's keys, which a
@@ -54,6 +56,22 @@ def init_process_group(backend: Optional[str], timeout: float) -> None:
     store, rank, size = next(dist.rendezvous("env://", timeout=limit))
     dist.init_process_group(backend, store=dist.PrefixStore(f"mergecomp/init{generation}", store), rank=rank,
                             world_size=size, timeout=limit)
+
+
+def _warn_shared_store() -> None:
+    """Warn (rank 0) when torchrun restarts its workers on a store that outlives them: its agents
+    share one TCPStore across rendezvous rounds unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    so a restarted worker can read a peer address of an earlier attempt and fail to connect
+    (pytorch/pytorch#135712), and torchrun restarts it again until its restarts are spent."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+            and os.environ.get("RANK") == "0"):
+        warnings.warn(
+            "torchrun restarts these workers (--max-restarts > 0) on one TCPStore shared across its "
+            "restarts: a restarted worker can read an address of an earlier attempt's workers and fail "
+            "to connect (gloo: 'connectFullMesh failed ... Connection refused'; pytorch/pytorch#135712). "
+            "Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment so that every "
+            "restart gets a store of its own", stacklevel=3)
 
 
 #: how many times this process initialised the default group here (0: not yet)
