@@ -55,11 +55,11 @@ def residual_total(record):
 
 
 # -- Lightning -----------------------------------------------------------------------------------
-def _lightning(rank, folder, port):
+def _lightning_kit():
+    """Lightning's tiny module and ``fit(strategy, epochs, module, ckpt, save)`` on the workers' ranks."""
     import lightning.pytorch as pl
 
     import mergecomp.torch as mc
-    from mergecomp.torch.integrations.lightning import CHECKPOINT_KEY, MergecompDDPStrategy, MergecompStrategy
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
     x, y = make_data()
@@ -91,12 +91,23 @@ def _lightning(rank, folder, port):
         module = module or Tiny()
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
         with kept_environment():
-            trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+            trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=epochs, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(module, loader, ckpt_path=ckpt)
             if save:
                 trainer.save_checkpoint(save)
         return flat(module)
+
+    return Tiny, fit
+
+
+def _lightning(rank, folder, port, saved_by_three):
+    import mergecomp.torch as mc
+    from mergecomp.torch.integrations.lightning import CHECKPOINT_KEY, MergecompDDPStrategy, MergecompStrategy
+
+    import lightning.pytorch as pl
+
+    Tiny, fit = _lightning_kit()
 
     def without_ours(path):
         """A copy of the checkpoint at ``path`` without mergecomp's entry."""
@@ -165,6 +176,13 @@ def _lightning(rank, folder, port):
     path = os.path.join(folder, "adam.ckpt")
     fit(MergecompStrategy(), epochs=1, module=Tiny("onebit", momentum_after=3), save=path)
     out["adam_resumed"] = fit(MergecompStrategy(), module=Tiny("onebit", momentum_after=3), ckpt=path)
+    # checkpoints of 3 ranks resumed on these 2: every rank's residuals the mean of the 3 saved
+    module = Tiny("topk")
+    fit(MergecompStrategy(), epochs=1, module=module, ckpt=os.path.join(saved_by_three, "opt.ckpt"))
+    out["opt_other_size"] = module.trainer.optimizers[0].merged.state_dict()
+    strategy = MergecompDDPStrategy("topk")
+    fit(strategy, epochs=1, ckpt=os.path.join(saved_by_three, "hook.ckpt"))
+    out["hook_other_size"] = strategy.hook_state.bind().state_dict()
     try:
         fit(MergecompStrategy(), module=Tiny())
     except TypeError as err:
@@ -180,9 +198,34 @@ def _lightning(rank, folder, port):
     return out
 
 
+def _lightning_on_three(rank, folder, port):
+    """Checkpoints of a 3-rank job: the DDP hook's and mc.DistributedOptimizer's, with top-k."""
+    import mergecomp.torch as mc
+    from mergecomp.torch.integrations.lightning import MergecompDDPStrategy, MergecompStrategy
+
+    Tiny, fit = _lightning_kit()
+    fit(MergecompDDPStrategy("topk"), epochs=1, save=os.path.join(folder, "hook.ckpt"))
+    mc.shutdown()
+    mc.init(engine="local")
+    with kept_environment():
+        os.environ["MASTER_PORT"] = str(port)  # Lightning starts the process group again
+        fit(MergecompStrategy(), epochs=1, module=Tiny("topk"), save=os.path.join(folder, "opt.ckpt"))
+    if rank == 0:
+        return {name: torch.load(os.path.join(folder, f"{name}.ckpt"), weights_only=False) for name in ("hook", "opt")}
+    return None
+
+
 @pytest.fixture(scope="module")
-def lightning(tmp_path_factory):
-    return run_workers(_lightning, 2, str(tmp_path_factory.mktemp("lightning")), free_port(), timeout=240)
+def lightning_on_three(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("lightning3"))
+    saved = run_workers(_lightning_on_three, 3, folder, free_port(), timeout=240)[0]
+    return folder, saved
+
+
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory, lightning_on_three):
+    return run_workers(_lightning, 2, str(tmp_path_factory.mktemp("lightning")), free_port(), lightning_on_three[0],
+                       timeout=300)
 
 
 @requires("lightning")
@@ -221,6 +264,26 @@ def test_lightning_hook_strategy_exchanges_adamws_momentum_and_resumes_exactly(l
     assert torch.equal(lightning[0]["hook_adam"], lightning[1]["hook_adam"])
 
 
+@requires("lightning")
+def test_lightning_resumes_three_ranks_checkpoints_on_two_with_the_residuals_folded(lightning, lightning_on_three):
+    """Each rank of the 2 holds the mean of the 3 saved ranks' residuals, never one rank's own."""
+    from mergecomp.torch.integrations.lightning import CHECKPOINT_KEY
+
+    for name, own in (("hook", lambda state: state), ("opt", lambda states: states[0])):
+        record = lightning_on_three[1][name][CHECKPOINT_KEY]
+        assert record["world_size"] == 3
+        saved = [own(state) for state in record["ranks"]]
+        for out in lightning:
+            resumed = out[f"{name}_other_size"]
+            assert resumed["step"] == saved[0]["step"] > 0 and resumed["memory"].keys() == saved[0]["memory"].keys()
+            for group, fields in resumed["memory"].items():
+                for field, value in fields.items():
+                    each = [state["memory"][group][field] for state in saved]
+                    assert not any(torch.equal(value, mine) for mine in each)
+                    torch.testing.assert_close(value, torch.stack(each).mean(dim=0))
+
+
+@requires("lightning")
 def test_lightning_optimizer_strategy_exchanges_once(lightning):
     for out in lightning:
         assert out["opt_size"] == 2

@@ -47,6 +47,7 @@ from mergecomp.exchange.exchange import resolve
 from mergecomp.exchange.plan import Group
 from mergecomp.pipeline.buckets import BucketStep
 from mergecomp.pipeline.options import FrontEnd, StepOptions
+from mergecomp.pipeline.resharding import EVERY_RANK, to_fold
 from mergecomp.pipeline.step import HoldsMergedStep
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
@@ -149,7 +150,8 @@ class DDPHookState(HoldsMergedStep):
     def step(self) -> int:
         """Steps finished so far (those of a checkpoint loaded before binding included)."""
         if self._merged is None:
-            return int((self._loaded or {}).get("step", 0))
+            loaded = self._loaded or {}
+            return int((loaded[EVERY_RANK][0] if EVERY_RANK in loaded else loaded).get("step", 0))
         return self.merged.step
 
     @property
@@ -220,13 +222,20 @@ class DDPHookState(HoldsMergedStep):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (between steps, after the optimizer's own state; before
-        binding it is kept and applied by :meth:`bind`; ``{}`` restores nothing).  If DDP's
-        buckets differ from the saved layout (a fresh DDP starts with its initial buckets), the
-        state is remapped on use."""
+        binding it is kept and applied by :meth:`bind`; ``{}`` restores nothing), or every rank's
+        of a job of another size (:func:`~mergecomp.pipeline.resharding.to_fold`: the momentum
+        exchange's state is replicated, rank 0's; the rest folded where the step loads it).  If
+        DDP's buckets differ from the saved layout (a fresh DDP starts with its initial buckets),
+        the state is remapped on use."""
         if not state:
             return
-        state = dict(state)
-        momentum = state.pop(MOMENTUM_STATE, None)
+        if EVERY_RANK in state:
+            momentum = state.get(MOMENTUM_STATE, state[EVERY_RANK][0].get(MOMENTUM_STATE))  # saved again unbound
+            state = to_fold([{key: value for key, value in each.items() if key != MOMENTUM_STATE}
+                             for each in state[EVERY_RANK]], state["residuals"])
+        else:
+            state = dict(state)
+            momentum = state.pop(MOMENTUM_STATE, None)
         if self.momentum is not None:
             self.momentum.load_state_dict(momentum)
         if self._merged is None:

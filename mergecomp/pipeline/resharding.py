@@ -31,12 +31,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["RESIDUAL_POLICIES", "FOLDED", "fold", "rejoined", "same_run", "differing_fields"]
+__all__ = ["RESIDUAL_POLICIES", "FOLDED", "EVERY_RANK", "fold", "to_fold", "rejoined", "same_run",
+           "differing_fields"]
 
 #: what :func:`fold` does with each rank's share of state
 RESIDUAL_POLICIES = ("fold", "drop")
 #: the holders whose per-rank state :func:`fold` may fold (the others start afresh)
 FOLDED = ("memory", "compressor")
+#: the key of a state that holds every old rank's state, folded where it is loaded (:func:`to_fold`)
+EVERY_RANK = "every_rank"
 
 
 def _fold_group(fields: List[Dict[str, torch.Tensor]], residuals: str) -> Dict[str, torch.Tensor]:
@@ -76,6 +79,16 @@ def fold(states: Sequence[Dict[str, Any]], holders: Sequence[str], residuals: st
         out[key] = {name: fields for name, fields in folded.items() if fields}  # an empty one starts afresh
     out["scheduler"] = None
     return out
+
+
+def to_fold(states: Sequence[Dict[str, Any]], residuals: str = "fold") -> Dict[str, Any]:
+    """A state standing for every rank's ``states`` of a job saved on another number of ranks:
+    :meth:`~mergecomp.pipeline.step.MergedStep.load_state_dict` folds it on load (:func:`fold`,
+    which needs the loading exchange's holders), so a front end can take it before its step is
+    built and save it again unchanged."""
+    if residuals not in RESIDUAL_POLICIES:
+        raise ValueError(f"residuals must be one of {RESIDUAL_POLICIES}, got {residuals!r}")
+    return {EVERY_RANK: list(states), "residuals": residuals}
 
 
 def same_run(own: Optional[Dict[str, Any]], root: Dict[str, Any]) -> bool:

@@ -37,7 +37,7 @@ from mergecomp.exchange.plan import COMPRESSED, EXEMPT, Group, GroupPlan, remap_
 from mergecomp.exchange.schemes import SHARDED
 from mergecomp.pipeline.agreement import check_ranks_agree
 from mergecomp.pipeline.nonfinite import OVERFLOWED, NonfiniteCheck
-from mergecomp.pipeline.resharding import differing_fields, fold, rejoined
+from mergecomp.pipeline.resharding import EVERY_RANK, differing_fields, fold, rejoined
 from mergecomp.pipeline.options import WARMUP_CODECS, FrontEnd, StepOptions
 
 __all__ = ["MergedStep", "Reduced", "HoldsMergedStep"]
@@ -386,10 +386,13 @@ class MergedStep:
                 **self.exchange.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` between steps (each rank its own)."""
+        """Restore :meth:`state_dict` between steps (each rank its own), or every old rank's
+        (:func:`~mergecomp.pipeline.resharding.to_fold`: :meth:`load_ranks`)."""
         who = self.front_end.who
         if self.in_flight:
             raise RuntimeError(f"{who}: load_state_dict() must be called between steps")
+        if EVERY_RANK in state:
+            return self.load_ranks(state[EVERY_RANK], state["residuals"])
         shapes = [torch.Size(s) for s in state["shapes"]]
         if self.names and shapes != self.shapes:
             raise ValueError(f"{who}: the checkpoint holds {len(shapes)} tensors of other shapes than "

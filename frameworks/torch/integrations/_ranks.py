@@ -7,7 +7,7 @@ write it).  It takes N times one rank's state (top-k's residuals: 4 bytes per pa
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,31 +34,39 @@ def collect(local: Any) -> Dict[str, Any]:
     return {"world_size": world, "ranks": ranks}
 
 
-def own(record: Dict[str, Any], device: Optional[torch.device] = None) -> Any:
+def own(record: Dict[str, Any], device: Optional[torch.device] = None,
+        reshard: Optional[Callable[[List[Any]], Any]] = None) -> Any:
     """This rank's state in ``record``, its tensors on ``device``.  Saved on another number of
-    ranks: rank 0's (the merged step then starts per-rank state afresh and says so)."""
+    ranks: ``reshard(every rank's state)`` where given (e.g.
+    :func:`~mergecomp.pipeline.resharding.to_fold`: per-rank memories folded where the state is
+    loaded), else rank 0's (the merged step then starts per-rank state afresh and says so)."""
     ranks = record.get("ranks")
     if ranks is None:
         raise ValueError("this mergecomp checkpoint record was written by a rank other than 0 and holds no "
                          "rank's state (save checkpoints from rank 0, e.g. not with save_on_each_node)")
-    mine = ranks[dist.get_rank()] if record.get("world_size") == dist.get_world_size() else ranks[0]
+    if record.get("world_size") == dist.get_world_size():
+        mine = ranks[dist.get_rank()]
+    else:
+        mine = reshard(ranks) if reshard is not None else ranks[0]
     return _map_tensors(mine, lambda t: t.to(device)) if device is not None else mine
 
 
 class AllRanks:
     """``target``'s state (anything with ``state_dict``/``load_state_dict``) for every rank in one
     checkpoint object: ``state_dict()`` is collective (:func:`collect`), ``load_state_dict``
-    takes this rank's part (:func:`own`, moved to ``device``)."""
+    takes this rank's part (:func:`own`, moved to ``device``; ``reshard`` as there)."""
 
-    def __init__(self, target: Any, device: Optional[torch.device] = None) -> None:
+    def __init__(self, target: Any, device: Optional[torch.device] = None,
+                 reshard: Optional[Callable[[List[Any]], Any]] = None) -> None:
         self.target = target
         self.device = device
+        self.reshard = reshard
 
     def state_dict(self) -> Dict[str, Any]:
         return collect(self.target.state_dict())
 
     def load_state_dict(self, record: Dict[str, Any]) -> None:
-        self.target.load_state_dict(own(record, self.device))
+        self.target.load_state_dict(own(record, self.device, self.reshard))
 
     def __repr__(self) -> str:
         return f"AllRanks({self.target!r})"

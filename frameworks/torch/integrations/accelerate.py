@@ -16,6 +16,7 @@ import accelerate  # noqa: F401  (this module is for Accelerate users: fail earl
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
+from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 
@@ -50,5 +51,5 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
         options["grad_scaler"] = accelerator.scaler  # None without fp16
     state = attach(model, compression, memory, options, who="mergecomp.torch.integrations.accelerate.register")
     if checkpoint:
-        accelerator.register_for_checkpointing(AllRanks(state, accelerator.device))
+        accelerator.register_for_checkpointing(AllRanks(state, accelerator.device, to_fold))
     return state

@@ -28,6 +28,7 @@ except ImportError:  # the standalone package
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.pipeline.options import StepOptions
+from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
@@ -66,6 +67,10 @@ class _RanksInCheckpoint:
         """Take this rank's saved state back (``checkpoint`` is the loaded one)."""
         raise NotImplementedError
 
+    def _reshard(self, ranks: List[Any]) -> Any:
+        """This rank's state from every rank's of a job of another size (folded on load)."""
+        raise NotImplementedError
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         # Lightning calls this on every rank (rank 0 writes): the gather is collective.
         checkpoint[CHECKPOINT_KEY] = collect(self._local_state(checkpoint))
@@ -74,7 +79,7 @@ class _RanksInCheckpoint:
     def load_checkpoint(self, checkpoint_path, *args, **kwargs) -> Dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         if CHECKPOINT_KEY in checkpoint:
-            self._restore(own(checkpoint[CHECKPOINT_KEY], self.root_device), checkpoint)
+            self._restore(own(checkpoint[CHECKPOINT_KEY], self.root_device, self._reshard), checkpoint)
         return checkpoint
 
 
@@ -149,6 +154,9 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
     def _restore(self, mine: Dict[str, Any], checkpoint: Dict[str, Any]) -> None:
         self._resumed = mine  # fit() restores the checkpoint before it wraps the model
 
+    def _reshard(self, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return to_fold(ranks)
+
 
 class MergecompStrategy(_RanksInCheckpoint, DDPStrategy):
     """Data parallel without DDP: each optimizer from ``configure_optimizers`` must be a
@@ -214,6 +222,10 @@ class MergecompStrategy(_RanksInCheckpoint, DDPStrategy):
         for state, ours in zip(checkpoint.get("optimizer_states", []), mine):
             if ours is not None:
                 state[_OPTIMIZER_KEY] = ours
+
+    def _reshard(self, ranks: List[List[Any]]) -> List[Any]:
+        """Per optimizer, every rank's mergecomp state (folded when the optimizer loads it)."""
+        return [None if states[0] is None else to_fold(states) for states in zip(*ranks)]
 
 
 def _start_mergecomp(world_size: int, who: str) -> None:

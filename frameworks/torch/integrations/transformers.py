@@ -42,6 +42,7 @@ from transformers import TrainerCallback
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
+from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
@@ -151,7 +152,7 @@ class MergecompCallback(_EveryRankCallback):
             if self.auto:
                 options = {**run_length(args, state.max_steps), **options}
             self.hook_state = attach(wrapped, compression, memory, options, who="MergecompCallback")
-            self._ranks, self._wrapped = AllRanks(self.hook_state, args.device), wrapped
+            self._ranks, self._wrapped = AllRanks(self.hook_state, args.device, to_fold), wrapped
         scaler = getattr(self.trainer.accelerator, "scaler", None)  # the optimizer's state loaded when it resumes
         self.hook_state.train_with(kwargs["optimizer"], scaler if scaler is not None and scaler.is_enabled() else None,
                                    "MergecompCallback")
