@@ -286,3 +286,64 @@ def test_bad_input_is_refused_by_name_on_every_rank():
         assert propagate.startswith("ValueError") and "nonfinite" in propagate and "'propagate'" in propagate
         assert average.startswith("TypeError") and "average" in average
         assert disagree is not None and "sync_every" in disagree, disagree
+
+
+def _save_on_three(rank, path, H=4):
+    """Compressed DiLoCo on 3 ranks, saved after two syncs and one more inner step."""
+    import mergecomp.torch as mc
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="topk", groups=2)
+    for x, y in batches(rank, 2 * H + 1):
+        inner_step(model, opt, x, y)
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "diloco": diloco.state_dict()}
+    torch.save(state, f"{path}.{rank}")
+    return state["diloco"]
+
+
+def _resume_on_two(rank, path, residuals, H=4):
+    """Every rank loads the 3 ranks' DiLoCo states and rank 0's model and optimizer, then trains
+    to the next sync."""
+    import mergecomp.torch as mc
+
+    saved = [torch.load(f"{path}.{r}", weights_only=False) for r in range(3)]
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="topk", groups=2)
+    model.load_state_dict(saved[0]["model"])
+    opt.load_state_dict(saved[0]["opt"])
+    diloco.load_every_rank([state["diloco"] for state in saved], residuals=residuals)
+    loaded = diloco.state_dict()
+    for x, y in batches(10 + rank, H - 1):
+        inner_step(model, opt, x, y)
+    return loaded, diloco.inner_steps, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("residuals", ["fold", "drop"])
+def test_a_three_rank_checkpoint_resumes_on_two_ranks(tmp_path, residuals):
+    """Replicated state (global parameters, outer momentum, steps) from rank 0's; each fragment's
+    residual the mean of the 3 ranks' (fold) or none (drop), never one rank's own; the 2 ranks
+    equal after the next sync."""
+    path = str(tmp_path / "ckpt")
+    saved = run_workers(_save_on_three, 3, path, timeout=120)
+    out = run_workers(_resume_on_two, 2, path, residuals, timeout=120)
+    old = [state["fragments"][0]["mergecomp"]["memory"] for state in saved]
+    assert old[0] and not torch.equal(next(iter(next(iter(old[0].values())).values())),
+                                      next(iter(next(iter(old[1].values())).values())))
+    for loaded, steps, _ in out:
+        assert steps == 12
+        assert all(torch.equal(a, b) for a, b in zip(loaded["global_params"], saved[0]["global_params"]))
+        assert loaded["fragments"][0]["outer_optimizer"]["state"].keys() == \
+            saved[0]["fragments"][0]["outer_optimizer"]["state"].keys()
+        memory = loaded["fragments"][0]["mergecomp"]["memory"]
+        if residuals == "drop":
+            assert not memory
+            continue
+        assert memory.keys() == old[0].keys()
+        for group, fields in memory.items():
+            for field, value in fields.items():
+                each = [m[group][field] for m in old]
+                assert not any(torch.equal(value, mine) for mine in each)
+                torch.testing.assert_close(value, torch.stack(each).mean(dim=0))
+    assert torch.equal(out[0][2], out[1][2])

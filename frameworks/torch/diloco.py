@@ -44,6 +44,7 @@ from mergecomp.exchange.plan import cut_evenly
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
+from mergecomp.pipeline.resharding import to_fold
 
 from .functions import broadcast_tensors
 
@@ -323,6 +324,20 @@ class DiLoCo:
         self.inner_steps = int(state["inner_steps"])
         flight = state["in_flight"]
         self._in_flight = None if flight is None else _InFlight(flight["fragment"], flight["due"], flight["averaged"])
+
+    def load_every_rank(self, states: Sequence[Dict[str, Any]], residuals: str = "fold") -> None:
+        """Resume from every rank's :meth:`state_dict` of the job that saved them (in rank
+        order), on this world whatever its size (a torchrun elastic restart), between steps,
+        every rank: the global parameters, the outer optimizers' state, the inner steps and a
+        fragment in flight from rank 0's (the ranks' are equal); each fragment's error-feedback
+        memory this rank's own where the world kept its size, else the mean of the old ranks'
+        (``"fold"``) or none (``"drop"``).  The local parameters and the inner optimizer's
+        state, which differ between the ranks until the next sync, are the caller's to load: on
+        another number of ranks, one rank's on every rank (e.g. rank 0's)."""
+        first = states[0]
+        self.load_state_dict({**first, "fragments": [
+            {**fragment, "mergecomp": to_fold([state["fragments"][k]["mergecomp"] for state in states], residuals)}
+            for k, fragment in enumerate(first["fragments"])]})
 
     def close(self) -> None:
         """Stop counting the inner steps."""
