@@ -43,7 +43,9 @@ SLOW_LINKS = "time_to_accuracy_gpt2_4x256_batch2_slow_links_diloco.jsonl"
 SLOW_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H = 10, dense",
                "topk:ratio=0.1@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 %",
                "topk:ratio=0.1@averaging/10~2~1*2": "the same, Streaming: 2 fragments, delay 1",
-               "topk:ratio=0.1@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4"}
+               "topk:ratio=0.1@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4",
+               "topk:ratio=0.01@averaging/20*2": "DiLoCo, averaging, H = 20, top-k 1 %",
+               "topk:ratio=0.02@averaging/50*2": "DiLoCo, averaging, H = 50, top-k 2 %"}
 
 
 def steps_to(record: dict, target: float) -> Optional[int]:
