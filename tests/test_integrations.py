@@ -320,12 +320,12 @@ def test_lightning_refuses_what_it_cannot_honour(lightning):
 def _accelerate(rank, folder):
     from accelerate import Accelerator
 
-    from mergecomp.torch.integrations.accelerate import register
+    from mergecomp.torch.integrations.accelerate import register, register_diloco
 
     x, y = make_data()
     x, y = x[32 * rank:][:32], y[32 * rank:][:32]
 
-    def run(compression=None, steps=range(6), save=None, load=None, adamw=False, after=2):
+    def run(compression=None, steps=range(6), save=None, load=None, adamw=False, after=2, diloco=None):
         with kept_environment():
             accelerator = Accelerator(cpu=True)
             net = make_net()
@@ -335,7 +335,10 @@ def _accelerate(rank, folder):
             momentum = {"exchange_momentum_after": after, "optimizer": opt} if adamw else {}
             if after == "auto":
                 momentum["total_steps"] = 40  # onebit's recipe: K = 0.6 x 5 % of 40 updates, at least a quarter of them: 10
-            state = register(accelerator, model, compression, **momentum) if compression else None
+            if diloco is not None:
+                state = register_diloco(accelerator, model, opt, compression=compression, **diloco)
+            else:
+                state = register(accelerator, model, compression, **momentum) if compression else None
             if load:
                 accelerator.load_state(load)
             for step in steps:
@@ -362,6 +365,17 @@ def _accelerate(rank, folder):
     out["adam_resumed_updates"] = state.momentum.exchange.updates
     state = run("onebit", adamw=True, after="auto")[1]
     out["adam_auto"] = (state.momentum.exchange.after, state.momentum.exchange.refresh_every)
+    # DiLoCo around Accelerate's optimizer: every step with plain averaging is DDP; top-k every
+    # 4 steps resumed from a state saved mid-round
+    averaging = {"sync_every": 1, "outer_optimizer": lambda params: torch.optim.SGD(params, lr=1.0)}
+    out["diloco_averaging"] = run("none", diloco=averaging)[0]
+    path = os.path.join(folder, "diloco_state")
+    out["diloco_topk"], state = run("topk", save=path, diloco={"sync_every": 4})
+    out["diloco_steps"] = state.inner_steps
+    out["diloco_resumed"], state = run("topk", steps=range(3, 6), load=path, diloco={"sync_every": 4})
+    out["diloco_resumed_steps"] = state.inner_steps
+    state.sync()
+    out["diloco_synced"] = torch.cat([p.detach().reshape(-1) for p in state.params])
     with kept_environment():
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(make_net())
@@ -388,6 +402,16 @@ def test_accelerate_register_trains_like_ddp_and_resumes_exactly(accelerate):
     record = accelerate[0]["record"]
     assert record["world_size"] == 2 and all(total > 0 for total in residual_total(record))
     assert "already has a communication hook" in accelerate[0]["twice"]
+
+
+@requires("accelerate")
+def test_accelerate_register_diloco_averages_like_ddp_and_resumes_exactly(accelerate):
+    for out in accelerate:
+        assert (out["diloco_averaging"] - out["ddp"]).abs().max().item() < 1e-6
+        assert out["diloco_steps"] == 6 and out["diloco_resumed_steps"] == 6
+        assert torch.equal(out["diloco_resumed"], out["diloco_topk"])
+    assert not torch.equal(accelerate[0]["diloco_topk"], accelerate[1]["diloco_topk"])  # mid-round: each its own
+    assert torch.equal(accelerate[0]["diloco_synced"], accelerate[1]["diloco_synced"])
 
 
 @requires("accelerate")

@@ -1,5 +1,6 @@
 """Every rank's mergecomp state in one checkpoint, for frameworks that write a checkpoint from
-rank 0 alone (error-feedback memories differ from rank to rank).
+rank 0 alone (error-feedback memories differ from rank to rank; under DiLoCo the local
+parameters too: :class:`DiLoCoRank`).
 
 A record is ``{"world_size": N, "ranks": [state of rank 0, ..., state of rank N-1]}``, its
 tensors on the CPU; on ranks other than 0, :func:`collect` gives ``"ranks": None`` (they do not
@@ -7,12 +8,15 @@ write it).  It takes N times one rank's state (top-k's residuals: 4 bytes per pa
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["collect", "own", "AllRanks"]
+if TYPE_CHECKING:
+    from mergecomp.torch.diloco import DiLoCo
+
+__all__ = ["collect", "own", "AllRanks", "DiLoCoRank"]
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -70,3 +74,21 @@ class AllRanks:
 
     def __repr__(self) -> str:
         return f"AllRanks({self.target!r})"
+
+
+class DiLoCoRank:
+    """What one rank resumes DiLoCo from: its DiLoCo state, its local parameters and its inner
+    optimizer's state (under DiLoCo each rank's differ between synchronizations)."""
+
+    def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> None:
+        self.diloco, self.optimizer = diloco, optimizer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"diloco": self.diloco.state_dict(), "parameters": [p.detach().clone() for p in self.diloco.params],
+                "inner_optimizer": self.optimizer.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.diloco.load_state_dict(state["diloco"])
+        torch._foreach_copy_([p.data for p in self.diloco.params], state["parameters"])
+        self.optimizer.load_state_dict(state["inner_optimizer"])

@@ -5,6 +5,13 @@
     # with AdamW, its momentum exchanged by the compressor's recipe over a 2,000-update run:
     # register(accelerator, model, "onebit", exchange_momentum_after="auto", total_steps=2000, optimizer=opt)
 
+or DiLoCo around the prepared optimizer (no exchange per step; every ``sync_every`` steps the
+parameters' change, compressed)::
+
+    diloco = register_diloco(accelerator, model, opt, sync_every=50, compression="topk")
+    ...                                           # the training loop unchanged
+    diloco.sync()                                 # at the end: every rank on the global parameters
+
 ``DistributedDataParallelKwargs(comm_hook=...)`` takes only Accelerate's own hook names (any
 other callable is dropped without a word), hence this function.
 """
@@ -13,17 +20,20 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import accelerate  # noqa: F401  (this module is for Accelerate users: fail early without it)
+import torch
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState
+from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
+from mergecomp.torch.named_parameters import inner_optimizer
 
-from ._hook import attach
-from ._ranks import AllRanks
+from ._hook import attach, keep_local
+from ._ranks import AllRanks, DiLoCoRank
 
-__all__ = ["register"]
+__all__ = ["register", "register_diloco"]
 
 
 def register(accelerator: "accelerate.Accelerator", model: Any, compression: Union[str, Compressor] = "none",
@@ -53,3 +63,41 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
     if checkpoint:
         accelerator.register_for_checkpointing(AllRanks(state, accelerator.device, to_fold))
     return state
+
+
+def register_diloco(accelerator: "accelerate.Accelerator", model: Any, optimizer: Any, sync_every: int,
+                    compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
+                    checkpoint: bool = True, **options: Any) -> Optional[DiLoCo]:
+    """DiLoCo around the optimizer that ``accelerator.prepare`` returned, on ``model``, the
+    DistributedDataParallel it returned: DDP's gradient exchange is replaced by a hook under
+    which every rank keeps its own gradients, and every ``sync_every`` optimizer steps the
+    parameters' change goes through ``compression`` (:class:`mergecomp.torch.DiLoCo`; its
+    options: ``fragments``, ``fragment_sync_delay``, ``outer_optimizer``, ...).  Every process
+    calls it, before the first backward pass.
+
+    Args:
+        checkpoint: also ``accelerator.register_for_checkpointing`` every rank's DiLoCo state,
+            local parameters and inner optimizer state (Accelerate's ``save_state`` writes the
+            main process's model and optimizer, and under DiLoCo the ranks' differ), so
+            ``load_state`` gives each rank its own back (saved on another number of ranks:
+            the main process's).
+
+    Returns the :class:`~mergecomp.torch.DiLoCo` (call its ``sync()`` at the end of training),
+    or None on a single process.  Under fp16 the accelerator's ``GradScaler`` counts the steps.
+    TypeError when ``model`` is not a DistributedDataParallel; RuntimeError when it already has
+    a communication hook."""
+    if accelerator.num_processes == 1:
+        return None
+    who = "mergecomp.torch.integrations.accelerate.register_diloco"
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"{who}: model must be the DistributedDataParallel accelerator.prepare returned, "
+                        f"got {type(model).__name__} (FSDP, DeepSpeed: not supported)")
+    keep_local(model, who)
+    inner = inner_optimizer(optimizer)
+    scaler = accelerator.scaler
+    diloco = DiLoCo(model.module.named_parameters(), inner, sync_every, compression, memory,
+                    grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
+                    process_group=model.process_group, **options)
+    if checkpoint:
+        accelerator.register_for_checkpointing(AllRanks(DiLoCoRank(diloco, inner), accelerator.device))
+    return diloco

@@ -50,7 +50,7 @@ from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION
 from mergecomp.torch.named_parameters import inner_optimizer
 
 from ._hook import attach, keep_local
-from ._ranks import AllRanks
+from ._ranks import AllRanks, DiLoCoRank
 
 __all__ = ["MergecompCallback", "DiLoCoCallback", "register", "register_diloco", "run_length", "STATE_FILE",
            "DILOCO_STATE_FILE"]
@@ -160,24 +160,6 @@ class MergecompCallback(_EveryRankCallback):
             self._resume(args, state.global_step)
 
 
-class _DiLoCoRank:
-    """What one rank resumes DiLoCo from: its DiLoCo state, its local parameters and its inner
-    optimizer's state (under DiLoCo each rank's differ between synchronizations)."""
-
-    def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> None:
-        self.diloco, self.optimizer = diloco, optimizer
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"diloco": self.diloco.state_dict(), "parameters": [p.detach().clone() for p in self.diloco.params],
-                "inner_optimizer": self.optimizer.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.diloco.load_state_dict(state["diloco"])
-        torch._foreach_copy_([p.data for p in self.diloco.params], state["parameters"])
-        self.optimizer.load_state_dict(state["inner_optimizer"])
-
-
 class DiLoCoCallback(_EveryRankCallback):
     """The callback :func:`register_diloco` adds to ``trainer`` (see the module docstring);
     ``diloco`` is its :class:`~mergecomp.torch.DiLoCo` once training has begun on several
@@ -205,7 +187,7 @@ class DiLoCoCallback(_EveryRankCallback):
             self.diloco = DiLoCo(wrapped.module.named_parameters(), optimizer, sync_every, compression, memory,
                                  grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
                                  process_group=wrapped.process_group, **options)
-            self._ranks, self._wrapped = AllRanks(_DiLoCoRank(self.diloco, optimizer), args.device), wrapped
+            self._ranks, self._wrapped = AllRanks(DiLoCoRank(self.diloco, optimizer), args.device), wrapped
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
 
