@@ -338,3 +338,24 @@ def _mismatch_worker(rank):
 def test_ranks_with_different_hooks_raise_on_every_rank():
     for message in run_workers(_mismatch_worker, 2):
         assert message is not None and "rank 1 differs from rank 0 in its compressor" in message
+
+
+def test_every_ranks_state_loaded_before_binding_is_kept_and_saved_again():
+    """A checkpoint of another number of ranks loaded before the hook binds (Lightning and the
+    Trainer resume before DDP's first bucket) is folded only where the step loads it: unbound, the
+    hook reports rank 0's step and saves the same every-rank state back."""
+    from mergecomp.pipeline.resharding import EVERY_RANK, to_fold
+    from mergecomp.torch.ddp_hook import DDPHookState
+
+    def residuals(state):
+        return [each["memory"]["g"]["residual"].tolist() for each in state[EVERY_RANK]]
+
+    states = [{"step": 7, "memory": {"g": {"residual": torch.full((3,), float(r))}}} for r in range(3)]
+    state = DDPHookState(build=lambda: None)
+    state.load_state_dict(to_fold(states, "drop"))
+    assert state.step == 7 and not state.bound
+    saved = state.state_dict()
+    assert saved["residuals"] == "drop" and residuals(saved) == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+    again = DDPHookState(build=lambda: None)
+    again.load_state_dict(saved)
+    assert again.step == 7 and residuals(again.state_dict()) == residuals(saved)
