@@ -170,6 +170,8 @@ class DiLoCo:
             raise TypeError(f"DiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
                             f"{type(inner_optimizer).__name__}")
         names, self.params = _named(params)
+        #: the optimizer of the inner steps
+        self.inner_optimizer = inner_optimizer
         split = _split(self.params, fragments)
         if len(split) > sync_every:
             raise ValueError(f"DiLoCo: {len(split)} fragments cannot each sync at its own step of sync_every="

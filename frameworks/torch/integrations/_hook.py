@@ -1,5 +1,5 @@
-"""Registering mergecomp's DDP communication hook on a model a framework wrapped in DDP, or a hook
-that communicates nothing (DiLoCo's inner steps)."""
+"""Registering mergecomp's DDP communication hook on a model a framework wrapped in DDP, or
+DiLoCo around the framework's optimizer under a hook that communicates nothing (its inner steps)."""
 from __future__ import annotations
 
 from typing import Any, Dict, Union
@@ -10,8 +10,16 @@ from torch.nn.parallel import DistributedDataParallel
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.torch.ddp_hook import DDPHookState, ddp_comm_hook
+from mergecomp.torch.diloco import DiLoCo
+from mergecomp.torch.named_parameters import inner_optimizer
 
-__all__ = ["attach", "keep_local"]
+__all__ = ["attach", "attach_diloco"]
+
+
+def _check_ddp(ddp: Any, who: str) -> None:
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"{who}: the mergecomp hook goes on a DistributedDataParallel model, got "
+                        f"{type(ddp).__name__} (FSDP, DeepSpeed and other wrappers are not supported)")
 
 
 def attach(ddp: DistributedDataParallel, compression: Union[str, Compressor] = "none",
@@ -20,9 +28,7 @@ def attach(ddp: DistributedDataParallel, compression: Union[str, Compressor] = "
     """Register :func:`~mergecomp.torch.ddp_comm_hook` on ``ddp`` (on its process group, its
     module's parameter names) and bind it.  Every rank calls it before the first backward pass.
     RuntimeError naming ``who`` when ``ddp`` already has a communication hook."""
-    if not isinstance(ddp, DistributedDataParallel):
-        raise TypeError(f"{who}: the mergecomp hook goes on a DistributedDataParallel model, got "
-                        f"{type(ddp).__name__} (FSDP, DeepSpeed and other wrappers are not supported)")
+    _check_ddp(ddp, who)
     state, hook = ddp_comm_hook(compression, memory, process_group=ddp.process_group,
                                 named_parameters=ddp.module.named_parameters(), **(options or {}))
     _register(ddp, state, hook, who)
@@ -37,10 +43,20 @@ def _local(_, bucket):  # no annotations: DDP checks them, and this module's are
     return future
 
 
-def keep_local(ddp: DistributedDataParallel, who: str) -> None:
-    """Register a hook on ``ddp`` under which every rank keeps its own gradients (DiLoCo's
-    inner steps); RuntimeError naming ``who`` when it already has a communication hook."""
+def attach_diloco(ddp: DistributedDataParallel, optimizer: Any, sync_every: int,
+                  compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
+                  options: Dict[str, Any] = None, grad_scaler: Any = None, who: str = "mergecomp") -> DiLoCo:
+    """Register a hook on ``ddp`` under which every rank keeps its own gradients, and put
+    :class:`~mergecomp.torch.DiLoCo` around ``optimizer`` (a framework's wrapper or the torch
+    optimizer inside it) on ``ddp``'s module and process group; ``grad_scaler`` (counting the
+    steps) where it is enabled.  Every rank calls it before the first backward pass.  TypeError
+    when ``ddp`` is not a DistributedDataParallel, RuntimeError naming ``who`` when it already has
+    a communication hook."""
+    _check_ddp(ddp, who)
     _register(ddp, None, _local, who)
+    enabled = grad_scaler is not None and grad_scaler.is_enabled()
+    return DiLoCo(ddp.module.named_parameters(), inner_optimizer(optimizer), sync_every, compression, memory,
+                  grad_scaler=grad_scaler if enabled else None, process_group=ddp.process_group, **(options or {}))
 
 
 def _register(ddp: DistributedDataParallel, state: Any, hook: Any, who: str) -> None:

@@ -80,15 +80,15 @@ class DiLoCoRank:
     """What one rank resumes DiLoCo from: its DiLoCo state, its local parameters and its inner
     optimizer's state (under DiLoCo each rank's differ between synchronizations)."""
 
-    def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer) -> None:
-        self.diloco, self.optimizer = diloco, optimizer
+    def __init__(self, diloco: DiLoCo) -> None:
+        self.diloco = diloco
 
     def state_dict(self) -> Dict[str, Any]:
         return {"diloco": self.diloco.state_dict(), "parameters": [p.detach().clone() for p in self.diloco.params],
-                "inner_optimizer": self.optimizer.state_dict()}
+                "inner_optimizer": self.diloco.inner_optimizer.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.diloco.load_state_dict(state["diloco"])
         torch._foreach_copy_([p.data for p in self.diloco.params], state["parameters"])
-        self.optimizer.load_state_dict(state["inner_optimizer"])
+        self.diloco.inner_optimizer.load_state_dict(state["inner_optimizer"])

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import accelerate  # noqa: F401  (this module is for Accelerate users: fail early without it)
-import torch
 
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
@@ -28,9 +27,8 @@ from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
-from mergecomp.torch.named_parameters import inner_optimizer
 
-from ._hook import attach, keep_local
+from ._hook import attach, attach_diloco
 from ._ranks import AllRanks, DiLoCoRank
 
 __all__ = ["register", "register_diloco"]
@@ -88,16 +86,8 @@ def register_diloco(accelerator: "accelerate.Accelerator", model: Any, optimizer
     a communication hook."""
     if accelerator.num_processes == 1:
         return None
-    who = "mergecomp.torch.integrations.accelerate.register_diloco"
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"{who}: model must be the DistributedDataParallel accelerator.prepare returned, "
-                        f"got {type(model).__name__} (FSDP, DeepSpeed: not supported)")
-    keep_local(model, who)
-    inner = inner_optimizer(optimizer)
-    scaler = accelerator.scaler
-    diloco = DiLoCo(model.module.named_parameters(), inner, sync_every, compression, memory,
-                    grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
-                    process_group=model.process_group, **options)
+    diloco = attach_diloco(model, optimizer, sync_every, compression, memory, options, accelerator.scaler,
+                           who="mergecomp.torch.integrations.accelerate.register_diloco")
     if checkpoint:
-        accelerator.register_for_checkpointing(AllRanks(DiLoCoRank(diloco, inner), accelerator.device))
+        accelerator.register_for_checkpointing(AllRanks(DiLoCoRank(diloco), accelerator.device))
     return diloco

@@ -47,9 +47,8 @@ from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION
-from mergecomp.torch.named_parameters import inner_optimizer
 
-from ._hook import attach, keep_local
+from ._hook import attach, attach_diloco
 from ._ranks import AllRanks, DiLoCoRank
 
 __all__ = ["MergecompCallback", "DiLoCoCallback", "register", "register_diloco", "run_length", "STATE_FILE",
@@ -180,14 +179,12 @@ class DiLoCoCallback(_EveryRankCallback):
         if wrapped is None:
             return
         if wrapped is not self._wrapped:  # a second train() on the same DDP keeps its DiLoCo
-            keep_local(wrapped, type(self).__name__)
             sync_every, compression, memory, options = self.settings
-            optimizer = inner_optimizer(kwargs["optimizer"])
             scaler = getattr(self.trainer.accelerator, "scaler", None)  # fp16: it skips steps rank by rank
-            self.diloco = DiLoCo(wrapped.module.named_parameters(), optimizer, sync_every, compression, memory,
-                                 grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
-                                 process_group=wrapped.process_group, **options)
-            self._ranks, self._wrapped = AllRanks(DiLoCoRank(self.diloco, optimizer), args.device), wrapped
+            self.diloco = attach_diloco(wrapped, kwargs["optimizer"], sync_every, compression, memory, options,
+                                        scaler, type(self).__name__)
+            self._ranks = AllRanks(DiLoCoRank(self.diloco), args.device)
+            self._wrapped = wrapped
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
 
