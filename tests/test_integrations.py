@@ -458,7 +458,7 @@ def trainer_run(output_dir, register_args=None, resume=None, diloco=False, **tra
     return flat(model), callback
 
 
-def _transformers(rank, folder):
+def _transformers(rank, folder, saved_by_three):
     import shutil
 
     from mergecomp.torch.integrations.transformers import DILOCO_STATE_FILE, STATE_FILE
@@ -520,18 +520,38 @@ def _transformers(rank, folder):
     out["diloco_every_step"] = trainer_run(os.path.join(folder, "diloco_every_step"),
                                            {"sync_every": 1, "outer_optimizer": plain_averaging}, diloco=True, **sgd)[0]
 
-    def train_diloco(run, resume=None):  # streaming top-k, a checkpoint while fragment 0 is in flight
-        return trainer_run(os.path.join(folder, run), {"sync_every": 4, "compression": "topk", "fragments": 2,
-                                                       "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
-                           resume, diloco=True, max_steps=6, learning_rate=0.2, lr_scheduler_type="constant",
-                           optim="adamw_torch", save_steps=2)
-
-    out["diloco"], callback = train_diloco("diloco")
+    out["diloco"], callback = trainer_diloco(os.path.join(folder, "diloco"))
     out["diloco_steps"] = callback.diloco.inner_steps
     out["diloco_record"] = torch.load(os.path.join(folder, "diloco", "checkpoint-2", DILOCO_STATE_FILE),
                                       weights_only=True)
-    out["diloco_resumed"], _ = train_diloco("diloco_resumed", resume=os.path.join(folder, "diloco", "checkpoint-2"))
+    out["diloco_resumed"], _ = trainer_diloco(os.path.join(folder, "diloco_resumed"),
+                                              os.path.join(folder, "diloco", "checkpoint-2"))
+
+    # the 3-rank job's checkpoint resumed here: trained to the end, then loaded once more to look at
+    other_size = os.path.join(saved_by_three, "checkpoint-2")
+    out["diloco_other_size"], callback = trainer_diloco(os.path.join(folder, "diloco_other_size"), other_size)
+    callback._ranks.load_state_dict(torch.load(os.path.join(other_size, DILOCO_STATE_FILE), weights_only=True))
+    diloco = callback.diloco
+    out["diloco_other_size_loaded"] = {"memories": [f.merged.state_dict()["memory"] for f in diloco.fragments],
+                                       "parameters": [p.detach().clone() for p in diloco.params]}
     return out
+
+
+def trainer_diloco(output_dir, resume=None):
+    """Streaming DiLoCo with top-k around the Trainer's AdamW, 6 steps, a checkpoint after step 2
+    (while fragment 0 is in flight): ``trainer_run``'s."""
+    return trainer_run(output_dir, {"sync_every": 4, "compression": "topk", "fragments": 2, "fragment_sync_delay": 1,
+                                    "fragment_update_alpha": 0.5},
+                       resume, diloco=True, max_steps=6, learning_rate=0.2, lr_scheduler_type="constant",
+                       optim="adamw_torch", save_steps=2)
+
+
+def _transformers_on_three(rank, folder):
+    """The Trainer's DiLoCo checkpoints of a 3-rank job; rank 0 returns its record of step 2."""
+    from mergecomp.torch.integrations.transformers import DILOCO_STATE_FILE
+
+    trainer_diloco(folder)
+    return torch.load(os.path.join(folder, "checkpoint-2", DILOCO_STATE_FILE), weights_only=True) if rank == 0 else None
 
 
 def plain_averaging(params):
@@ -539,8 +559,15 @@ def plain_averaging(params):
 
 
 @pytest.fixture(scope="module")
-def transformers(tmp_path_factory):
-    return run_workers(_transformers, 2, str(tmp_path_factory.mktemp("transformers")), timeout=180)
+def transformers_on_three(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("transformers3"))
+    return folder, run_workers(_transformers_on_three, 3, folder, timeout=180)[0]
+
+
+@pytest.fixture(scope="module")
+def transformers(tmp_path_factory, transformers_on_three):
+    return run_workers(_transformers, 2, str(tmp_path_factory.mktemp("transformers")), transformers_on_three[0],
+                       timeout=240)
 
 
 @requires("transformers")
@@ -587,6 +614,30 @@ def test_transformers_trainer_trains_with_diloco_and_resumes_exactly(transformer
     ranks = transformers[0]["diloco_record"]["ranks"]
     assert ranks[0]["diloco"]["in_flight"]["fragment"] == 0
     assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["parameters"], ranks[1]["parameters"]))
+
+
+@requires("transformers")
+@requires("accelerate")
+def test_transformers_trainer_resumes_three_ranks_diloco_on_two_with_the_memories_folded(transformers,
+                                                                                        transformers_on_three):
+    """A 3-rank job's DiLoCo checkpoint resumed on 2 ranks: it trains to the end with the ranks
+    equal, and each rank loads the mean of the 3 saved ranks' error-feedback memories (never one
+    rank's own) and rank 0's local parameters."""
+    record = transformers_on_three[1]
+    assert record["world_size"] == 3
+    saved = record["ranks"]
+    assert torch.equal(transformers[0]["diloco_other_size"], transformers[1]["diloco_other_size"])
+    for out in transformers:
+        loaded = out["diloco_other_size_loaded"]
+        for parameter, rank0 in zip(loaded["parameters"], saved[0]["parameters"]):
+            assert torch.equal(parameter, rank0)
+        assert loaded["memories"][0]  # fragment 0 was sent before step 2 (fragment 1 was not)
+        for k, memory in enumerate(loaded["memories"]):
+            for group, fields in memory.items():
+                for field, value in fields.items():
+                    each = [state["diloco"]["fragments"][k]["mergecomp"]["memory"][group][field] for state in saved]
+                    assert not any(torch.equal(value, mine) for mine in each)
+                    torch.testing.assert_close(value, torch.stack(each).mean(dim=0))
 
 
 @requires("transformers")

@@ -336,10 +336,18 @@ class DiLoCo:
         (``"fold"``) or none (``"drop"``).  The local parameters and the inner optimizer's
         state, which differ between the ranks until the next sync, are the caller's to load: on
         another number of ranks, one rank's on every rank (e.g. rank 0's)."""
+        self.load_state_dict(self.every_rank_state(states, residuals))
+
+    @staticmethod
+    def every_rank_state(states: Sequence[Dict[str, Any]], residuals: str = "fold") -> Dict[str, Any]:
+        """One :meth:`state_dict` standing for every rank's ``states`` (in rank order), which
+        :meth:`load_state_dict` loads as :meth:`load_every_rank` says: rank 0's but for each
+        fragment's merged step, which holds every rank's
+        (:func:`~mergecomp.pipeline.resharding.to_fold`, folded where it is loaded)."""
         first = states[0]
-        self.load_state_dict({**first, "fragments": [
+        return {**first, "fragments": [
             {**fragment, "mergecomp": to_fold([state["fragments"][k]["mergecomp"] for state in states], residuals)}
-            for k, fragment in enumerate(first["fragments"])]})
+            for k, fragment in enumerate(first["fragments"])]}
 
     def close(self) -> None:
         """Stop counting the inner steps."""

@@ -8,13 +8,12 @@ write it).  It takes N times one rank's state (top-k's residuals: 4 bytes per pa
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from mergecomp.torch.diloco import DiLoCo
+from mergecomp.torch.diloco import DiLoCo
 
 __all__ = ["collect", "own", "AllRanks", "DiLoCoRank"]
 
@@ -82,6 +81,14 @@ class DiLoCoRank:
 
     def __init__(self, diloco: DiLoCo) -> None:
         self.diloco = diloco
+
+    @staticmethod
+    def reshard(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The state a rank of another number of ranks resumes from (``reshard`` of
+        :class:`AllRanks`): the error-feedback memories folded
+        (:meth:`~mergecomp.torch.DiLoCo.every_rank_state`), rank 0's local parameters and inner
+        optimizer state on every rank."""
+        return {**ranks[0], "diloco": DiLoCo.every_rank_state([state["diloco"] for state in ranks])}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"diloco": self.diloco.state_dict(), "parameters": [p.detach().clone() for p in self.diloco.params],

@@ -89,5 +89,5 @@ def register_diloco(accelerator: "accelerate.Accelerator", model: Any, optimizer
     diloco = attach_diloco(model, optimizer, sync_every, compression, memory, options, accelerator.scaler,
                            who="mergecomp.torch.integrations.accelerate.register_diloco")
     if checkpoint:
-        accelerator.register_for_checkpointing(AllRanks(DiLoCoRank(diloco), accelerator.device))
+        accelerator.register_for_checkpointing(AllRanks(DiLoCoRank(diloco), accelerator.device, DiLoCoRank.reshard))
     return diloco

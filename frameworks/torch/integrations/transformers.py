@@ -183,7 +183,7 @@ class DiLoCoCallback(_EveryRankCallback):
             scaler = getattr(self.trainer.accelerator, "scaler", None)  # fp16: it skips steps rank by rank
             self.diloco = attach_diloco(wrapped, kwargs["optimizer"], sync_every, compression, memory, options,
                                         scaler, type(self).__name__)
-            self._ranks = AllRanks(DiLoCoRank(self.diloco), args.device)
+            self._ranks = AllRanks(DiLoCoRank(self.diloco), args.device, DiLoCoRank.reshard)
             self._wrapped = wrapped
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
