@@ -1,7 +1,8 @@
 """Horovod's elastic API (``mc.elastic``): a real ``horovodrun`` elastic job that grows from 2 to 3
-workers and loses the third (tests/elastic_train.py), with mergecomp's state checked after
-every change; the same script under torchrun (no elasticity: it runs once); and the state each
+workers and loses the third (tests/elastic_train.py; TensorFlow's ``hvd.elastic``:
+tests/elastic_train_tf.py), with mergecomp's state checked after every change; the same script under torchrun (no elasticity: it runs once); and the state each
 rank keeps across a reset (:func:`mergecomp.pipeline.resharding.rejoined`)."""
+import importlib.util
 import json
 import os
 import stat
@@ -15,6 +16,9 @@ from test_engines import HOROVODRUN, _env, launch, needs_horovod
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "elastic_train.py")
+SCRIPT_TF = os.path.join(HERE, "elastic_train_tf.py")
+needs_tensorflow = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None
+                                      or importlib.util.find_spec("keras") is None, reason="TensorFlow not installed")
 GROW_AT, FAIL_AT, STEPS = 4, 10, 16
 
 
@@ -66,14 +70,8 @@ def _records(out):
     return sorted(rows, key=lambda r: (r["step"], r["at"] != "commit", r["pid"]))
 
 
-@needs_horovod
-@pytest.mark.parametrize("setting", [["--compression", "powersgd"], ["--compression", "onebit", "--adamw"]],
-                         ids=["powersgd", "onebit-adamw-momentum"])
-def test_horovodrun_elastic_job_grows_and_loses_a_worker(tmp_path, setting):
-    """2 workers on "localhost", a third added on "127.0.0.1" at step 4 (the discovery script's
-    hosts file), which exits at step 10 without a word; the job ends on 2 workers at step 16.
-    PowerSGD (its ``Q`` replicated, a residual per rank) with SGD; 1-bit SGD exchanging AdamW's
-    momentum (the variance frozen after 2 updates)."""
+def _elastic_job(tmp_path, script, setting, gloo_timeout):
+    """``script`` under ``horovodrun``'s elastic mode (module docstring's schedule): its records."""
     out = tmp_path / "out"
     out.mkdir()
     hosts = tmp_path / "hosts"
@@ -82,11 +80,19 @@ def test_horovodrun_elastic_job_grows_and_loses_a_worker(tmp_path, setting):
     discover.write_text(f"#!/bin/bash\ncat {hosts}\n")
     discover.chmod(discover.stat().st_mode | stat.S_IXUSR)
     cmd = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "3", "--network-interface", "lo",
-           "--host-discovery-script", str(discover), sys.executable, SCRIPT, str(out), str(hosts),
+           "--host-discovery-script", str(discover), sys.executable, script, str(out), str(hosts),
            *setting, "--steps", str(STEPS), "--grow-at", str(GROW_AT), "--fail-at", str(FAIL_AT)]
-    rc, _, text = launch(cmd, env=_env(HOROVOD_GLOO_TIMEOUT_SECONDS="10"), timeout=240)
+    rc, _, text = launch(cmd, env=_env(HOROVOD_GLOO_TIMEOUT_SECONDS=str(gloo_timeout)), timeout=300)
     assert rc == 0, text[-4000:]
-    rows = _records(out)
+    return _records(out)
+
+
+def _check_changes(rows, rejoined_at_sync=True):
+    """Every sync: the sizes and the reset callback's learning rate as scheduled, parameters and
+    replicated compressor state from rank 0, each rank its own residual (one that joined: none;
+    one that stayed: its last commit's).  ``rejoined_at_sync``: the merged step agrees at the
+    sync itself (torch), else at the first step after it (TensorFlow's reducers rejoin at their
+    next exchange)."""
     syncs = [r for r in rows if r["at"] == "sync"]
     assert [(r["step"], r["size"]) for r in syncs] == \
         [(0, 2), (0, 2), (GROW_AT, 3), (GROW_AT, 3), (GROW_AT, 3), (FAIL_AT, 2), (FAIL_AT, 2)]
@@ -96,8 +102,10 @@ def test_horovodrun_elastic_job_grows_and_loses_a_worker(tmp_path, setting):
     for step in (0, GROW_AT, FAIL_AT):
         world = [r for r in syncs if r["step"] == step]
         assert len({r["params"] for r in world}) == 1, world      # parameters from rank 0
-        assert len({r["compressor"] for r in world}) == 1, world  # PowerSGD's Q: replicated
-        assert {r["merged_step"] for r in world} == {step}
+        after = world if rejoined_at_sync else [r for r in rows if r["at"] == "commit" and r["step"] == step + 1]
+        assert len(after) == len(world)
+        assert len({r["compressor"] for r in after}) == 1, after  # PowerSGD's Q: replicated
+        assert {r["merged_step"] for r in after} == {step + (not rejoined_at_sync)}
         memories = [r["memory"] for r in world if r["memory"]]
         assert len(set(memories)) == len(memories), world  # no rank holds another's residual
         for r in world:
@@ -108,6 +116,30 @@ def test_horovodrun_elastic_job_grows_and_loses_a_worker(tmp_path, setting):
                 assert r["memory"] == before[0]["memory"], (r, before)
     last = [r for r in rows if r["at"] == "commit" and r["step"] == STEPS - 1]
     assert len(last) == 2 and len({r["params"] for r in last}) == 1
+
+
+@needs_horovod
+@pytest.mark.parametrize("setting", [["--compression", "powersgd"], ["--compression", "onebit", "--adamw"]],
+                         ids=["powersgd", "onebit-adamw-momentum"])
+def test_horovodrun_elastic_job_grows_and_loses_a_worker(tmp_path, setting):
+    """2 workers on "localhost", a third added on "127.0.0.1" at step 4 (the discovery script's
+    hosts file), which exits at step 10 without a word; the job ends on 2 workers at step 16.
+    PowerSGD (its ``Q`` replicated, a residual per rank) with SGD; 1-bit SGD exchanging AdamW's
+    momentum (the variance frozen after 2 updates)."""
+    _check_changes(_elastic_job(tmp_path, SCRIPT, setting, gloo_timeout=10))
+
+
+@needs_horovod
+@needs_tensorflow
+@pytest.mark.parametrize("setting", [["--compression", "powersgd"], ["--compression", "topk", "--fit"]],
+                         ids=["tape-powersgd", "keras-fit-topk"])
+def test_horovodrun_elastic_tensorflow_job_grows_and_loses_a_worker(tmp_path, setting):
+    """The same schedule with ``mergecomp.tensorflow``'s ``hvd.elastic``: Horovod's TensorFlow 2
+    pattern (a ``tf.function`` wrapping its tape in ``DistributedGradientTape``, PowerSGD) and
+    ``model.fit`` with a compiled ``DistributedOptimizer`` and the Keras elastic callbacks
+    (top-k).  A joining worker imports TensorFlow before it meets the others: a longer gloo
+    timeout."""
+    _check_changes(_elastic_job(tmp_path, SCRIPT_TF, setting, gloo_timeout=30), rejoined_at_sync=False)
 
 
 @needs_horovod

@@ -38,3 +38,12 @@ __all__ = [
     "gloo_built", "gloo_enabled", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "shutdown", "size",
 ]
+
+
+def __getattr__(name: str):
+    """``mct.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod."""
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.elastic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,9 +11,16 @@ Every rank must pass the same variables (names, shapes, dtypes) in the same orde
 marked local (Horovod's ``register_local_var``, ``PartialDistributedGradientTape``) keep their
 own rank's gradient; with ``backward_passes_per_step`` N > 1 the gradients are summed locally
 over N calls and exchanged on the N-th.
+
+Under Horovod's elastic API (:mod:`mergecomp.tensorflow.elastic`) every reducer of the process
+(:func:`live`) is built again on the new world after a reset (:meth:`GradientReducer.rebuild`),
+and after each sync (:func:`rejoin_at_next_exchange`) every one rejoins at its next exchange,
+which every rank reaches at the same point, whether it stayed or just joined.
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -26,7 +33,27 @@ from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.scheduler.online import MergeScheduler
 
-__all__ = ["GradientReducer"]
+__all__ = ["GradientReducer", "live", "rejoin_at_next_exchange"]
+
+#: every GradientReducer of this process
+_LIVE: "weakref.WeakSet[GradientReducer]" = weakref.WeakSet()
+#: elastic syncs of this process so far; a reducer that has not rejoined after the last one does
+#: at its next exchange
+_syncs = 0
+
+
+def live() -> List["GradientReducer"]:
+    """Every :class:`GradientReducer` of this process (the optimizers' and the tapes')."""
+    return list(_LIVE)
+
+
+def rejoin_at_next_exchange() -> None:
+    """An elastic sync happened (every rank of the new world calls it at the same point): every
+    reducer, alive now or made later, rejoins the others at its next exchange
+    (:meth:`~mergecomp.pipeline.step.MergedStep.rejoin`: rank 0's plan and replicated state,
+    this rank's own memory where it stayed, none where it joined)."""
+    global _syncs
+    _syncs += 1
 
 
 class GradientReducer:
@@ -64,15 +91,9 @@ class GradientReducer:
         factor = check_horovod_args(op, gradient_predivide_factor)
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be a positive int, got {backward_passes_per_step!r}")
-        if comm is None:
-            from mergecomp.horovod_api.runtime import communicator
-
-            comm = communicator()
-        self.comm = comm
         self.compressor, self.memory = resolve(compression, memory)
-        self.options = StepOptions.create("GradientReducer", options,
-                                          fixed={"groups": groups, **scaling(op, factor, comm.size)})
-        self.options.check(self.compressor)
+        self._settings = (options, groups, op, factor)  # what rebuild() applies to another world
+        self._on(comm)
         self.passes = backward_passes_per_step
         self._average_passes = average_aggregated_gradients
         self._scale_local = scale_local_gradients
@@ -81,6 +102,21 @@ class GradientReducer:
         self._local: List[bool] = []  # per bound variable: keeps its own rank's gradient
         self._sums: Optional[List[torch.Tensor]] = None  # gradients summed over passes so far
         self._count = 0
+        self._rejoined = 0  # the elastic syncs of this process when it last rejoined
+        self._carried: Optional[tuple] = None  # (state,) to carry into the step built at the next exchange
+        _LIVE.add(self)
+
+    def _on(self, comm: Optional[Communicator]) -> None:
+        """The communicator (default: the runtime's) and the options its number of ranks scales."""
+        if comm is None:
+            from mergecomp.horovod_api.runtime import communicator
+
+            comm = communicator()
+        options, groups, op, factor = self._settings
+        self.comm = comm
+        self.options = StepOptions.create("GradientReducer", options,
+                                          fixed={"groups": groups, **scaling(op, factor, comm.size)})
+        self.options.check(self.compressor)
 
     # -- setup ------------------------------------------------------------------------------
     @property
@@ -121,11 +157,29 @@ class GradientReducer:
             raise ValueError("every variable is local: there is no gradient to exchange")
         self._bound_as = (list(names), [torch.Size(s) for s in shapes], list(dtypes), local)
         self._local, self._exchanged = local, exchanged
+        self._build()
+
+    def _build(self) -> None:
+        names, shapes, dtypes, _ = self._bound_as
+        exchanged = self._exchanged
         self.merged = PlannedStep(self.compressor, self.memory, self.comm, [names[i] for i in exchanged],
                                   [shapes[i] for i in exchanged], [dtypes[i] for i in exchanged],
                                   torch.device("cpu"), self.options,
                                   FrontEnd("GradientReducer", "variables", observe_order=False, timed=False,
                                            hand_out=True, cache_tag=("tf",)))
+
+    def rebuild(self, state: Optional[Dict[str, Any]] = None) -> None:
+        """Exchange on the runtime's world as it is now, after ``init()`` joined a world of
+        other ranks (an elastic reset), with the same settings (the average over the new number
+        of ranks); the gradients summed towards an exchange are dropped.  The merged step is
+        built again at the next exchange, where a worker that joined builds its own (the
+        construction's collectives meet), carrying ``state`` over as this rank's own: this
+        reducer's :meth:`state_dict` from before the reset, its last commit (None: afresh);
+        after a sync it then rejoins the others (:func:`rejoin_at_next_exchange`)."""
+        self._on(None)
+        self._sums, self._count = None, 0
+        if self.merged is not None or self._carried is not None:  # bound: built at the next exchange
+            self._carried = (state,)
 
     def _check_same(self, names, shapes, dtypes, local) -> None:
         mine = list(zip(*self._bound_as))
@@ -154,6 +208,15 @@ class GradientReducer:
         merged = self._bound()
         if len(grads) != len(self._local):
             raise ValueError(f"expected {len(self._local)} gradients, got {len(grads)}")
+        if self._carried is not None:  # the first exchange since an elastic reset
+            (state,), self._carried = self._carried, None
+            self._build()
+            merged = self.merged
+            if state is not None:
+                merged.carry_over(state)
+        if self._rejoined != _syncs:  # the first exchange since an elastic sync, on every rank
+            merged.rejoin(0)
+            self._rejoined = _syncs
         if self.passes > 1:
             grads = self._accumulate(grads)
             if grads is None:
@@ -194,8 +257,12 @@ class GradientReducer:
         return self._bound().step_breakdown(steps)
 
     # -- checkpoints --------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """This rank's plan, step, compressor state, error-feedback memory, scheduler choice."""
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """This rank's plan, step, compressor state, error-feedback memory, scheduler choice.
+        Between an elastic reset and the next exchange: the state carried over (:meth:`rebuild`;
+        None where it starts afresh)."""
+        if self._carried is not None:
+            return copy.deepcopy(self._carried[0])
         return self._bound().state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -50,24 +50,18 @@ and its ``State`` classes.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
-try:
-    from horovod.common.elastic import ObjectState, notification_manager
-    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-    from horovod.torch.elastic.sampler import ElasticSampler
-except ImportError as err:  # pragma: no cover - depends on the installation
-    raise ImportError("mergecomp.torch.elastic runs on Horovod's elastic driver and notifications, which cannot be "
-                      f"imported ({err}); install Horovod with: bash scripts/install_horovod.sh") from err
-
 from mergecomp.engines.communicator import CommunicationError
+from mergecomp.horovod_api import elastic  # first: its ImportError says how to install Horovod
 from mergecomp.horovod_api.collectives import broadcast_object
-from mergecomp.horovod_api.runtime import communicator, init, rank, shutdown
+from mergecomp.horovod_api.elastic import HorovodInternalError, HostsUpdatedInterrupt, ObjectState
+from mergecomp.horovod_api.runtime import rank
+
+from horovod.torch.elastic.sampler import ElasticSampler  # isort: skip - after that clear error
 
 from .functions import broadcast_class_state, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
@@ -75,53 +69,11 @@ from .optimizer import DistributedOptimizer
 __all__ = ["run", "TorchState", "ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt"]
 
 
-@contextlib.contextmanager
-def _failures_as_horovod() -> Iterator[None]:
-    """A failed collective of the horovod engine raised as Horovod's ``HorovodInternalError``,
-    which :func:`run` answers with a reset; other engines' failures end the job."""
-    try:
-        yield
-    except CommunicationError as err:
-        if communicator().engine != "horovod":
-            raise
-        raise HorovodInternalError(str(err)) from err
-
-
-def _reset() -> None:
-    """Leave the old world and join the new one, with the same engine and timeout."""
-    comm = communicator()
-    engine, timeout = comm.engine, comm.timeout
-    shutdown()
-    init(engine=engine, timeout=timeout)
-
-
 def run(func: Callable) -> Callable:
     """Decorate the training function ``func(state, ...)``: it runs after ``state.sync()``,
     and again after every reset (module docstring) until it returns.  Collectives belong
     inside ``func``, not before it: a joining worker's would meet the others' sync."""
-    @functools.wraps(func)
-    def wrapper(state: "TorchState", *args, **kwargs):
-        notification_manager.init()
-        notification_manager.register_listener(state)
-        skip_sync = False
-        try:
-            while True:
-                try:
-                    with _failures_as_horovod():
-                        if not skip_sync:
-                            state.sync()
-                        return func(state, *args, **kwargs)
-                except HorovodInternalError:
-                    state.restore()
-                    skip_sync = False
-                except HostsUpdatedInterrupt as interrupt:
-                    skip_sync = interrupt.skip_sync
-                _reset()
-                state.on_reset()
-        finally:
-            notification_manager.remove_listener(state)
-
-    return wrapper
+    return elastic.run(func, lambda err: isinstance(err, CommunicationError))
 
 
 class _Handler:

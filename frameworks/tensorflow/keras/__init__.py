@@ -85,3 +85,12 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         raise ValueError(f"load_model: {filepath!r} holds no optimizer (was the model compiled when it was saved?)")
     _optimizer.make_distributed(model.optimizer, compression=compression, **options)
     return model
+
+
+def __getattr__(name: str):
+    """``mck.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod."""
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.elastic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
