@@ -24,8 +24,11 @@ folded or dropped, ``--residuals``).
 The model is ``bench_convergence``'s GPT-2 (2 layers, 96 wide) on the standard library's bytes,
 AdamW with the LR schedule of ``bench_adam`` and ``exchange_momentum_after="auto"`` for the
 compressor (its recipe); each worker draws its batches from the whole training set by (seed,
-step, rank); the learning rate does not scale with the workers.  Final loss: the mean of the
-last 4 held-out evaluations (every 20 steps), as ``bench_convergence``'s language model.
+step, rank); the learning rate does not scale with the workers.  ``--keep-global-batch``: on
+fewer workers each takes the batches of the ranks it stands for (as DeepSpeed's elasticity
+keeps the global batch), so the job trains on the uninterrupted job's samples.  Final loss: the
+mean of the last 4 held-out evaluations (every 20 steps), as ``bench_convergence``'s language
+model.
 """
 import argparse
 import contextlib
@@ -59,6 +62,9 @@ parser.add_argument("--lr", type=float, default=1e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--scenarios", default="steady,4-2-4",
                     help="steady,4-2-4 (horovodrun elastic); torchrun-steady,torchrun-4-3 (torchrun's restarts)")
+parser.add_argument("--keep-global-batch", action="store_true",
+                    help="on 2 (or 1) workers each trains on the batches of 2 (4) of the 4-worker job's ranks at "
+                         "once: the global batch, and the samples, of the uninterrupted job")
 parser.add_argument("--json", default=None, help="append one record per run")
 parser.add_argument("--job-timeout", type=float, default=1200, help="seconds before a job is stopped as hung")
 parser.add_argument("--save-every", type=int, default=20,
@@ -82,11 +88,17 @@ class Training:
         starts = torch.linspace(0, len(held) - LM_CONTEXT - 1, 64).long()
         self.held_out = torch.stack([held[s:s + LM_CONTEXT] for s in starts])
 
-    def step(self, step: int, rank: int) -> None:
+    def step(self, step: int, rank: int, size: int) -> None:
+        """With ``--keep-global-batch`` and ``size`` dividing 4, rank ``rank`` trains on the
+        batches of the 4-worker job's ranks ``rank * 4 // size`` on (as one batch: its mean loss
+        is their losses' mean), else on its own."""
         for group in self.opt.param_groups:
             group["lr"] = self.args.lr * self.lr_at(step)
-        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step * 1009 + rank)
-        picks = torch.randint(len(self.train) - LM_CONTEXT, (LM_BATCH,), generator=generator).tolist()
+        share = 4 // size if self.args.keep_global_batch and 4 % size == 0 else 1
+        picks = []
+        for virtual in range(rank * share, (rank + 1) * share):
+            generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + step * 1009 + virtual)
+            picks += torch.randint(len(self.train) - LM_CONTEXT, (LM_BATCH,), generator=generator).tolist()
         windows = torch.stack([self.train[s:s + LM_CONTEXT] for s in picks])
         self.opt.zero_grad()
         self.model(input_ids=windows, labels=windows).loss.backward()
@@ -128,7 +140,7 @@ def horovod_worker(config: str, out: str, hosts: str, args) -> None:
             if args.lose_at and state.step == args.lose_at and here == LOST_HOST:
                 note(event="exit", step=state.step)
                 os._exit(1)
-            training.step(state.step, hvd.rank())
+            training.step(state.step, hvd.rank(), hvd.size())
             state.step += 1
             if first:
                 note(event="stepped", step=state.step)
@@ -171,7 +183,7 @@ def torchrun_worker(config: str, out: str, checkpoints: str, args) -> None:
             note(event="exit", step=step)
             os.kill(os.getppid(), signal.SIGKILL)  # the node's agent
             os._exit(1)
-        training.step(step, mc.rank())
+        training.step(step, mc.rank(), mc.size())
         step += 1
         if first:
             note(event="stepped", step=step)
@@ -191,7 +203,8 @@ def torchrun_worker(config: str, out: str, checkpoints: str, args) -> None:
 def _worker_args(args, lose: bool, add: bool) -> List[str]:
     return [os.path.abspath(__file__), "--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed),
             "--lose-at", str(args.lose_at if lose else 0), "--add-at", str(args.add_at if add else 0),
-            "--save-every", str(args.save_every), "--residuals", args.residuals]
+            "--save-every", str(args.save_every), "--residuals", args.residuals,
+            *(["--keep-global-batch"] if args.keep_global_batch else [])]
 
 
 def _horovodrun(config: str, scenario: str, args, folder: str, out: str) -> int:
@@ -278,6 +291,8 @@ def launch(config: str, scenario: str, args) -> dict:
               "curve": curve, "final_test_loss": statistics.fmean(loss for _, loss in curve[-4:]) if curve else None}
     if scenario.startswith("torchrun"):
         record.update(save_every=args.save_every, residuals=args.residuals)
+    if args.keep_global_batch:
+        record["global_batch"] = "kept"
     exits = [n for n in notes if n["event"] == "exit"]
     if exits:
         lost = exits[0]["time"]

@@ -21,7 +21,8 @@ def elastic_runs(record: str = HOROVOD_ELASTIC) -> str:
               if len(run["worlds"]) == 1 and run.get("status", "ok") == "ok"}
     rows = []
     for run in runs:
-        label = f" (`residuals=\"{run['residuals']}\"`)" if "residuals" in run else ""
+        label = (f" (`residuals=\"{run['residuals']}\"`)" if "residuals" in run else "") \
+            + (" (global batch kept)" if run.get("global_batch") == "kept" else "")
         if run.get("status", "ok") != "ok":
             rows.append([compressor_name(run["config"]), str(run.get("seed", 0)), " -> ".join(map(str, run["worlds"]))
                          + label, "–", "–", "–",
