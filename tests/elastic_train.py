@@ -12,32 +12,22 @@ JSON lines to ``OUT/<pid>.jsonl``: ``{"at": "commit", ...}`` with what each comm
 rank, size and digests of the parameters, of this rank's error-feedback memory and of the
 compressor's state.
 """
-import argparse
-import json
 import os
-import time
 
 import torch
+from elastic_schedule import digest, grow, options as elastic_options, parser, write
 
 import mergecomp.torch as hvd
 
-parser = argparse.ArgumentParser()
-parser.add_argument("out")
-parser.add_argument("hosts")
-parser.add_argument("--compression", default="topk")
+parser = parser()
 parser.add_argument("--adamw", action="store_true", help="AdamW, its momentum exchanged")
-parser.add_argument("--steps", type=int, default=16)
-parser.add_argument("--grow-at", type=int, default=4, help="0: never")
-parser.add_argument("--fail-at", type=int, default=10, help="0: never")
 args = parser.parse_args()
 
 hvd.init()
 joined = hvd.size() == 3  # the third worker starts in a world of three
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
-options = {"compression": args.compression, "groups": 2}
-if args.compression == "topk":
-    options.update(memory="residual", compression_warmup_steps=0)
+options = elastic_options(args.compression)
 if args.adamw:  # 1-bit Adam's scheme: AdamW's momentum exchanged after 2 updates, the variance frozen
     inner = torch.optim.AdamW(model.parameters(), lr=0.01 * hvd.size())
     options.update(exchange_momentum_after=2)
@@ -47,20 +37,13 @@ opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
 BASE_LR = opt.param_groups[0]["lr"] / hvd.size()
 
 
-def digest(states) -> float:
-    """A number that differs when any tensor in ``states`` (group -> field -> tensor) does."""
-    return float(sum(t.double().abs().sum() + t.double().sum() * 1e-3 for fields in states.values()
-                     for t in fields.values()))
-
-
 def record(state, at: str) -> None:
     merged = opt.merged.state_dict()
     line = {"at": at, "pid": os.getpid(), "joined": joined, "step": state.step, "rank": hvd.rank(),
             "size": hvd.size(), "params": float(sum(p.detach().double().sum() for p in model.parameters())),
             "memory": digest(merged["memory"]), "compressor": digest(merged["compressor"]),
             "merged_step": merged["step"], "lr": opt.param_groups[0]["lr"]}
-    with open(os.path.join(args.out, f"{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps(line) + "\n")
+    write(args.out, line)
 
 
 @hvd.elastic.run
@@ -77,11 +60,7 @@ def train(state):
         opt.step()
         state.step += 1
         if args.grow_at and state.step == args.grow_at and hvd.rank() == 0:
-            with open(args.hosts, "a") as f:
-                f.write("127.0.0.1:1\n")
-            deadline = time.monotonic() + 60
-            while state._host_messages.empty() and time.monotonic() < deadline:  # as Horovod's own elastic test
-                time.sleep(0.05)
+            grow(state, args.hosts)
         record(state, "commit")
         state.commit()
 

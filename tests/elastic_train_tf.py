@@ -11,10 +11,7 @@ callback scales, and ``TensorFlowKerasState``.  ``--fit``: ``model.fit`` with a 
 ``--grow-at``; the worker that joined exits at ``--fail-at``; each process appends JSON lines
 to ``OUT/<pid>.jsonl`` as the torch script does.
 """
-import argparse
-import json
 import os
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,17 +20,13 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from elastic_schedule import digest, grow, options as elastic_options, parser, write  # noqa: E402
+
 import mergecomp.tensorflow.keras as hvd  # noqa: E402
 from mergecomp.tensorflow.reducer import live  # noqa: E402
 
-parser = argparse.ArgumentParser()
-parser.add_argument("out")
-parser.add_argument("hosts")
-parser.add_argument("--compression", default="topk")
+parser = parser()
 parser.add_argument("--fit", action="store_true", help="model.fit with the Keras callbacks")
-parser.add_argument("--steps", type=int, default=16)
-parser.add_argument("--grow-at", type=int, default=4, help="0: never")
-parser.add_argument("--fail-at", type=int, default=10, help="0: never")
 args = parser.parse_args()
 
 hvd.init()
@@ -41,9 +34,7 @@ joined = hvd.size() == 3  # the third worker starts in a world of three
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(12, activation="tanh"), keras.layers.Dense(4)])
 BASE_LR = 0.1
-options = {"compression": args.compression, "groups": 2}
-if args.compression == "topk":
-    options.update(memory="residual", compression_warmup_steps=0)
+options = elastic_options(args.compression)
 if args.fit:
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(BASE_LR * hvd.size(), momentum=0.9), **options)
     model.compile(optimizer=optimizer, loss="mse")
@@ -65,12 +56,6 @@ def train_step(x, y):
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 
-def digest(states) -> float:
-    """A number that differs when any tensor in ``states`` (group -> field -> tensor) does."""
-    return float(sum(t.double().abs().sum() + t.double().sum() * 1e-3 for fields in states.values()
-                     for t in fields.values()))
-
-
 def record(state, at: str) -> None:
     [reducer] = [r for r in live() if r.bound] or [None]
     merged = (reducer.state_dict() if reducer is not None else None) or {"memory": {}, "compressor": {}, "step": 0}
@@ -78,8 +63,7 @@ def record(state, at: str) -> None:
             "size": hvd.size(), "params": float(sum(np.asarray(v, dtype=np.float64).sum() for v in model.weights)),
             "memory": digest(merged["memory"]), "compressor": digest(merged["compressor"]),
             "merged_step": merged["step"], "lr": float(optimizer.learning_rate.numpy())}
-    with open(os.path.join(args.out, f"{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps(line) + "\n")
+    write(args.out, line)
 
 
 def step_of(state) -> int:
@@ -88,13 +72,8 @@ def step_of(state) -> int:
 
 def after_step(state) -> None:
     """What follows each step: the host added or the worker that joined lost, as scheduled."""
-    step = step_of(state)
-    if args.grow_at and step == args.grow_at and hvd.rank() == 0:
-        with open(args.hosts, "a") as f:
-            f.write("127.0.0.1:1\n")
-        deadline = time.monotonic() + 60
-        while state._host_messages.empty() and time.monotonic() < deadline:  # as Horovod's own elastic test
-            time.sleep(0.05)
+    if args.grow_at and step_of(state) == args.grow_at and hvd.rank() == 0:
+        grow(state, args.hosts)
 
 
 class Schedule(keras.callbacks.Callback):

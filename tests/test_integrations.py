@@ -87,12 +87,13 @@ def _lightning_kit():
             return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
                                            groups=1)
 
-    def fit(strategy, epochs=2, module=None, ckpt=None, save=None):
+    def fit(strategy, epochs=2, module=None, ckpt=None, save=None, callbacks=None):
         module = module or Tiny()
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
         with kept_environment():
             trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=epochs, logger=False,
-                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                                 enable_checkpointing=callbacks is not None, callbacks=callbacks,
+                                 enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(module, loader, ckpt_path=ckpt)
             if save:
                 trainer.save_checkpoint(save)
@@ -103,7 +104,8 @@ def _lightning_kit():
 
 def _lightning(rank, folder, port, saved_by_three):
     import mergecomp.torch as mc
-    from mergecomp.torch.integrations.lightning import CHECKPOINT_KEY, MergecompDDPStrategy, MergecompStrategy
+    from mergecomp.torch.integrations.lightning import (CHECKPOINT_KEY, MergecompDDPStrategy, MergecompDiLoCoStrategy,
+                                                        MergecompStrategy)
 
     import lightning.pytorch as pl
 
@@ -183,6 +185,21 @@ def _lightning(rank, folder, port, saved_by_three):
     strategy = MergecompDDPStrategy("topk")
     fit(strategy, epochs=1, ckpt=os.path.join(saved_by_three, "hook.ckpt"))
     out["hook_other_size"] = strategy.hook_state.bind().state_dict()
+    # DiLoCo: with H = 1 and plain averaging as the outer step it is DDP (SGD's momentum is linear);
+    # Streaming top-k resumed from a checkpoint taken mid-round, a fragment in flight
+    out["diloco_every_step"] = fit(MergecompDiLoCoStrategy(1, outer_optimizer=plain_averaging))
+
+    def diloco():
+        return MergecompDiLoCoStrategy(4, "topk", fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
+
+    strategy = diloco()
+    every_step = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(folder, "diloco"), every_n_train_steps=4,
+                                              save_top_k=-1)
+    out["diloco"] = fit(strategy, callbacks=[every_step])
+    out["diloco_steps"] = strategy.diloco.inner_steps
+    path = os.path.join(folder, "diloco", "epoch=0-step=4.ckpt")
+    out["diloco_record"] = torch.load(path, weights_only=False)[CHECKPOINT_KEY]
+    out["diloco_resumed"] = fit(diloco(), ckpt=path)
     try:
         fit(MergecompStrategy(), module=Tiny())
     except TypeError as err:
@@ -281,6 +298,21 @@ def test_lightning_resumes_three_ranks_checkpoints_on_two_with_the_residuals_fol
                     each = [state["memory"][group][field] for state in saved]
                     assert not any(torch.equal(value, mine) for mine in each)
                     torch.testing.assert_close(value, torch.stack(each).mean(dim=0))
+
+
+@requires("lightning")
+def test_lightning_diloco_strategy_averages_like_ddp_and_resumes_exactly(lightning):
+    """``MergecompDiLoCoStrategy``: with H = 1 and plain averaging it is DDP; Streaming DiLoCo
+    with top-k resumed from a checkpoint taken while a fragment is in flight (each rank's local
+    parameters differing) ends where the uninterrupted run does; at the end every rank holds
+    the global model."""
+    for out in lightning:
+        assert (out["diloco_every_step"] - out["ddp"]).abs().max().item() < 1e-5
+        assert out["diloco_steps"] == 8 and torch.equal(out["diloco_resumed"], out["diloco"])
+    assert torch.equal(lightning[0]["diloco"], lightning[1]["diloco"])
+    ranks = lightning[0]["diloco_record"]["ranks"]
+    assert ranks[0]["diloco"]["in_flight"] is not None
+    assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["parameters"], ranks[1]["parameters"]))
 
 
 @requires("lightning")

@@ -11,9 +11,17 @@ standalone ``pytorch_lightning`` package when ``lightning`` is not installed).
   not run).  The strategy starts mergecomp on Lightning's process group, so the script calls no
   ``mc.init()``.
 
-Both keep every rank's mergecomp state (error-feedback memories, compressor state, step) in
-Lightning's checkpoint under ``"mergecomp"`` (:mod:`._ranks`), and ``fit(ckpt_path=...)``
-gives each rank its own back, so a resumed run continues as the uninterrupted one would.
+* :class:`MergecompDiLoCoStrategy`: DiLoCo for slow links (:class:`mergecomp.torch.DiLoCo`):
+  DDP whose hook sends nothing, the optimizer of ``configure_optimizers`` taking the inner steps,
+  and every ``sync_every`` of its steps the pseudo-gradient exchanged with any compressor::
+
+      Trainer(accelerator="cpu", devices=2, strategy=MergecompDiLoCoStrategy(100, compression="topk"))
+
+All three keep every rank's mergecomp state (error-feedback memories, compressor state, step;
+under DiLoCo also each rank's local parameters and inner optimizer state, which differ between
+synchronizations) in Lightning's checkpoint under ``"mergecomp"`` (:mod:`._ranks`), and
+``fit(ckpt_path=...)`` gives each rank its own back, so a resumed run continues as the
+uninterrupted one would.
 """
 from __future__ import annotations
 
@@ -34,10 +42,10 @@ from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
 from mergecomp.torch.momentum_recipes import AUTO, RUN_OPTIONS, TOTAL_OPTION
 
-from ._hook import attach
-from ._ranks import collect, own
+from ._hook import attach, attach_diloco
+from ._ranks import DiLoCoRank, collect, own
 
-__all__ = ["MergecompDDPStrategy", "MergecompStrategy", "CHECKPOINT_KEY"]
+__all__ = ["MergecompDDPStrategy", "MergecompStrategy", "MergecompDiLoCoStrategy", "CHECKPOINT_KEY"]
 
 #: the checkpoint's entry holding every rank's mergecomp state
 CHECKPOINT_KEY = "mergecomp"
@@ -156,6 +164,75 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
 
     def _reshard(self, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
         return to_fold(ranks)
+
+
+class MergecompDiLoCoStrategy(_RanksInCheckpoint, DDPStrategy):
+    """Lightning's DDP strategy training with DiLoCo (:class:`mergecomp.torch.DiLoCo`): the DDP
+    model gets a hook that sends nothing, the one optimizer ``configure_optimizers`` returns
+    takes the inner steps, and every ``sync_every`` of its steps the pseudo-gradient goes
+    through ``compression`` and the outer optimizer.  When ``fit`` ends every fragment
+    synchronizes once more, so every rank holds the global model.
+
+    Args:
+        sync_every, compression, memory: as :class:`~mergecomp.torch.DiLoCo`'s.
+        kwargs: DiLoCo's options (``outer_optimizer``, ``fragments``, ``fragment_sync_delay``,
+            ``fragment_update_alpha``, ``nonfinite``, ``uncompressed`` ...); the rest go to
+            Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).
+            ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper`` and
+            ``model_averaging_period`` raise ValueError.
+
+    Under ``precision="16-mixed"`` the precision plugin's ``GradScaler`` counts the inner steps
+    (a step it skips is skipped on that rank alone).  ``diloco`` is the
+    :class:`~mergecomp.torch.DiLoCo` once ``fit`` has set up the optimizer; a checkpoint of
+    another number of ranks folds the memories (:meth:`._ranks.DiLoCoRank.reshard`).
+    """
+
+    _DILOCO_OPTIONS = ("outer_optimizer", "fragments", "fragment_sync_delay", "fragment_update_alpha",
+                       *(f.name for f in dataclasses.fields(StepOptions)))
+
+    def __init__(self, sync_every: int, compression: Union[str, Compressor] = "none",
+                 memory: Union[str, Memory, None] = None, **kwargs: Any) -> None:
+        who = type(self).__name__
+        _refuse(who, kwargs, _HOOK_ARGUMENTS, "the strategy registers a hook that sends nothing in the inner steps")
+        options = {name: kwargs.pop(name) for name in self._DILOCO_OPTIONS if name in kwargs}
+        super().__init__(**kwargs)
+        self._diloco_settings = (sync_every, compression, memory, options)
+        self.diloco = None
+        self._resumed: Optional[Dict[str, Any]] = None
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's, then DiLoCo around the one optimizer on the DDP model (every rank starts
+        from rank 0's parameters)."""
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{type(self).__name__}: DiLoCo takes the inner steps of exactly one optimizer from "
+                             f"configure_optimizers, got {len(self.optimizers)}")
+        if self.diloco is not None:
+            self.diloco.close()  # an earlier fit's
+        sync_every, compression, memory, options = self._diloco_settings
+        self.diloco = attach_diloco(self.model, self.optimizers[0], sync_every, compression, memory, options,
+                                    getattr(self.precision_plugin, "scaler", None), type(self).__name__)
+
+    def on_train_start(self) -> None:
+        """A resumed fit: each rank's own DiLoCo state, local parameters and inner optimizer
+        state, over the rank 0's that Lightning restored."""
+        super().on_train_start()
+        if self._resumed is not None:
+            DiLoCoRank(self.diloco).load_state_dict(self._resumed)
+            self._resumed = None
+
+    def on_train_end(self) -> None:
+        self.diloco.sync()
+        super().on_train_end()
+
+    def _local_state(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        return DiLoCoRank(self.diloco).state_dict()
+
+    def _restore(self, mine: Dict[str, Any], checkpoint: Dict[str, Any]) -> None:
+        self._resumed = mine  # loaded when training starts, after Lightning restored rank 0's model and optimizer
+
+    def _reshard(self, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return DiLoCoRank.reshard(ranks)
 
 
 class MergecompStrategy(_RanksInCheckpoint, DDPStrategy):
