@@ -317,3 +317,60 @@ def test_scheduler_and_errors_in_one_process():
     assert "unknown compressor 'nope'" in out["compressor"]
     assert "NotImplementedError" in out["momentum"] and "exchange_momentum_after" in out["momentum"]
     assert "ValueError" in out["other_model"] and "one reducer per model" in out["other_model"]
+
+
+# -- hvd.elastic's state, without Horovod's driver ----------------------------------------------
+def _elastic_state_worker(rank):
+    """``TensorFlowState`` on two ranks of one world: what commit, restore, reset and sync do to
+    variables, attributes and a tape's reducer (its error-feedback memory)."""
+    import tensorflow as tf
+
+    import mergecomp.tensorflow as mct
+    from mergecomp.tensorflow.elastic import TensorFlowState
+
+    _setup()
+    mct.init()
+    variable = tf.Variable(tf.fill([6], float(rank)))
+    reducer = mct.GradientReducer("topk", memory="residual", groups=1, compression_warmup_steps=0)
+
+    def step(seed):
+        grads = [tf.constant(np.random.default_rng(10 * seed + rank).standard_normal(6).astype("float32"))]
+        return mct.allreduce_gradients(reducer, grads, [variable])[0].numpy()
+
+    step(0)  # the reducer binds: a memory of its own on each rank
+    state = TensorFlowState([variable], epoch=rank)  # commits at once
+    out = {"after_sync": None}
+    variable.assign(tf.fill([6], 10.0 + rank))
+    state.epoch = 5
+    step(1)
+    state.commit()
+    committed = reducer.state_dict()["memory"]
+    variable.assign(tf.fill([6], 20.0))
+    state.epoch = 7
+    step(2)  # the memory moves on past the commit
+    state.restore()
+    out["restored"] = (variable.numpy().tolist(), state.epoch)
+    state.reset()  # as after a lost worker: the reducer carries the committed state into its next exchange
+    out["carried"] = all(np.array_equal(reducer.state_dict()["memory"][g]["residual"].numpy(),
+                                        committed[g]["residual"].numpy()) for g in committed)
+    state.sync()  # rank 0's variables and attributes; the reducer rejoins at its next exchange
+    out["synced"] = (variable.numpy().tolist(), state.epoch)
+    step(3)
+    merged = reducer.state_dict()
+    out["step"], out["memory"] = merged["step"], float(sum(f["residual"].abs().sum() for f in merged["memory"].values()))
+    try:
+        TensorFlowState()
+    except NotImplementedError as err:
+        out["refused"] = str(err)
+    return out
+
+
+def test_elastic_state_commits_restores_carries_the_reducer_and_syncs():
+    r0, r1 = run_workers(_elastic_state_worker, 2, env=ENV, timeout=170)
+    for rank, r in enumerate((r0, r1)):
+        assert r["restored"] == ([10.0 + rank] * 6, 5)
+        assert r["carried"]
+        assert r["synced"] == ([10.0] * 6, 5)  # rank 0's
+        assert r["step"] == r0["step"]
+        assert "TensorFlow 1" in r["refused"]
+    assert r0["memory"] != r1["memory"]  # each rank its own residual
