@@ -187,3 +187,40 @@ def test_stochastic_round_is_unbiased_and_stays_between_neighbours(shift):
     mean = rounded.view(40_000, 8).mean(0)
     # Bernoulli variance <= 1/4 per draw: 6 sigma over 40k draws is 0.015
     torch.testing.assert_close(mean, a[:8], atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+@pytest.mark.parametrize("n,ratio", [(0, 0.5), (1, 0.01), (13, 0.2), (1000, 0.01), (1000, 0.05), (4099, 0.1),
+                                     (20_000, 0.5), (20_000, 0.02)])
+def test_bitmap_indices_decode_as_the_int32_ones(name, n, ratio):
+    """A bitmap payload (values in ascending index order) decodes, aggregates and names its
+    entries bit for bit as the int32 one; ``"auto"`` sends whichever is smaller."""
+    import mergecomp
+
+    generator = torch.Generator().manual_seed(n)
+    ranks = [torch.randn(n, generator=generator) for _ in range(3)]
+    codecs = {form: mergecomp.get_compressor(name, ratio=ratio, index_format=form)
+              for form in ("int32", "bitmap", "auto")}
+    encoded = {form: [codec.compress(x.clone(), "g") for x in ranks] for form, codec in codecs.items()}
+    k = num_selected(n, ratio)
+    for form, codec in codecs.items():
+        payload, ctx = encoded[form][0]
+        reference, reference_ctx = encoded["int32"][0]
+        assert torch.equal(codec.decompress(payload, ctx), codecs["int32"].decompress(reference, reference_ctx))
+        indices, values = codec.sent_entries(payload, ctx)
+        ordered = reference[1].long().argsort()
+        assert torch.equal(indices, reference[1].long()[ordered]) and torch.equal(values, reference[0][ordered])
+        for average in (False, True):
+            assert torch.equal(codec.aggregate([p for p, _ in encoded[form]], ctx, 3, average),
+                               codecs["int32"].aggregate([p for p, _ in encoded["int32"]], reference_ctx, 3, average))
+    bitmap_bytes = -(-n // 8)
+    assert encoded["bitmap"][0][0][1].numel() == bitmap_bytes
+    sent = sum(t.numel() * t.element_size() for t in encoded["auto"][0][0])
+    assert sent == 4 * k + (bitmap_bytes if 32 * k > n else 4 * k)
+
+
+def test_sparse_index_format_is_checked():
+    import mergecomp
+
+    with pytest.raises(ValueError, match="index_format must be one of"):
+        mergecomp.get_compressor("topk", index_format="csr")

@@ -292,14 +292,16 @@ def test_k_is_the_exact_ceiling_of_ratio_times_n():
     for n, ratio, k in [(200, 0.07, 14), (100, 0.07, 7), (201, 0.07, 15), (5, 0.01, 1), (0, 0.5, 0)]:
         assert num_selected(n, ratio) == k, (n, ratio)
         for name in ("topk", "dgc"):
-            (values, indices), _ = make(name, ratio=ratio).compress(torch.randn(n), "g")
+            (values, indices), _ = make(name, ratio=ratio, index_format="int32").compress(torch.randn(n), "g")
             assert values.numel() == indices.numel() == k, (name, n, ratio)
+            (values, bitmap), _ = make(name, ratio=ratio, index_format="bitmap").compress(torch.randn(n), "g")
+            assert values.numel() == k and bitmap.dtype == torch.uint8 and bitmap.numel() == -(-n // 8)
 
 
 @pytest.mark.parametrize("n", [10, 5000, 200_000])
 def test_dgc_returns_exactly_k(n):
     x = torch.randn(n)
-    c = make("dgc", ratio=0.01)
+    c = make("dgc", ratio=0.01, index_format="int32")
     (values, indices), _ = c.compress(x, "g")
     k = num_selected(n, 0.01)
     assert values.numel() == indices.numel() == k

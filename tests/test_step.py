@@ -508,3 +508,35 @@ def test_a_counter_of_a_one_element_group_is_not_taken_for_per_element_state():
         step.add(1, g[1])
         assert step.finish() is not None
     assert step.step == 3
+
+
+def _index_formats_worker(rank):
+    """Top-k at 10 % with the residual memory (the fused scan) over a group of 4,000 elements,
+    its indices as int32 and as a bitmap, five steps on the same gradients."""
+    import mergecomp.torch as mc
+    from mergecomp.compressors.topk import TopKCompressor
+
+    names, shapes = ["w", "b"], [(40, 90), (400,)]
+    results = {}
+    for form in ("int32", "bitmap"):
+        step = planned(TopKCompressor(0.1, index_format=form), "residual", mc.communicator(), names, shapes,
+                       [torch.float32] * 2, groups=1, compression_warmup_steps=0)
+        outs = []
+        for seed in range(5):
+            generator = torch.Generator().manual_seed(100 * seed + rank)
+            for i, shape in enumerate(shapes):
+                step.add(i, torch.randn(shape, generator=generator))
+            outs.append(torch.cat([t.reshape(-1) for t in step.finish().tensors(2)]))
+        results[form] = (torch.stack(outs), memory_state(step))
+    (int32, int32_memory), (bitmap, bitmap_memory) = results["int32"], results["bitmap"]
+    same_memory = all(torch.equal(int32_memory[g][f], bitmap_memory[g][f]) for g in int32_memory for f in int32_memory[g])
+    return {"equal": torch.equal(int32, bitmap), "memory": same_memory, "result": bitmap}
+
+
+def test_top_k_sends_a_bitmap_with_the_same_results_and_memories():
+    """Two gloo ranks: the bitmap payload ends every step with the int32 one's results and
+    error-feedback memories, bit for bit, and the ranks agree."""
+    outs = run_workers(_index_formats_worker, 2)
+    for out in outs:
+        assert out["equal"] and out["memory"]
+    assert torch.equal(outs[0]["result"], outs[1]["result"])

@@ -1,9 +1,13 @@
-"""Sparse payloads (values + int32 indices), written once for every sparsifier.
+"""Sparse payloads (values + int32 indices, or a bitmap), written once for every sparsifier.
 
 Wire format of a :class:`SparseCompressor` payload: ``(values, indices)``, ``values`` in the
-gradient's dtype (top-k's ``value_dtype`` casts them) and ``indices`` int32, both of length
-``k = max(1, ceil(ratio * numel))`` (:func:`num_selected`, exact) — a function of numel and ratio
-only, so every rank sends the same number of bytes.
+gradient's dtype (top-k's ``value_dtype`` casts them), ``k = max(1, ceil(ratio * numel))`` of them
+(:func:`num_selected`, exact), and ``indices`` either int32 (k of them, in any order) or, with
+``index_format="bitmap"``, a bitmap of ``ceil(numel / 8)`` uint8 bytes (bit ``i`` of byte
+``i // 8``'s little end: element ``i`` is sent) with the values in ascending index order;
+``"auto"`` sends the bitmap where it is smaller (``32 k > numel``: a ratio above 1/32).  Both are
+functions of numel, ratio and the settings only, so every rank sends the same number of bytes, and
+both decode to the same tensor, bit for bit.  The decode tells them apart by the dtype.
 
 Also here: a fast top-k selection for large merged buffers (a threshold estimated from a strided
 sample, then an exact top-k among the candidates above it, found by
@@ -23,11 +27,13 @@ import torch
 from mergecomp.compressors.base.capabilities import SparseEntries
 from mergecomp.compressors.base.compressor import Compressor, Payload, check_ratio
 from mergecomp.compressors.base.passes import CodecPasses
+from mergecomp.kernels import bitpack
 from mergecomp.kernels.codecs import indices_above, largest, zero_
 from mergecomp.kernels.transfer import pinned, to_device
 
 __all__ = [
     "SparseCompressor",
+    "INDEX_FORMATS",
     "num_selected",
     "topk_indices",
     "topk_abs_indices",
@@ -141,44 +147,77 @@ def shared_random_indices(numel: int, k: int, seed: int, device: torch.device) -
     return to_device(torch.randint(numel, (k,), generator=generator, pin_memory=pinned(device)), device)
 
 
+#: how a sparse payload names its elements (module docstring)
+INDEX_FORMATS = ("int32", "bitmap", "auto")
+
+
 class SparseCompressor(Compressor, SparseEntries):
-    """Keeps ``k`` elements chosen by :meth:`select`; payload ``(values, int32 indices)``."""
+    """Keeps ``k`` elements chosen by :meth:`select`; payload ``(values, indices)`` with
+    ``index_format``'s indices (module docstring)."""
 
     default_memory = "residual"
     #: decompress: zeroing the dense output (the scatter touches k entries); aggregate: one
     #: scatter of every rank's entries into it
     passes = CodecPasses(aggregate=1)
 
-    def __init__(self, ratio: float = 0.01) -> None:
+    def __init__(self, ratio: float = 0.01, index_format: str = "int32") -> None:
         super().__init__()
         self.ratio = check_ratio(ratio)
+        if index_format not in INDEX_FORMATS:
+            raise ValueError(f"{type(self).__name__} index_format must be one of {INDEX_FORMATS}, "
+                             f"got {index_format!r}")
+        self.index_format = index_format
 
     def select(self, tensor: torch.Tensor, k: int, name: str) -> torch.Tensor:
         """Indices of the ``k`` elements of ``tensor`` to send."""
         raise NotImplementedError
+
+    def sends_bitmap(self, numel: int, k: int) -> bool:
+        """Whether a payload of ``k`` of ``numel`` elements names them by a bitmap."""
+        return self.index_format == "bitmap" or (self.index_format == "auto" and 32 * k > numel)
+
+    def _payload(self, values: torch.Tensor, indices: torch.Tensor, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(values, indices)`` of distinct ``indices`` as they go on the wire: int32 indices, or
+        the bitmap with the values in ascending index order."""
+        if not self.sends_bitmap(numel, values.numel()):
+            return values, indices.to(torch.int32)
+        ordered, order = indices.long().sort()
+        mask = torch.zeros(numel, dtype=torch.bool, device=indices.device)
+        mask[ordered] = True
+        return values[order], bitpack.pack(mask, 1)
 
     def compress(
         self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]] = None
     ) -> Tuple[Payload, Tuple[int, torch.dtype]]:
         indices = self.select(tensor, num_selected(tensor.numel(), self.ratio), name)
         values = tensor.index_select(0, indices)
-        return (values, indices.to(torch.int32)), (tensor.numel(), tensor.dtype)
+        return self._payload(values, indices, tensor.numel()), (tensor.numel(), tensor.dtype)
+
+    @staticmethod
+    def _indices(indices: torch.Tensor, numel: int) -> torch.Tensor:
+        """int64 indices of a payload's ``indices`` (int32, or a bitmap: ascending)."""
+        if indices.dtype == torch.uint8:
+            return bitpack.unpack(indices, 1, numel).nonzero().view(-1)
+        return indices.long()
 
     def decompress(self, payload: Payload, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
         values, indices = payload
+        return self._scatter(values, self._indices(indices, ctx[0]), ctx)
+
+    def _scatter(self, values: torch.Tensor, indices: torch.Tensor, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
         numel, dtype = ctx
         dense = zero_(self.scratch(numel, dtype, values.device))
         # scatter_add_ accumulates repeated indices like index_add_, and is faster on CPU.
-        return dense.scatter_add_(0, indices.long(), values.to(dtype))
+        return dense.scatter_add_(0, indices, values.to(dtype))
 
     def sent_entries(self, payload: Payload, ctx: Tuple[int, torch.dtype]):
         values, indices = payload  # one rank's selection: the indices are distinct
-        return indices.long(), values.to(ctx[1])
+        return self._indices(indices, ctx[0]), values.to(ctx[1])
 
     def aggregate(self, payloads, ctx, world_size, average):
         # One scatter-add over all ranks' entries instead of one dense decode per rank.
         values = torch.cat([p[0] for p in payloads]).to(ctx[1])  # values sent in half precision: divided in full
-        indices = torch.cat([p[1] for p in payloads])
+        indices = torch.cat([self._indices(p[1], ctx[0]) for p in payloads])
         if average:  # k values per rank, not the dense buffer
             values = values.div_(world_size)
-        return self.decompress((values, indices), ctx)
+        return self._scatter(values, indices, ctx)
