@@ -17,6 +17,7 @@ from cuda_support import (BITWISE, DEVICE, DTYPES, LOW_RANK, NUMELS, ROUNDING, S
 from test_compressors import finish, run_rounds
 
 import mergecomp
+from mergecomp.kernels import bitpack
 
 pytestmark = pytest.mark.cuda
 
@@ -47,12 +48,16 @@ def check_payload(name, cpu, gpu, x):
         assert torch.equal(bits(cpu[0]), bits(gpu[0]))
         assert_close(gpu[1], cpu[1], 1e-5, "the sign code's scalars")
     elif name in SELECTING:
+        entries = []
         for payload in (cpu, gpu):
             values, indices = (t.cpu() for t in payload)
+            if indices.dtype == torch.uint8:  # a bitmap (index_format): the values in ascending index order
+                indices = bitpack.unpack(indices, 1, x.numel()).nonzero().view(-1)
             assert torch.equal(values, x[indices.long()])
-        order_cpu, order_gpu = cpu[1].argsort(), gpu[1].argsort()
-        assert torch.equal(cpu[1][order_cpu].cpu(), gpu[1][order_gpu].cpu())
-        assert torch.equal(bits(cpu[0][order_cpu]), bits(gpu[0][order_gpu]))
+            order = indices.argsort()
+            entries.append((indices[order].long(), values[order]))
+        (cpu_indices, cpu_values), (gpu_indices, gpu_values) = entries
+        assert torch.equal(cpu_indices, gpu_indices) and torch.equal(bits(cpu_values), bits(gpu_values))
 
 
 def check_result(name, cpu, gpu, dtype, xs, own=False):
