@@ -34,6 +34,8 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      {"layers": 3, "lr": 3e-3, "clip": 1.0, "batch": 16}, 600, "adam_gpt2_3x256_batch16_auto_2workers.jsonl"),
     ("the same, half as long (`--steps 300`: K = 75)",
      {"layers": 3, "lr": 3e-3, "clip": 1.0}, 300, "adam_gpt2_3x256_300_updates_auto_2workers.jsonl"),
+    ("the same, twice as long (`--steps 1200`: K = 150)",
+     {"layers": 3, "lr": 3e-3, "clip": 1.0}, 1200, "adam_gpt2_3x256_1200_updates_auto_2workers.jsonl"),
 )
 
 
