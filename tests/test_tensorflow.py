@@ -362,7 +362,33 @@ def _elastic_state_worker(rank):
         TensorFlowState()
     except NotImplementedError as err:
         out["refused"] = str(err)
+    out["lost_worker"] = _lost_worker_errors()
     return out
+
+
+def _lost_worker_errors():
+    """Which errors raised inside a ``tf.function``'s ``py_function`` :func:`run` takes for a
+    lost worker: a failed wait and Horovod's refusal to start a collective, not any other."""
+    import tensorflow as tf
+    from horovod.common.exceptions import HorovodInternalError
+
+    from mergecomp.engines.communicator import CommunicationError
+    from mergecomp.tensorflow.elastic import _lost_worker
+
+    seen = {}
+    for kind in (CommunicationError, HorovodInternalError, ValueError):
+        def fail(x, kind=kind):
+            raise kind("a collective")
+
+        @tf.function
+        def step(x):
+            return tf.py_function(fail, [x], Tout=tf.float32)
+
+        try:
+            step(tf.constant(1.0))
+        except tf.errors.OpError as err:
+            seen[kind.__name__] = _lost_worker(err)
+    return seen
 
 
 def test_elastic_state_commits_restores_carries_the_reducer_and_syncs():
@@ -373,4 +399,5 @@ def test_elastic_state_commits_restores_carries_the_reducer_and_syncs():
         assert r["synced"] == ([10.0] * 6, 5)  # rank 0's
         assert r["step"] == r0["step"]
         assert "TensorFlow 1" in r["refused"]
+        assert r["lost_worker"] == {"CommunicationError": True, "HorovodInternalError": True, "ValueError": False}
     assert r0["memory"] != r1["memory"]  # each rank its own residual

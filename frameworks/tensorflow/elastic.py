@@ -44,8 +44,9 @@ notifications run the membership); what a state holds:
   where it joined; the scheduler searches again on a world of another size;
 * further keyword arguments: plain attributes, from rank 0 at the sync.
 
-A lost worker's collectives fail with :class:`~mergecomp.engines.communicator.CommunicationError`,
-which TensorFlow re-raises inside a ``tf.function`` as its own ``OpError``; either is Horovod's
+A lost worker's collectives fail with :class:`~mergecomp.engines.communicator.CommunicationError`
+(or, started after Horovod's background loop stopped, with Horovod's ``HorovodInternalError``),
+which TensorFlow re-raises inside a ``tf.function`` as its own ``OpError``; each is Horovod's
 ``HorovodInternalError`` here.  Under ``torchrun`` or ``mpirun`` the function runs once after
 the sync.  TensorFlow 1's graphs and sessions (Horovod's ``session``/``backend`` arguments) are
 not supported: Keras 3 and eager TensorFlow 2 only.
@@ -68,12 +69,15 @@ from .reducer import GradientReducer, live, rejoin_at_next_exchange
 
 __all__ = ["run", "TensorFlowKerasState", "TensorFlowState", "HorovodInternalError", "HostsUpdatedInterrupt"]
 
-#: how a CommunicationError raised inside a ``tf.py_function`` shows in TensorFlow's message
-_RAISED_AS = f"{CommunicationError.__module__}.{CommunicationError.__qualname__}"
+#: how the errors of a lost worker's collectives show in TensorFlow's message when raised inside
+#: a ``tf.py_function``: a wait that failed, and Horovod's refusal to start one once its
+#: background loop has stopped
+_RAISED_AS = tuple(f"{kind.__module__}.{kind.__qualname__}" for kind in (CommunicationError, HorovodInternalError))
 
 
 def _lost_worker(err: BaseException) -> bool:
-    return isinstance(err, CommunicationError) or (isinstance(err, tf.errors.OpError) and _RAISED_AS in err.message)
+    return isinstance(err, CommunicationError) or (
+        isinstance(err, tf.errors.OpError) and any(name in err.message for name in _RAISED_AS))
 
 
 def run(func: Callable) -> Callable:
