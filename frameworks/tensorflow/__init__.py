@@ -19,6 +19,7 @@ Custom loops: ``tape = mct.DistributedGradientTape(tape, compression=mct.Compres
 Horovod's ``horovod.tensorflow`` names are here with Horovod's arguments (``allreduce``,
 ``broadcast``, ``broadcast_object``, ``PartialDistributedGradientTape`` ...).
 """
+from mergecomp.horovod_api import elastic_on_first_use
 from mergecomp.horovod_api.arguments import Adasum, Average, Sum, global_process_set
 from mergecomp.horovod_api.collectives import (cross_rank, cross_size, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                                mpi_threads_supported, nccl_built)
@@ -40,10 +41,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """``mct.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod."""
-    if name == "elastic":
-        import importlib
-
-        return importlib.import_module(f"{__name__}.elastic")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: ``mct.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod
+__getattr__ = elastic_on_first_use(__name__)

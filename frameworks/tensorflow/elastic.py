@@ -102,22 +102,20 @@ class TensorFlowState(ObjectState):
         self.variables = list(variables)
         self._values: List[tf.Tensor] = []
         self._reducers: Dict[GradientReducer, Dict[str, Any]] = {}
-        self._save_variables()
+        self._copy()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
-    def _tracked(self) -> List[tf.Variable]:
-        return self.variables
-
-    def _save_variables(self) -> None:
-        self._values = [tf.identity(v) for v in self._tracked()]
+    def _copy(self) -> None:
+        """Copies of the variables and of every bound reducer's state, to come back to."""
+        self._values = [tf.identity(v) for v in self.variables]
         self._reducers = {reducer: copy.deepcopy(reducer.state_dict()) for reducer in live() if reducer.bound}
 
     def save(self) -> None:
-        self._save_variables()
+        self._copy()
         super().save()
 
     def restore(self) -> None:
-        for variable, value in zip(self._tracked(), self._values):
+        for variable, value in zip(self.variables, self._values):
             variable.assign(value)
         super().restore()
 
@@ -129,9 +127,9 @@ class TensorFlowState(ObjectState):
         super().reset()
 
     def sync(self) -> None:
-        broadcast_variables(self._tracked(), root_rank=0)
+        broadcast_variables(self.variables, root_rank=0)
         rejoin_at_next_exchange()
-        self._save_variables()
+        self._copy()
         super().sync()
 
 
@@ -150,7 +148,5 @@ class TensorFlowKerasState(TensorFlowState):
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         if self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(model.trainable_variables)
-        super().__init__([], **kwargs)
-
-    def _tracked(self) -> List[tf.Variable]:
-        return list(self.model.variables) + (list(self.optimizer.variables) if self.optimizer is not None else [])
+        super().__init__([*model.variables, *(self.optimizer.variables if self.optimizer is not None else ())],
+                         **kwargs)

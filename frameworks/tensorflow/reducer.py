@@ -178,7 +178,7 @@ class GradientReducer:
         after a sync it then rejoins the others (:func:`rejoin_at_next_exchange`)."""
         self._on(None)
         self._sums, self._count = None, 0
-        if self.merged is not None or self._carried is not None:  # bound: built at the next exchange
+        if self.bound:  # built at the next exchange
             self._carried = (state,)
 
     def _check_same(self, names, shapes, dtypes, local) -> None:

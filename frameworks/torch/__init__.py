@@ -11,6 +11,7 @@ Example::
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
 """
+from mergecomp.horovod_api import elastic_on_first_use
 from mergecomp.horovod_api.arguments import Adasum, Average, Max, Min, Product, Sum
 from mergecomp.horovod_api.collectives import (allgather_async, allgather_object, allreduce_, allreduce_async,
                                                allreduce_async_, barrier, broadcast_, broadcast_async,
@@ -53,10 +54,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """``mc.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod."""
-    if name == "elastic":
-        import importlib
-
-        return importlib.import_module(f"{__name__}.elastic")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: ``mc.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod
+__getattr__ = elastic_on_first_use(__name__)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from mergecomp.horovod_api import elastic_on_first_use
 from mergecomp.horovod_api.arguments import Average
 from mergecomp.registry import Compression
 from mergecomp.tensorflow import *  # noqa: F401,F403 - the same API, re-exported
@@ -87,10 +88,5 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     return model
 
 
-def __getattr__(name: str):
-    """``mck.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod."""
-    if name == "elastic":
-        import importlib
-
-        return importlib.import_module(f"{__name__}.elastic")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: ``mck.elastic`` (Horovod's elastic API), imported on first use: it needs Horovod
+__getattr__ = elastic_on_first_use(__name__)

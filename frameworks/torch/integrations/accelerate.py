@@ -78,7 +78,8 @@ def register_diloco(accelerator: "accelerate.Accelerator", model: Any, optimizer
             local parameters and inner optimizer state (Accelerate's ``save_state`` writes the
             main process's model and optimizer, and under DiLoCo the ranks' differ), so
             ``load_state`` gives each rank its own back (saved on another number of ranks:
-            the main process's).
+            the mean of the saved ranks' error-feedback memories, the main process's parameters
+            and inner optimizer state).
 
     Returns the :class:`~mergecomp.torch.DiLoCo` (call its ``sync()`` at the end of training),
     or None on a single process.  Under fp16 the accelerator's ``GradScaler`` counts the steps.
