@@ -212,7 +212,7 @@ SCRIPTS = {
 }
 
 
-def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
+def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient", prune_ratio=2.0):
     """Drive a MergeScheduler over the real process group with step times from SCRIPTS.
     Rank 1 runs 1 % slower, so agreement (max over ranks) is exercised too."""
     import mergecomp.torch as mc
@@ -223,7 +223,8 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
     n = 8
     order = list(range(n))
     config = SchedulerConfig(warmup_steps=1, settle_steps=1, probe_steps=2, codecs=("compressed",),
-                             runoff_rounds=runoff_rounds, runoff_margin=runoff_margin, retune_window=1000)
+                             runoff_rounds=runoff_rounds, runoff_margin=runoff_margin, retune_window=1000,
+                             prune_ratio=prune_ratio)
     scheduler = MergeScheduler(mc.communicator(), get_compressor("none"), order,
                                [4096] * n, [torch.Size([1024])] * n, torch.float32, torch.device("cpu"),
                                lambda cuts, codecs: GroupPlan.from_cuts(order, cuts, codecs), "scripted", config)
@@ -245,9 +246,11 @@ def _scripted_worker(rank, runoff_rounds, runoff_margin, script="transient"):
         switched = scheduler.observe(seconds * (1.01 if rank == 1 else 1.0), [0.0] * n, plan)
         plan = switched or plan
     report = scheduler.report()
-    probes = {labels[c.plan]: c.probes for c in scheduler.candidates}
+    probes = {labels[c.plan]: c.probes for c in scheduler.candidates if c.plan in labels}
     return {"chosen": labels.get(scheduler.chosen.plan), "trace": "".join(trace), "probes": probes,
-            "search_steps": report["search_steps"], "measured": {labels[c.plan]: c.measured for c in scheduler.candidates}}
+            "predicted": [(c.predicted, c.measured) for c in scheduler.candidates],
+            "search_steps": report["search_steps"],
+            "measured": {labels[c.plan]: c.measured for c in scheduler.candidates if c.plan in labels}}
 
 
 def test_runoff_alternates_the_two_best_and_picks_on_all_their_probes():
@@ -276,3 +279,55 @@ def test_no_runoff_when_the_runner_up_is_clearly_slower():
     assert r0["trace"] == "AAABBBCCC"
     r0, _ = run_workers(_scripted_worker, 2, 0, 0.15)  # run-off disabled
     assert r0["chosen"] == "B" and r0["trace"] == "AAABBBCCC"
+
+
+def test_plans_predicted_far_slower_than_the_best_are_not_measured():
+    r0, r1 = run_workers(_scripted_worker, 2, 2, 0.15, "transient", 1.0)
+    fastest = min(predicted for predicted, _ in r0["predicted"])
+    assert r0["predicted"] == r1["predicted"]  # every rank skips the same plans
+    assert any(predicted > fastest for predicted, _ in r0["predicted"])
+    for predicted, measured in r0["predicted"]:
+        assert (measured is None) == (predicted > fastest)
+    assert r0["chosen"] == r1["chosen"] is not None
+
+
+class _Counted:
+    """The engine's communicator, counting the allreduces started through it (they still run)."""
+
+    def __init__(self, comm):
+        self.comm, self.allreduces = comm, 0
+
+    def allreduce_async(self, tensor):
+        self.allreduces += 1
+        return self.comm.allreduce_async(tensor)
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+
+def _replay_worker(rank, budget):
+    import mergecomp.torch as mc
+    from mergecomp.scheduler.costmodel import fit_affine
+    from mergecomp.scheduler.probes import Call, replay_within
+
+    comm = _Counted(mc.communicator())
+    numels = (1, 1 << 10, 1 << 14, 1 << 18)
+    calls = [[Call("world", "allreduce", n, torch.float32)] for n in numels]
+    timed = replay_within(comm, calls, torch.device("cpu"), budget)
+    wall, cpu = (fit_affine([4.0 * n for n in numels[:2]], [t[i] for t in timed[:2]]) for i in (0, 1))
+    fitted = [(wall(4.0 * n), cpu(4.0 * n)) for n in numels[2:]]
+    return timed, comm.allreduces, timed[2:] == fitted
+
+
+def test_a_profile_replays_what_fits_its_budget_and_predicts_the_rest():
+    for budget, replayed in ((float("inf"), 4), (0.0, 2)):
+        (timed, allreduces, predicted), (timed1, allreduces1, _) = run_workers(_replay_worker, 2, budget)
+        assert timed == timed1 and len(timed) == 4  # the slowest rank's seconds, on every rank
+        assert allreduces == allreduces1 == 2 * replayed  # each replayed size runs twice
+        assert predicted == (replayed == 2)
+
+
+@pytest.mark.parametrize("option, value", [("probe_budget", 0.0), ("prune_ratio", 0.5), ("probe_steps", 0)])
+def test_scheduler_settings_out_of_range_are_refused_by_name(option, value):
+    with pytest.raises(ValueError, match=option):
+        SchedulerConfig(**{option: value})

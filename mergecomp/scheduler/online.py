@@ -76,6 +76,11 @@ class SchedulerConfig:
     retune_window: int = 50
     codecs: Tuple[str, ...] = SEARCHED
     cache_path: Optional[str] = None
+    #: seconds the profile may spend replaying one probe size's collectives (twice); a larger
+    #: size is predicted from the smaller ones (:func:`~mergecomp.scheduler.probes.replay_within`)
+    probe_budget: float = 1.0
+    #: candidates predicted more than this many times the best prediction are not measured
+    prune_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("max_groups", "probe_steps", "candidates", "retune_window"):
@@ -87,6 +92,9 @@ class SchedulerConfig:
         if not 0 <= self.min_improvement < 1 or self.retune_threshold <= 0 or self.runoff_margin < 0:
             raise ValueError("scheduler min_improvement must be in [0, 1), retune_threshold > 0 and "
                              "runoff_margin >= 0")
+        if not self.probe_budget > 0 or not self.prune_ratio >= 1:
+            raise ValueError(f"scheduler probe_budget must be > 0 and prune_ratio >= 1, got {self.probe_budget} "
+                             f"and {self.prune_ratio}")
         bad = [c for c in self.codecs if c not in SEARCHED]
         if bad or not self.codecs:
             raise ValueError(f"scheduler codecs must be drawn from {SEARCHED}, got {self.codecs}")
@@ -296,7 +304,14 @@ class MergeScheduler:
         for c in candidates:
             unique.setdefault(c.plan, c)
         self.candidates = list(unique.values())
-        self._pending = list(self.candidates)
+        # A plan predicted far slower than the best is not worth its probe steps: on a 10 Mbit/s
+        # link the uncompressed plan's three would take half a minute.
+        fastest = min(c.predicted for c in self.candidates if c.predicted is not None)
+        self._pending = [c for c in self.candidates
+                         if c.predicted is None or c.predicted <= fastest * self.config.prune_ratio]
+        if len(self._pending) < len(self.candidates):
+            logger.info("mergecomp: not measuring %d plan(s) predicted over %.1fx the fastest prediction (%.4fs)",
+                        len(self.candidates) - len(self._pending), self.config.prune_ratio, fastest)
         self._finalists = None
         return self._next_candidate()
 
@@ -343,7 +358,7 @@ class MergeScheduler:
         """The run-off's finalists and visits: the two best candidates alternate when they
         measured within ``runoff_margin`` of each other (a few probe steps each cannot tell them
         apart); none when the runner-up is clearly slower."""
-        ranked = sorted(self.candidates, key=lambda c: c.measured)
+        ranked = sorted((c for c in self.candidates if c.measured is not None), key=lambda c: c.measured)
         if len(ranked) < 2 or ranked[1].measured > ranked[0].measured * (1 + self.config.runoff_margin):
             return [], []
         pair = ranked[:2]
@@ -393,7 +408,7 @@ class MergeScheduler:
         """Measure codec and network costs; agree on everything by taking the max over ranks."""
         samples = probe_sizes(self.sizes)
         local = measure(self.comm, self.compressor, self.config.codecs, samples, self.shapes, self.dtype,
-                        self.device, ready, step_seconds, self.memory)
+                        self.device, ready, step_seconds, self.memory, self.config.probe_budget)
         agreed = local.agree(self.comm, self.device)
         profile = agreed.cost_profile(self.sizes, [nbytes for nbytes, _ in samples])
         # What the timeline does not model (forward, optimizer, data) is the same for every plan:

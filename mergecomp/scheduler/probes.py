@@ -35,7 +35,7 @@ from mergecomp.scheduler.clock import settle
 from mergecomp.scheduler.costmodel import CodecCost, Profile, fit_affine
 
 __all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "measure", "probe_sizes", "rehearse",
-           "replay"]
+           "replay", "replay_within"]
 
 #: the name of the probe group in the compressor's and the memory's state while it is timed
 PROBE = "__scheduler_probe__"
@@ -211,6 +211,27 @@ def replay(comm: Communicator, calls: Sequence[Call], device: torch.device) -> T
     return _fastest(run, device)
 
 
+def replay_within(comm: Communicator, calls_by_size: Sequence[Sequence[Call]], device: torch.device,
+                  budget: float) -> List[Tuple[float, float]]:
+    """:func:`replay` of each probe size's ``calls`` (ascending sizes), the slowest rank's
+    ``(wall, CPU)`` seconds on every rank, while the affine fit over the bytes sent of the sizes
+    replayed so far (two at least) puts the next one within ``budget`` seconds; that size and
+    the larger ones get the fit's seconds instead.  On a 10 Mbit/s link a 14 MB fp32 group's
+    allreduce takes 11 s, and each size is replayed twice.  A collective: every rank decides
+    alike from the same agreed numbers."""
+    sent = [float(sum(call.nbytes for call in calls)) for calls in calls_by_size]
+    timed: List[Tuple[float, float]] = []
+    for k, calls in enumerate(calls_by_size):
+        if k >= 2:
+            wall, cpu = (fit_affine(sent[:k], [t[i] for t in timed]) for i in (0, 1))
+            if wall(sent[k]) > budget:
+                return timed + [(wall(nbytes), cpu(nbytes)) for nbytes in sent[k:]]
+        own = torch.tensor(replay(comm, calls, device), dtype=torch.float64, device=device)
+        wall_s, cpu_s = comm.allgather(own, "scheduler network probe").max(dim=0).values.tolist()
+        timed.append((wall_s, cpu_s))
+    return timed
+
+
 def _fastest(run: Callable[[], None], device: torch.device) -> Tuple[float, float]:
     """``(wall, CPU)`` seconds of the faster of two calls of ``run``."""
     times = []
@@ -304,20 +325,21 @@ def _refill(record, numbers: Iterator[float]):
 
 def measure(comm: Communicator, compressor: Compressor, codecs: Sequence[str], samples: Sequence[Tuple[int, int]],
             shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device, ready: Sequence[float],
-            step_seconds: float, memory: Optional[Memory] = None) -> Measurements:
+            step_seconds: float, memory: Optional[Memory] = None, budget: float = math.inf) -> Measurements:
     """This rank's record of a profile step: its ``ready`` times and ``step_seconds``, and each
     of ``codecs`` (plan codecs of the exchange of ``compressor`` and ``memory``) rehearsed on
     ``samples`` (see :func:`probe_sizes`, :func:`rehearse`) on ``comm``'s ranks and hosts, its
     collectives then replayed on ``comm`` (:func:`replay`; the work between them counts as
-    network time).  Every codec is rehearsed before the first collective runs; the collectives
-    run in the order of ``codecs``, which must be the same on every rank."""
+    network time; a size longer than ``budget`` seconds is predicted, see :func:`replay_within`).
+    Every codec is rehearsed before the first collective runs; the collectives run in the order
+    of ``codecs``, which must be the same on every rank."""
     hierarchical = any(SCHEMES[name].fallback is not None for name in codecs if name in SCHEMES)
     per_host = comm.split_hosts()[0].size if hierarchical else 1
     rehearsed = {name: rehearse(compressor, memory, name, samples, shapes, dtype, device, comm.size, per_host)
                  for name in codecs}
     probes = {}
     for name, run in rehearsed.items():
-        wall, cpu = zip(*(replay(comm, calls, device) for calls in run.calls))
+        wall, cpu = zip(*replay_within(comm, run.calls, device, budget))
         probes[name] = CodecProbe(run.ratio, run.encode, run.decode, [w + m for w, m in zip(wall, run.middle)],
                                   [c + m for c, m in zip(cpu, run.middle)])
     return Measurements(list(ready), probes, step_seconds)
