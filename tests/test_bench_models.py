@@ -141,3 +141,13 @@ def test_serialized_powersgd_anchor_runs_on_gloo_and_keeps_ranks_identical():
 
     for buckets, ordered, identical in run_workers(_serialized_powersgd_worker, 2):
         assert buckets > 2 and ordered and identical
+
+
+def test_the_cluster_links_bucket_is_ten_milliseconds_of_the_rate_within_bounds():
+    from mergecomp_bench.cluster import tbf_burst
+
+    assert tbf_burst("10mbit") == "65536b"     # 12.5 KB: at least a GSO segment
+    assert tbf_burst("100mbit") == "125000b"   # 10 ms
+    assert tbf_burst("1gbit") == tbf_burst("10Gbit") == "1048576b"  # tc's "1mb", as before
+    with pytest.raises(ValueError, match="'10mbps'"):
+        tbf_burst("10mbps")  # bytes per second in tc's units
