@@ -11,7 +11,7 @@ from mergecomp_bench.results.markdown import signed, table, times
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
            "time_to", "runs_by_seed", "speed_ups", "median_or_dash", "headline_speed_ups", "headline",
-           "time_to_accuracy", "time_to_accuracy_recipes"]
+           "time_to_accuracy", "time_to_accuracy_recipes", "slow_link_runs", "slow_link_speed_ups"]
 
 #: the target of time to accuracy: DDP fp32's final validation loss plus this share
 TARGET = 0.01
@@ -43,9 +43,8 @@ SLOW_LINKS = "time_to_accuracy_gpt2_4x256_batch2_slow_links_diloco.jsonl"
 SLOW_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H = 10, dense",
                "topk:ratio=0.1@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 %",
                "topk:ratio=0.1@averaging/10~2~1*2": "the same, Streaming: 2 fragments, delay 1",
-               "topk:ratio=0.1@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4",
-               "topk:ratio=0.01@averaging/20*2": "DiLoCo, averaging, H = 20, top-k 1 %",
-               "topk:ratio=0.02@averaging/50*2": "DiLoCo, averaging, H = 50, top-k 2 %"}
+               "topk:ratio=0.1;value_dtype=fp16@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 % in fp16",
+               "topk:ratio=0.1;value_dtype=fp16@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4"}
 
 
 def steps_to(record: dict, target: float) -> Optional[int]:
@@ -53,26 +52,44 @@ def steps_to(record: dict, target: float) -> Optional[int]:
     return next((point["step"] for point in record["curve"] if point["test_loss"] <= target), None)
 
 
+def _stretched() -> Tuple[Dict[str, dict], float]:
+    """:data:`STRETCHED`'s runs by configuration, and the target: DDP fp32's final loss + 1 %."""
+    curves = {run["config"]: run for run in finished(STRETCHED)}
+    return curves, curves["ddp"]["final_test_loss"] * (1 + TARGET)
+
+
+def slow_link_runs() -> Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]]:
+    """:data:`SLOW_LINKS` by rate (slowest first), then configuration: ``(run, mean step s,
+    steps to the target, seconds to it)``; a run stopped early (DDP fp32) takes its steps from
+    :data:`STRETCHED` (losses do not depend on the link) and is projected: steps x mean step."""
+    curves, target = _stretched()
+    by_rate: Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]] = {}
+    for run in sorted(finished(SLOW_LINKS), key=lambda r: int(r["rate"].rstrip("mbit"))):
+        step = run["train_s"] / min(run["steps"], run["stop"] or run["steps"])
+        steps = steps_to(curves[run["config"]] if run["stop"] else run, target)
+        by_rate.setdefault(run["rate"], {})[run["config"]] = (run, step, steps, None if steps is None else (
+            steps * step if run["stop"] else time_to(run, target)))
+    return by_rate
+
+
+def slow_link_speed_ups(rate: str) -> Dict[str, float]:
+    """DDP fp32's (projected) time to the target over each DiLoCo configuration's at ``rate``."""
+    timed = slow_link_runs()[rate]
+    ddp = timed["ddp"][3]
+    return {config: ddp / reached for config, (_, _, _, reached) in timed.items()
+            if config != "ddp" and reached is not None}
+
+
 def diloco_slow_links() -> str:
     """DiLoCo trained twice DDP's steps (its LR schedule stretched) against DDP fp32, by link:
     the steps each needs to reach DDP fp32's final loss + 1 % (from :data:`STRETCHED`: losses do
     not depend on the link), the mean step on each link and the time to that loss
-    (:data:`SLOW_LINKS`).  DDP fp32 ran its first steps only on the slow links: its time is its
-    mean step there times its steps to the target, marked as projected."""
-    curves = {run["config"]: run for run in finished(STRETCHED)}
-    target = curves["ddp"]["final_test_loss"] * (1 + TARGET)
+    (:data:`SLOW_LINKS`, :func:`slow_link_runs`)."""
+    curves, target = _stretched()
     rows = [["loopback (losses)", SLOW_LABELS[config], f"{run['steps']:,}",
              "32" if config == "ddp" else f"{run['bits_per_element']:.2f}", "–", "–",
              str(steps_to(run, target) or "not reached"), "–", "–"] for config, run in curves.items()]
-    for rate in sorted({run["rate"] for run in finished(SLOW_LINKS)}, key=lambda r: int(r.rstrip("mbit"))):
-        runs = [run for run in finished(SLOW_LINKS) if run["rate"] == rate]
-        timed = {}
-        for run in runs:
-            trained = min(run["steps"], run["stop"] or run["steps"])
-            step = run["train_s"] / trained
-            steps = steps_to(curves[run["config"]] if run["stop"] else run, target)
-            timed[run["config"]] = (run, step, steps, None if steps is None else
-                                    (steps * step if run["stop"] else time_to(run, target)))
+    for rate, timed in slow_link_runs().items():
         ddp_time = timed["ddp"][3] if "ddp" in timed else None
         for config, (run, step, steps, reached) in timed.items():
             shown = "not reached" if reached is None else (
