@@ -32,6 +32,8 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      {"corpus": "prose", "layers": 3, "lr": 3e-3, "clip": 1.0}, 600, "adam_gpt2_3x256_prose_auto_2workers.jsonl"),
     ("the same GPT-2 on twice the batch (`--batch 16`)",
      {"layers": 3, "lr": 3e-3, "clip": 1.0, "batch": 16}, 600, "adam_gpt2_3x256_batch16_auto_2workers.jsonl"),
+    ("the same GPT-2 on four times the batch (`--batch 32`)",
+     {"layers": 3, "lr": 3e-3, "clip": 1.0, "batch": 32}, 600, "adam_gpt2_3x256_batch32_auto_2workers.jsonl"),
     ("the same, half as long (`--steps 300`: K = 75)",
      {"layers": 3, "lr": 3e-3, "clip": 1.0}, 300, "adam_gpt2_3x256_300_updates_auto_2workers.jsonl"),
     ("the same, twice as long (`--steps 1200`: K = 150)",
