@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from mergecomp_bench.results.data import named, records
 from mergecomp_bench.results.markdown import median_span, signed, table
@@ -78,7 +78,8 @@ def adam_auto() -> str:
         if not seeds_of_row:
             raise LookupError(f"{record}: no run of today's recipes")
         baseline = _adamw(every, setting, steps)
-        cells = [_auto_cell(measured, baseline, record) if measured else "–" for measured in runs.values()]
+        cells = [_auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
+                 for measured in runs.values()]
         seeds = (f"seed {min(seeds_of_row)}" if len(seeds_of_row) == 1
                  else f"median of seeds {', '.join(map(str, sorted(seeds_of_row)))}")
         rows.append([f"{label}, {seeds}", *cells, f"`{record}`"])
@@ -123,13 +124,16 @@ def _vs_adamw(runs: List[dict], baseline: Dict[int, float], record: str) -> List
     return [100 * (r["final_test_loss"] / baseline[r["seed"]] - 1) for r in runs]
 
 
-def _auto_cell(runs: List[dict], baseline: Dict[int, float], record: str) -> str:
-    """``**+0.83 %** (worst +1.01 %; 1.93 bits)``: bold where the median is within 1 %."""
+def _auto_cell(runs: List[dict], baseline: Dict[int, float], record: str, row_seeds: Set[int]) -> str:
+    """``**+0.83 %** (worst +1.01 %; 1.93 bits)``: bold where the median is within 1 %; the
+    cell's seeds named where they are fewer than its row's (``row_seeds``)."""
     deltas = _vs_adamw(runs, baseline, record)
     middle = signed(statistics.median(deltas))
     bits = f"{statistics.median(r['bits_per_element'] for r in runs):.2f} bits"
     worst = f"worst {signed(max(deltas))}; " if len(runs) > 1 else ""
-    return f"{f'**{middle}**' if statistics.median(deltas) <= 1.0 else middle} ({worst}{bits})"
+    seeds = sorted({r["seed"] for r in runs})
+    only = f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} only; " if set(seeds) != row_seeds else ""
+    return f"{f'**{middle}**' if statistics.median(deltas) <= 1.0 else middle} ({only}{worst}{bits})"
 
 
 #: a row of :func:`adam_momentum_exchange`: label, bench_adam.py configuration, warm-up K
