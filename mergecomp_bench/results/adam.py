@@ -80,8 +80,7 @@ def adam_auto() -> str:
         baseline = _adamw(every, setting, steps)
         cells = [_auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
                  for measured in runs.values()]
-        seeds = (f"seed {min(seeds_of_row)}" if len(seeds_of_row) == 1
-                 else f"median of seeds {', '.join(map(str, sorted(seeds_of_row)))}")
+        seeds = _seeds(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {_seeds(seeds_of_row)}"
         rows.append([f"{label}, {seeds}", *cells, f"`{record}`"])
     header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS), "record (`docs/img/data/`)"]
     return table(header, ["---", *["---:"] * len(_AUTO_COMPRESSORS), "---"], rows)
@@ -124,6 +123,11 @@ def _vs_adamw(runs: List[dict], baseline: Dict[int, float], record: str) -> List
     return [100 * (r["final_test_loss"] / baseline[r["seed"]] - 1) for r in runs]
 
 
+def _seeds(seeds: Set[int]) -> str:
+    """``seed 0`` or ``seeds 0, 1, 2``."""
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, sorted(seeds)))}"
+
+
 def _auto_cell(runs: List[dict], baseline: Dict[int, float], record: str, row_seeds: Set[int]) -> str:
     """``**+0.83 %** (worst +1.01 %; 1.93 bits)``: bold where the median is within 1 %; the
     cell's seeds named where they are fewer than its row's (``row_seeds``)."""
@@ -131,8 +135,8 @@ def _auto_cell(runs: List[dict], baseline: Dict[int, float], record: str, row_se
     middle = signed(statistics.median(deltas))
     bits = f"{statistics.median(r['bits_per_element'] for r in runs):.2f} bits"
     worst = f"worst {signed(max(deltas))}; " if len(runs) > 1 else ""
-    seeds = sorted({r["seed"] for r in runs})
-    only = f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} only; " if set(seeds) != row_seeds else ""
+    seeds = {r["seed"] for r in runs}
+    only = f"{_seeds(seeds)} only; " if seeds != row_seeds else ""
     return f"{f'**{middle}**' if statistics.median(deltas) <= 1.0 else middle} ({only}{worst}{bits})"
 
 

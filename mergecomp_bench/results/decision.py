@@ -68,8 +68,9 @@ _DILOCO = "topk:ratio=0.1;value_dtype=fp16@averaging/10~2~4*2"
 
 
 def _gave_diloco() -> str:
-    slow, fast = (time_to_target.slow_link_speed_ups(rate)[_DILOCO] for rate in ("10mbit", "100mbit"))
-    bits = time_to_target.slow_link_runs()["10mbit"][_DILOCO][0]["bits_per_element"]
+    runs = time_to_target.slow_link_runs()
+    slow, fast = (time_to_target.slow_link_speed_ups(runs[rate])[_DILOCO] for rate in ("10mbit", "100mbit"))
+    bits = runs["10mbit"][_DILOCO][0]["bits_per_element"]
     return (f"GPT-2 4 x 256, 2 workers, one seed: DDP fp32's loss {times(slow)} sooner than DDP fp32 at 10 Mbit/s "
             f"and {times(fast)} at 100 Mbit/s, at {bits:.2f} bits per element per step "
             f"([slow links](#diloco-trained-longer-over-slow-links))")

@@ -72,9 +72,9 @@ def slow_link_runs() -> Dict[str, Dict[str, Tuple[dict, float, Optional[int], Op
     return by_rate
 
 
-def slow_link_speed_ups(rate: str) -> Dict[str, float]:
-    """DDP fp32's (projected) time to the target over each DiLoCo configuration's at ``rate``."""
-    timed = slow_link_runs()[rate]
+def slow_link_speed_ups(timed: Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]) -> Dict[str, float]:
+    """DDP fp32's (projected) time to the target over each DiLoCo configuration's, on one link
+    (``timed``: one rate of :func:`slow_link_runs`)."""
     ddp = timed["ddp"][3]
     return {config: ddp / reached for config, (_, _, _, reached) in timed.items()
             if config != "ddp" and reached is not None}
