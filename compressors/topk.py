@@ -22,9 +22,9 @@ from mergecomp.compressors.base.capabilities import NOT_FINITE, Fused, FusedEnco
 from mergecomp.compressors.base.compressor import Payload
 from mergecomp.compressors.base.memory import Residual
 from mergecomp.compressors.base.passes import CodecPasses
-from mergecomp.compressors.base.sparse import (SparseCompressor, candidate_capacity, num_selected, sample_stride,
-                                               sample_threshold, topk_abs_indices)
-from mergecomp.kernels.codecs import compensated_above, fused_scan_served, keep_largest
+from mergecomp.compressors.base.sparse import (SparseCompressor, candidate_capacity, num_selected, sample_rank,
+                                               sample_stride, sample_threshold, topk_abs_indices)
+from mergecomp.kernels.codecs import compensated_above, fused_scan_served, keep_largest, sampled_threshold
 from mergecomp.registry import register_compressor
 
 _SELECTIONS = ("exact", "threshold")
@@ -114,13 +114,15 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         if type(self).select is not TopKCompressor.select or not fused_scan_served(*operands):
             return None  # a subclass's own selection, or no kernel
         stride = sample_stride(n, k)
-        sample = tensor[::stride]
-        if momentum is not None:
-            sample = momentum.old[::stride].mul(momentum.factor).add_(sample)
-        if old is not None:
-            sample = old[::stride] + sample
+        if momentum is None:
+            threshold = sampled_threshold(tensor, old, stride, sample_rank(-(-n // stride), k, n))
+        else:
+            sample = momentum.old[::stride].mul(momentum.factor).add_(tensor[::stride])
+            if old is not None:
+                sample = old[::stride] + sample
+            threshold = float(sample_threshold(sample.abs(), k, n))
         # a sample of zeros only: the nonzero elements are the candidates, and the rest are zeros
-        threshold = float(sample_threshold(sample.abs(), k, n)) or _SMALLEST
+        threshold = threshold or _SMALLEST
         corrected = None if momentum is None else momentum.target()
         out = residual.target()  # every element written below
         indices, values, count, momenta, finite = compensated_above(

@@ -379,6 +379,29 @@ def test_keep_largest_keeps_the_top_k_in_ascending_order_and_puts_the_others_bac
 
 
 @needs_kernels
+@pytest.mark.parametrize("n, stride", [(1, 1), (7, 3), (100_003, 1), (3_300_000, 167)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "nonfinite"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_sampled_threshold_is_the_float_topk_of_the_sample_gives(n, stride, kind, residual):
+    x = torch.randn(n)
+    if kind == "ties":  # many equal magnitudes of both signs
+        x = x.round()
+    elif kind == "zeros":
+        x[n // 2:] = 0
+    elif kind == "nonfinite":
+        x[::5] = float("inf")
+        x[1::11] = float("nan")
+    r = torch.randn(n) * 0.1 if residual else None
+    sample = (x[::stride] if r is None else r[::stride] + x[::stride]).abs()
+    for rank in sorted({1, min(2, sample.numel()), sample.numel() // 3 + 1, sample.numel()}):
+        expected = float(sample.topk(rank, sorted=False).values.min())
+        got = native.sampled_threshold(x, r, stride, rank)
+        assert got == expected or (got != got and expected != expected), (rank, got, expected)
+    with pytest.raises(ValueError, match="sampled_threshold"):
+        native.sampled_threshold(x, r, stride, sample.numel() + 1)
+
+
+@needs_kernels
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("where", [0, 4095, 100_002])
 @pytest.mark.parametrize("source", ["plain", "residual", "momentum"])

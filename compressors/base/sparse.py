@@ -37,6 +37,7 @@ __all__ = [
     "num_selected",
     "topk_indices",
     "topk_abs_indices",
+    "sample_rank",
     "sample_stride",
     "sample_threshold",
     "candidate_capacity",
@@ -122,11 +123,16 @@ def _prime_at_least(m: int) -> int:
     return candidate
 
 
+def sample_rank(sampled: int, k: int, n: int) -> int:
+    """The rank (1: the largest) in a sample of ``sampled`` of ``n`` elements of the value that
+    about ``_OVERSAMPLE * k`` of them reach."""
+    return min(sampled, math.ceil(_OVERSAMPLE * k * sampled / n))
+
+
 def sample_threshold(sample: torch.Tensor, k: int, n: int) -> torch.Tensor:
     """0-d: the value that about ``_OVERSAMPLE * k`` of the ``n`` elements reach, estimated
     from the (magnitude) ``sample`` of them taken every :func:`sample_stride` elements."""
-    rank_in_sample = min(sample.numel(), math.ceil(_OVERSAMPLE * k * sample.numel() / n))
-    return sample.topk(rank_in_sample, sorted=False).values.min()
+    return sample.topk(sample_rank(sample.numel(), k, n), sorted=False).values.min()
 
 
 def candidate_capacity(k: int) -> int:

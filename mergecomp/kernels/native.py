@@ -39,14 +39,14 @@ from mergecomp.kernels.tritpack import packed_size as trit_bytes
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
            "momentum_signs", "majority_vote", "codes_sum", "trits_sum", "stochastic_trits", "levels_sum",
-           "indices_above", "compensated_above", "keep_largest", "moments", "copy_finite", "cast_half_finite",
-           "zero_fill", "low_rank", "momentum_to_wire_segments", "momentum_from_wire_segments",
+           "indices_above", "compensated_above", "keep_largest", "sampled_threshold", "moments", "copy_finite",
+           "cast_half_finite", "zero_fill", "low_rank", "momentum_to_wire_segments", "momentum_from_wire_segments",
            "frozen_adam_segments"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 32
+_ABI_VERSION = 33
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -111,6 +111,7 @@ _SIGNATURES = {
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _P, _I32], _I64),
     "mc_keep_largest": ([_P, _P, _P, _I64, _I64, _P, _P], None),
+    "mc_sampled_threshold": ([_P, _P, _I64, _I64, _I64], _F32),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
@@ -572,6 +573,20 @@ def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optio
         None if out is None else _buf("out", out, torch.float32, numel),
         None if u_out is None else _buf("u_out", u_out, torch.float32, numel))
     return indices[:k], values[:k]
+
+
+def sampled_threshold(x: torch.Tensor, residual: Optional[torch.Tensor], stride: int, rank: int) -> float:
+    """The ``rank``-th largest magnitude (1: the largest) of ``c = residual + x`` (``residual``
+    None: ``x``) sampled every ``stride`` elements from the first: the float
+    ``(residual[::stride] + x[::stride]).abs().topk(rank).values.min()`` gives, in one pass over
+    the sample without materializing it (fp32 CPU; NaN where the sample holds one, as there)."""
+    n = x.numel()
+    sample = -(-n // max(int(stride), 1)) if n else 0
+    if not 1 <= rank <= sample:
+        raise ValueError(f"sampled_threshold: need 1 <= rank <= {sample} sampled elements, got rank={rank}")
+    return float(_library().mc_sampled_threshold(
+        _buf("x", x, torch.float32, n), None if residual is None else _buf("residual", residual, torch.float32, n),
+        n, int(stride), int(rank)))
 
 
 def moments(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ the torch path.
   cast to fp16 with its finite check, and the indices above a threshold;
 * :mod:`.products`: a low-rank product written once, alone or subtracted from a matrix
   (PowerSGD's decode and its residual);
-* :mod:`.selection`: the k largest of a set of candidates, and top-k's fused scan.
+* :mod:`.selection`: the k largest of a set of candidates, top-k's sampled threshold and its fused
+  scan.
 
 Some encodes exist only as kernels (a sign code part by part, top-k's fused scan): the
 compressor asks :func:`parts_served` or :func:`fused_scan_served` and takes its plain path
@@ -25,7 +26,8 @@ from mergecomp.kernels.codecs.levels import (codes_sum, decode_codes, levels_sum
                                              stochastic_codes, stochastic_trits, trits_sum)
 from mergecomp.kernels.codecs.products import low_rank
 from mergecomp.kernels.codecs.scans import all_finite, cast_finite, copy_finite, indices_above, zero_
-from mergecomp.kernels.codecs.selection import compensated_above, fused_scan_served, keep_largest, largest
+from mergecomp.kernels.codecs.selection import (compensated_above, fused_scan_served, keep_largest, largest,
+                                                sampled_threshold)
 from mergecomp.kernels.codecs.signs import (compensated_sign_parts, compensated_signs, decode_signs, majority_vote,
                                             momentum_sign_parts, momentum_signs, pack_signs, parts_served,
                                             sign_remainder, sign_sum, streamed)
@@ -36,4 +38,4 @@ __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs"
            "qsgd_encode", "scale_levels",
            "moments", "all_finite", "cast_finite", "copy_finite", "indices_above", "zero_", "low_rank",
            "compensated_sign_parts", "momentum_sign_parts", "parts_served", "streamed", "largest",
-           "compensated_above", "keep_largest", "fused_scan_served"]
+           "compensated_above", "keep_largest", "fused_scan_served", "sampled_threshold"]

@@ -8,7 +8,7 @@ import torch
 
 from mergecomp.kernels import native
 
-__all__ = ["largest", "compensated_above", "keep_largest", "fused_scan_served"]
+__all__ = ["largest", "compensated_above", "keep_largest", "fused_scan_served", "sampled_threshold"]
 
 
 def largest(candidates: torch.Tensor, values: torch.Tensor, k: int, absolute: bool) -> torch.Tensor:
@@ -42,3 +42,13 @@ def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optio
     """The ``k`` largest candidates of :func:`compensated_above`, the others put back
     (:func:`mergecomp.kernels.native.keep_largest`)."""
     return native.keep_largest(indices, values, k, out, momentum)
+
+
+def sampled_threshold(x: torch.Tensor, residual: Optional[torch.Tensor], stride: int, rank: int) -> float:
+    """The ``rank``-th largest (1: the largest) of ``|residual + x|`` (``residual`` None: ``|x|``)
+    over every ``stride``-th element from the first: by the kernel without materializing the
+    sample where it serves the tensors, else by ``topk`` of the sample; the same float."""
+    if native.usable(*(t for t in (x, residual) if t is not None)):
+        return native.sampled_threshold(x, residual, stride, rank)
+    sample = x[::stride] if residual is None else residual[::stride] + x[::stride]
+    return float(sample.abs().topk(rank, sorted=False).values.min())

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <thread>
 #include <pthread.h>
 #include <vector>
@@ -879,15 +880,10 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
   return count;
 }
 
-// The magnitude of rank `rank` (0: the smallest) among |val[0..count)| (no NaN), by a radix
-// select on the bits of |val|, which order as the magnitudes do: a histogram of the high 16
-// bits finds the bucket holding that rank, one of the low 16 bits within the bucket the value.
-static float kth_magnitude(const float* val, int64_t count, int64_t rank) {
-  std::vector<uint32_t> bits(count);
-  for (int64_t j = 0; j < count; ++j) {
-    std::memcpy(&bits[j], &val[j], 4);
-    bits[j] &= 0x7fffffffu;
-  }
+// The rank-th smallest (0: the smallest) of `bits` (magnitudes' bit patterns, which order as the
+// magnitudes do; NaN's above Inf's), by a radix select: a histogram of the high 16 bits finds
+// the bucket holding that rank, one of the low 16 bits within the bucket the value.
+static uint32_t kth_bits(const std::vector<uint32_t>& bits, int64_t rank) {
   std::vector<int64_t> histogram(1 << 16);
   uint32_t found = 0;
   for (const int shift : {16, 0}) {
@@ -900,6 +896,17 @@ static float kth_magnitude(const float* val, int64_t count, int64_t rank) {
     while (rank >= histogram[bucket]) rank -= histogram[bucket++];
     found |= bucket << shift;
   }
+  return found;
+}
+
+// The magnitude of rank `rank` (0: the smallest) among |val[0..count)| (kth_bits).
+static float kth_magnitude(const float* val, int64_t count, int64_t rank) {
+  std::vector<uint32_t> bits(count);
+  for (int64_t j = 0; j < count; ++j) {
+    std::memcpy(&bits[j], &val[j], 4);
+    bits[j] &= 0x7fffffffu;
+  }
+  const uint32_t found = kth_bits(bits, rank);
   float kth;
   std::memcpy(&kth, &found, 4);
   return kth;
@@ -918,7 +925,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 32; }
+int mc_abi_version() { return 33; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1408,6 +1415,28 @@ void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count,
       if (u_out) u_out[idx[j]] = uval[j];
     }
   }
+}
+
+// Top-k's sampled threshold: the rank-th largest (1: the largest) of |c| over the elements
+// c = x[i] (+ r[i] where r is given) at i = 0, stride, 2 stride, ... < n, as torch's
+// (r[::stride] + x[::stride]).abs().topk(rank).values.min() gives it (the same float: the sum
+// rounded once; NaN where the sample holds one, which topk ranks first and min propagates).
+// 1 <= rank <= the sample's size.
+float mc_sampled_threshold(const float* x, const float* r, int64_t n, int64_t stride, int64_t rank) {
+  const int64_t count = (n + stride - 1) / stride;
+  std::vector<uint32_t> bits(count);
+  uint32_t largest = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const float c = r ? r[j * stride] + x[j * stride] : x[j * stride];
+    std::memcpy(&bits[j], &c, 4);
+    bits[j] &= 0x7fffffffu;
+    largest = std::max(largest, bits[j]);
+  }
+  if (largest > 0x7f800000u) return std::numeric_limits<float>::quiet_NaN();
+  const uint32_t found = kth_bits(bits, count - rank);
+  float threshold;
+  std::memcpy(&threshold, &found, 4);
+  return threshold;
 }
 
 // The momentum exchange's elementwise steps (frameworks/torch/momentum_exchange.py): Adam with
