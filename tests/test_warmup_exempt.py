@@ -234,10 +234,10 @@ def test_warmup_steps_are_the_plain_average_then_compression_starts_clean(result
         assert out["warmup"] == [ALL, ALL, set()]
 
 
-@pytest.mark.parametrize("codec,levels", [("eight", 64), ("four", 7)], ids=["qsgd", "qsgd4"])
+@pytest.mark.parametrize("codec,levels", [("eight", 127), ("four", 7)], ids=["qsgd", "qsgd4"])
 def test_a_qsgd_warmup_sends_the_quantized_average_outside_error_feedback(results, codec, levels):
     """Every rank gets the same average, within QSGD's rounding of the exact one (each group is
-    one bucket here: one level is its norm / 64 on each rank with ``"qsgd"``, norm / 7 with the
+    one bucket here: one level is its norm / 127 on each rank with ``"qsgd"``, norm / 7 with the
     4-bit ``"qsgd4"``), and compression then starts as fresh as after the exact warm-up."""
     groups = ((3, 2), (1, 0))
     for out in results:

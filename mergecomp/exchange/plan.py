@@ -40,14 +40,14 @@ EXEMPT = "exempt"
 #: (the uncompressed tensors' groups excepted): a cast to fp16, outside error feedback and
 #: compressor state as :data:`EXEMPT` is
 WARMUP_FP16 = "warm-up-fp16"
-#: the same under ``compression_warmup_codec="qsgd"``: QSGD's default 8-bit levels (unbiased,
-#: allgathered), outside error feedback and compressor state
+#: the same under ``compression_warmup_codec="qsgd"``: QSGD's 8-bit codes at the most levels
+#: they hold (``levels=127``; unbiased, allgathered), outside error feedback and compressor state
 WARMUP_QSGD = "warm-up-qsgd"
 #: the same under ``compression_warmup_codec="qsgd4"``: QSGD's 4-bit codes (``levels=7``)
 WARMUP_QSGD4 = "warm-up-qsgd4"
 #: the routes outside error feedback and compressor state, by the compressor that encodes them
 #: (its registered name and arguments)
-UNFED = {EXEMPT: ("none", {}), WARMUP_FP16: ("fp16", {}), WARMUP_QSGD: ("qsgd", {}),
+UNFED = {EXEMPT: ("none", {}), WARMUP_FP16: ("fp16", {}), WARMUP_QSGD: ("qsgd", {"levels": 127}),
          WARMUP_QSGD4: ("qsgd", {"levels": 7})}
 
 

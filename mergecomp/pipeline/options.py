@@ -81,8 +81,8 @@ class StepOptions:
             takes no sample until then.
         compression_warmup_codec: what those steps send: ``"none"`` (the gradients as they are,
             the default), ``"fp16"`` (cast to fp16, half the bytes; a value beyond fp16's range
-            is a non-finite step under ``nonfinite``), ``"qsgd"`` (QSGD's default unbiased
-            8-bit levels with one norm per 512 elements, about a quarter of the bytes,
+            is a non-finite step under ``nonfinite``), ``"qsgd"`` (QSGD's unbiased 8-bit
+            codes at 127 levels with one norm per 512 elements, about a quarter of the bytes,
             allgathered) or ``"qsgd4"`` (its 4-bit codes, ``levels=7``: an eighth); all
             outside error feedback and compressor state.  It applies
             to every group but those of ``uncompressed`` and ``min_compress_numel`` tensors, and
