@@ -44,7 +44,9 @@ SLOW_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H =
                "topk:ratio=0.1@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 %",
                "topk:ratio=0.1@averaging/10~2~1*2": "the same, Streaming: 2 fragments, delay 1",
                "topk:ratio=0.1;value_dtype=fp16@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 % in fp16",
-               "topk:ratio=0.1;value_dtype=fp16@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4"}
+               "topk:ratio=0.1;value_dtype=fp16@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4",
+               "onebit@averaging/10*2": "DiLoCo, averaging, H = 10, 1-bit SGD",
+               "onebit@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4"}
 
 
 def steps_to(record: dict, target: float) -> Optional[int]:
