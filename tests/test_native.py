@@ -399,6 +399,8 @@ def test_sampled_threshold_is_the_float_topk_of_the_sample_gives(n, stride, kind
         assert got == expected or (got != got and expected != expected), (rank, got, expected)
     with pytest.raises(ValueError, match="sampled_threshold"):
         native.sampled_threshold(x, r, stride, sample.numel() + 1)
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        native.sampled_threshold(x, r, 0, 1)
 
 
 @needs_kernels

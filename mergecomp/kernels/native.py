@@ -580,13 +580,15 @@ def sampled_threshold(x: torch.Tensor, residual: Optional[torch.Tensor], stride:
     None: ``x``) sampled every ``stride`` elements from the first: the float
     ``(residual[::stride] + x[::stride]).abs().topk(rank).values.min()`` gives, in one pass over
     the sample without materializing it (fp32 CPU; NaN where the sample holds one, as there)."""
-    n = x.numel()
-    sample = -(-n // max(int(stride), 1)) if n else 0
+    n, stride = x.numel(), int(stride)
+    if stride < 1:
+        raise ValueError(f"sampled_threshold: the stride must be >= 1, got {stride}")
+    sample = -(-n // stride)
     if not 1 <= rank <= sample:
         raise ValueError(f"sampled_threshold: need 1 <= rank <= {sample} sampled elements, got rank={rank}")
     return float(_library().mc_sampled_threshold(
         _buf("x", x, torch.float32, n), None if residual is None else _buf("residual", residual, torch.float32, n),
-        n, int(stride), int(rank)))
+        n, stride, int(rank)))
 
 
 def moments(x: torch.Tensor) -> torch.Tensor:

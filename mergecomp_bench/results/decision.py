@@ -2,6 +2,7 @@
 figure computed from the records behind the tables it links to."""
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Callable, Tuple
 
@@ -67,16 +68,14 @@ def _gave_fsdp() -> str:
 _DILOCO = {"10mbit": "onebit@averaging/10~2~4*2", "100mbit": "topk:ratio=0.1;value_dtype=fp16@averaging/10~2~4*2"}
 
 
-def _gave_diloco(rate: str) -> Callable[[], str]:
+def _gave_diloco(rate: str) -> str:
     """What the DiLoCo row of link ``rate`` gave (:data:`_DILOCO`)."""
-    def gave() -> str:
-        timed = time_to_target.slow_link_runs()[rate]
-        config = _DILOCO[rate]
-        return (f"GPT-2 4 x 256, 2 workers, one seed: DDP fp32's loss "
-                f"{times(time_to_target.slow_link_speed_ups(timed)[config])} sooner than DDP fp32, at "
-                f"{timed[config][0]['bits_per_element']:.2f} bits per element per step "
-                f"([slow links](#diloco-trained-longer-over-slow-links))")
-    return gave
+    timed = time_to_target.slow_link_runs()[rate]
+    config = _DILOCO[rate]
+    return (f"GPT-2 4 x 256, 2 workers, one seed: DDP fp32's loss "
+            f"{times(time_to_target.slow_link_speed_ups(timed)[config])} sooner than DDP fp32, at "
+            f"{timed[config][0]['bits_per_element']:.2f} bits per element per step "
+            f"([slow links](#diloco-trained-longer-over-slow-links))")
 
 
 def _gave_none() -> str:
@@ -95,9 +94,9 @@ _SUMMARY: Tuple[Tuple[str, str, str, Callable[[], str]], ...] = (
     ("Adam / AdamW", "any", '`exchange_momentum_after="auto"` with `onebit`, `topk` or `powersgd`', _gave_adam),
     ("Adam / AdamW, gradients exchanged", "any", "only `fp16`, `bf16` or `qsgd`", _gave_adam_gradients),
     ("AdamW", "10 Mbit/s", '`mc.DiLoCo(params, opt, sync_every=10, compression="onebit", fragments=2, '
-     'fragment_sync_delay=4)`', _gave_diloco("10mbit")),
+     'fragment_sync_delay=4)`', functools.partial(_gave_diloco, "10mbit")),
     ("AdamW", "100 Mbit/s", '`mc.DiLoCo(params, opt, sync_every=10, compression=mergecomp.get_compressor("topk", '
-     'ratio=0.1, value_dtype="fp16"), fragments=2, fragment_sync_delay=4)`', _gave_diloco("100mbit")),
+     'ratio=0.1, value_dtype="fp16"), fragments=2, fragment_sync_delay=4)`', functools.partial(_gave_diloco, "100mbit")),
     ("FSDP2 with AdamW", "1 Gbit/s", '`mc.fsdp.compress(model, compression="qsgd", all_gather="int8")`', _gave_fsdp),
     ("anything", "a fast link, no compression wanted", '`compression="none"`', _gave_none),
 )
