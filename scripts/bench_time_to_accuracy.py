@@ -26,7 +26,8 @@ AdamW's step hooks, as the transformers ``Trainer``, Accelerate and Lightning's
 sent with that compressor every H steps (``none@diloco/H``: dense DiLoCo), groups as above;
 ``@averaging/H``: the same with plain SGD at lr 1 as the outer optimizer (the parameters averaged
 every H steps, Local SGD).  ``~P~D`` after either: Streaming DiLoCo, P fragments, each exchange in
-flight for D inner steps (``fragments``, ``fragment_sync_delay``).
+flight for D inner steps (``fragments``, ``fragment_sync_delay``; ``~P~auto``: chosen by timing the
+first round, in the record as ``sync_delay``).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -132,13 +133,13 @@ def wrap_hook(model, config, steps, after, warm):
 
 def wrap_diloco(model, config, steps, warm, groups):
     """AdamW with the LR schedule, and ``mc.DiLoCo`` around it as ``config``
-    (``COMPRESSOR[:args]@diloco/H[+MEMORY][~P[~D]]``) says: (optimizer, scheduler, the DiLoCo,
+    (``COMPRESSOR[:args]@diloco/H[+MEMORY][~P[~D]]``, D an int or ``auto``) says: (optimizer, scheduler, the DiLoCo,
     bits per element per step)."""
     import mergecomp
     import mergecomp.torch as mc
 
     config, *streaming = config.split("~")
-    fragments, delay = [int(x) for x in streaming] + [1, 0][len(streaming):]  # defaults: 1 fragment, no delay
+    fragments, delay = [x if x == "auto" else int(x) for x in streaming] + [1, 0][len(streaming):]  # defaults: 1, 0
     spec, mode, memory, sync_every, _ = parse_config(config)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     outer = (lambda params: torch.optim.SGD(params, lr=1.0)) if mode == "averaging" else None
@@ -166,7 +167,7 @@ def worker(args):
     torch.manual_seed(args.seed)
     model = make_model()
     compute_s = step_without_exchange(model, train, args.batch)
-    bits = hook = None
+    bits = hook = diloco = None
     if config.startswith(("ddp", "hook:")):
         import torch.distributed as dist
 
@@ -223,6 +224,7 @@ def worker(args):
                   "step_s": statistics.median(times),
                   "compute_s": compute_s, "train_s": trained,
                   "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,
+                  **({} if diloco is None else {"sync_delay": diloco.sync_delay}),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         with open(args.out, "w") as f:
             json.dump(record, f)

@@ -74,7 +74,9 @@ def _streaming_worker(rank, world, fragments, delay, alpha, H=4, rounds=4):
     """Streaming DiLoCo (dense) against the algorithm by hand: fragment p (consecutive
     parameters) sends global minus local at the steps (p + 1) * H // P modulo H, its outer
     Nesterov step lands ``delay`` inner steps later, and its local parameters become
-    alpha * local + (1 - alpha) * global."""
+    alpha * local + (1 - alpha) * global.  ``delay="auto"``: the first round lands at once,
+    the later ones after the delay DiLoCo chose (returned third; None before the first round
+    is over, fourth)."""
     import torch.distributed as dist
 
     import mergecomp.torch as mc
@@ -85,9 +87,13 @@ def _streaming_worker(rank, world, fragments, delay, alpha, H=4, rounds=4):
     diloco = mc.DiLoCo(model.named_parameters(), opt, sync_every=H, fragments=fragments,
                        fragment_sync_delay=delay, fragment_update_alpha=alpha)
     split = [f.indices for f in diloco.fragments]
-    for x, y in data:
+    undecided = []
+    for step, (x, y) in enumerate(data, 1):
         inner_step(model, opt, x, y)
+        undecided.append(diloco.sync_delay is None)
     ours = [p.detach().clone() for p in model.parameters()]
+    chosen = diloco.sync_delay
+    delay_at = (lambda step: 0 if step <= H else chosen) if delay == "auto" else (lambda step: delay)
 
     reference = make_model()
     params = list(reference.parameters())
@@ -99,7 +105,7 @@ def _streaming_worker(rank, world, fragments, delay, alpha, H=4, rounds=4):
         inner_step(reference, inner, x, y)
         for k, f in enumerate(split):
             if step % H == (k + 1) * H // len(split) % H:
-                sent[step + delay] = k, [(global_params[i] - params[i].detach()).contiguous() for i in f]
+                sent[step + delay_at(step)] = k, [(global_params[i] - params[i].detach()).contiguous() for i in f]
         if step in sent:
             k, deltas = sent.pop(step)
             for i, delta in zip(split[k], deltas):
@@ -110,14 +116,37 @@ def _streaming_worker(rank, world, fragments, delay, alpha, H=4, rounds=4):
                 for i in split[k]:
                     params[i].mul_(alpha).add_(global_params[i], alpha=1 - alpha)
     theirs = [p.detach() for p in params]
-    return max(float((a - b).abs().max()) for a, b in zip(ours, theirs)), [len(f) for f in split]
+    return max(float((a - b).abs().max()) for a, b in zip(ours, theirs)), [len(f) for f in split], chosen, undecided
 
 
 @pytest.mark.parametrize("world,fragments,delay,alpha", [(2, 2, 0, 0.0), (2, 2, 1, 0.5), (3, 4, 0, 0.0)])
 def test_streaming_diloco_is_the_algorithm(world, fragments, delay, alpha):
-    for gap, sizes in run_workers(_streaming_worker, world, world, fragments, delay, alpha, timeout=120):
+    for gap, sizes, chosen, _ in run_workers(_streaming_worker, world, world, fragments, delay, alpha, timeout=120):
         assert gap < 1e-5, gap
         assert len(sizes) == fragments and sum(sizes) == 4 and min(sizes) >= 1
+        assert chosen == delay
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_auto_delay_is_timed_on_the_first_round_and_the_same_on_every_rank(world):
+    """H = 8, 2 fragments: both fragments' first exchanges (steps 4 and 8) are waited for at once;
+    from step 8 on every rank keeps each exchange in flight for the delay chosen, 1 to 3 steps."""
+    results = run_workers(_streaming_worker, world, world, 2, "auto", 0.5, 8, 4, timeout=120)
+    chosen = {result[2] for result in results}
+    assert len(chosen) == 1 and 1 <= chosen.pop() <= 3, results
+    for gap, _, _, undecided in results:
+        assert gap < 1e-5, gap
+        assert undecided == [True] * 7 + [False] * 25
+
+
+def test_the_auto_delay_covers_the_exchange_with_the_fewest_steps():
+    from mergecomp.torch.diloco import covering_delay
+
+    assert covering_delay(0.25, 0.06, 7) == 5
+    assert covering_delay(0.24, 0.06, 7) == 4
+    assert covering_delay(1e-4, 0.06, 7) == 1, "an exchange that takes no time still overlaps one step"
+    assert covering_delay(10.0, 0.06, 7) == 7, "no more than H // P - 1"
+    assert covering_delay(0.1, 0.0, 3) == 3
 
 
 def _compressed_worker(rank, H=4, rounds=6):
@@ -182,11 +211,13 @@ def test_a_grad_scaler_skipping_one_ranks_step_keeps_the_ranks_in_step():
 def _resume_worker(rank, path, H, streaming, saved_at):
     """Save after ``saved_at`` inner steps (model, inner optimizer, DiLoCo), go on to 4 rounds; a
     fresh run loads the checkpoint and goes on the same way.  ``streaming``: two fragments with a
-    delay of one step, saved while the first fragment's exchange is in flight."""
+    delay of one step (``"auto"``: chosen, which H = 4 leaves at 1), saved while the first
+    fragment's exchange is in flight."""
     import mergecomp.torch as mc
 
     data = batches(rank, 4 * H)
-    streams = {"fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5} if streaming else {}
+    delay = streaming if streaming == "auto" else 1
+    streams = {"fragments": 2, "fragment_sync_delay": delay, "fragment_update_alpha": 0.5} if streaming else {}
 
     def build():
         model = make_model()
@@ -196,7 +227,7 @@ def _resume_worker(rank, path, H, streaming, saved_at):
     model, opt, diloco = build()
     for x, y in data[:saved_at]:
         inner_step(model, opt, x, y)
-    in_flight = diloco.in_flight == 0
+    in_flight = diloco.in_flight == 0 or streaming == "auto" and diloco.sync_delay is None
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "diloco": diloco.state_dict()})
     torch.save(saved, f"{path}.{rank}")
     for x, y in data[saved_at:]:
@@ -213,11 +244,13 @@ def _resume_worker(rank, path, H, streaming, saved_at):
     return all(torch.equal(a, b) for a, b in zip(straight, model.parameters())), diloco.inner_steps, in_flight
 
 
-@pytest.mark.parametrize("H,streaming,saved_at", [(3, False, 7), (4, True, 6)])
+@pytest.mark.parametrize("H,streaming,saved_at", [(3, False, 7), (4, True, 6), (4, "auto", 6), (4, "auto", 3)])
 def test_resume_continues_exactly(tmp_path, H, streaming, saved_at):
+    """``"auto"`` saved after its choice (step 6: in flight), and before it (step 3: the first
+    fragment's exchange timed, the second's not yet)."""
     for exact, steps, in_flight in run_workers(_resume_worker, 2, str(tmp_path / "ckpt"), H, streaming, saved_at,
                                                timeout=120):
-        assert exact and steps == 4 * H and in_flight == streaming
+        assert exact and steps == 4 * H and in_flight == bool(streaming)
 
 
 def _nonfinite_worker(rank, nonfinite):
@@ -264,7 +297,9 @@ def _bad_input_worker(rank):
                    {"sync_every": 2 + rank}, {"sync_every": 4, "fragments": 5}, {"sync_every": 2, "fragments": 3},
                    {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 2},
                    {"sync_every": 4, "fragment_update_alpha": 1.0}, {"sync_every": 4, "fragments": [model[0]]},
-                   {"sync_every": 4, "fragments": 2, "fragment_sync_delay": rank}):
+                   {"sync_every": 4, "fragments": 2, "fragment_sync_delay": rank},
+                   {"sync_every": 3, "fragments": 2, "fragment_sync_delay": "auto"},
+                   {"sync_every": 4, "fragment_sync_delay": "soon"}):
         try:
             mc.DiLoCo(model.named_parameters(), opt, **kwargs).close()
             errors.append(None)
@@ -275,7 +310,10 @@ def _bad_input_worker(rank):
 
 def test_bad_input_is_refused_by_name_on_every_rank():
     for (every, propagate, average, disagree, too_many, more_than_h, delay, alpha, uncovered,
-         disagree_delay) in run_workers(_bad_input_worker, 2, timeout=120):
+         disagree_delay, auto_without_room, unknown_delay) in run_workers(_bad_input_worker, 2, timeout=120):
+        assert "fragment_sync_delay='auto' needs sync_every // fragments >= 2" in auto_without_room
+        assert "sync_every=3 with 2 fragment(s)" in auto_without_room
+        assert "fragment_sync_delay" in unknown_delay and "'soon'" in unknown_delay
         assert every.startswith("ValueError") and "sync_every" in every
         assert "fragments must be between 1 and the 4 parameters" in too_many
         assert "3 fragments" in more_than_h and "sync_every=2" in more_than_h

@@ -24,6 +24,8 @@ as often with a P-th of the bytes.  With ``fragment_sync_delay=d`` the exchange 
 over the next d inner steps (the collectives progress while the model computes) and the outer
 step lands then; the fragment's local parameters, which went on training meanwhile, become
 ``alpha * local + (1 - alpha) * global`` (``fragment_update_alpha``; 0: the global ones).
+``fragment_sync_delay="auto"`` times the first round (each fragment's exchange waited for at
+once) and then keeps each exchange in flight for the fewest inner steps that cover it.
 
 Bytes per rank: one pseudo-gradient per ``sync_every`` steps, at the compressor's bits per
 element.  Memory per rank: the global parameters and the outer optimizer's state besides the
@@ -32,6 +34,9 @@ model's, and the memories (:meth:`DiLoCo.state_bytes`).
 from __future__ import annotations
 
 import copy
+import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -49,6 +54,8 @@ from mergecomp.pipeline.resharding import to_fold
 from .functions import broadcast_tensors
 
 __all__ = ["DiLoCo", "nesterov"]
+
+logger = logging.getLogger("mergecomp")
 
 Params = Union[Iterable[torch.nn.Parameter], Iterable[Tuple[str, torch.nn.Parameter]]]
 
@@ -120,6 +127,47 @@ class _InFlight:
     averaged: Optional[List[torch.Tensor]] = None
 
 
+def covering_delay(exchange_s: float, step_s: float, limit: int) -> int:
+    """The fewest inner steps of ``step_s`` seconds that cover an exchange of ``exchange_s``
+    seconds, at least 1 and at most ``limit``."""
+    if step_s <= 0:
+        return limit
+    return max(1, min(limit, math.ceil(exchange_s / step_s)))
+
+
+class _DelayClock:
+    """``fragment_sync_delay="auto"``'s measurements on this rank: each fragment's first exchange
+    (sent and waited for at once: send to result, seconds) and the inner steps between the step
+    hooks (seconds, DiLoCo's own work left out)."""
+
+    def __init__(self, fragments: int, saved: Optional[Dict[str, list]] = None) -> None:
+        self.exchange_s: List[Optional[float]] = list(saved["exchange_s"]) if saved else [None] * fragments
+        self.step_s: List[float] = list(saved["step_s"]) if saved else []
+        self._hook_left: Optional[float] = None
+        self._sent_at = 0.0
+
+    def state_dict(self) -> Dict[str, list]:
+        return {"exchange_s": list(self.exchange_s), "step_s": list(self.step_s)}
+
+    def step_began(self) -> None:
+        if self._hook_left is not None:
+            self.step_s.append(time.perf_counter() - self._hook_left)
+
+    def step_ended(self) -> None:
+        self._hook_left = time.perf_counter()
+
+    def sent(self) -> None:
+        self._sent_at = time.perf_counter()
+
+    def landed(self, k: int) -> None:
+        self.exchange_s[k] = time.perf_counter() - self._sent_at
+
+    @property
+    def timed(self) -> bool:
+        """Whether every fragment's exchange and at least one inner step were timed."""
+        return all(s is not None for s in self.exchange_s) and bool(self.step_s)
+
+
 class DiLoCo:
     """Synchronize ``params`` every ``sync_every`` steps of ``inner_optimizer`` (module docstring).
 
@@ -140,7 +188,10 @@ class DiLoCo:
             elements each; 1 <= P <= H) or a list of modules (each one's parameters; every
             parameter in exactly one), as ``model_fragments`` in torchft.
         fragment_sync_delay: inner steps a fragment's exchange stays in flight before its outer
-            step (0 <= d < H // P).
+            step (0 <= d < H // P), or ``"auto"`` (H // P >= 2): the first round is sent and
+            waited for at once and timed, then every rank takes the fewest inner steps that
+            cover the slowest rank's slowest exchange at the fastest rank's median step, at
+            least 1 and at most H // P - 1 (:attr:`sync_delay`; logged; one allgather).
         fragment_update_alpha: how much of its local parameters a fragment keeps when its outer
             step lands (0 <= alpha < 1; 0: it takes the global ones, and every rank's are equal).
         grad_scaler: the ``torch.amp.GradScaler`` of the inner steps, if any: a step it skips
@@ -161,7 +212,7 @@ class DiLoCo:
     def __init__(self, params: Params, inner_optimizer: torch.optim.Optimizer, sync_every: int,
                  compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  outer_optimizer: Optional[Callable[[List[torch.Tensor]], torch.optim.Optimizer]] = None,
-                 fragments: Union[int, Sequence[torch.nn.Module]] = 1, fragment_sync_delay: int = 0,
+                 fragments: Union[int, Sequence[torch.nn.Module]] = 1, fragment_sync_delay: Union[int, str] = 0,
                  fragment_update_alpha: float = 0.0, grad_scaler: Any = None, process_group: Any = None,
                  **options: Any) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
@@ -176,17 +227,27 @@ class DiLoCo:
         if len(split) > sync_every:
             raise ValueError(f"DiLoCo: {len(split)} fragments cannot each sync at its own step of sync_every="
                              f"{sync_every}")
-        if (isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int)
-                or not 0 <= fragment_sync_delay < sync_every // len(split)):
+        limit = sync_every // len(split)
+        if fragment_sync_delay == "auto":
+            if limit < 2:
+                raise ValueError(f"DiLoCo: fragment_sync_delay='auto' needs sync_every // fragments >= 2 (a delay "
+                                 f"of at least 1), got sync_every={sync_every} with {len(split)} fragment(s)")
+        elif (isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int)
+                or not 0 <= fragment_sync_delay < limit):
             raise ValueError(f"DiLoCo: fragment_sync_delay must be an int in [0, sync_every // fragments = "
-                             f"{sync_every // len(split)}), got {fragment_sync_delay!r}")
+                             f"{limit}) or 'auto', got {fragment_sync_delay!r}")
         if not isinstance(fragment_update_alpha, (int, float)) or not 0 <= fragment_update_alpha < 1:
             raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1), got {fragment_update_alpha!r}")
-        self.sync_every, self.sync_delay, self.update_alpha = sync_every, fragment_sync_delay, float(fragment_update_alpha)
+        self.sync_every, self.update_alpha = sync_every, float(fragment_update_alpha)
+        self._auto = auto = fragment_sync_delay == "auto"
+        #: inner steps a fragment's exchange stays in flight; None while ``"auto"`` times the first round
+        self.sync_delay: Optional[int] = None if auto else fragment_sync_delay
+        self._delay_limit = limit - 1
+        self._clock = _DelayClock(len(split)) if auto else None
         step_options = StepOptions.create("DiLoCo", options)
         agree = (("sync_every", sync_every), ("fragments", [[names[i] for i in f] for f in split]),
                  ("fragment_sync_delay", fragment_sync_delay), ("fragment_update_alpha", self.update_alpha))
-        comm = communicator() if process_group is None else TorchCommunicator(process_group)
+        self._comm = comm = communicator() if process_group is None else TorchCommunicator(process_group)
         broadcast_tensors(comm, list(zip(names, (p.data for p in self.params))), root_rank=0)
         #: the parameters every rank last agreed on, which the outer optimizers step
         self.global_params = [p.detach().clone() for p in self.params]
@@ -224,22 +285,29 @@ class DiLoCo:
                          doc="the fragment whose exchange is in flight, or None")
 
     def _counted(self, *_: Any) -> None:
+        clock = self._clock
+        if clock is not None:
+            clock.step_began()
         self.inner_steps += 1
         for k, fragment in enumerate(self.fragments):
             if self.inner_steps % self.sync_every == fragment.offset:
                 self._send(k)
         if self._in_flight is not None and self._in_flight.due == self.inner_steps:
             self._land()
+        if clock is not None:
+            clock.step_ended()
 
     @torch.no_grad()
     def _send(self, k: int) -> None:
         """Start fragment ``k``'s exchange of its pseudo-gradient (global minus local)."""
         fragment = self.fragments[k]
+        if self._clock is not None:
+            self._clock.sent()
         for slot, i in enumerate(fragment.indices):  # once per fragment's sync
             out = fragment.merged.slot(slot)
             torch.sub(self.global_params[i], self.params[i], out=out)
             fragment.merged.add(slot, out)
-        self._in_flight = _InFlight(k, self.inner_steps + self.sync_delay)
+        self._in_flight = _InFlight(k, self.inner_steps + (self.sync_delay or 0))
 
     def _receive(self) -> None:
         """Wait for the fragment in flight: its averaged pseudo-gradient (empty where skipped)."""
@@ -256,6 +324,10 @@ class DiLoCo:
         its round was skipped (its global parameters unchanged)."""
         self._receive()
         flight, self._in_flight = self._in_flight, None
+        if self._clock is not None:
+            self._clock.landed(flight.fragment)
+            if self._clock.timed:
+                self._choose_delay()
         fragment = self.fragments[flight.fragment]
         globals_ = [self.global_params[i] for i in fragment.indices]
         if flight.averaged:
@@ -271,6 +343,17 @@ class DiLoCo:
         else:
             torch._foreach_copy_(locals_, globals_)
         return bool(flight.averaged)
+
+    def _choose_delay(self) -> None:
+        """``"auto"``: the delay from every rank's timings (one allgather), the same on every rank."""
+        clock, self._clock = self._clock, None
+        mine = torch.tensor([max(clock.exchange_s), sorted(clock.step_s)[len(clock.step_s) // 2]], dtype=torch.float64)
+        every = self._comm.allgather(mine.to(self._comm.device), "DiLoCo's fragment_sync_delay='auto'").cpu()
+        exchange_s, step_s = float(every[:, 0].max()), float(every[:, 1].min())
+        self.sync_delay = covering_delay(exchange_s, step_s, self._delay_limit)
+        logger.info("DiLoCo: fragment_sync_delay='auto' keeps each exchange in flight for %d inner step(s): the "
+                    "slowest exchange took %.3f s, the fastest rank's median inner step %.3f s (at most %d)",
+                    self.sync_delay, exchange_s, step_s, self._delay_limit)
 
     def sync(self) -> bool:
         """Land the fragment in flight, then synchronize every fragment now, every rank's
@@ -301,6 +384,8 @@ class DiLoCo:
         if flight is not None:
             self._receive()
         return {"global_params": [g.clone() for g in self.global_params], "inner_steps": self.inner_steps,
+                "fragment_sync_delay": self.sync_delay,
+                "delay_timings": None if self._clock is None else self._clock.state_dict(),
                 "fragments": [{"parameters": len(f.indices), "outer_optimizer": f.outer_optimizer.state_dict(),
                                "mergecomp": f.merged.state_dict()} for f in self.fragments],
                 "in_flight": None if flight is None else {"fragment": flight.fragment, "due": flight.due,
@@ -324,6 +409,10 @@ class DiLoCo:
             fragment.outer_optimizer.load_state_dict(saved_fragment["outer_optimizer"])
             fragment.merged.load_state_dict(saved_fragment["mergecomp"])
         self.inner_steps = int(state["inner_steps"])
+        if self._auto:  # what the saving run chose, else its timings so far (none: timed afresh)
+            self.sync_delay = state.get("fragment_sync_delay")
+            self._clock = None if self.sync_delay is not None else _DelayClock(len(self.fragments),
+                                                                               state.get("delay_timings"))
         flight = state["in_flight"]
         self._in_flight = None if flight is None else _InFlight(flight["fragment"], flight["due"], flight["averaged"])
 
