@@ -62,16 +62,29 @@ def _stretched() -> Tuple[Dict[str, dict], float]:
 
 def slow_link_runs() -> Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]]:
     """:data:`SLOW_LINKS` by rate (slowest first), then configuration: ``(run, mean step s,
-    steps to the target, seconds to it)``; a run stopped early (DDP fp32) takes its steps from
-    :data:`STRETCHED` (losses do not depend on the link) and is projected: steps x mean step."""
+    steps to the target, seconds to it)``; a run stopped early (DDP fp32, the momentum exchange)
+    takes its steps from :data:`STRETCHED` (losses do not depend on the link) and is projected
+    (:func:`projected`)."""
     curves, target = _stretched()
     by_rate: Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]] = {}
     for run in sorted(finished(SLOW_LINKS), key=lambda r: int(r["rate"].rstrip("mbit"))):
         step = run["train_s"] / min(run["steps"], run["stop"] or run["steps"])
         steps = steps_to(curves[run["config"]] if run["stop"] else run, target)
         by_rate.setdefault(run["rate"], {})[run["config"]] = (run, step, steps, None if steps is None else (
-            steps * step if run["stop"] else time_to(run, target)))
+            projected(run, steps) if run["stop"] else time_to(run, target)))
     return by_rate
+
+
+def projected(run: dict, steps: int) -> float:
+    """Seconds a run stopped after ``run["stop"]`` steps would take for ``steps``: its time so
+    far plus the steps left at the pace of its last evaluation interval (where it has two
+    evaluations; a warm-up at other bytes per step stays out of that pace), else at its mean step."""
+    curve, stop = run["curve"], run["stop"]
+    if len(curve) >= 2:
+        pace = (curve[-1]["seconds"] - curve[-2]["seconds"]) / (curve[-1]["step"] - curve[-2]["step"])
+    else:
+        pace = run["train_s"] / stop
+    return run["train_s"] + (steps - stop) * pace
 
 
 def slow_link_speed_ups(timed: Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]) -> Dict[str, float]:
