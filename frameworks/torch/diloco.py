@@ -376,10 +376,11 @@ class DiLoCo:
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """The global parameters, the outer optimizers' state, the inner steps counted, each
-        fragment's merged step (plan, compressor state, this rank's memory) and a fragment's
-        exchange in flight (received first: every rank must call this at the same step); save
-        it beside the model's and the inner optimizer's."""
+        """The global parameters, the outer optimizers' state, the inner steps counted,
+        ``fragment_sync_delay="auto"``'s choice (or its timings so far), each fragment's merged
+        step (plan, compressor state, this rank's memory) and a fragment's exchange in flight
+        (received first: every rank must call this at the same step); save it beside the
+        model's and the inner optimizer's."""
         flight = self._in_flight
         if flight is not None:
             self._receive()
