@@ -142,7 +142,7 @@ def wrap_diloco(model, config, steps, warm, groups):
     fragments, delay = [x if x == "auto" else int(x) for x in streaming] + [1, 0][len(streaming):]  # defaults: 1, 0
     spec, mode, memory, sync_every, _ = parse_config(config)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    outer = (lambda params: torch.optim.SGD(params, lr=1.0)) if mode == "averaging" else None
+    outer = mc.averaging if mode == "averaging" else None
     diloco = mc.DiLoCo(model.named_parameters(), adamw, sync_every=sync_every, compression=compressor_of(spec),
                        memory=memory_of(memory) if memory else None, groups=groups, outer_optimizer=outer,
                        fragments=fragments, fragment_sync_delay=delay)

@@ -187,7 +187,7 @@ def _lightning(rank, folder, port, saved_by_three):
     out["hook_other_size"] = strategy.hook_state.bind().state_dict()
     # DiLoCo: with H = 1 and plain averaging as the outer step it is DDP (SGD's momentum is linear);
     # Streaming top-k resumed from a checkpoint taken mid-round, a fragment in flight
-    out["diloco_every_step"] = fit(MergecompDiLoCoStrategy(1, outer_optimizer=plain_averaging))
+    out["diloco_every_step"] = fit(MergecompDiLoCoStrategy(1, outer_optimizer=mc.averaging))
 
     def diloco():
         return MergecompDiLoCoStrategy(4, "topk", fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
@@ -352,6 +352,7 @@ def test_lightning_refuses_what_it_cannot_honour(lightning):
 def _accelerate(rank, folder):
     from accelerate import Accelerator
 
+    import mergecomp.torch as mc
     from mergecomp.torch.integrations.accelerate import register, register_diloco
 
     x, y = make_data()
@@ -399,7 +400,7 @@ def _accelerate(rank, folder):
     out["adam_auto"] = (state.momentum.exchange.after, state.momentum.exchange.refresh_every)
     # DiLoCo around Accelerate's optimizer: every step with plain averaging is DDP; top-k every
     # 4 steps resumed from a state saved mid-round
-    averaging = {"sync_every": 1, "outer_optimizer": lambda params: torch.optim.SGD(params, lr=1.0)}
+    averaging = {"sync_every": 1, "outer_optimizer": mc.averaging}
     out["diloco_averaging"] = run("none", diloco=averaging)[0]
     path = os.path.join(folder, "diloco_state")
     out["diloco_topk"], state = run("topk", save=path, diloco={"sync_every": 4})
@@ -493,6 +494,7 @@ def trainer_run(output_dir, register_args=None, resume=None, diloco=False, **tra
 def _transformers(rank, folder, saved_by_three):
     import shutil
 
+    import mergecomp.torch as mc
     from mergecomp.torch.integrations.transformers import DILOCO_STATE_FILE, STATE_FILE
 
     def train(run, compression=None, resume=None):
@@ -550,7 +552,7 @@ def _transformers(rank, folder, saved_by_three):
            "save_strategy": "no", "max_grad_norm": 0}
     out["ddp_unclipped"] = trainer_run(os.path.join(folder, "ddp_unclipped"), **sgd)[0]
     out["diloco_every_step"] = trainer_run(os.path.join(folder, "diloco_every_step"),
-                                           {"sync_every": 1, "outer_optimizer": plain_averaging}, diloco=True, **sgd)[0]
+                                           {"sync_every": 1, "outer_optimizer": mc.averaging}, diloco=True, **sgd)[0]
 
     out["diloco"], callback = trainer_diloco(os.path.join(folder, "diloco"))
     out["diloco_steps"] = callback.diloco.inner_steps
@@ -584,10 +586,6 @@ def _transformers_on_three(rank, folder):
 
     trainer_diloco(folder)
     return torch.load(os.path.join(folder, "checkpoint-2", DILOCO_STATE_FILE), weights_only=True) if rank == 0 else None
-
-
-def plain_averaging(params):
-    return torch.optim.SGD(params, lr=1.0)
 
 
 @pytest.fixture(scope="module")

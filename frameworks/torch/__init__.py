@@ -31,7 +31,7 @@ from mergecomp.registry import Compression
 
 from . import checkpoint, fsdp
 from .ddp_hook import ddp_comm_hook
-from .diloco import DiLoCo
+from .diloco import DiLoCo, averaging, nesterov
 from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                              grouped_reducescatter, reducescatter)
 from .functions import broadcast_optimizer_state, broadcast_parameters
@@ -39,7 +39,7 @@ from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DiLoCo", "DistributedOptimizer", "HorovodInternalError",
+    "Adasum", "Average", "Compression", "DiLoCo", "averaging", "nesterov", "DistributedOptimizer", "HorovodInternalError",
     "Max", "Min", "MismatchError", "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",

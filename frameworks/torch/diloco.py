@@ -53,7 +53,7 @@ from mergecomp.pipeline.resharding import to_fold
 
 from .functions import broadcast_tensors
 
-__all__ = ["DiLoCo", "nesterov"]
+__all__ = ["DiLoCo", "averaging", "nesterov"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -63,6 +63,12 @@ Params = Union[Iterable[torch.nn.Parameter], Iterable[Tuple[str, torch.nn.Parame
 def nesterov(params: List[torch.Tensor]) -> torch.optim.Optimizer:
     """The papers' outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def averaging(params: List[torch.Tensor]) -> torch.optim.Optimizer:
+    """Local SGD's outer step: SGD at lr 1 without momentum, which sets the global parameters to
+    the ranks' average (``outer_optimizer=mc.averaging``; what the slow-link benchmarks ran)."""
+    return torch.optim.SGD(params, lr=1.0)
 
 
 def _named(params: Params) -> Tuple[List[str], List[torch.nn.Parameter]]:

@@ -93,10 +93,11 @@ _SUMMARY: Tuple[Tuple[str, str, str, Callable[[], str]], ...] = (
     ("SGD", "10 Gbit/s or faster", 'any compressor, `groups="auto"`', _gave_sgd_fast),
     ("Adam / AdamW", "any", '`exchange_momentum_after="auto"` with `onebit`, `topk` or `powersgd`', _gave_adam),
     ("Adam / AdamW, gradients exchanged", "any", "only `fp16`, `bf16` or `qsgd`", _gave_adam_gradients),
-    ("AdamW", "10 Mbit/s", '`mc.DiLoCo(params, opt, sync_every=10, compression="onebit", fragments=2, '
-     'fragment_sync_delay=4)`', functools.partial(_gave_diloco, "10mbit")),
+    ("AdamW", "10 Mbit/s", '`mc.DiLoCo(params, opt, sync_every=10, compression="onebit", outer_optimizer=mc.averaging, '
+     'fragments=2, fragment_sync_delay=4)`', functools.partial(_gave_diloco, "10mbit")),
     ("AdamW", "100 Mbit/s", '`mc.DiLoCo(params, opt, sync_every=10, compression=mergecomp.get_compressor("topk", '
-     'ratio=0.1, value_dtype="fp16"), fragments=2, fragment_sync_delay=4)`', functools.partial(_gave_diloco, "100mbit")),
+     'ratio=0.1, value_dtype="fp16"), outer_optimizer=mc.averaging, fragments=2, fragment_sync_delay=4)`',
+     functools.partial(_gave_diloco, "100mbit")),
     ("FSDP2 with AdamW", "1 Gbit/s", '`mc.fsdp.compress(model, compression="qsgd", all_gather="int8")`', _gave_fsdp),
     ("anything", "a fast link, no compression wanted", '`compression="none"`', _gave_none),
 )
