@@ -10,6 +10,7 @@ from mergecomp_bench.results.markdown import signed, table, times
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
+           "FOUR_HOSTS", "FOUR_HOSTS_LABELS", "diloco_four_hosts",
            "time_to", "runs_by_seed", "speed_ups", "median_or_dash", "headline_speed_ups", "headline",
            "time_to_accuracy", "time_to_accuracy_recipes", "slow_link_runs", "slow_link_speed_ups"]
 
@@ -116,6 +117,37 @@ def diloco_slow_links() -> str:
     header = ["link", "configuration", "schedule (steps)", "bits per element per step", "mean step (s)",
               "one worker's step (s)", "steps to target", "time to target", "vs DDP fp32"]
     return table(header, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
+
+
+#: DiLoCo on 4 hosts (losses on loopback): DDP fp32 over 1,000 steps, DiLoCo stretched to 2,000
+FOUR_HOSTS = "time_to_accuracy_gpt2_4x256_batch2_loopback_diloco_4hosts.jsonl"
+FOUR_HOSTS_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H = 10, dense",
+                     "onebit@averaging/10*2": "DiLoCo, averaging, H = 10, 1-bit SGD"}
+_DENSE = "none@averaging/10*2"
+
+
+def diloco_four_hosts() -> str:
+    """:data:`FOUR_HOSTS`: each configuration's steps to DDP fp32's final loss + 1 %, its final
+    loss against dense DiLoCo's, and its bits per element over the run as a fraction of dense
+    DiLoCo's."""
+    runs = {run["config"]: run for run in finished(FOUR_HOSTS)}
+    target = runs["ddp"]["final_test_loss"] * (1 + TARGET)
+    dense = runs[_DENSE]
+
+    def over_run(run: dict) -> float:
+        return (32 if run["config"] == "ddp" else run["bits_per_element"]) * run["steps"]
+
+    rows = []
+    for config, label in FOUR_HOSTS_LABELS.items():
+        run = runs[config]
+        rows.append([label, f"{run['steps']:,}", "32" if config == "ddp" else f"{run['bits_per_element']:.2f}",
+                     f"{steps_to(run, target) or 'not reached'}", f"{run['final_test_loss']:.3f}",
+                     "–" if config in ("ddp", _DENSE) else signed(100 * (run["final_test_loss"] / dense["final_test_loss"] - 1)),
+                     "–" if config == _DENSE else f"1/{over_run(dense) / over_run(run):.0f}" if over_run(run) < over_run(dense)
+                     else times(over_run(run) / over_run(dense))])
+    header = ["configuration (4 hosts)", "schedule (steps)", "bits per element per step", "steps to target",
+              "final loss", "vs dense DiLoCo's", "bytes over the run vs dense DiLoCo's"]
+    return table(header, ["---", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
 
 
 def time_to(record: dict, target: float) -> Optional[float]:
