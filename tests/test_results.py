@@ -43,6 +43,17 @@ def test_the_readme_headline_quotes_the_table_of_its_runs():
     assert f"**{ratio}**" in results.TABLES["readme-time-to-accuracy"]()
 
 
+def test_a_stopped_run_is_projected_at_its_last_pace_not_its_mean():
+    """A run that sent 8-bit warm-up steps first (4 s each) and 1-bit steps after (1 s each),
+    stopped at step 300: 750 s so far, and the 700 steps left to a target at step 1000 at 1 s each."""
+    from mergecomp_bench.results.time_to_target import projected
+
+    curve = [{"step": 150, "seconds": 600.0}, {"step": 250, "seconds": 700.0}, {"step": 300, "seconds": 750.0}]
+    assert projected({"stop": 300, "train_s": 750.0, "curve": curve}, 1000) == pytest.approx(1450.0)
+    one_point = {"stop": 10, "train_s": 20.0, "curve": [{"step": 10, "seconds": 20.0}]}
+    assert projected(one_point, 1850) == pytest.approx(3700.0), "one evaluation: the mean step"
+
+
 def test_a_table_of_named_records_reads_only_their_runs():
     """The same configurations in the same setting, before and after the variance floor: each
     table keeps to its record."""
