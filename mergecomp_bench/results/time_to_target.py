@@ -47,7 +47,11 @@ SLOW_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H =
                "topk:ratio=0.1;value_dtype=fp16@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 % in fp16",
                "topk:ratio=0.1;value_dtype=fp16@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4",
                "onebit@averaging/10*2": "DiLoCo, averaging, H = 10, 1-bit SGD",
-               "onebit@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4"}
+               "onebit@averaging/10~2~4*2": "the same, Streaming: 2 fragments, delay 4",
+               "onebit@averaging/40~2~auto*2": "DiLoCo, averaging, H = 40, 1-bit SGD, Streaming: 2 fragments, "
+                                               "delay `\"auto\"`",
+               "onebit@averaging/64~2~auto*2": "the same, H = 64",
+               "onebit@auto": "1-bit SGD, AdamW's momentum exchanged every step (`\"auto\"`)"}
 
 
 def steps_to(record: dict, target: float) -> Optional[int]:
@@ -96,22 +100,30 @@ def slow_link_speed_ups(timed: Dict[str, Tuple[dict, float, Optional[int], Optio
             if config != "ddp" and reached is not None}
 
 
+def _bits(bits: float) -> str:
+    """Bits per element per step: two decimals, three below 0.1 (DiLoCo's longest intervals)."""
+    return f"{bits:.2f}" if bits >= 0.1 else f"{bits:.3f}"
+
+
 def diloco_slow_links() -> str:
     """DiLoCo trained twice DDP's steps (its LR schedule stretched) against DDP fp32, by link:
     the steps each needs to reach DDP fp32's final loss + 1 % (from :data:`STRETCHED`: losses do
     not depend on the link), the mean step on each link and the time to that loss
-    (:data:`SLOW_LINKS`, :func:`slow_link_runs`)."""
+    (:data:`SLOW_LINKS`, :func:`slow_link_runs`); a stopped run's bits per element are its full
+    run's on loopback."""
     curves, target = _stretched()
     rows = [["loopback (losses)", SLOW_LABELS[config], f"{run['steps']:,}",
-             "32" if config == "ddp" else f"{run['bits_per_element']:.2f}", "–", "–",
+             "32" if config == "ddp" else _bits(run["bits_per_element"]), "–", "–",
              str(steps_to(run, target) or "not reached"), "–", "–"] for config, run in curves.items()]
     for rate, timed in slow_link_runs().items():
         ddp_time = timed["ddp"][3] if "ddp" in timed else None
         for config, (run, step, steps, reached) in timed.items():
             shown = "not reached" if reached is None else (
                 f"{reached:,.0f} s" + (f" (projected: {run['stop']} steps timed)" if run["stop"] else ""))
-            rows.append([rate.replace("mbit", " Mbit/s"), SLOW_LABELS[config], f"{run['steps']:,}",
-                         "32" if config == "ddp" else f"{run['bits_per_element']:.2f}", f"{step:.3f}",
+            chose = f" (chose {run['sync_delay']})" if run.get("sync_delay") is not None and "~auto" in config else ""
+            rows.append([rate.replace("mbit", " Mbit/s"), SLOW_LABELS[config] + chose, f"{run['steps']:,}",
+                         "32" if config == "ddp" else _bits((curves[config] if run["stop"] else run)["bits_per_element"]),
+                         f"{step:.3f}",
                          f"{run['compute_s']:.3f}", str(steps or "not reached"), shown,
                          "–" if config == "ddp" or reached is None or ddp_time is None else times(ddp_time / reached)])
     header = ["link", "configuration", "schedule (steps)", "bits per element per step", "mean step (s)",
