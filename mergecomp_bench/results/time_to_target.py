@@ -118,8 +118,12 @@ def diloco_slow_links() -> str:
     for rate, timed in slow_link_runs().items():
         ddp_time = timed["ddp"][3] if "ddp" in timed else None
         for config, (run, step, steps, reached) in timed.items():
-            shown = "not reached" if reached is None else (
-                f"{reached:,.0f} s" + (f" (projected: {run['stop']} steps timed)" if run["stop"] else ""))
+            if reached is not None:
+                shown = f"{reached:,.0f} s" + (f" (projected: {run['stop']} steps timed)" if run["stop"] else "")
+            elif run["stop"]:  # its whole schedule's time instead
+                shown = f"not reached (its {run['steps']:,} steps: {projected(run, run['steps']):,.0f} s projected)"
+            else:
+                shown = "not reached"
             chose = f" (chose {run['sync_delay']})" if run.get("sync_delay") is not None and "~auto" in config else ""
             rows.append([rate.replace("mbit", " Mbit/s"), SLOW_LABELS[config] + chose, f"{run['steps']:,}",
                          "32" if config == "ddp" else _bits((curves[config] if run["stop"] else run)["bits_per_element"]),
