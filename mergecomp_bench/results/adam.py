@@ -68,7 +68,8 @@ def adam_auto() -> str:
     """``exchange_momentum_after="auto"`` against uncompressed AdamW on each setting of
     :data:`_AUTO_SETTINGS`: the validation loss's difference on the same seed (median over the
     seeds, the worst seed beside it where there are several) and bits per element over the run,
-    from the runs of today's recipe (its K and R) in the setting's record."""
+    from the runs of today's recipe (its K and R) in the setting's record; ``refused`` where
+    ``"auto"`` refuses the compressor at the setting's beta2."""
     every = _adam_records()
     rows = []
     for label, differs, steps, record in _AUTO_SETTINGS:
@@ -78,12 +79,19 @@ def adam_auto() -> str:
         if not seeds_of_row:
             raise LookupError(f"{record}: no run of today's recipes")
         baseline = _adamw(every, setting, steps)
-        cells = [_auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
-                 for measured in runs.values()]
+        cells = ["refused" if _refused(compressor, setting) else _auto_cell(measured, baseline, record, seeds_of_row)
+                 if measured else "–" for compressor, measured in runs.items()]
         seeds = _seeds(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {_seeds(seeds_of_row)}"
         rows.append([f"{label}, {seeds}", *cells, f"`{record}`"])
     header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS), "record (`docs/img/data/`)"]
     return table(header, ["---", *["---:"] * len(_AUTO_COMPRESSORS), "---"], rows)
+
+
+def _refused(compressor: str, setting: Dict[str, object]) -> bool:
+    """Whether ``"auto"`` refuses ``compressor`` with the setting's beta2 (its recipe's ``lowest_beta2``)."""
+    from mergecomp.torch.momentum_recipes import RECIPES
+
+    return setting["beta2"] < RECIPES[compressor].lowest_beta2
 
 
 def recipes_on_their_own_run() -> List[Tuple[float, float]]:
@@ -223,6 +231,7 @@ BETA2_095_ROWS: Tuple[Row, ...] = (
     ("TernGrad recipe before the floor", "terngrad@auto", 18),
     ("the same, its settings spelled out", "terngrad:packing=base3@momentum/8^qsgd", 18),
     ("the same, a longer warm-up", "terngrad:packing=base3@momentum/8^qsgd", 60),
+    ("the same, the warm-up `\"auto\"` would give it (127-level QSGD)", "terngrad:packing=base3@momentum/8^qsgd", 150),
 )
 #: the record of the same run before the update's variance floor, and its rows
 WITHOUT_FLOOR_RECORD = "adam_gpt2_3x256_beta2_095_without_variance_floor_2workers.jsonl"
