@@ -58,7 +58,12 @@ def test_auto_converges_agrees_and_stays_exact_across_switches():
     assert report["phase"] == "monitor"
     assert report["search_steps"] <= 30
     assert len(report["candidates"]) >= 2
-    assert all(c["measured_s"] is not None and c["predicted_s"] is not None for c in report["candidates"])
+    # Every candidate predicted; each measured unless predicted over prune_ratio x the fastest
+    # prediction (which of them is the timings' call: a loaded machine spreads the predictions).
+    assert all(c["predicted_s"] is not None for c in report["candidates"])
+    fastest = min(c["predicted_s"] for c in report["candidates"])
+    assert all(c["measured_s"] is not None or c["predicted_s"] > fastest * SchedulerConfig().prune_ratio
+               for c in report["candidates"])
     # Every rank ran the same plan at every step, and the plan did change during the search.
     assert r0["plans"] == r1["plans"]
     assert len(set(r0["plans"])) > 1
