@@ -88,7 +88,7 @@ def _streaming_worker(rank, world, fragments, delay, alpha, H=4, rounds=4):
                        fragment_sync_delay=delay, fragment_update_alpha=alpha)
     split = [f.indices for f in diloco.fragments]
     undecided = []
-    for step, (x, y) in enumerate(data, 1):
+    for x, y in data:
         inner_step(model, opt, x, y)
         undecided.append(diloco.sync_delay is None)
     ours = [p.detach().clone() for p in model.parameters()]

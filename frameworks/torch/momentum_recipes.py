@@ -150,6 +150,12 @@ def settings_of(compression: Any, options: Dict[str, Any], after: Any, refresh_e
     return compression, options, settings
 
 
+def refuses(name: Optional[str], beta2: float) -> bool:
+    """Whether ``"auto"`` refuses compressor ``name``'s recipe at ``beta2`` (below its ``lowest_beta2``)."""
+    recipe = RECIPES.get(name)
+    return recipe is not None and beta2 < recipe.lowest_beta2
+
+
 def adapt(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSettings:
     """``settings`` for ``optimizer`` (an Adam or AdamW), once it is known: a refresh interval
     the recipe chose is at most :func:`refresh_limit` of its smallest ``beta2``, and a ``beta2``
@@ -160,8 +166,7 @@ def adapt(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSetti
     if OPTION not in settings.chosen:
         return settings
     beta2 = smallest_beta2(optimizer)
-    recipe = RECIPES.get(settings.recipe)
-    if recipe is not None and beta2 < recipe.lowest_beta2:
+    if refuses(settings.recipe, beta2):
         raise ValueError(f"{who}: {OPTION}='auto' has no recipe for {settings.recipe!r} with beta2={beta2}: with "
                          f"beta2=0.95 it ended 4.2 % behind AdamW on the median of three seeds, where the recipes of "
                          f"{', '.join(HELD_AT_BETA2_095)} ended within 1 % (docs/compressors.md); use one of those, or give "

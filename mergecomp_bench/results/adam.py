@@ -70,6 +70,8 @@ def adam_auto() -> str:
     seeds, the worst seed beside it where there are several) and bits per element over the run,
     from the runs of today's recipe (its K and R) in the setting's record; ``refused`` where
     ``"auto"`` refuses the compressor at the setting's beta2."""
+    from mergecomp.torch.momentum_recipes import refuses
+
     every = _adam_records()
     rows = []
     for label, differs, steps, record in _AUTO_SETTINGS:
@@ -79,19 +81,13 @@ def adam_auto() -> str:
         if not seeds_of_row:
             raise LookupError(f"{record}: no run of today's recipes")
         baseline = _adamw(every, setting, steps)
-        cells = ["refused" if _refused(compressor, setting) else _auto_cell(measured, baseline, record, seeds_of_row)
-                 if measured else "–" for compressor, measured in runs.items()]
+        cells = ["refused" if refuses(compressor, setting["beta2"])
+                 else _auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
+                 for compressor, measured in runs.items()]
         seeds = _seeds(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {_seeds(seeds_of_row)}"
         rows.append([f"{label}, {seeds}", *cells, f"`{record}`"])
     header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS), "record (`docs/img/data/`)"]
     return table(header, ["---", *["---:"] * len(_AUTO_COMPRESSORS), "---"], rows)
-
-
-def _refused(compressor: str, setting: Dict[str, object]) -> bool:
-    """Whether ``"auto"`` refuses ``compressor`` with the setting's beta2 (its recipe's ``lowest_beta2``)."""
-    from mergecomp.torch.momentum_recipes import RECIPES
-
-    return setting["beta2"] < RECIPES[compressor].lowest_beta2
 
 
 def recipes_on_their_own_run() -> List[Tuple[float, float]]:

@@ -156,11 +156,12 @@ def diloco_four_hosts() -> str:
     rows = []
     for config, label in FOUR_HOSTS_LABELS.items():
         run = runs[config]
-        rows.append([label, f"{run['steps']:,}", "32" if config == "ddp" else f"{run['bits_per_element']:.2f}",
+        bytes_vs_dense = over_run(run) / over_run(dense)
+        shown_bytes = times(bytes_vs_dense) if bytes_vs_dense >= 1 else f"1/{1 / bytes_vs_dense:.0f}"
+        rows.append([label, f"{run['steps']:,}", "32" if config == "ddp" else _bits(run["bits_per_element"]),
                      f"{steps_to(run, target) or 'not reached'}", f"{run['final_test_loss']:.3f}",
                      "–" if config in ("ddp", _DENSE) else signed(100 * (run["final_test_loss"] / dense["final_test_loss"] - 1)),
-                     "–" if config == _DENSE else f"1/{over_run(dense) / over_run(run):.0f}" if over_run(run) < over_run(dense)
-                     else times(over_run(run) / over_run(dense))])
+                     "–" if config == _DENSE else shown_bytes])
     header = ["configuration (4 hosts)", "schedule (steps)", "bits per element per step", "steps to target",
               "final loss", "vs dense DiLoCo's", "bytes over the run vs dense DiLoCo's"]
     return table(header, ["---", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
