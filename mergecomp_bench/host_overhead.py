@@ -44,8 +44,8 @@ class Config:
     a loop over the tensors on the CPU), or either with ``"-foreach"`` or ``"-fused"``;
     ``wrapper``: None (plain torch), ``"ddp"`` (DDP on one rank, default options),
     ``"mergecomp"`` (``DistributedOptimizer`` with ``compression`` and ``groups``) or
-    ``"hook"`` (DDP on one rank with mergecomp's communication hook and ``compression``; its
-    buckets are the groups); ``momentum``: AdamW's momentum exchanged from update
+    ``"hook"`` (DDP on one rank with ``gradient_as_bucket_view=True``, as the integrations build
+    it, and mergecomp's communication hook and ``compression``; its buckets are the groups); ``momentum``: AdamW's momentum exchanged from update
     :data:`MOMENTUM_AFTER`."""
 
     label: str
@@ -147,7 +147,10 @@ class _Run:
 
             device = next(module.parameters()).device
             _ddp_group(device)
-            self.forward = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+            # the hook's DDP as mergecomp's integrations build it: gradients written into the buckets
+            views = {"gradient_as_bucket_view": True} if config.wrapper == "hook" else {}
+            self.forward = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                                   **views)
             if config.wrapper == "hook":
                 import mergecomp.torch as mc
 

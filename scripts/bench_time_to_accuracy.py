@@ -111,7 +111,8 @@ def wrap_ddp(model, config, steps, after, warm):
 
 
 def wrap_hook(model, config, steps, after, warm):
-    """``model`` in DDP (gloo, ``bucket_cap_mb=25``) with mergecomp's communication hook for
+    """``model`` in DDP (gloo, ``bucket_cap_mb=25``, ``gradient_as_bucket_view=True`` as the
+    integrations build it) with mergecomp's communication hook for
     ``config`` (:func:`bench_adam.exchange_options`, as ``DistributedOptimizer`` gets it), and
     AdamW, whose momentum the hook exchanges: (module to call, optimizer, scheduler, the hook's
     state)."""
@@ -124,7 +125,7 @@ def wrap_hook(model, config, steps, after, warm):
 
     compression, options, _, _ = exchange_options(config, steps, after, warm)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
     adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=DECAY)
     state, hook = mc.ddp_comm_hook(compression, named_parameters=model.named_parameters(), optimizer=adamw, **options)
     ddp.register_comm_hook(state, hook)

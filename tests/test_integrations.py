@@ -71,6 +71,7 @@ def _lightning_kit():
 
         def training_step(self, batch, index):
             self.wrapped = self.trainer.strategy.model is not self  # in DDP?
+            self.bucket_views = getattr(self.trainer.strategy.model, "gradient_as_bucket_view", None)
             return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self):
@@ -123,10 +124,13 @@ def _lightning(rank, folder, port, saved_by_three):
 
     out = {"ddp": fit(pl.strategies.DDPStrategy())}
     # DDP with mergecomp's hook, on CPU
-    out["hook_none"] = fit(MergecompDDPStrategy("none"))
+    module = Tiny()
+    out["hook_none"] = fit(MergecompDDPStrategy("none", gradient_as_bucket_view=False), module=module)
+    out["hook_none_bucket_views"] = module.bucket_views  # DDP's own argument stands
     strategy, module = MergecompDDPStrategy("topk"), Tiny()
     out["hook_topk"] = fit(strategy, module=module)
     out["hook_steps"], out["hook_wrapped"] = strategy.hook_state.step, module.wrapped
+    out["hook_bucket_views"] = module.bucket_views
     path = os.path.join(folder, "hook.ckpt")
     fit(MergecompDDPStrategy("topk"), epochs=1, save=path)
     out["hook_record"] = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
@@ -192,11 +196,12 @@ def _lightning(rank, folder, port, saved_by_three):
     def diloco():
         return MergecompDiLoCoStrategy(4, "topk", fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5)
 
-    strategy = diloco()
+    strategy, module = diloco(), Tiny()
     every_step = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(folder, "diloco"), every_n_train_steps=4,
                                               save_top_k=-1)
-    out["diloco"] = fit(strategy, callbacks=[every_step])
+    out["diloco"] = fit(strategy, module=module, callbacks=[every_step])
     out["diloco_steps"] = strategy.diloco.inner_steps
+    out["diloco_bucket_views"] = module.bucket_views
     path = os.path.join(folder, "diloco", "epoch=0-step=4.ckpt")
     out["diloco_record"] = torch.load(path, weights_only=False)[CHECKPOINT_KEY]
     out["diloco_resumed"] = fit(diloco(), ckpt=path)
@@ -250,6 +255,8 @@ def test_lightning_hook_strategy_trains_on_cpu_like_ddp(lightning):
     for out in lightning:
         assert (out["hook_none"] - out["ddp"]).abs().max().item() < 1e-6
         assert out["hook_steps"] == 8 and out["hook_wrapped"]  # the hook ran every step (DDPStrategy's: CUDA only)
+        # gradients written into DDP's buckets unless the user says otherwise
+        assert out["hook_bucket_views"] and not out["hook_none_bucket_views"]
         assert not torch.equal(out["hook_topk"], out["ddp"])
     assert torch.equal(lightning[0]["hook_topk"], lightning[1]["hook_topk"])
 
@@ -309,6 +316,7 @@ def test_lightning_diloco_strategy_averages_like_ddp_and_resumes_exactly(lightni
     for out in lightning:
         assert (out["diloco_every_step"] - out["ddp"]).abs().max().item() < 1e-5
         assert out["diloco_steps"] == 8 and torch.equal(out["diloco_resumed"], out["diloco"])
+        assert out["diloco_bucket_views"]
     assert torch.equal(lightning[0]["diloco"], lightning[1]["diloco"])
     ranks = lightning[0]["diloco_record"]["ranks"]
     assert ranks[0]["diloco"]["in_flight"] is not None
@@ -351,6 +359,7 @@ def test_lightning_refuses_what_it_cannot_honour(lightning):
 # -- Accelerate ----------------------------------------------------------------------------------
 def _accelerate(rank, folder):
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     import mergecomp.torch as mc
     from mergecomp.torch.integrations.accelerate import register, register_diloco
@@ -359,8 +368,9 @@ def _accelerate(rank, folder):
     x, y = x[32 * rank:][:32], y[32 * rank:][:32]
 
     def run(compression=None, steps=range(6), save=None, load=None, adamw=False, after=2, diloco=None):
-        with kept_environment():
-            accelerator = Accelerator(cpu=True)
+        with kept_environment():  # DDP's default for plain DDP, bucket views as the docs say for mergecomp
+            views = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)] if compression else None
+            accelerator = Accelerator(cpu=True, kwargs_handlers=views)
             net = make_net()
             made = (torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1) if adamw
                     else torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
@@ -514,6 +524,7 @@ def _transformers(rank, folder, saved_by_three):
     out = {"ddp": train("ddp")[0], "none": train("none", "none")[0]}
     out["topk"], callback = train("topk", "topk")
     out["topk_steps"] = callback.hook_state.step
+    out["topk_bucket_views"] = callback.trainer.model_wrapped.gradient_as_bucket_view
     out["record"] = torch.load(os.path.join(folder, "topk", "checkpoint-2", STATE_FILE), weights_only=True)
     copied("resumed")
     out["resumed"], callback = train("resumed", "topk", resume=True)
@@ -556,6 +567,7 @@ def _transformers(rank, folder, saved_by_three):
 
     out["diloco"], callback = trainer_diloco(os.path.join(folder, "diloco"))
     out["diloco_steps"] = callback.diloco.inner_steps
+    out["diloco_bucket_views"] = callback.trainer.model_wrapped.gradient_as_bucket_view
     out["diloco_record"] = torch.load(os.path.join(folder, "diloco", "checkpoint-2", DILOCO_STATE_FILE),
                                       weights_only=True)
     out["diloco_resumed"], _ = trainer_diloco(os.path.join(folder, "diloco_resumed"),
@@ -606,6 +618,7 @@ def test_transformers_trainer_callback_trains_like_ddp_and_resumes_exactly(trans
     for out in transformers:
         assert (out["none"] - out["ddp"]).abs().max().item() < 1e-6
         assert out["topk_steps"] == 4 and not torch.equal(out["topk"], out["ddp"])
+        assert out["topk_bucket_views"]  # register() has the Trainer's DDP write gradients into its buckets
         assert out["resumed_steps"] == 4 and torch.equal(out["resumed"], out["topk"])
         assert not torch.equal(out["forgetful"], out["topk"])
     assert torch.equal(transformers[0]["topk"], transformers[1]["topk"])
@@ -640,6 +653,7 @@ def test_transformers_trainer_trains_with_diloco_and_resumes_exactly(transformer
     for out in transformers:
         assert (out["diloco_every_step"] - out["ddp_unclipped"]).abs().max().item() < 1e-6
         assert out["diloco_steps"] == 6 and torch.equal(out["diloco_resumed"], out["diloco"])
+        assert out["diloco_bucket_views"]
     assert torch.equal(transformers[0]["diloco"], transformers[1]["diloco"])
     ranks = transformers[0]["diloco_record"]["ranks"]
     assert ranks[0]["diloco"]["in_flight"]["fragment"] == 0

@@ -13,7 +13,13 @@ from mergecomp.torch.ddp_hook import DDPHookState, ddp_comm_hook
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.named_parameters import inner_optimizer
 
-__all__ = ["attach", "attach_diloco"]
+__all__ = ["attach", "attach_diloco", "BUCKET_VIEWS"]
+
+#: the DDP argument the integrations that build DDP pass unless the user gives it: each ``p.grad``
+#: a view of its DDP bucket, so backward writes the gradients where the hook reads them and the
+#: hook's result is where the optimizer reads it (no copy into the bucket and back, two passes
+#: over the gradients per step; DDP's default copies)
+BUCKET_VIEWS = {"gradient_as_bucket_view": True}
 
 
 def _check_ddp(ddp: Any, who: str) -> None:

@@ -1,5 +1,6 @@
 """mergecomp's DDP communication hook on a model prepared by Hugging Face Accelerate::
 
+    accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     model, opt, loader = accelerator.prepare(model, opt, loader)
     register(accelerator, model, "topk")          # before the first backward pass
     # with AdamW, its momentum exchanged by the compressor's recipe over a 2,000-update run:
@@ -13,7 +14,10 @@ parameters' change, compressed)::
     diloco.sync()                                 # at the end: every rank on the global parameters
 
 ``DistributedDataParallelKwargs(comm_hook=...)`` takes only Accelerate's own hook names (any
-other callable is dropped without a word), hence this function.
+other callable is dropped without a word), hence this function.  ``gradient_as_bucket_view=True``
+(not Accelerate's default, and set before ``prepare`` builds the DDP) lets backward write each
+gradient where the hook reads it: DDP's default copies every gradient into its bucket and the
+result back, two passes over the gradients per step.
 """
 from __future__ import annotations
 

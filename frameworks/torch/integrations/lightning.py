@@ -42,7 +42,7 @@ from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
 from mergecomp.torch.momentum_recipes import AUTO, RUN_OPTIONS, TOTAL_OPTION
 
-from ._hook import attach, attach_diloco
+from ._hook import BUCKET_VIEWS, attach, attach_diloco
 from ._ranks import DiLoCoRank, collect, own
 
 __all__ = ["MergecompDDPStrategy", "MergecompStrategy", "MergecompDiLoCoStrategy", "CHECKPOINT_KEY"]
@@ -104,7 +104,8 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
             one Adam or AdamW ``configure_optimizers`` returns; with ``"auto"`` the run's length
             is fit's ``estimated_stepping_batches`` unless ``total_steps`` or
             ``lr_warmup_steps`` is given) go to the hook; the rest to
-            Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).
+            Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...; DDP's
+            ``gradient_as_bucket_view`` is True unless given).
             Bad settings raise here, naming the option.  ``ddp_comm_hook``, ``ddp_comm_state``,
             ``ddp_comm_wrapper`` and ``model_averaging_period`` raise ValueError.
 
@@ -124,7 +125,7 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         self._auto = options.get(MOMENTUM_OPTION) == AUTO and not any(options.get(name) for name in RUN_OPTIONS)
         check_settings(compression, memory, True,  # "auto": any run stands in for the one fit will train
                        **({TOTAL_OPTION: 1, **options} if self._auto else options))
-        super().__init__(**kwargs)
+        super().__init__(**{**BUCKET_VIEWS, **kwargs})
         self._hook_settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
         self._resumed: Optional[Dict[str, Any]] = None
@@ -177,7 +178,8 @@ class MergecompDiLoCoStrategy(_RanksInCheckpoint, DDPStrategy):
         sync_every, compression, memory: as :class:`~mergecomp.torch.DiLoCo`'s.
         kwargs: DiLoCo's options (``outer_optimizer``, ``fragments``, ``fragment_sync_delay``,
             ``fragment_update_alpha``, ``nonfinite``, ``uncompressed`` ...); the rest go to
-            Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...).
+            Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...; DDP's
+            ``gradient_as_bucket_view`` is True unless given).
             ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper`` and
             ``model_averaging_period`` raise ValueError.
 
@@ -195,7 +197,7 @@ class MergecompDiLoCoStrategy(_RanksInCheckpoint, DDPStrategy):
         who = type(self).__name__
         _refuse(who, kwargs, _HOOK_ARGUMENTS, "the strategy registers a hook that sends nothing in the inner steps")
         options = {name: kwargs.pop(name) for name in self._DILOCO_OPTIONS if name in kwargs}
-        super().__init__(**kwargs)
+        super().__init__(**{**BUCKET_VIEWS, **kwargs})
         self._diloco_settings = (sync_every, compression, memory, options)
         self.diloco = None
         self._resumed: Optional[Dict[str, Any]] = None

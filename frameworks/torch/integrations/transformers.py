@@ -11,7 +11,8 @@ callback hands the Trainer's optimizer (and, under fp16, its ``GradScaler``) to 
 warm-up (:func:`run_length`).
 
 The callback registers the hook on ``trainer.model_wrapped`` when training begins (the Trainer
-wraps the model in DDP just before), writes every rank's hook state into each checkpoint folder
+wraps the model in DDP just before, with ``gradient_as_bucket_view=True``, which ``register``
+sets: each gradient is written where the hook reads it, no copy in and out), writes every rank's hook state into each checkpoint folder
 (``mergecomp_ddp_hook.pt``, from rank 0) and, when the Trainer resumes, gives each rank its own
 back.  The folder it resumes from is the one given to ``trainer.train(resume_from_checkpoint=...)``
 (``register`` records it), else ``TrainingArguments.resume_from_checkpoint`` when that is set,
@@ -48,7 +49,7 @@ from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION
 
-from ._hook import attach, attach_diloco
+from ._hook import BUCKET_VIEWS, attach, attach_diloco
 from ._ranks import AllRanks, DiLoCoRank
 
 __all__ = ["MergecompCallback", "DiLoCoCallback", "register", "register_diloco", "run_length", "STATE_FILE",
@@ -195,7 +196,16 @@ class DiLoCoCallback(_EveryRankCallback):
 
 def _install(trainer: Any, callback: _EveryRankCallback) -> None:
     """Add ``callback`` to ``trainer`` and make ``trainer.train`` record the checkpoint folder it
-    is given, where the callback finds its state."""
+    is given, where the callback finds its state.  The DDP the Trainer wraps the model in then gets
+    :data:`~._hook.BUCKET_VIEWS` (``TrainingArguments`` has no field for it): through its
+    Accelerator's DDP arguments."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    accelerator = trainer.accelerator
+    if accelerator.ddp_handler is None:
+        accelerator.ddp_handler = DistributedDataParallelKwargs()
+    for name, value in BUCKET_VIEWS.items():
+        setattr(accelerator.ddp_handler, name, value)
     trainer.add_callback(callback)
     train = trainer.train
 
