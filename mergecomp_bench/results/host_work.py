@@ -28,7 +28,7 @@ _OWN_WORK_ROWS: Tuple[Row, ...] = (
     ("torch AdamW foreach / fused", ("torch adamw foreach", "torch adamw fused"), False),
     ("DDP on one rank, AdamW", ("ddp adamw",), False),
     ("**mergecomp 1-bit SGD, AdamW's momentum exchanged**", ("onebit momentum",), True),
-    ("**the same through the DDP hook**", ("hook onebit momentum",), True),
+    ("**the same through the DDP hook** (`gradient_as_bucket_view=True`)", ("hook onebit momentum",), True),
 )
 #: the rows the README quotes: plain torch, DDP, mergecomp `none` and top-k with SGD, 1-bit SGD with AdamW
 HEADLINE_ROWS = tuple(row for row in _OWN_WORK_ROWS if set(row[1]) <= {
