@@ -7,9 +7,10 @@ worker per host, one thread each, the hosts joined by ``--rate`` links (``mergec
 root).  The clock counts training steps only (batch sampling and the evaluations every 50 steps
 are left out).  The target is DDP fp32's final validation loss (mean of its last four
 evaluations) plus 1 %; a configuration's time to accuracy is the training time of its first
-evaluation at or below it.  Before training, each run times the same step without any exchange
-(forward, backward, AdamW on one worker): the share of a step above that is time spent on the
-exchange, mostly waiting on the network.
+evaluation at or below it.  Each run also times the same step without any exchange (forward,
+backward, AdamW on a copy of the model on one worker), 10 times before training and twice at
+every evaluation, so that it shares the run's load (the record's ``compute_s``, the median): the
+share of a step above that is time spent on the exchange, mostly waiting on the network.
 
 Configurations: ``ddp`` (DDP, fp32 allreduce, ``bucket_cap_mb=25``), ``ddp-fp16`` (PyTorch's
 ``fp16_compress_hook``), ``ddp-powersgd[:RANK]`` (PyTorch's ``powerSGD_hook``, serialized per
@@ -83,20 +84,32 @@ parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one con
 parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
 
 
-def step_without_exchange(model, train, batch, repeats=10):
-    """Median seconds of forward, backward and AdamW on a copy of ``model``, nothing exchanged."""
-    model = copy.deepcopy(model)
-    adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    generator = torch.Generator().manual_seed(12345)
-    times = []
-    for _ in range(repeats + 2):
-        windows = random_windows(train, generator, batch)
-        began = time.perf_counter()
-        adamw.zero_grad()
-        model(input_ids=windows, labels=windows).loss.backward()
-        adamw.step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times[2:])
+class StepAlone:
+    """One worker's step, nothing exchanged: forward, backward and AdamW on a copy of the model,
+    timed at the start (:meth:`time`) and again at every evaluation, so that its median shares the
+    load of the whole run (and of a DiLoCo exchange in flight) with the run's own steps."""
+
+    def __init__(self, model, train, batch):
+        self.model = copy.deepcopy(model)
+        self.adamw = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=DECAY)
+        self.generator = torch.Generator().manual_seed(12345)
+        self.train, self.batch = train, batch
+        self.times = []
+        self.time(2, keep=False)  # first steps: allocations
+
+    def time(self, repeats, keep=True):
+        """Take ``repeats`` steps, their seconds kept unless ``keep`` is False."""
+        for _ in range(repeats):
+            windows = random_windows(self.train, self.generator, self.batch)
+            began = time.perf_counter()
+            self.adamw.zero_grad()
+            self.model(input_ids=windows, labels=windows).loss.backward()
+            self.adamw.step()
+            if keep:
+                self.times.append(time.perf_counter() - began)
+
+    def median(self):
+        return statistics.median(self.times)
 
 
 def wrap_ddp(model, config, steps, after, warm):
@@ -167,7 +180,8 @@ def worker(args):
     train, held_out = rank_data(rank, world, EVAL_WINDOWS)
     torch.manual_seed(args.seed)
     model = make_model()
-    compute_s = step_without_exchange(model, train, args.batch)
+    alone = StepAlone(model, train, args.batch)
+    alone.time(10)
     bits = hook = diloco = None
     if config.startswith(("ddp", "hook:")):
         import torch.distributed as dist
@@ -213,6 +227,7 @@ def worker(args):
             with torch.no_grad():
                 loss = model(input_ids=held_out, labels=held_out).loss.item()
             curve.append({"step": step, "seconds": trained, "test_loss": loss})
+            alone.time(2)
     if hook is not None:  # bound by the first step
         momentum = hook.momentum
         bits = bits_over_run(hook.merged, [p.shape for p in model.parameters()], trained_steps,
@@ -223,7 +238,7 @@ def worker(args):
                   "groups": None if config.startswith("ddp") else args.groups,
                   "after": after, "lr_warmup": warm, "stop": args.stop, "bits_per_element": bits,
                   "step_s": statistics.median(times),
-                  "compute_s": compute_s, "train_s": trained,
+                  "compute_s": alone.median(), "compute_samples": len(alone.times), "train_s": trained,
                   "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,
                   **({} if diloco is None else {"sync_delay": diloco.sync_delay}),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
