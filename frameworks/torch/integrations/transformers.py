@@ -11,12 +11,13 @@ callback hands the Trainer's optimizer (and, under fp16, its ``GradScaler``) to 
 warm-up (:func:`run_length`).
 
 The callback registers the hook on ``trainer.model_wrapped`` when training begins (the Trainer
-wraps the model in DDP just before, with ``gradient_as_bucket_view=True``, which ``register``
-sets: each gradient is written where the hook reads it, no copy in and out), writes every rank's hook state into each checkpoint folder
-(``mergecomp_ddp_hook.pt``, from rank 0) and, when the Trainer resumes, gives each rank its own
-back.  The folder it resumes from is the one given to ``trainer.train(resume_from_checkpoint=...)``
-(``register`` records it), else ``TrainingArguments.resume_from_checkpoint`` when that is set,
-else ``<output_dir>/checkpoint-<global step>``, where the Trainer writes and
+wraps the model in DDP just before, with ``gradient_as_bucket_view=True``, which ``register`` sets:
+each gradient is written where the hook reads it, no copy in and out), writes every rank's hook
+state into each checkpoint folder (``mergecomp_ddp_hook.pt``, from rank 0) and, when the Trainer
+resumes, gives each rank its own back.  The folder it resumes from is the one given to
+``trainer.train(resume_from_checkpoint=...)`` (``register`` records it), else
+``TrainingArguments.resume_from_checkpoint`` when that is set, else
+``<output_dir>/checkpoint-<global step>``, where the Trainer writes and
 ``train(resume_from_checkpoint=True)`` finds its checkpoints; a resumed run whose folder holds no
 such file (a checkpoint saved without mergecomp) logs a warning and starts the error feedback
 afresh.
