@@ -44,9 +44,9 @@ class Config:
     a loop over the tensors on the CPU), or either with ``"-foreach"`` or ``"-fused"``;
     ``wrapper``: None (plain torch), ``"ddp"`` (DDP on one rank, default options),
     ``"mergecomp"`` (``DistributedOptimizer`` with ``compression`` and ``groups``) or
-    ``"hook"`` (DDP on one rank with ``gradient_as_bucket_view=True``, as the integrations build
-    it, and mergecomp's communication hook and ``compression``; its buckets are the groups); ``momentum``: AdamW's momentum exchanged from update
-    :data:`MOMENTUM_AFTER`."""
+    ``"hook"`` (DDP on one rank built as the integrations build it, ``gradient_as_bucket_view=True``,
+    with mergecomp's communication hook and ``compression``; its buckets are the groups);
+    ``momentum``: AdamW's momentum exchanged from update :data:`MOMENTUM_AFTER`."""
 
     label: str
     optimizer: str = "sgd"
@@ -147,8 +147,9 @@ class _Run:
 
             device = next(module.parameters()).device
             _ddp_group(device)
-            # the hook's DDP as mergecomp's integrations build it: gradients written into the buckets
-            views = {"gradient_as_bucket_view": True} if config.wrapper == "hook" else {}
+            from mergecomp.torch.integrations._hook import BUCKET_VIEWS
+
+            views = BUCKET_VIEWS if config.wrapper == "hook" else {}  # the hook's DDP as the integrations build it
             self.forward = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
                                                    **views)
             if config.wrapper == "hook":

@@ -135,10 +135,11 @@ def wrap_hook(model, config, steps, after, warm):
     from torch.nn.parallel import DistributedDataParallel
 
     import mergecomp.torch as mc
+    from mergecomp.torch.integrations._hook import BUCKET_VIEWS
 
     compression, options, _, _ = exchange_options(config, steps, after, warm)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    ddp = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25, **BUCKET_VIEWS)
     adamw = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=DECAY)
     state, hook = mc.ddp_comm_hook(compression, named_parameters=model.named_parameters(), optimizer=adamw, **options)
     ddp.register_comm_hook(state, hook)
