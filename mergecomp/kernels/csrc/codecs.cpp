@@ -14,6 +14,7 @@
 // -fno-trapping-math -ffp-contract=off (no OpenMP runtime: threads are std::thread; every
 // product and sum rounded on its own, as torch's elementwise steps round them).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -881,20 +882,27 @@ int64_t compensated_above_impl(const float* x, const float* r, const float* u, f
 }
 
 // The rank-th smallest (0: the smallest) of `bits` (magnitudes' bit patterns, which order as the
-// magnitudes do; NaN's above Inf's), by a radix select: a histogram of the high 16 bits finds
-// the bucket holding that rank, one of the low 16 bits within the bucket the value.
-static uint32_t kth_bits(const std::vector<uint32_t>& bits, int64_t rank) {
-  std::vector<int64_t> histogram(1 << 16);
+// magnitudes do; NaN's above Inf's), by a radix select on digits of 11, 11 and 10 bits, the most
+// significant first: a histogram of the digit finds the bucket holding that rank, and only that
+// bucket's elements are kept (moved to the front of `bits`, which is scratch) for the next digit.
+// The histogram fits in L1, so a call over a few elements costs little more than their count.
+static uint32_t kth_bits(std::vector<uint32_t>& bits, int64_t rank) {
+  std::array<int64_t, 1 << 11> histogram;
+  int64_t live = static_cast<int64_t>(bits.size());
   uint32_t found = 0;
-  for (const int shift : {16, 0}) {
-    std::fill(histogram.begin(), histogram.end(), 0);
-    for (const uint32_t b : bits) {
-      if (shift == 0 && (b >> 16) != (found >> 16)) continue;
-      ++histogram[(b >> shift) & 0xffffu];
-    }
+  for (const int shift : {21, 10, 0}) {
+    const uint32_t mask = shift == 0 ? 0x3ffu : 0x7ffu;
+    histogram.fill(0);
+    for (int64_t j = 0; j < live; ++j) ++histogram[(bits[j] >> shift) & mask];
     uint32_t bucket = 0;
     while (rank >= histogram[bucket]) rank -= histogram[bucket++];
     found |= bucket << shift;
+    if (shift == 0) break;
+    int64_t kept = 0;
+    for (int64_t j = 0; j < live; ++j) {
+      if (((bits[j] >> shift) & mask) == bucket) bits[kept++] = bits[j];
+    }
+    live = kept;
   }
   return found;
 }
