@@ -161,16 +161,21 @@ def bits_over_run(merged, shapes, steps, refresh):
     warm-up's and the variance refreshes' at their codec's bits (32, 16 as fp16, 8.06 or 4.06 as
     QSGD), the compressor's on the other steps."""
     import mergecomp
-    from mergecomp.exchange.plan import COMPRESSED
     from mergecomp.torch.momentum_exchange import refreshes
 
     exact = min(merged.warmup_steps, steps)
     exact += refreshes(steps - exact, refresh)
     numel = sum(s.numel() for s in shapes)
     compressed = mergecomp.bits_per_element(merged.exchange.compressor, numel, shapes=shapes)
-    warmup = merged.route(COMPRESSED, compressing=False).compressor
-    warmup_bits = mergecomp.bits_per_element(warmup, numel, shapes=shapes)
+    warmup_bits = mergecomp.bits_per_element(warmup_compressor(merged), numel, shapes=shapes)
     return (exact * warmup_bits + (steps - exact) * compressed) / steps
+
+
+def warmup_compressor(merged):
+    """The compressor of the warm-up and of the variance refreshes of a merged step."""
+    from mergecomp.exchange.plan import COMPRESSED
+
+    return merged.route(COMPRESSED, compressing=False).compressor
 
 
 def rank_data(rank, world, held_out_windows=64, corpus="stdlib"):
@@ -230,6 +235,7 @@ def run_one(rank, world, config, seed, args, data):
     after = opt.momentum_exchange.after if opt.momentum_exchange is not None else None
     return {"config": config, "seed": seed, "steps": args.steps, "after": after,
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
+            "warmup_codec": repr(warmup_compressor(opt.merged)),
             "refresh": refresh, "bits_per_element": bits_over_run(
                 opt.merged, [p.shape for group in opt.param_groups for p in group["params"]], args.steps, refresh),
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "trace": trace,
