@@ -28,7 +28,8 @@ sent with that compressor every H steps (``none@diloco/H``: dense DiLoCo), group
 ``@averaging/H``: the same with plain SGD at lr 1 as the outer optimizer (the parameters averaged
 every H steps, Local SGD).  ``~P~D`` after either: Streaming DiLoCo, P fragments, each exchange in
 flight for D inner steps (``fragments``, ``fragment_sync_delay``; ``~P~auto``: chosen by timing the
-first round, in the record as ``sync_delay``).
+first round, in the record as ``sync_delay``); ``~P~D~auto``: ``fragment_codecs="auto"`` too (the
+codecs chosen in the record as ``fragment_codecs``).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -148,19 +149,20 @@ def wrap_hook(model, config, steps, after, warm):
 
 def wrap_diloco(model, config, steps, warm, groups):
     """AdamW with the LR schedule, and ``mc.DiLoCo`` around it as ``config``
-    (``COMPRESSOR[:args]@diloco/H[+MEMORY][~P[~D]]``, D an int or ``auto``) says: (optimizer, scheduler, the DiLoCo,
+    (``COMPRESSOR[:args]@diloco/H[+MEMORY][~P[~D[~auto]]]``, D an int or ``auto``) says: (optimizer, scheduler, the DiLoCo,
     bits per element per step)."""
     import mergecomp
     import mergecomp.torch as mc
 
     config, *streaming = config.split("~")
-    fragments, delay = [x if x == "auto" else int(x) for x in streaming] + [1, 0][len(streaming):]  # defaults: 1, 0
+    fragments, delay, codecs = [x if x == "auto" else int(x) for x in streaming] + [1, 0, None][len(streaming):]
     spec, mode, memory, sync_every, _ = parse_config(config)
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
     outer = mc.averaging if mode == "averaging" else None
+    searched = {} if codecs and groups == "auto" else {"groups": groups}  # fragment_codecs: 1 group a fragment
     diloco = mc.DiLoCo(model.named_parameters(), adamw, sync_every=sync_every, compression=compressor_of(spec),
-                       memory=memory_of(memory) if memory else None, groups=groups, outer_optimizer=outer,
-                       fragments=fragments, fragment_sync_delay=delay)
+                       memory=memory_of(memory) if memory else None, outer_optimizer=outer, **searched,
+                       fragments=fragments, fragment_sync_delay=delay, fragment_codecs=codecs)
     shapes = [p.shape for p in model.parameters()]
     bits = mergecomp.bits_per_element(diloco.compressor, sum(s.numel() for s in shapes), shapes=shapes) / sync_every
     return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(steps, warm)), diloco, bits
@@ -234,6 +236,9 @@ def worker(args):
         bits = bits_over_run(hook.merged, [p.shape for p in model.parameters()], trained_steps,
                              None if momentum is None else momentum.exchange.refresh_every)
     finish()
+    if diloco is not None and diloco.fragment_codecs is not None:  # the codecs chosen, from the second round on
+        sizes = [sum(diloco.params[i].numel() for i in f.indices) for f in diloco.fragments]
+        bits = sum(n * c["bits"] for n, c in zip(sizes, diloco.codec_choices)) / sum(sizes) / diloco.sync_every
     if rank == 0:
         record = {"config": args.worker, "steps": steps, "seed": args.seed, "batch": args.batch, "world": world,
                   "groups": None if config.startswith("ddp") else args.groups,
@@ -241,7 +246,7 @@ def worker(args):
                   "step_s": statistics.median(times),
                   "compute_s": alone.median(), "compute_samples": len(alone.times), "train_s": trained,
                   "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,
-                  **({} if diloco is None else {"sync_delay": diloco.sync_delay}),
+                  **({} if diloco is None else {"sync_delay": diloco.sync_delay, "fragment_codecs": diloco.fragment_codecs}),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         with open(args.out, "w") as f:
             json.dump(record, f)

@@ -149,6 +149,93 @@ def test_the_auto_delay_covers_the_exchange_with_the_fewest_steps():
     assert covering_delay(0.1, 0.0, 3) == 3
 
 
+def test_the_codec_for_the_link_is_the_least_lossy_that_fits_the_window():
+    from mergecomp.scheduler.fragment_codecs import FIT_SHARE, LADDER, Candidate, choose
+
+    bits = {"none": 32.0, "fp16": 16.0, LADDER[2]: 8.06, LADDER[3]: 4.06}
+    ladder = [Candidate(c, bits[c], c in ("none", "fp16")) for c in LADDER]
+    onebit = Candidate("compressed", 1.0, False)
+    # 1-bit's exchange of 1 M elements took 0.01 s on 2 ranks: 8e-8 s a byte on the wire
+    def pick(window_s, floor=onebit, world=2):
+        return choose(0.01, onebit, [*ladder, floor], 1_000_000, world, window_s)
+    assert pick(1.0)["codec"] == "none" and pick(1.0)["predicted_s"] == pytest.approx(0.32)
+    assert pick(0.32 / FIT_SHARE)["codec"] == "none", "exactly at the share of the window"
+    assert pick(0.3)["codec"] == "fp16"
+    assert pick(0.2)["codec"] == LADDER[2] and pick(0.2)["predicted_s"] == pytest.approx(0.0806)
+    assert pick(0.06)["codec"] == LADDER[3]
+    assert pick(0.02)["codec"] == "compressed", "nothing fits: the compressor"
+    fp16 = Candidate("compressed", 16.0, True)
+    assert pick(0.3, floor=fp16)["codec"] == "compressed", "never fewer bits than the compressor"
+    # on 4 ranks an allgather moves 3 payloads and a ring allreduce 1.5 a rank's bytes: the
+    # exact average predicted 16x 1-bit's time
+    assert pick(1.0, world=4)["predictions"]["none"] == pytest.approx(0.01 * 32 * 1.5 / 3)
+
+
+def _codecs_worker(rank, world, H=8, rounds=4, pause=0.02):
+    """``fragment_codecs="auto"`` with 1-bit SGD, two fragments and the delay chosen: after the
+    first round (steps 4 and 8, timed) each fragment's plan takes the codec chosen, the same on
+    every rank; the inner steps wait ``pause`` s to leave room for an exchange."""
+    import time
+
+    import mergecomp.torch as mc
+    from mergecomp.scheduler.fragment_codecs import FIT_SHARE, LADDER
+
+    data = batches(rank, H * rounds)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="onebit", fragments=2,
+                       fragment_sync_delay="auto", fragment_codecs="auto")
+    undecided = []
+    for x, y in data:
+        inner_step(model, opt, x, y)
+        time.sleep(pause)
+        undecided.append(diloco.fragment_codecs is None)
+    diloco.sync()
+    plans = [f.merged.plan.codec_names() for f in diloco.fragments]
+    order = [*LADDER, "compressed"]
+    for choice in diloco.codec_choices:  # the first of the ladder that fits, else the compressor
+        fits = [c for c in order[:-1] if choice["predictions"][c] <= FIT_SHARE * choice["window_s"]]
+        assert choice["codec"] == (fits[0] if fits else "compressed"), choice
+    return (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), diloco.fragment_codecs, plans,
+            diloco.sync_delay, undecided)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_fragment_codecs_are_chosen_after_the_first_round_the_same_on_every_rank(world):
+    results = run_workers(_codecs_worker, world, world, timeout=120)
+    params, codecs, plans, delay, undecided = results[0]
+    assert len(codecs) == 2 and 1 <= delay <= 3
+    assert plans == [(codec,) for codec in codecs]
+    assert undecided == [True] * 7 + [False] * 25
+    for other in results[1:]:
+        assert torch.equal(other[0], params) and other[1:4] == (codecs, plans, delay)
+
+
+def _codecs_bad_input_worker(rank):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = []
+    for kwargs in ({"fragment_codecs": "fast"}, {"fragment_codecs": "auto"},
+                   {"fragment_codecs": "auto", "fragment_sync_delay": 1, "groups": "auto"},
+                   {"fragment_codecs": "auto" if rank else None, "fragment_sync_delay": 1}):
+        try:
+            mc.DiLoCo(model.named_parameters(), opt, sync_every=4, fragments=2, **kwargs).close()
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_auto_fragment_codecs_refuse_what_they_cannot_do_by_name_on_every_rank():
+    for unknown, blocking, searched, disagree in run_workers(_codecs_bad_input_worker, 2, timeout=120):
+        assert "fragment_codecs must be None or 'auto'" in unknown and "'fast'" in unknown
+        assert "fragment_sync_delay >= 1 or 'auto'" in blocking
+        assert "groups='auto'" in searched and "give one" in searched
+        assert disagree is not None and "fragment_codecs" in disagree, disagree
+
+
 def _compressed_worker(rank, H=4, rounds=6):
     """Top-k 10 % with its residual memory on the pseudo-gradients: every rank ends with the same
     parameters, the loss falls, the memory holds this rank's residual."""
@@ -216,8 +303,10 @@ def _resume_worker(rank, path, H, streaming, saved_at):
     import mergecomp.torch as mc
 
     data = batches(rank, 4 * H)
-    delay = streaming if streaming == "auto" else 1
+    delay = 1 if streaming is True else "auto"
     streams = {"fragments": 2, "fragment_sync_delay": delay, "fragment_update_alpha": 0.5} if streaming else {}
+    if streaming == "codecs":  # fragment_codecs="auto" too, chosen at step 4
+        streams["fragment_codecs"] = "auto"
 
     def build():
         model = make_model()
@@ -228,6 +317,7 @@ def _resume_worker(rank, path, H, streaming, saved_at):
     for x, y in data[:saved_at]:
         inner_step(model, opt, x, y)
     in_flight = diloco.in_flight == 0 or streaming == "auto" and diloco.sync_delay is None
+    chosen = diloco.fragment_codecs
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "diloco": diloco.state_dict()})
     torch.save(saved, f"{path}.{rank}")
     for x, y in data[saved_at:]:
@@ -239,12 +329,15 @@ def _resume_worker(rank, path, H, streaming, saved_at):
     model.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["opt"])
     diloco.load_state_dict(loaded["diloco"])
+    assert diloco.fragment_codecs == chosen
+    assert streaming != "codecs" or [f.merged.plan.codec_names() for f in diloco.fragments] == [(c,) for c in chosen]
     for x, y in data[saved_at:]:
         inner_step(model, opt, x, y)
     return all(torch.equal(a, b) for a, b in zip(straight, model.parameters())), diloco.inner_steps, in_flight
 
 
-@pytest.mark.parametrize("H,streaming,saved_at", [(3, False, 7), (4, True, 6), (4, "auto", 6), (4, "auto", 3)])
+@pytest.mark.parametrize("H,streaming,saved_at", [(3, False, 7), (4, True, 6), (4, "auto", 6), (4, "auto", 3),
+                                                  (4, "codecs", 6)])
 def test_resume_continues_exactly(tmp_path, H, streaming, saved_at):
     """``"auto"`` saved after its choice (step 6: in flight), and before it (step 3: the first
     fragment's exchange timed, the second's not yet)."""

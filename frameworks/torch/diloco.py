@@ -26,6 +26,10 @@ step lands then; the fragment's local parameters, which went on training meanwhi
 ``alpha * local + (1 - alpha) * global`` (``fragment_update_alpha``; 0: the global ones).
 ``fragment_sync_delay="auto"`` times the first round (each fragment's exchange waited for at
 once) and then keeps each exchange in flight for the fewest inner steps that cover it.
+``fragment_codecs="auto"`` times the same round and then gives each fragment the least lossy
+codec whose exchange fits the inner steps it is in flight: the exact average on a fast link,
+fp16, 8- or 4-bit QSGD, down to ``compression`` on a slow one
+(:mod:`mergecomp.scheduler.fragment_codecs`), so one configuration serves every link.
 
 Bytes per rank: one pseudo-gradient per ``sync_every`` steps, at the compressor's bits per
 element.  Memory per rank: the global parameters and the outer optimizer's state besides the
@@ -45,11 +49,13 @@ import torch
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.torch_dist import TorchCommunicator
-from mergecomp.exchange.plan import cut_evenly
+from mergecomp.compressors.base.compressor import bits_per_element
+from mergecomp.exchange.plan import COMPRESSED, EXEMPT, GroupPlan, cut_evenly
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.pipeline.resharding import to_fold
+from mergecomp.scheduler.fragment_codecs import LADDER, NAMES, Candidate, choose
 
 from .functions import broadcast_tensors
 
@@ -142,18 +148,20 @@ def covering_delay(exchange_s: float, step_s: float, limit: int) -> int:
 
 
 class _DelayClock:
-    """``fragment_sync_delay="auto"``'s measurements on this rank: each fragment's first exchange
-    (sent and waited for at once: send to result, seconds) and the inner steps between the step
-    hooks (seconds, DiLoCo's own work left out)."""
+    """The first round's measurements on this rank, for ``fragment_sync_delay="auto"`` and
+    ``fragment_codecs="auto"``: each fragment's first exchange (sent and waited for at once:
+    send to result, seconds; ``codecs``: the plan codec it went by) and the inner steps between
+    the step hooks (seconds, DiLoCo's own work left out)."""
 
     def __init__(self, fragments: int, saved: Optional[Dict[str, list]] = None) -> None:
         self.exchange_s: List[Optional[float]] = list(saved["exchange_s"]) if saved else [None] * fragments
+        self.codecs: List[str] = list(saved.get("codecs", [COMPRESSED] * fragments)) if saved else [COMPRESSED] * fragments
         self.step_s: List[float] = list(saved["step_s"]) if saved else []
         self._hook_left: Optional[float] = None
         self._sent_at = 0.0
 
     def state_dict(self) -> Dict[str, list]:
-        return {"exchange_s": list(self.exchange_s), "step_s": list(self.step_s)}
+        return {"exchange_s": list(self.exchange_s), "codecs": list(self.codecs), "step_s": list(self.step_s)}
 
     def step_began(self) -> None:
         if self._hook_left is not None:
@@ -162,7 +170,8 @@ class _DelayClock:
     def step_ended(self) -> None:
         self._hook_left = time.perf_counter()
 
-    def sent(self) -> None:
+    def sent(self, k: int, codec: str) -> None:
+        self.codecs[k] = codec
         self._sent_at = time.perf_counter()
 
     def landed(self, k: int) -> None:
@@ -200,6 +209,16 @@ class DiLoCo:
             least 1 and at most H // P - 1 (:attr:`sync_delay`; logged; one allgather).
         fragment_update_alpha: how much of its local parameters a fragment keeps when its outer
             step lands (0 <= alpha < 1; 0: it takes the global ones, and every rank's are equal).
+        fragment_codecs: None (every fragment sends with ``compression``) or ``"auto"``: the
+            first round is sent with ``compression``, waited for at once and timed; then each
+            fragment takes the least lossy of the exact average, fp16, 8-bit and 4-bit QSGD
+            (unbiased, outside error feedback) whose exchange, predicted from its timed one by
+            the bytes on the wire, fits 3/4 of the inner steps it is in flight
+            (``fragment_sync_delay``, or with ``"auto"`` H // P - 1 of them, at the fastest
+            rank's median step), never one of fewer bits than ``compression``, which is kept
+            where none fits (:attr:`fragment_codecs`, :attr:`codec_choices`; logged; the same
+            allgather as ``"auto"``'s delay).  Needs a delay (``"auto"`` or >= 1) and fixed
+            ``groups`` (default 1 per fragment).
         grad_scaler: the ``torch.amp.GradScaler`` of the inner steps, if any: a step it skips
             for Inf/NaN is skipped on that rank alone (no gradient is exchanged), so the steps
             are counted at its ``update()``, which every rank calls every iteration, and the
@@ -219,8 +238,8 @@ class DiLoCo:
                  compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
                  outer_optimizer: Optional[Callable[[List[torch.Tensor]], torch.optim.Optimizer]] = None,
                  fragments: Union[int, Sequence[torch.nn.Module]] = 1, fragment_sync_delay: Union[int, str] = 0,
-                 fragment_update_alpha: float = 0.0, grad_scaler: Any = None, process_group: Any = None,
-                 **options: Any) -> None:
+                 fragment_update_alpha: float = 0.0, fragment_codecs: Optional[str] = None, grad_scaler: Any = None,
+                 process_group: Any = None, **options: Any) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"DiLoCo: sync_every must be an int >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -244,15 +263,33 @@ class DiLoCo:
                              f"{limit}) or 'auto', got {fragment_sync_delay!r}")
         if not isinstance(fragment_update_alpha, (int, float)) or not 0 <= fragment_update_alpha < 1:
             raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1), got {fragment_update_alpha!r}")
+        if fragment_codecs not in (None, "auto"):
+            raise ValueError(f"DiLoCo: fragment_codecs must be None or 'auto', got {fragment_codecs!r}")
+        self._codecs_auto = fragment_codecs == "auto"
+        if self._codecs_auto:
+            if fragment_sync_delay == 0:
+                raise ValueError("DiLoCo: fragment_codecs='auto' fits each fragment's codec into the inner steps its "
+                                 "exchange is in flight: give fragment_sync_delay >= 1 or 'auto'")
+            if options.get("groups", 1) == "auto":
+                raise ValueError("DiLoCo: groups='auto' searches each fragment's groups and codecs for the fastest "
+                                 "exchange, fragment_codecs='auto' the codec that fits the inner steps: give one "
+                                 "(fragment_codecs='auto' takes 1 group per fragment unless groups= says otherwise)")
+            options.setdefault("groups", 1)
         self.sync_every, self.update_alpha = sync_every, float(fragment_update_alpha)
         self._auto = auto = fragment_sync_delay == "auto"
         #: inner steps a fragment's exchange stays in flight; None while ``"auto"`` times the first round
         self.sync_delay: Optional[int] = None if auto else fragment_sync_delay
         self._delay_limit = limit - 1
-        self._clock = _DelayClock(len(split)) if auto else None
+        self._clock = _DelayClock(len(split)) if auto or self._codecs_auto else None
+        #: each fragment's codec (a plan codec name) once ``fragment_codecs="auto"`` chose; None before
+        self.fragment_codecs: Optional[List[str]] = None
+        #: ``fragment_codecs="auto"``'s decision per fragment: the codec, its predicted exchange
+        #: and every candidate's (seconds), the timed exchange and the window
+        self.codec_choices: List[Dict[str, Any]] = []
         step_options = StepOptions.create("DiLoCo", options)
         agree = (("sync_every", sync_every), ("fragments", [[names[i] for i in f] for f in split]),
-                 ("fragment_sync_delay", fragment_sync_delay), ("fragment_update_alpha", self.update_alpha))
+                 ("fragment_sync_delay", fragment_sync_delay), ("fragment_update_alpha", self.update_alpha),
+                 ("fragment_codecs", fragment_codecs))
         self._comm = comm = communicator() if process_group is None else TorchCommunicator(process_group)
         broadcast_tensors(comm, list(zip(names, (p.data for p in self.params))), root_rank=0)
         #: the parameters every rank last agreed on, which the outer optimizers step
@@ -307,13 +344,14 @@ class DiLoCo:
     def _send(self, k: int) -> None:
         """Start fragment ``k``'s exchange of its pseudo-gradient (global minus local)."""
         fragment = self.fragments[k]
-        if self._clock is not None:
-            self._clock.sent()
+        timing = self._clock is not None  # the first round: waited for at once
+        if timing:
+            self._clock.sent(k, fragment.merged.route(COMPRESSED).name)
         for slot, i in enumerate(fragment.indices):  # once per fragment's sync
             out = fragment.merged.slot(slot)
             torch.sub(self.global_params[i], self.params[i], out=out)
             fragment.merged.add(slot, out)
-        self._in_flight = _InFlight(k, self.inner_steps + (self.sync_delay or 0))
+        self._in_flight = _InFlight(k, self.inner_steps + (0 if timing else self.sync_delay))
 
     def _receive(self) -> None:
         """Wait for the fragment in flight: its averaged pseudo-gradient (empty where skipped)."""
@@ -333,7 +371,7 @@ class DiLoCo:
         if self._clock is not None:
             self._clock.landed(flight.fragment)
             if self._clock.timed:
-                self._choose_delay()
+                self._choose()
         fragment = self.fragments[flight.fragment]
         globals_ = [self.global_params[i] for i in fragment.indices]
         if flight.averaged:
@@ -350,16 +388,47 @@ class DiLoCo:
             torch._foreach_copy_(locals_, globals_)
         return bool(flight.averaged)
 
-    def _choose_delay(self) -> None:
-        """``"auto"``: the delay from every rank's timings (one allgather), the same on every rank."""
+    def _choose(self) -> None:
+        """After the timed first round: ``fragment_codecs="auto"``'s codecs, then
+        ``fragment_sync_delay="auto"``'s delay covering the slowest fragment's exchange with its
+        codec, from every rank's timings (one allgather), the same on every rank."""
         clock, self._clock = self._clock, None
-        mine = torch.tensor([max(clock.exchange_s), sorted(clock.step_s)[len(clock.step_s) // 2]], dtype=torch.float64)
-        every = self._comm.allgather(mine.to(self._comm.device), "DiLoCo's fragment_sync_delay='auto'").cpu()
-        exchange_s, step_s = float(every[:, 0].max()), float(every[:, 1].min())
-        self.sync_delay = covering_delay(exchange_s, step_s, self._delay_limit)
-        logger.info("DiLoCo: fragment_sync_delay='auto' keeps each exchange in flight for %d inner step(s): the "
-                    "slowest exchange took %.3f s, the fastest rank's median inner step %.3f s (at most %d)",
-                    self.sync_delay, exchange_s, step_s, self._delay_limit)
+        median_step = sorted(clock.step_s)[len(clock.step_s) // 2]
+        mine = torch.tensor([*clock.exchange_s, median_step], dtype=torch.float64)
+        every = self._comm.allgather(mine.to(self._comm.device), "DiLoCo's first-round timings").cpu()
+        exchange_s, step_s = every[:, :-1].max(dim=0).values.tolist(), float(every[:, -1].min())
+        if self._codecs_auto:
+            window_s = (self._delay_limit if self._auto else self.sync_delay) * step_s
+            exchange_s = [self._choose_codec(k, seconds, clock.codecs[k], window_s)
+                          for k, seconds in enumerate(exchange_s)]
+            self.fragment_codecs = [choice["codec"] for choice in self.codec_choices]
+            logger.info("DiLoCo: fragment_codecs='auto' sends the fragments with %s (predicted exchanges %s s, "
+                        "window %.3f s: the fastest rank's median inner step %.3f s)",
+                        [NAMES[c] for c in self.fragment_codecs],
+                        ", ".join(f"{t:.3f}" for t in exchange_s), window_s, step_s)
+        if self._auto:
+            self.sync_delay = covering_delay(max(exchange_s), step_s, self._delay_limit)
+            logger.info("DiLoCo: fragment_sync_delay='auto' keeps each exchange in flight for %d inner step(s): the "
+                        "slowest exchange takes %.3f s, the fastest rank's median inner step %.3f s (at most %d)",
+                        self.sync_delay, max(exchange_s), step_s, self._delay_limit)
+
+    def _choose_codec(self, k: int, timed_s: float, timed_codec: str, window_s: float) -> float:
+        """Fragment ``k``'s codec (:func:`~mergecomp.scheduler.fragment_codecs.choose`), set in
+        its plan; returns its predicted exchange in seconds."""
+        merged = self.fragments[k].merged
+        shapes = [self.params[i].shape for i in self.fragments[k].indices]
+        numel = sum(shape.numel() for shape in shapes)
+
+        def candidate(codec: str) -> Candidate:
+            compressor = merged.exchange.route(codec).compressor
+            return Candidate(codec, bits_per_element(compressor, numel, shapes=shapes), compressor.summable)
+        choice = choose(timed_s, candidate(timed_codec), [candidate(c) for c in (*LADDER, COMPRESSED)], numel,
+                        self._comm.size, window_s)
+        self.codec_choices.append({**choice, "timed_s": timed_s, "window_s": window_s})
+        plan = merged.plan
+        merged.set_plan(GroupPlan(plan.groups, tuple(EXEMPT if c == EXEMPT else choice["codec"]
+                                                     for c in plan.codec_names())))
+        return choice["predicted_s"]
 
     def sync(self) -> bool:
         """Land the fragment in flight, then synchronize every fragment now, every rank's
@@ -391,7 +460,8 @@ class DiLoCo:
         if flight is not None:
             self._receive()
         return {"global_params": [g.clone() for g in self.global_params], "inner_steps": self.inner_steps,
-                "fragment_sync_delay": self.sync_delay,
+                "fragment_sync_delay": self.sync_delay, "fragment_codecs": self.fragment_codecs,
+                "codec_choices": list(self.codec_choices),
                 "delay_timings": None if self._clock is None else self._clock.state_dict(),
                 "fragments": [{"parameters": len(f.indices), "outer_optimizer": f.outer_optimizer.state_dict(),
                                "mergecomp": f.merged.state_dict()} for f in self.fragments],
@@ -416,10 +486,16 @@ class DiLoCo:
             fragment.outer_optimizer.load_state_dict(saved_fragment["outer_optimizer"])
             fragment.merged.load_state_dict(saved_fragment["mergecomp"])
         self.inner_steps = int(state["inner_steps"])
-        if self._auto:  # what the saving run chose, else its timings so far (none: timed afresh)
-            self.sync_delay = state.get("fragment_sync_delay")
-            self._clock = None if self.sync_delay is not None else _DelayClock(len(self.fragments),
-                                                                               state.get("delay_timings"))
+        if self._auto or self._codecs_auto:  # what the saving run chose, else its timings so far (none: afresh)
+            delay, codecs = state.get("fragment_sync_delay"), state.get("fragment_codecs")
+            chosen = (not self._auto or delay is not None) and (not self._codecs_auto or codecs is not None)
+            if self._auto:
+                self.sync_delay = delay if chosen else None
+            if self._codecs_auto:
+                self.fragment_codecs = codecs if chosen else None
+                self.codec_choices = list(state.get("codec_choices", [])) if chosen else []
+            # once chosen, the plans with their codecs came with the merged steps' state
+            self._clock = None if chosen else _DelayClock(len(self.fragments), state.get("delay_timings"))
         flight = state["in_flight"]
         self._in_flight = None if flight is None else _InFlight(flight["fragment"], flight["due"], flight["averaged"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from mergecomp.scheduler.fragment_codecs import NAMES
 from mergecomp_bench.results.data import finished
 from mergecomp_bench.results.markdown import signed, table, times
 
@@ -51,6 +52,8 @@ SLOW_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H =
                "onebit@averaging/40~2~auto*2": "DiLoCo, averaging, H = 40, 1-bit SGD, Streaming: 2 fragments, "
                                                "delay `\"auto\"`",
                "onebit@averaging/64~2~auto*2": "the same, H = 64",
+               "onebit@averaging/10~2~auto~auto*2": "DiLoCo, averaging, H = 10, 1-bit SGD, Streaming: 2 fragments, "
+                                                    "delay and codecs `\"auto\"`",
                "onebit@auto": "1-bit SGD, AdamW's momentum exchanged every step (`\"auto\"`)"}
 
 
@@ -105,6 +108,15 @@ def _bits(bits: float) -> str:
     return f"{bits:.2f}" if bits >= 0.1 else f"{bits:.3f}"
 
 
+def _chosen(config: str, run: dict) -> str:
+    """`` (chose 4)``, or `` (chose 4; 8-bit QSGD, fp16)`` with the codecs chosen per fragment,
+    where the configuration leaves them to ``"auto"``; else nothing."""
+    if "~auto" not in config or run.get("sync_delay") is None:
+        return ""
+    codecs = run.get("fragment_codecs")
+    return f" (chose {run['sync_delay']}" + (f"; {', '.join(NAMES[c] for c in codecs)})" if codecs else ")")
+
+
 def diloco_slow_links() -> str:
     """DiLoCo trained twice DDP's steps (its LR schedule stretched) against DDP fp32, by link:
     the steps each needs to reach DDP fp32's final loss + 1 % (from :data:`STRETCHED`: losses do
@@ -124,7 +136,7 @@ def diloco_slow_links() -> str:
                 shown = f"not reached (its {run['steps']:,} steps: {projected(run, run['steps']):,.0f} s projected)"
             else:
                 shown = "not reached"
-            chose = f" (chose {run['sync_delay']})" if run.get("sync_delay") is not None and "~auto" in config else ""
+            chose = _chosen(config, run)
             rows.append([rate.replace("mbit", " Mbit/s"), SLOW_LABELS[config] + chose, f"{run['steps']:,}",
                          "32" if config == "ddp" else _bits((curves[config] if run["stop"] else run)["bits_per_element"]),
                          f"{step:.3f}",
