@@ -177,7 +177,7 @@ class MergecompDiLoCoStrategy(_RanksInCheckpoint, DDPStrategy):
     Args:
         sync_every, compression, memory: as :class:`~mergecomp.torch.DiLoCo`'s.
         kwargs: DiLoCo's options (``outer_optimizer``, ``fragments``, ``fragment_sync_delay``,
-            ``fragment_update_alpha``, ``nonfinite``, ``uncompressed`` ...); the rest go to
+            ``fragment_update_alpha``, ``fragment_codecs``, ``nonfinite``, ``uncompressed`` ...); the rest go to
             Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...; DDP's
             ``gradient_as_bucket_view`` is True unless given).
             ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper`` and
@@ -189,7 +189,7 @@ class MergecompDiLoCoStrategy(_RanksInCheckpoint, DDPStrategy):
     another number of ranks folds the memories (:meth:`._ranks.DiLoCoRank.reshard`).
     """
 
-    _DILOCO_OPTIONS = ("outer_optimizer", "fragments", "fragment_sync_delay", "fragment_update_alpha",
+    _DILOCO_OPTIONS = ("outer_optimizer", "fragments", "fragment_sync_delay", "fragment_update_alpha", "fragment_codecs",
                        *(f.name for f in dataclasses.fields(StepOptions)))
 
     def __init__(self, sync_every: int, compression: Union[str, Compressor] = "none",
