@@ -147,7 +147,7 @@ def covering_delay(exchange_s: float, step_s: float, limit: int) -> int:
     return max(1, min(limit, math.ceil(exchange_s / step_s)))
 
 
-class _DelayClock:
+class _FirstRoundClock:
     """The first round's measurements on this rank, for ``fragment_sync_delay="auto"`` and
     ``fragment_codecs="auto"``: each fragment's first exchange (sent and waited for at once:
     send to result, seconds; ``codecs``: the plan codec it went by) and the inner steps between
@@ -280,7 +280,7 @@ class DiLoCo:
         #: inner steps a fragment's exchange stays in flight; None while ``"auto"`` times the first round
         self.sync_delay: Optional[int] = None if auto else fragment_sync_delay
         self._delay_limit = limit - 1
-        self._clock = _DelayClock(len(split)) if auto or self._codecs_auto else None
+        self._clock = _FirstRoundClock(len(split)) if auto or self._codecs_auto else None
         #: each fragment's codec (a plan codec name) once ``fragment_codecs="auto"`` chose; None before
         self.fragment_codecs: Optional[List[str]] = None
         #: ``fragment_codecs="auto"``'s decision per fragment: the codec, its predicted exchange
@@ -495,7 +495,7 @@ class DiLoCo:
                 self.fragment_codecs = codecs if chosen else None
                 self.codec_choices = list(state.get("codec_choices", [])) if chosen else []
             # once chosen, the plans with their codecs came with the merged steps' state
-            self._clock = None if chosen else _DelayClock(len(self.fragments), state.get("delay_timings"))
+            self._clock = None if chosen else _FirstRoundClock(len(self.fragments), state.get("delay_timings"))
         flight = state["in_flight"]
         self._in_flight = None if flight is None else _InFlight(flight["fragment"], flight["due"], flight["averaged"])
 
