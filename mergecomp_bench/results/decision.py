@@ -8,7 +8,7 @@ from typing import Callable, Tuple
 from mergecomp_bench.results import accuracy, adam, fsdp2, step_time, time_to_target
 from mergecomp_bench.results.data import finished, records
 from mergecomp_bench.results.host_work import NARROW, OWN_WORK
-from mergecomp_bench.results.markdown import compressor_name, signed, span, table, times
+from mergecomp_bench.results.markdown import compressor_name, link, signed, span, table, times
 
 __all__ = ["summary"]
 
@@ -71,7 +71,7 @@ def _gave_diloco() -> str:
     """What :data:`_DILOCO` gave on each slow link."""
     runs = time_to_target.slow_link_runs()
     gave = [f"{times(time_to_target.slow_link_speed_ups(runs[rate])[_DILOCO])} sooner than DDP fp32 at "
-            f"{rate.replace('mbit', ' Mbit/s')} ({runs[rate][_DILOCO][0]['bits_per_element']:.2f} bits per element "
+            f"{link(rate)} ({runs[rate][_DILOCO][0]['bits_per_element']:.2f} bits per element "
             f"per step)" for rate in ("10mbit", "100mbit")]
     return (f"GPT-2 4 x 256, 2 workers, one seed: DDP fp32's loss {' and '.join(gave)} "
             f"([slow links](#diloco-trained-longer-over-slow-links))")

@@ -7,7 +7,8 @@ import math
 import statistics
 from typing import Callable, Iterable, Sequence
 
-__all__ = ["table", "signed", "times", "span", "median_span", "compressor_name", "groups_label"]
+__all__ = ["table", "signed", "times", "span", "median_span", "compressor_name", "groups_label", "link",
+           "megabits"]
 
 
 def table(header: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -23,6 +24,17 @@ def signed(value: float, digits: int = 2, unit: str = "%") -> str:
         return "diverged"
     text = f"{abs(value):.{digits}f}"
     return ("−" if value < 0 and float(text) else "+") + f"{text} {unit}"
+
+
+def megabits(rate: str) -> float:
+    """A bench's ``--rate`` in Mbit/s: ``10mbit`` 10, ``1gbit`` 1000."""
+    number, unit = rate[:-4], rate[-4:]
+    return float(number) * {"mbit": 1, "gbit": 1000}[unit]
+
+
+def link(rate: str) -> str:
+    """A bench's ``--rate`` as the docs write it: ``10mbit`` 10 Mbit/s, ``1gbit`` 1 Gbit/s."""
+    return rate.replace("mbit", " Mbit/s").replace("gbit", " Gbit/s")
 
 
 def times(ratio: float) -> str:

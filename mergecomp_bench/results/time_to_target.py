@@ -7,7 +7,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mergecomp.scheduler.fragment_codecs import NAMES
 from mergecomp_bench.results.data import finished
-from mergecomp_bench.results.markdown import signed, table, times
+from mergecomp_bench.results.markdown import link, megabits, signed, table, times
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
@@ -75,7 +75,7 @@ def slow_link_runs() -> Dict[str, Dict[str, Tuple[dict, float, Optional[int], Op
     (:func:`projected`)."""
     curves, target = _stretched()
     by_rate: Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]] = {}
-    for run in sorted(finished(SLOW_LINKS), key=lambda r: int(r["rate"].rstrip("mbit"))):
+    for run in sorted(finished(SLOW_LINKS), key=lambda r: megabits(r["rate"])):
         step = run["train_s"] / min(run["steps"], run["stop"] or run["steps"])
         steps = steps_to(curves[run["config"]] if run["stop"] else run, target)
         by_rate.setdefault(run["rate"], {})[run["config"]] = (run, step, steps, None if steps is None else (
@@ -137,7 +137,7 @@ def diloco_slow_links() -> str:
             else:
                 shown = "not reached"
             chose = _chosen(config, run)
-            rows.append([rate.replace("mbit", " Mbit/s"), SLOW_LABELS[config] + chose, f"{run['steps']:,}",
+            rows.append([link(rate), SLOW_LABELS[config] + chose, f"{run['steps']:,}",
                          "32" if config == "ddp" else _bits((curves[config] if run["stop"] else run)["bits_per_element"]),
                          f"{step:.3f}",
                          f"{run['compute_s']:.3f}", str(steps or "not reached"), shown,
