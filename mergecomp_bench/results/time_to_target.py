@@ -40,7 +40,7 @@ DILOCO_LABELS = {HEADLINE: "mergecomp 1-bit SGD, momentum exchanged every step",
 
 #: DiLoCo with its schedule stretched to twice DDP's steps, on loopback: the losses, step by step
 STRETCHED = "time_to_accuracy_gpt2_4x256_batch2_loopback_diloco_stretched.jsonl"
-#: the same configurations on 10 and 100 Mbit/s links (DDP fp32 over its first steps only)
+#: the same configurations on 10 and 100 Mbit/s links, and 1 Gbit/s (DDP fp32 over its first steps only)
 SLOW_LINKS = "time_to_accuracy_gpt2_4x256_batch2_slow_links_diloco.jsonl"
 SLOW_LABELS = {"ddp": "DDP fp32", "none@averaging/10*2": "DiLoCo, averaging, H = 10, dense",
                "topk:ratio=0.1@averaging/10*2": "DiLoCo, averaging, H = 10, top-k 10 %",
