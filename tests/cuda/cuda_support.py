@@ -26,7 +26,7 @@ SIGN_SCALES = frozenset({"efsignsgd", "onebit"})
 #: the same entries kept (the inputs have no ties), their values bit for bit
 SELECTING = frozenset({"topk", "dgc"})
 #: matrix products and QR on each device: equal to rounding
-LOW_RANK = frozenset({"powersgd"})
+LOW_RANK = frozenset({"powersgd", "acpsgd"})
 #: stochastic rounding: each device draws its own numbers (unbiased on both)
 STOCHASTIC = frozenset({"qsgd", "terngrad"})
 KNOWN = BITWISE | SIGN_SCALES | SELECTING | LOW_RANK | STOCHASTIC
