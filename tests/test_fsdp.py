@@ -15,6 +15,17 @@ def sgd_steps(model, rank, steps=3, device="cpu"):
         opt.step()
 
 
+def full_on_cpu(param):
+    """A sharded parameter's full value on the CPU, its shards gathered as CPU tensors: DTensor's
+    ``full_tensor()`` of CUDA shards under gloo crashed both processes (SIGSEGV in the functional
+    all-gather; torch 2.11 on one H200, two processes sharing it)."""
+    import torch.distributed as dist
+
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, param.detach().to_local().cpu())
+    return torch.cat(shards, dim=param.placements[0].dim)
+
+
 def _train(rank, compression, steps=3, device="cpu", dtype=None, **options):
     """A 3-layer MLP on ``device`` under fully_shard (each Linear and the root; ``dtype``: the
     MixedPrecisionPolicy's parameter and reduce dtype), SGD on rank-own data; the full parameters
@@ -32,7 +43,7 @@ def _train(rank, compression, steps=3, device="cpu", dtype=None, **options):
     fully_shard(model, mp_policy=policy)
     comms = None if compression is None else mc.fsdp.compress(model, compression, **options)
     sgd_steps(model, rank, steps, device)
-    return [p.detach().full_tensor().cpu() for p in model.parameters()], comms
+    return [full_on_cpu(p) for p in model.parameters()], comms
 
 
 def _compare_worker(rank, world):

@@ -4,7 +4,7 @@ flags and shards on the GPU."""
 import pytest
 import torch
 from distributed import run_workers
-from test_fsdp import _overflow_worker, _train
+from test_fsdp import _overflow_worker, _train, full_on_cpu
 
 pytestmark = pytest.mark.cuda
 
@@ -107,7 +107,7 @@ def _offload_worker(rank, world, compression, all_gather):
             opt.zero_grad()
             model(torch.randn(4, 8, generator=data).to(device)).pow(2).sum().backward()
             opt.step()
-        return [p.detach().full_tensor().cpu() for p in model.parameters()]
+        return [full_on_cpu(p) for p in model.parameters()]
 
     return train(None), train(compression), set()
 
