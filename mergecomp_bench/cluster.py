@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["Cluster", "ClusterError", "main", "tbf_burst"]
+__all__ = ["Cluster", "ClusterError", "main", "bits_per_second", "tbf_burst"]
 
 SUBNET = "10.77.0"
 DEFAULT_PORT = 29500
@@ -54,19 +54,24 @@ TBF_BURST_SECONDS, TBF_BURST_MIN, TBF_BURST_MAX = 0.010, 64 * 1024, 1024 * 1024
 _BITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
+def bits_per_second(rate: str) -> float:
+    """A tc rate in bits (``"10mbit"``, ``"1gbit"``) as bits per second; ValueError for a rate
+    not in bits."""
+    number = rate.rstrip(string.ascii_letters)
+    unit = rate[len(number):]
+    try:
+        return float(number) * _BITS[unit.lower()]
+    except (ValueError, KeyError):
+        raise ValueError(f"cluster rate must be a tc rate in bits ({', '.join(_BITS)}), got {rate!r}") from None
+
+
 def tbf_burst(rate: str) -> str:
     """The tbf bucket for ``rate`` (a tc rate in bits: ``"10mbit"``, ``"1gbit"``): 10 ms of it,
     at least 64 KiB (a GSO segment passes whole) and at most 1 MiB, in bytes (``"65536b"``).  A
     link idle for long enough passes a bucket at once: 1 MiB, 0.8 s of a 10 Mbit/s link, made
     DiLoCo's 1 MB synchronizations there look three times faster than the rate allows; from
     1 Gbit/s up the bucket is 1 MiB, as it always was.  ValueError for a rate not in bits."""
-    number = rate.rstrip(string.ascii_letters)
-    unit = rate[len(number):]
-    try:
-        bits_per_second = float(number) * _BITS[unit.lower()]
-    except (ValueError, KeyError):
-        raise ValueError(f"cluster rate must be a tc rate in bits ({', '.join(_BITS)}), got {rate!r}") from None
-    nbytes = bits_per_second / 8 * TBF_BURST_SECONDS
+    nbytes = bits_per_second(rate) / 8 * TBF_BURST_SECONDS
     return f"{int(min(TBF_BURST_MAX, max(TBF_BURST_MIN, nbytes)))}b"
 
 

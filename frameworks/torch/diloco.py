@@ -46,10 +46,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.compressors.base.compressor import Compressor, bits_per_element
 from mergecomp.compressors.base.memory import Memory
 from mergecomp.engines.torch_dist import TorchCommunicator
-from mergecomp.compressors.base.compressor import bits_per_element
 from mergecomp.exchange.plan import COMPRESSED, EXEMPT, GroupPlan, cut_evenly
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
@@ -419,11 +418,12 @@ class DiLoCo:
         shapes = [self.params[i].shape for i in self.fragments[k].indices]
         numel = sum(shape.numel() for shape in shapes)
 
-        def candidate(codec: str) -> Candidate:
+        def candidate(codec: str) -> Candidate:  # bits_per_element encodes a fragment of zeros: once per codec
             compressor = merged.exchange.route(codec).compressor
             return Candidate(codec, bits_per_element(compressor, numel, shapes=shapes), compressor.summable)
-        choice = choose(timed_s, candidate(timed_codec), [candidate(c) for c in (*LADDER, COMPRESSED)], numel,
-                        self._comm.size, window_s)
+        ladder = {codec: candidate(codec) for codec in (*LADDER, COMPRESSED)}
+        timed = ladder[timed_codec] if timed_codec in ladder else candidate(timed_codec)
+        choice = choose(timed_s, timed, list(ladder.values()), numel, self._comm.size, window_s)
         self.codec_choices.append({**choice, "timed_s": timed_s, "window_s": window_s})
         plan = merged.plan
         merged.set_plan(GroupPlan(plan.groups, tuple(EXEMPT if c == EXEMPT else choice["codec"]

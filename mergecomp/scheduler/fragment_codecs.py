@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-from mergecomp.exchange.plan import WARMUP_QSGD, WARMUP_QSGD4
+from mergecomp.exchange.plan import COMPRESSED, WARMUP_QSGD, WARMUP_QSGD4
 from mergecomp.scheduler.costmodel import ring_allgather, ring_allreduce
 
 __all__ = ["LADDER", "FIT_SHARE", "NAMES", "Candidate", "wire_bytes", "choose"]
@@ -29,7 +29,7 @@ __all__ = ["LADDER", "FIT_SHARE", "NAMES", "Candidate", "wire_bytes", "choose"]
 LADDER = ("none", "fp16", WARMUP_QSGD, WARMUP_QSGD4)
 #: how a fragment's codec reads in logs and tables
 NAMES = {"none": "fp32", "fp16": "fp16", WARMUP_QSGD: "8-bit QSGD", WARMUP_QSGD4: "4-bit QSGD",
-         "compressed": "the compressor"}
+         COMPRESSED: "the compressor"}
 #: the share of the window a codec's predicted exchange may take (the rest: the prediction's
 #: error, and the engine's threads competing with the inner steps for the CPU)
 FIT_SHARE = 0.75
@@ -68,4 +68,3 @@ def choose(timed_s: float, timed: Candidate, candidates: Sequence[Candidate], nu
     chosen = fitting[0] if fitting else floor
     return {"codec": chosen.codec, "bits": chosen.bits, "predicted_s": predictions[chosen.codec],
             "predictions": predictions}
-

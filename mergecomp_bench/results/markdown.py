@@ -7,8 +7,7 @@ import math
 import statistics
 from typing import Callable, Iterable, Sequence
 
-__all__ = ["table", "signed", "times", "span", "median_span", "compressor_name", "groups_label", "link",
-           "megabits"]
+__all__ = ["table", "signed", "times", "span", "median_span", "compressor_name", "groups_label", "link"]
 
 
 def table(header: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -24,12 +23,6 @@ def signed(value: float, digits: int = 2, unit: str = "%") -> str:
         return "diverged"
     text = f"{abs(value):.{digits}f}"
     return ("−" if value < 0 and float(text) else "+") + f"{text} {unit}"
-
-
-def megabits(rate: str) -> float:
-    """A bench's ``--rate`` in Mbit/s: ``10mbit`` 10, ``1gbit`` 1000."""
-    number, unit = rate[:-4], rate[-4:]
-    return float(number) * {"mbit": 1, "gbit": 1000}[unit]
 
 
 def link(rate: str) -> str:

@@ -6,8 +6,9 @@ import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from mergecomp.scheduler.fragment_codecs import NAMES
+from mergecomp_bench.cluster import bits_per_second
 from mergecomp_bench.results.data import finished
-from mergecomp_bench.results.markdown import link, megabits, signed, table, times
+from mergecomp_bench.results.markdown import link, signed, table, times
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
@@ -75,7 +76,7 @@ def slow_link_runs() -> Dict[str, Dict[str, Tuple[dict, float, Optional[int], Op
     (:func:`projected`)."""
     curves, target = _stretched()
     by_rate: Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]] = {}
-    for run in sorted(finished(SLOW_LINKS), key=lambda r: megabits(r["rate"])):
+    for run in sorted(finished(SLOW_LINKS), key=lambda r: bits_per_second(r["rate"])):
         step = run["train_s"] / min(run["steps"], run["stop"] or run["steps"])
         steps = steps_to(curves[run["config"]] if run["stop"] else run, target)
         by_rate.setdefault(run["rate"], {})[run["config"]] = (run, step, steps, None if steps is None else (
