@@ -153,22 +153,34 @@ def test_the_codec_for_the_link_is_the_least_lossy_that_fits_the_window():
     from mergecomp.scheduler.fragment_codecs import FIT_SHARE, LADDER, Candidate, choose
 
     bits = {"none": 32.0, "fp16": 16.0, LADDER[2]: 8.06, LADDER[3]: 4.06}
-    ladder = [Candidate(c, bits[c], c in ("none", "fp16")) for c in LADDER]
-    onebit = Candidate("compressed", 1.0, False)
-    # 1-bit's exchange of 1 M elements took 0.01 s on 2 ranks: 8e-8 s a byte on the wire
-    def pick(window_s, floor=onebit, world=2):
-        return choose(0.01, onebit, [*ladder, floor], 1_000_000, world, window_s)
-    assert pick(1.0)["codec"] == "none" and pick(1.0)["predicted_s"] == pytest.approx(0.32)
-    assert pick(0.32 / FIT_SHARE)["codec"] == "none", "exactly at the share of the window"
-    assert pick(0.3)["codec"] == "fp16"
-    assert pick(0.2)["codec"] == LADDER[2] and pick(0.2)["predicted_s"] == pytest.approx(0.0806)
-    assert pick(0.06)["codec"] == LADDER[3]
-    assert pick(0.02)["codec"] == "compressed", "nothing fits: the compressor"
-    fp16 = Candidate("compressed", 16.0, True)
-    assert pick(0.3, floor=fp16)["codec"] == "compressed", "never fewer bits than the compressor"
-    # on 4 ranks an allgather moves 3 payloads and a ring allreduce 1.5 a rank's bytes: the
-    # exact average predicted 16x 1-bit's time
-    assert pick(1.0, world=4)["predictions"]["none"] == pytest.approx(0.01 * 32 * 1.5 / 3)
+    ladder = [Candidate(c, bits[c]) for c in LADDER]
+    onebit = Candidate("compressed", 1.0)
+
+    def pick(window_s, floor=onebit, own=0.001, latency=0.002):
+        """1 M elements on a link of 1e-8 s a bit past a fixed cost; the candidates predicted, in order."""
+        asked = []
+
+        def predict(c):
+            asked.append(c.codec)
+            return own(c) if callable(own) else own, latency + 1e-8 * c.bits * 1e6
+        return choose(0.005, [*ladder, floor], predict, window_s), asked
+    choice, asked = pick(1.0)
+    assert choice["codec"] == "none" and choice["predicted_s"] == pytest.approx(0.323)
+    assert asked == list(reversed(LADDER)), "from the fewest bits up"
+    assert pick(0.323 / FIT_SHARE)[0]["codec"] == "none", "exactly at the share of the window"
+    choice, asked = pick(0.3)
+    assert choice["codec"] == "fp16" and asked == list(reversed(LADDER)), "fp32 predicted, not fitting"
+    choice, asked = pick(0.12)
+    assert choice["codec"] == LADDER[2] and choice["predicted_s"] == pytest.approx(0.0836)
+    assert asked == [LADDER[3], LADDER[2], "fp16"], "fp16's collectives overrun: fp32 is not probed"
+    choice, asked = pick(0.01)
+    assert choice["codec"] == "compressed" and choice["predicted_s"] == 0.005, "nothing fits: the compressor"
+    assert asked == [LADDER[3]] and choice["predictions"] == {"compressed": 0.005, LADDER[3]: pytest.approx(0.0436)}
+    # a codec whose own work does not fit, where the next one's does, does not end the climb
+    choice, asked = pick(0.12, own=lambda c: 0.07 if c.codec == LADDER[3] else 0.001)
+    assert choice["codec"] == LADDER[2] and asked[:2] == [LADDER[3], LADDER[2]]
+    choice, asked = pick(0.3, floor=Candidate("compressed", 16.0))
+    assert choice["codec"] == "compressed" and asked == ["none"], "never fewer bits than the compressor"
 
 
 def _codecs_worker(rank, world, H=8, rounds=4, pause=0.02):
@@ -193,9 +205,11 @@ def _codecs_worker(rank, world, H=8, rounds=4, pause=0.02):
     diloco.sync()
     plans = [f.merged.plan.codec_names() for f in diloco.fragments]
     order = [*LADDER, "compressed"]
-    for choice in diloco.codec_choices:  # the first of the ladder that fits, else the compressor
-        fits = [c for c in order[:-1] if choice["predictions"][c] <= FIT_SHARE * choice["window_s"]]
+    for choice in diloco.codec_choices:  # the least lossy predicted that fits, else the compressor
+        predicted = choice["predictions"]
+        fits = [c for c in order[:-1] if c in predicted and predicted[c] <= FIT_SHARE * choice["window_s"]]
         assert choice["codec"] == (fits[0] if fits else "compressed"), choice
+        assert LADDER[-1] in predicted and choice["probe_s"] > 0, choice
     return (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), diloco.fragment_codecs, plans,
             diloco.sync_delay, undecided)
 

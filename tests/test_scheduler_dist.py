@@ -332,6 +332,28 @@ def test_a_profile_replays_what_fits_its_budget_and_predicts_the_rest():
         assert predicted == (replayed == 2)
 
 
+def _exchange_probe_worker(rank, budget):
+    import mergecomp.torch as mc
+    from mergecomp.exchange.plan import WARMUP_QSGD4
+    from mergecomp.registry import get_compressor
+    from mergecomp.scheduler.probes import exchange_within
+
+    comm = _Counted(mc.communicator())
+    probed = {codec: exchange_within(comm, get_compressor("onebit"), codec, 1 << 16, torch.float32,
+                                     torch.device("cpu"), budget) for codec in ("none", WARMUP_QSGD4)}
+    return probed, comm.allreduces
+
+
+def test_a_codec_probe_rehearses_its_work_and_replays_its_collectives_within_the_budget():
+    """``exchange_within``: the same ``(own, collectives)`` seconds on every rank; the exact
+    average's allreduce replayed (twice) at 1/64, 1/8 and all of the group, or, with no budget
+    left, at the two small sizes only (the full one fitted); 4-bit QSGD goes by allgather."""
+    for budget, replayed in ((float("inf"), 3), (0.0, 2)):
+        (probed, allreduces), (probed1, allreduces1) = run_workers(_exchange_probe_worker, 2, budget)
+        assert probed == probed1 and all(own > 0 and network > 0 for own, network in probed.values())
+        assert allreduces == allreduces1 == 2 * replayed
+
+
 @pytest.mark.parametrize("option, value", [("probe_budget", 0.0), ("prune_ratio", 0.5), ("probe_steps", 0)])
 def test_scheduler_settings_out_of_range_are_refused_by_name(option, value):
     with pytest.raises(ValueError, match=option):

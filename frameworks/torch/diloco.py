@@ -54,7 +54,8 @@ from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.pipeline.resharding import to_fold
-from mergecomp.scheduler.fragment_codecs import LADDER, NAMES, Candidate, choose
+from mergecomp.scheduler.fragment_codecs import FIT_SHARE, LADDER, NAMES, Candidate, choose
+from mergecomp.scheduler.probes import exchange_within
 
 from .functions import broadcast_tensors
 
@@ -211,13 +212,14 @@ class DiLoCo:
         fragment_codecs: None (every fragment sends with ``compression``) or ``"auto"``: the
             first round is sent with ``compression``, waited for at once and timed; then each
             fragment takes the least lossy of the exact average, fp16, 8-bit and 4-bit QSGD
-            (unbiased, outside error feedback) whose exchange, predicted from its timed one by
-            the bytes on the wire, fits 3/4 of the inner steps it is in flight
-            (``fragment_sync_delay``, or with ``"auto"`` H // P - 1 of them, at the fastest
-            rank's median step), never one of fewer bits than ``compression``, which is kept
-            where none fits (:attr:`fragment_codecs`, :attr:`codec_choices`; logged; the same
-            allgather as ``"auto"``'s delay).  Needs a delay (``"auto"`` or >= 1) and fixed
-            ``groups`` (default 1 per fragment).
+            (unbiased, outside error feedback) whose exchange fits 3/4 of the inner steps it
+            is in flight (``fragment_sync_delay``, or with ``"auto"`` H // P - 1 of them, at the
+            fastest rank's median step), never one of fewer bits than ``compression``, which is
+            kept where none fits.  Each candidate's exchange is predicted by probing it (its
+            work rehearsed at the fragment's size, its collectives replayed on the link, from
+            the fewest bits up until one overruns: a slow link probes the small codecs only);
+            :attr:`fragment_codecs`, :attr:`codec_choices` (with the probing's seconds); logged.
+            Needs a delay (``"auto"`` or >= 1) and fixed ``groups`` (default 1 per fragment).
         grad_scaler: the ``torch.amp.GradScaler`` of the inner steps, if any: a step it skips
             for Inf/NaN is skipped on that rank alone (no gradient is exchanged), so the steps
             are counted at its ``update()``, which every rank calls every iteration, and the
@@ -412,19 +414,26 @@ class DiLoCo:
                         self.sync_delay, max(exchange_s), step_s, self._delay_limit)
 
     def _choose_codec(self, k: int, timed_s: float, timed_codec: str, window_s: float) -> float:
-        """Fragment ``k``'s codec (:func:`~mergecomp.scheduler.fragment_codecs.choose`), set in
-        its plan; returns its predicted exchange in seconds."""
+        """Fragment ``k``'s codec (:func:`~mergecomp.scheduler.fragment_codecs.choose`, each
+        candidate probed by :func:`~mergecomp.scheduler.probes.exchange_within` as one flat group
+        of the fragment's elements), set in its plan; returns its predicted exchange in seconds."""
         merged = self.fragments[k].merged
+        first = self.params[self.fragments[k].indices[0]]
         shapes = [self.params[i].shape for i in self.fragments[k].indices]
         numel = sum(shape.numel() for shape in shapes)
 
         def candidate(codec: str) -> Candidate:  # bits_per_element encodes a fragment of zeros: once per codec
-            compressor = merged.exchange.route(codec).compressor
-            return Candidate(codec, bits_per_element(compressor, numel, shapes=shapes), compressor.summable)
-        ladder = {codec: candidate(codec) for codec in (*LADDER, COMPRESSED)}
-        timed = ladder[timed_codec] if timed_codec in ladder else candidate(timed_codec)
-        choice = choose(timed_s, timed, list(ladder.values()), numel, self._comm.size, window_s)
-        self.codec_choices.append({**choice, "timed_s": timed_s, "window_s": window_s})
+            return Candidate(codec, bits_per_element(merged.exchange.route(codec).compressor, numel, shapes=shapes))
+
+        def predict(c: Candidate) -> Tuple[float, float]:
+            return exchange_within(self._comm, merged.exchange.compressor, c.codec, numel, first.dtype, first.device,
+                                   FIT_SHARE * window_s)
+        began = time.perf_counter()
+        floor = candidate(COMPRESSED)  # timed in the first round unless that went by a warm-up's route
+        floor_s = timed_s if timed_codec == merged.route(COMPRESSED, compressing=True).name else sum(predict(floor))
+        choice = choose(floor_s, [*map(candidate, LADDER), floor], predict, window_s)
+        self.codec_choices.append({**choice, "timed_s": timed_s, "window_s": window_s,
+                                   "probe_s": time.perf_counter() - began})
         plan = merged.plan
         merged.set_plan(GroupPlan(plan.groups, tuple(EXEMPT if c == EXEMPT else choice["codec"]
                                                      for c in plan.codec_names())))

@@ -34,8 +34,8 @@ from mergecomp.exchange.schemes import SCHEMES
 from mergecomp.scheduler.clock import settle
 from mergecomp.scheduler.costmodel import CodecCost, Profile, fit_affine
 
-__all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "measure", "probe_sizes", "rehearse",
-           "replay", "replay_within"]
+__all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "exchange_within", "measure", "probe_sizes",
+           "rehearse", "replay", "replay_within"]
 
 #: the name of the probe group in the compressor's and the memory's state while it is timed
 PROBE = "__scheduler_probe__"
@@ -230,6 +230,23 @@ def replay_within(comm: Communicator, calls_by_size: Sequence[Sequence[Call]], d
         wall_s, cpu_s = comm.allgather(own, "scheduler network probe").max(dim=0).values.tolist()
         timed.append((wall_s, cpu_s))
     return timed
+
+
+def exchange_within(comm: Communicator, compressor: Compressor, codec: str, numel: int, dtype: torch.dtype,
+                    device: torch.device, budget: float) -> Tuple[float, float]:
+    """``(own work, collectives)`` seconds of the exchange of one flat group of ``numel``
+    elements of ``dtype`` sent with plan codec ``codec`` of ``compressor``'s exchange (no error
+    feedback) on ``comm``'s ranks: its work rehearsed at that size (:func:`rehearse`), its
+    collectives replayed at 1/64, 1/8 and all of it (:func:`replay_within`: once the affine
+    fit puts a size beyond ``budget`` seconds, the fit's), each the slowest rank's, the same
+    on every rank.  A collective: every rank calls it with the same arguments."""
+    element = torch.empty((), dtype=dtype).element_size()
+    sizes = sorted({max(1, numel // 64), max(1, numel // 8), numel})
+    run = rehearse(compressor, None, codec, [(n * element, 1) for n in sizes], [torch.Size([numel])], dtype,
+                   device, comm.size)
+    network = replay_within(comm, run.calls, device, budget)[-1][0]
+    own = torch.tensor([run.encode[-1] + run.middle[-1] + run.decode[-1]], dtype=torch.float64, device=device)
+    return float(comm.allgather(own, "scheduler exchange probe").max()), network
 
 
 def _fastest(run: Callable[[], None], device: torch.device) -> Tuple[float, float]:
