@@ -54,6 +54,45 @@ def test_a_stopped_run_is_projected_at_its_last_pace_not_its_mean():
     assert projected(one_point, 1850) == pytest.approx(3700.0), "one evaluation: the mean step"
 
 
+def _curve(losses, pace):
+    return [{"step": 100 * (i + 1), "seconds": pace * 100 * (i + 1), "test_loss": loss} for i, loss in enumerate(losses)]
+
+
+def test_the_slow_links_table_takes_each_seed_s_target_and_shows_the_median_of_its_seeds(tmp_path, monkeypatch):
+    """Two seeds, each with its own DDP fp32 loss curve (target: its final loss + 1 %): DDP fp32
+    stopped after 100 steps at 10 s a step is projected to its seed's steps to target; the
+    DiLoCo configuration reaches seed 0's target at step 300 (30 s) and seed 1's at step 200
+    (20 s): a speed-up per seed, and the row their median and range."""
+    from mergecomp_bench.results import time_to_target as ttt
+
+    config = "onebit@averaging/10~2~auto~auto*2"
+    common = {"status": "ok", "bits_per_element": 0.1, "compute_s": 0.07, "world": 2, "batch": 2}
+    stretched = [{**common, "config": "ddp", "seed": 0, "steps": 400, "stop": None, "bits_per_element": 32,
+                  "train_s": 40.0, "curve": _curve([3.0, 2.5, 2.1, 2.0], 0.1), "final_test_loss": 2.0},
+                 {**common, "config": "ddp", "seed": 1, "steps": 400, "stop": None, "bits_per_element": 32,
+                  "train_s": 40.0, "curve": _curve([3.0, 2.6, 2.2, 2.2], 0.1), "final_test_loss": 2.2}]
+    slow = [{**common, "config": "ddp", "seed": seed, "rate": "10mbit", "steps": 400, "stop": 100, "train_s": 1000.0,
+             "curve": _curve([3.0], 10.0)} for seed in (0, 1)]
+    slow += [{**common, "config": config, "seed": 0, "rate": "10mbit", "steps": 800, "stop": None, "train_s": 80.0,
+              "curve": _curve([2.5, 2.1, 2.0, 1.9], 0.1), "sync_delay": 3, "fragment_codecs": ["compressed"] * 2},
+             {**common, "config": config, "seed": 1, "rate": "10mbit", "steps": 800, "stop": None, "train_s": 80.0,
+              "curve": _curve([2.5, 2.2, 2.0, 1.9], 0.1), "sync_delay": 2, "fragment_codecs": ["compressed"] * 2}]
+    for name, runs in ((ttt.STRETCHED, stretched), (ttt.SLOW_LINKS, slow)):
+        (tmp_path / name).write_text("".join(json.dumps(run) + "\n" for run in runs))
+    monkeypatch.setattr(data, "DATA", tmp_path)
+    timed = ttt.slow_link_runs()["10mbit"]
+    assert {seed: run.steps for seed, run in timed["ddp"].items()} == {0: 400, 1: 300}
+    assert timed["ddp"][1].reached == pytest.approx(3000.0), "seed 1's steps at the stopped run's pace"
+    assert {seed: run.steps for seed, run in timed[config].items()} == {0: 300, 1: 200}
+    assert ttt.slow_link_speed_ups(timed)[config] == [pytest.approx(4000 / 30), pytest.approx(3000 / 20)]
+    rows = ttt.diloco_slow_links().splitlines()
+    ddp = next(line for line in rows if "| DDP fp32, seeds 0, 1 |" in line)
+    assert "| 350 (300 to 400) | 3,500 s (3,000 s to 4,000 s) (projected: 100 steps timed) | – |" in ddp, ddp
+    row = next(line for line in rows if "delay and codecs" in line)
+    assert "(chose 3; the compressor, the compressor) / (chose 2; the compressor, the compressor)" in row
+    assert "| 250 (200 to 300) | 25 s (20 s to 30 s) | 141.67x (133.33x to 150.00x) |" in row, row
+
+
 def test_a_table_of_named_records_reads_only_their_runs():
     """The same configurations in the same setting, before and after the variance floor: each
     table keeps to its record."""

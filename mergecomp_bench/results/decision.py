@@ -8,7 +8,7 @@ from typing import Callable, Tuple
 from mergecomp_bench.results import accuracy, adam, fsdp2, step_time, time_to_target
 from mergecomp_bench.results.data import finished, records
 from mergecomp_bench.results.host_work import NARROW, OWN_WORK
-from mergecomp_bench.results.markdown import compressor_name, link, signed, span, table, times
+from mergecomp_bench.results.markdown import compressor_name, link, median_span, signed, span, table, times
 
 __all__ = ["summary"]
 
@@ -70,10 +70,13 @@ _DILOCO = "onebit@averaging/10~2~auto~auto*2"
 def _gave_diloco() -> str:
     """What :data:`_DILOCO` gave on each slow link."""
     runs = time_to_target.slow_link_runs()
-    gave = [f"{times(time_to_target.slow_link_speed_ups(runs[rate])[_DILOCO])} sooner than DDP fp32 at "
-            f"{link(rate)} ({runs[rate][_DILOCO][0]['bits_per_element']:.2f} bits per element "
-            f"per step)" for rate in ("10mbit", "100mbit")]
-    return (f"GPT-2 4 x 256, 2 workers, one seed: DDP fp32's loss {' and '.join(gave)} "
+    speed_ups = {rate: time_to_target.slow_link_speed_ups(runs[rate])[_DILOCO] for rate in ("10mbit", "100mbit")}
+    gave = [f"{median_span(ratios, times)} sooner than DDP fp32 at {link(rate)} ("
+            f"{statistics.median(r.run['bits_per_element'] for r in runs[rate][_DILOCO].values()):.2f} bits per "
+            f"element per step)" for rate, ratios in speed_ups.items()]
+    seeds = {len(ratios) for ratios in speed_ups.values()}
+    counted = "one seed" if seeds == {1} else f"median of {' / '.join(map(str, sorted(seeds)))} seeds"
+    return (f"GPT-2 4 x 256, 2 workers, {counted}: DDP fp32's loss {' and '.join(gave)} "
             f"([slow links](#diloco-trained-longer-over-slow-links))")
 
 

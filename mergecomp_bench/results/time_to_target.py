@@ -3,18 +3,18 @@ final validation loss + :data:`TARGET` of the same seed, against DDP fp32's and 
 from __future__ import annotations
 
 import statistics
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from mergecomp.scheduler.fragment_codecs import NAMES
 from mergecomp_bench.cluster import bits_per_second
 from mergecomp_bench.results.data import finished
-from mergecomp_bench.results.markdown import link, signed, table, times
+from mergecomp_bench.results.markdown import link, median_span, signed, table, times
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
            "FOUR_HOSTS", "FOUR_HOSTS_LABELS", "diloco_four_hosts",
            "time_to", "runs_by_seed", "speed_ups", "median_or_dash", "headline_speed_ups", "headline",
-           "time_to_accuracy", "time_to_accuracy_recipes", "slow_link_runs", "slow_link_speed_ups"]
+           "time_to_accuracy", "time_to_accuracy_recipes", "SlowRun", "slow_link_runs", "slow_link_speed_ups"]
 
 #: the target of time to accuracy: DDP fp32's final validation loss plus this share
 TARGET = 0.01
@@ -63,24 +63,38 @@ def steps_to(record: dict, target: float) -> Optional[int]:
     return next((point["step"] for point in record["curve"] if point["test_loss"] <= target), None)
 
 
-def _stretched() -> Tuple[Dict[str, dict], float]:
-    """:data:`STRETCHED`'s runs by configuration, and the target: DDP fp32's final loss + 1 %."""
-    curves = {run["config"]: run for run in finished(STRETCHED)}
-    return curves, curves["ddp"]["final_test_loss"] * (1 + TARGET)
+def _stretched() -> Dict[int, Tuple[Dict[str, dict], float]]:
+    """:data:`STRETCHED`'s runs by seed, then configuration, with each seed's target: its DDP
+    fp32 run's final loss + 1 %."""
+    seeds: Dict[int, Dict[str, dict]] = {}
+    for run in finished(STRETCHED):
+        seeds.setdefault(run["seed"], {})[run["config"]] = run
+    return {seed: (curves, curves["ddp"]["final_test_loss"] * (1 + TARGET)) for seed, curves in sorted(seeds.items())}
 
 
-def slow_link_runs() -> Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]]:
-    """:data:`SLOW_LINKS` by rate (slowest first), then configuration: ``(run, mean step s,
-    steps to the target, seconds to it)``; a run stopped early (DDP fp32, the momentum exchange)
-    takes its steps from :data:`STRETCHED` (losses do not depend on the link) and is projected
-    (:func:`projected`)."""
-    curves, target = _stretched()
-    by_rate: Dict[str, Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]] = {}
+class SlowRun(NamedTuple):
+    """One run of :data:`SLOW_LINKS`: the record, its mean step (s), its steps to its seed's
+    target and the seconds to it (None where not reached)."""
+
+    run: dict
+    step: float
+    steps: Optional[int]
+    reached: Optional[float]
+
+
+def slow_link_runs() -> Dict[str, Dict[str, Dict[int, SlowRun]]]:
+    """:data:`SLOW_LINKS` by rate (slowest first), then configuration, then seed; a run stopped
+    early (DDP fp32, the momentum exchange) takes its steps from its seed's :data:`STRETCHED`
+    run (losses do not depend on the link) and is projected (:func:`projected`)."""
+    stretched = _stretched()
+    by_rate: Dict[str, Dict[str, Dict[int, SlowRun]]] = {}
     for run in sorted(finished(SLOW_LINKS), key=lambda r: bits_per_second(r["rate"])):
+        curves, target = stretched[run["seed"]]
         step = run["train_s"] / min(run["steps"], run["stop"] or run["steps"])
         steps = steps_to(curves[run["config"]] if run["stop"] else run, target)
-        by_rate.setdefault(run["rate"], {})[run["config"]] = (run, step, steps, None if steps is None else (
-            projected(run, steps) if run["stop"] else time_to(run, target)))
+        reached = None if steps is None else projected(run, steps) if run["stop"] else time_to(run, target)
+        by_rate.setdefault(run["rate"], {}).setdefault(run["config"], {})[run["seed"]] = SlowRun(run, step, steps,
+                                                                                                  reached)
     return by_rate
 
 
@@ -96,12 +110,13 @@ def projected(run: dict, steps: int) -> float:
     return run["train_s"] + (steps - stop) * pace
 
 
-def slow_link_speed_ups(timed: Dict[str, Tuple[dict, float, Optional[int], Optional[float]]]) -> Dict[str, float]:
-    """DDP fp32's (projected) time to the target over each DiLoCo configuration's, on one link
-    (``timed``: one rate of :func:`slow_link_runs`)."""
-    ddp = timed["ddp"][3]
-    return {config: ddp / reached for config, (_, _, _, reached) in timed.items()
-            if config != "ddp" and reached is not None}
+def slow_link_speed_ups(timed: Dict[str, Dict[int, SlowRun]]) -> Dict[str, List[float]]:
+    """DDP fp32's (projected) time to the target over each DiLoCo configuration's, seed by seed
+    where both reached it, on one link (``timed``: one rate of :func:`slow_link_runs`)."""
+    ddp = timed.get("ddp", {})
+    return {config: [ddp[seed].reached / run.reached for seed, run in runs.items()
+                     if run.reached is not None and seed in ddp and ddp[seed].reached is not None]
+            for config, runs in timed.items() if config != "ddp"}
 
 
 def _bits(bits: float) -> str:
@@ -122,27 +137,36 @@ def diloco_slow_links() -> str:
     """DiLoCo trained twice DDP's steps (its LR schedule stretched) against DDP fp32, by link:
     the steps each needs to reach DDP fp32's final loss + 1 % (from :data:`STRETCHED`: losses do
     not depend on the link), the mean step on each link and the time to that loss
-    (:data:`SLOW_LINKS`, :func:`slow_link_runs`); a stopped run's bits per element are its full
-    run's on loopback."""
-    curves, target = _stretched()
+    (:data:`SLOW_LINKS`, :func:`slow_link_runs`; over several seeds: the median, and the range
+    where they differ); a stopped run's bits per element are its full run's on loopback."""
+    stretched = _stretched()
+    curves, target = stretched[0]
     rows = [["loopback (losses)", SLOW_LABELS[config], f"{run['steps']:,}",
              "32" if config == "ddp" else _bits(run["bits_per_element"]), "–", "–",
              str(steps_to(run, target) or "not reached"), "–", "–"] for config, run in curves.items()]
     for rate, timed in slow_link_runs().items():
-        ddp_time = timed["ddp"][3] if "ddp" in timed else None
-        for config, (run, step, steps, reached) in timed.items():
-            if reached is not None:
-                shown = f"{reached:,.0f} s" + (f" (projected: {run['stop']} steps timed)" if run["stop"] else "")
-            elif run["stop"]:  # its whole schedule's time instead
-                shown = f"not reached (its {run['steps']:,} steps: {projected(run, run['steps']):,.0f} s projected)"
+        speed_ups = slow_link_speed_ups(timed)
+        for config, by_seed in timed.items():
+            seeds = list(by_seed.values())
+            first = seeds[0].run
+            reached = [s.reached for s in seeds if s.reached is not None]
+            if len(reached) == len(seeds):
+                shown = median_span(reached, lambda t: f"{t:,.0f} s") + (
+                    f" (projected: {first['stop']} steps timed)" if first["stop"] else "")
+            elif first["stop"]:  # its whole schedule's time instead
+                shown = f"not reached (its {first['steps']:,} steps: {projected(first, first['steps']):,.0f} s projected)"
             else:
-                shown = "not reached"
-            chose = _chosen(config, run)
-            rows.append([link(rate), SLOW_LABELS[config] + chose, f"{run['steps']:,}",
-                         "32" if config == "ddp" else _bits((curves[config] if run["stop"] else run)["bits_per_element"]),
-                         f"{step:.3f}",
-                         f"{run['compute_s']:.3f}", str(steps or "not reached"), shown,
-                         "–" if config == "ddp" or reached is None or ddp_time is None else times(ddp_time / reached)])
+                shown = "not reached" + (f" on {len(seeds) - len(reached)} of {len(seeds)} seeds" if reached else "")
+            steps = [s.steps for s in seeds if s.steps is not None]
+            bits = [(stretched[seed][0][config] if s.run["stop"] else s.run)["bits_per_element"]
+                    for seed, s in by_seed.items()]
+            label = SLOW_LABELS[config] + " /".join(dict.fromkeys(_chosen(config, s.run) for s in seeds))
+            rows.append([link(rate), label + (f", seeds {', '.join(map(str, by_seed))}" if len(seeds) > 1 else ""),
+                         f"{first['steps']:,}", "32" if config == "ddp" else _bits(statistics.median(bits)),
+                         f"{statistics.median(s.step for s in seeds):.3f}",
+                         f"{statistics.median(s.run['compute_s'] for s in seeds):.3f}",
+                         median_span(steps, "{:.0f}".format) if len(steps) == len(seeds) else "not reached", shown,
+                         median_span(speed_ups[config], times) if speed_ups.get(config) else "–"])
     header = ["link", "configuration", "schedule (steps)", "bits per element per step", "mean step (s)",
               "one worker's step (s)", "steps to target", "time to target", "vs DDP fp32"]
     return table(header, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
