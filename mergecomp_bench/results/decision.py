@@ -72,11 +72,10 @@ def _gave_diloco() -> str:
     runs = time_to_target.slow_link_runs()
     speed_ups = {rate: time_to_target.slow_link_speed_ups(runs[rate])[_DILOCO] for rate in ("10mbit", "100mbit")}
     gave = [f"{median_span(ratios, times)} sooner than DDP fp32 at {link(rate)} ("
+            f"{'one seed' if len(ratios) == 1 else f'median of {len(ratios)} seeds'}; "
             f"{statistics.median(r.run['bits_per_element'] for r in runs[rate][_DILOCO].values()):.2f} bits per "
             f"element per step)" for rate, ratios in speed_ups.items()]
-    seeds = {len(ratios) for ratios in speed_ups.values()}
-    counted = "one seed" if seeds == {1} else f"median of {' / '.join(map(str, sorted(seeds)))} seeds"
-    return (f"GPT-2 4 x 256, 2 workers, {counted}: DDP fp32's loss {' and '.join(gave)} "
+    return (f"GPT-2 4 x 256, 2 workers: DDP fp32's loss {' and '.join(gave)} "
             f"([slow links](#diloco-trained-longer-over-slow-links))")
 
 
