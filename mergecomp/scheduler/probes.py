@@ -236,17 +236,16 @@ def exchange_within(comm: Communicator, compressor: Compressor, codec: str, nume
                     device: torch.device, budget: float) -> Tuple[float, float]:
     """``(own work, collectives)`` seconds of the exchange of one flat group of ``numel``
     elements of ``dtype`` sent with plan codec ``codec`` of ``compressor``'s exchange (no error
-    feedback) on ``comm``'s ranks: its work rehearsed at that size (:func:`rehearse`), its
-    collectives replayed at 1/64, 1/8 and all of it (:func:`replay_within`: once the affine
-    fit puts a size beyond ``budget`` seconds, the fit's), each the slowest rank's, the same
-    on every rank.  A collective: every rank calls it with the same arguments."""
+    feedback) on ``comm``'s ranks: :func:`measure` at 1/64, 1/8 and all of it (a size the
+    affine fit puts beyond ``budget`` seconds gets the fit's, :func:`replay_within`), agreed
+    (:meth:`Measurements.agree`: the slowest rank's, the same on every rank); the work between
+    collectives counts with them, as in the scheduler's profile.  A collective: every rank calls
+    it with the same arguments."""
     element = torch.empty((), dtype=dtype).element_size()
-    sizes = sorted({max(1, numel // 64), max(1, numel // 8), numel})
-    run = rehearse(compressor, None, codec, [(n * element, 1) for n in sizes], [torch.Size([numel])], dtype,
-                   device, comm.size)
-    network = replay_within(comm, run.calls, device, budget)[-1][0]
-    own = torch.tensor([run.encode[-1] + run.middle[-1] + run.decode[-1]], dtype=torch.float64, device=device)
-    return float(comm.allgather(own, "scheduler exchange probe").max()), network
+    samples = [(n * element, 1) for n in sorted({max(1, numel // 64), max(1, numel // 8), numel})]
+    probe = measure(comm, compressor, [codec], samples, [torch.Size([numel])], dtype, device, [], 0.0,
+                    budget=budget).agree(comm, device).codecs[codec]
+    return probe.encode[-1] + probe.decode[-1], probe.network[-1]
 
 
 def _fastest(run: Callable[[], None], device: torch.device) -> Tuple[float, float]:
