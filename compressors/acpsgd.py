@@ -20,7 +20,8 @@ the gradient's dtype (``factor_dtype="bf16"``: bf16, this rank's rounding kept i
 Wire per element of a matrix: ``r / n`` and ``r / m`` of the gradient's element on alternate
 steps (PowerSGD's of rank ``r / 2`` on average over two steps).
 
-State (``state[name]``): ``factor`` (every matrix's held factor, flat, in the work dtype) and
+State (``state[name]``): ``factor`` (every batch's held factor, flat, in the payload's order:
+:mod:`mergecomp.compressors.base.low_rank`; work dtype) and
 ``holds_p`` (0-d bool on the CPU: the factor is ``P``), advanced by ``aggregate`` once per step
 on every rank.  A group whose layout changed starts again from the drawn ``Q``.
 Defaults: ``rank=4``, ``min_compression_rate=2``, ``factor_dtype=None``, memory ``residual``.
@@ -34,7 +35,8 @@ import torch
 from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.low_rank import (FACTOR_DTYPES, Layout, check_options, factor_views, group_layout,
-                                                 orthogonalize, raw_runs, write_group)
+                                                 multiply, new_payload, orthogonalize, raw_runs, raw_views,
+                                                 write_group)
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
 from mergecomp.kernels.quantize import work_dtype
@@ -49,7 +51,7 @@ class ACPCtx(NamedTuple):
     layout: Layout
     tensor: torch.Tensor  # this rank's input
     holds: str  # "q": P is sent; "p": Q is sent
-    held: Tuple[torch.Tensor, ...]  # each matrix's held orthonormal factor (work dtype)
+    held: Tuple[torch.Tensor, ...]  # each batch's held orthonormal factors (k x rows x r, work dtype)
 
 
 @register_compressor("acpsgd")
@@ -71,7 +73,7 @@ class ACPSGDCompressor(Compressor, SubtractsDecode):
 
     def _held(self, name: str, layout: Layout, work: torch.dtype,
               device: torch.device) -> Tuple[str, List[torch.Tensor]]:
-        """Which factor group ``name`` holds and each matrix's (orthonormal) view of it."""
+        """Which factor group ``name`` holds and each batch's (orthonormal) view of it."""
         state = self.group_state(name)
         factor = state.get("factor")
         holds = "p" if factor is not None and bool(state["holds_p"]) else "q"  # a CPU scalar: no device sync
@@ -91,14 +93,12 @@ class ACPSGDCompressor(Compressor, SubtractsDecode):
         wire = FACTOR_DTYPES.get(self.factor_dtype, tensor.dtype)
         work = work_dtype(tensor.dtype)
         holds, held = ("q", []) if not layout.matrices else self._held(name, layout, work, tensor.device)
-        parts = []
-        for (offset, m, n), factor in zip(layout.matrices, held):
-            matrix = tensor[offset:offset + m * n].view(m, n).to(work)
-            parts.append((matrix @ factor if holds == "q" else matrix.t() @ factor).view(-1).to(wire))
         ctx = ACPCtx(name, numel, tensor.dtype, wire, layout, tensor, holds, tuple(held))
-        parts += raw_runs(tensor, layout, wire)
-        # always a fresh tensor: the allreduce sums in place
-        payload = torch.cat(parts) if parts else tensor.new_empty(0)
+        payload, sent, raw = new_payload(layout, self._sent(ctx), wire, tensor, raw=True)
+        matrices = [batch.of(tensor).to(work) for batch in layout.matrices]
+        multiply(sent, matrices if holds == "q" else [m.transpose(1, 2) for m in matrices], held)
+        for view, run in zip(raw, raw_runs(tensor, layout, wire)):
+            view.copy_(run)
         return (payload,), ctx
 
     @staticmethod
@@ -106,16 +106,16 @@ class ACPSGDCompressor(Compressor, SubtractsDecode):
         """The factor this step sends: ``"p"`` while ``Q`` is held, else ``"q"``."""
         return "p" if ctx.holds == "q" else "q"
 
-    def _split(self, flat: torch.Tensor, ctx: ACPCtx) -> Tuple[List[torch.Tensor], Tuple[torch.Tensor, ...]]:
-        """A payload (this rank's or the sum): the sent factor of each matrix (in the work
-        dtype) and the raw runs."""
+    def _split(self, flat: torch.Tensor, ctx: ACPCtx) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """A payload (this rank's or the sum): each batch's sent factor (in the work dtype) and
+        each batch of raw runs."""
         k = ctx.layout.p_numel if ctx.holds == "q" else ctx.layout.q_numel
         sent = factor_views(flat[:k].to(work_dtype(ctx.dtype)), ctx.layout, self._sent(ctx))
-        return sent, flat[k:].split([length for _, length in ctx.layout.raw])
+        return sent, raw_views(flat[k:], ctx.layout)
 
     @staticmethod
     def _pairs(sent: Sequence[torch.Tensor], ctx: ACPCtx, divisor: int = 1) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """``(P, Q)`` of each matrix: the sent factor (divided by ``divisor``) with the held one."""
+        """``(P, Q)`` of each batch: the sent factor (divided by ``divisor``) with the held one."""
         sent = [s if divisor == 1 else s / divisor for s in sent]
         return [(s, h) if ctx.holds == "q" else (h, s) for s, h in zip(sent, ctx.held)]
 

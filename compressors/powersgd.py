@@ -10,7 +10,8 @@ is sent raw.  Two summed (allreduced) rounds, in the gradient's dtype:
 
 The result is ``P @ Q_sum^T`` for the matrices and the round-1 sum for the raw elements.  The
 summed ``Q`` (columns normalized, which leaves the iteration unchanged) is the warm start of the
-next step, in ``state[name]["q"]`` (all matrices' ``Q`` concatenated, flat); the first ``Q`` is
+next step, in ``state[name]["q"]`` (every batch's ``Q`` concatenated, flat, as the payload orders
+them: :mod:`mergecomp.compressors.base.low_rank`); the first ``Q`` is
 drawn from a generator seeded with ``stable_seed(name, 0)``, so it is the same on every rank.
 Wire, per element of a compressed matrix: ``(m + n) * r / (m * n)`` of the gradient's element.
 fp16/bf16 gradients are multiplied in fp32 and sent in their own dtype.  ``factor_dtype="bf16"``
@@ -34,7 +35,8 @@ import torch
 from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.low_rank import (FACTOR_DTYPES, Layout, check_options, factor_views, group_layout,
-                                                 orthogonalize, raw_runs, write_group)
+                                                 multiply, new_payload, orthogonalize, raw_runs, raw_views,
+                                                 write_group)
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
 from mergecomp.kernels.quantize import work_dtype
@@ -49,7 +51,7 @@ class PowerSGDCtx(NamedTuple):
     wire: torch.dtype  # the payloads'
     layout: Layout
     tensor: torch.Tensor  # this rank's input
-    ps: Tuple[torch.Tensor, ...] = ()  # round 2: the orthogonalized summed P's (work dtype)
+    ps: Tuple[torch.Tensor, ...] = ()  # round 2: each batch's orthogonalized summed P (k x m x r, work dtype)
     raw_sum: Optional[torch.Tensor] = None  # round 2: the summed raw elements
 
 
@@ -95,8 +97,9 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         return q
 
     @staticmethod
-    def _matrix(ctx: PowerSGDCtx, offset: int, m: int, n: int, work: torch.dtype) -> torch.Tensor:
-        return ctx.tensor[offset:offset + m * n].view(m, n).to(work)
+    def _matrices(ctx: PowerSGDCtx, work: torch.dtype) -> List[torch.Tensor]:
+        """Each batch of this rank's matrices (k x m x n) in the work dtype."""
+        return [batch.of(ctx.tensor).to(work) for batch in ctx.layout.matrices]
 
     # -- the pipeline -------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str,
@@ -106,24 +109,21 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         wire = FACTOR_DTYPES.get(self.factor_dtype, tensor.dtype)
         ctx = PowerSGDCtx(name, numel, tensor.dtype, wire, layout, tensor)
         work = work_dtype(tensor.dtype)
-        parts = []
+        payload, ps, raw = new_payload(layout, "p", wire, tensor, raw=True)
         if layout.matrices:
             q = self._initial_q(name, layout, work, tensor.device)
-            for (offset, m, n), qi in zip(layout.matrices, factor_views(q, layout, "q")):
-                parts.append((self._matrix(ctx, offset, m, n, work) @ qi).view(-1).to(wire))
-        parts += raw_runs(tensor, layout, wire)
-        # always a fresh tensor: the allreduce sums in place
-        payload = torch.cat(parts) if parts else tensor.new_empty(0)
+            multiply(ps, self._matrices(ctx, work), factor_views(q, layout, "q"))
+        for view, run in zip(raw, raw_runs(tensor, layout, wire)):
+            view.copy_(run)
         return (payload,), ctx
 
     def next_round(self, summed: Payload, ctx: PowerSGDCtx) -> Tuple[Payload, PowerSGDCtx]:
         layout, work = ctx.layout, work_dtype(ctx.dtype)
         flat = summed[0]
         p_numel = layout.p_numel
-        ps = orthogonalize([p.to(work) for p in factor_views(flat[:p_numel], layout, "p")])
-        qs = [(self._matrix(ctx, offset, m, n, work).t() @ p).view(-1).to(ctx.wire)
-              for (offset, m, n), p in zip(layout.matrices, ps)]
-        payload = torch.cat(qs) if qs else flat.new_empty(0)
+        ps = orthogonalize(factor_views(flat[:p_numel].to(work), layout, "p"))
+        payload, qs, _ = new_payload(layout, "q", ctx.wire, flat, raw=False)
+        multiply(qs, [m.transpose(1, 2) for m in self._matrices(ctx, work)], ps)
         return (payload,), ctx._replace(ps=tuple(ps), raw_sum=flat[p_numel:])
 
     def _reconstruct(self, q_flat: torch.Tensor, ctx: PowerSGDCtx, raw: Sequence[torch.Tensor],
@@ -165,17 +165,13 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         for payload in payloads[1:]:
             q_sum = q_sum + payload[0]
         layout = ctx.layout
-        raw, start = [], 0
-        for _, length in layout.raw:
-            if ctx.raw_sum is not None:
-                raw.append(ctx.raw_sum[start:start + length])
-            start += length
+        raw = [] if ctx.raw_sum is None else raw_views(ctx.raw_sum, layout)
         out = self._reconstruct(q_sum, ctx, raw, world_size if average else 1)
         if self.warm_start and layout.matrices:
             work = work_dtype(ctx.dtype)
             q = q_sum.to(work).clone()
-            for qi in factor_views(q, layout, "q"):
-                norms = torch.linalg.vector_norm(qi, dim=0, keepdim=True)
-                qi.div_(norms.clamp_min(torch.finfo(work).tiny))
+            for qs in factor_views(q, layout, "q"):
+                norms = torch.linalg.vector_norm(qs, dim=1, keepdim=True)
+                qs.div_(norms.clamp_min_(torch.finfo(work).tiny))
             self.group_state(ctx.name)["q"] = q
         return out

@@ -554,6 +554,55 @@ def test_powersgd_exact_for_low_rank(rank):
     assert c.state["g"]["q"].shape == (24 * rank,)
 
 
+def test_low_rank_layout_batches_the_equally_spaced_tensors_of_one_shape():
+    """Three layers of (bias, weight, bias, weight, weight) and a stray weight: the weights of
+    one shape one layer apart form a batch each (the stray one, out of step, its own); the two
+    biases of each layer, of one length, two batches a layer apart (not pairs); payload order is
+    batch after batch, by first member."""
+    from mergecomp.compressors.base.low_rank import Batch, group_layout
+
+    layer = [(12,), (16, 12), (12,), (12, 16), (4, 16)]
+    shapes = [torch.Size(s) for s in layer * 3 + [(16, 12)]]
+    size = sum(math.prod(s) for s in layer)  # 12 + 192 + 12 + 192 + 64 = 472
+    layout = group_layout("powersgd", "g", sum(math.prod(s) for s in shapes), shapes, 1, 2.0)
+    assert layout.matrices == (Batch(12, size, 3, (16, 12)), Batch(216, size, 3, (12, 16)),
+                               Batch(408, size, 3, (4, 16)), Batch(3 * size, 192, 1, (16, 12)))
+    assert layout.raw == (Batch(0, size, 3, (12,)), Batch(204, size, 3, (12,)))
+    assert layout.p_numel == 3 * (16 + 12 + 4) + 16 and layout.q_numel == 3 * (12 + 16 + 16) + 12
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_low_rank_compressors_are_exact_for_low_rank_layers_in_batches(name, kernels):
+    """Layers of rank-2 matrices (batched by shape) with raw runs between, on 3 ranks sharing
+    each shape's column space (fresh rows each step): PowerSGD and ACP-SGD (holding ``P``)
+    deliver the group's average exactly, the same on every rank."""
+    layer = [(6,), (24, 20), (20,), (20, 24)]
+    shapes = [torch.Size(s) for s in layer * 4]
+    us = [torch.randn(s[0], 2, dtype=torch.float64) for s in layer if len(s) == 2]
+
+    def sample():
+        parts = []
+        for s in layer * 4:
+            if len(s) == 2:
+                u = us[0] if s[0] == 24 else us[1]
+                parts.append((u @ torch.randn(2, s[1], dtype=torch.float64)).view(-1))
+            else:
+                parts.append(torch.randn(s, dtype=torch.float64))
+        return torch.cat(parts)
+
+    codecs = [make(name, rank=2) for _ in range(3)]
+    with contextlib.ExitStack() as stack:
+        if not kernels:
+            stack.enter_context(native.disabled())
+        for _ in range(4):  # PowerSGD: exact every step; ACP-SGD: on the steps it holds a P (odd ones)
+            xs = [sample() for _ in codecs]
+            results, local = exchange(codecs, xs, shapes=shapes)
+    torch.testing.assert_close(results[0], torch.stack(xs).mean(0))
+    for r in range(3):
+        assert torch.equal(results[r], results[0])
+
+
 def test_powersgd_payload_sizes():
     c = make("powersgd", rank=2)
     shapes = [torch.Size([256, 128]), torch.Size([128]), torch.Size([4, 4])]

@@ -808,33 +808,43 @@ def test_sign_sum_streamed_is_the_eager_sum_bit_for_bit(ranks, aligned):
 @pytest.mark.parametrize("subtract", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
 def test_low_rank_product_matches_torch(m, n, rank, subtract, stream):
-    """``x - p @ q^T`` (or the product alone) in one pass: bit for bit as torch's mm and sub at
-    rank 1, to fp32 rounding above it (torch's mm adds the r products in its own order)."""
+    """``x - p @ q^T`` (or the products alone) in one pass for a batch of matrices spaced out in
+    a group (3 of them, 5 elements apart): bit for bit as torch's bmm and sub at rank 1, to fp32
+    rounding above it (torch adds the r products in its own order); the gaps are not written."""
     from mergecomp.kernels.codecs import low_rank
 
-    r = min(rank, m, n)
-    p, q, x = torch.randn(m, r), torch.randn(n, r), torch.randn(m, n)
-    expected = x - p @ q.t() if subtract else p @ q.t()
-    out = low_rank(p, q, torch.empty(m, n), x if subtract else None, stream=stream)
+    r, count, stride = min(rank, m, n), 3, m * n + 5
+    p, q = torch.randn(count, m, r), torch.randn(count, n, r)
+    group = torch.randn(count * stride)
+    x = group.as_strided((count, m, n), (stride, n, 1))
+    expected = x - p @ q.transpose(1, 2) if subtract else p @ q.transpose(1, 2)
+    minuend = x.contiguous() if subtract else None  # at out's strides, as the kernel takes them
+    out = low_rank(p, q, torch.empty(count, m, n), minuend, stream=stream)
     with native.disabled():
-        eager = low_rank(p, q, torch.empty(m, n), x if subtract else None)
+        eager = low_rank(p, q, torch.empty(count, m, n), minuend)
     if r == 1:
         assert torch.equal(out, eager)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    in_place = x.clone()
-    low_rank(p, q, in_place, in_place if subtract else None, stream=stream)
-    assert torch.equal(in_place, out)
+    in_place = group.clone()
+    view = in_place.as_strided((count, m, n), (stride, n, 1))
+    low_rank(p, q, view, view if subtract else None, stream=stream)
+    assert torch.equal(view, out)
+    gaps = torch.ones(count * stride, dtype=torch.bool)
+    gaps.as_strided((count, m, n), (stride, n, 1)).fill_(False)
+    assert torch.equal(in_place[gaps], group[gaps])
 
 
 @needs_kernels
 def test_low_rank_takes_factors_of_any_layout_and_refuses_mismatched_ones():
     from mergecomp.kernels.codecs import low_rank
 
-    p = torch.randn(3, 6).t()  # (6, 3), not contiguous: QR's factors come out so
-    q = torch.randn(5, 3)
-    torch.testing.assert_close(low_rank(p, q, torch.empty(6, 5)), p @ q.t())
-    with pytest.raises(ValueError, match="p \\(m, r\\) and qt \\(r, n\\)"):
-        native.low_rank(torch.randn(6, 3), torch.randn(2, 5), None, torch.empty(6, 5))
+    p = torch.randn(2, 3, 6).transpose(1, 2)  # (2, 6, 3), not contiguous: QR's factors come out so
+    q = torch.randn(2, 5, 3)
+    torch.testing.assert_close(low_rank(p, q, torch.empty(2, 6, 5)), p @ q.transpose(1, 2))
+    with pytest.raises(ValueError, match="p \\(k, m, r\\) and qt \\(k, r, n\\)"):
+        native.low_rank(torch.randn(1, 6, 3), torch.randn(1, 2, 5), None, torch.empty(1, 6, 5))
+    with pytest.raises(ValueError, match="out must be 1 fp32 CPU row-major 6 x 5 matrices"):
+        native.low_rank(torch.randn(1, 6, 3), torch.randn(1, 3, 5), None, torch.empty(1, 5, 6).transpose(1, 2))
 
 
 @needs_kernels

@@ -46,7 +46,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 33
+_ABI_VERSION = 34
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -115,7 +115,7 @@ _SIGNATURES = {
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
-    "mc_low_rank": ([_P, _P, _I64, _I64, _I32, _P, _P, _I32, _I32], None),
+    "mc_low_rank": ([_P, _P, _I64, _I64, _I64, _I32, _P, _P, _I64, _I32, _I32], None),
     "mc_momentum_to_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I32, _I32], _I32),
     "mc_momentum_from_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _I32, _I32], None),
     "mc_frozen_adam_segments": ([_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32], None),
@@ -629,17 +629,45 @@ def zero_fill(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def matrices_usable(*tensors: Optional[torch.Tensor]) -> bool:
+    """True when the kernels are on and every tensor (None: skipped) is a batch of fp32 CPU
+    matrices, each row-major, the batch at any non-overlapping stride (``k x m x n`` with
+    strides ``(s, n, 1)``, ``s >= m n``): equally spaced matrices viewed in a merged group."""
+    if _off:
+        return False
+    for t in tensors:
+        if t is not None and not (t.is_cpu and t.dtype is torch.float32 and _matrix_strides(t)):
+            return False
+    return _loaded() is not None
+
+
+def _matrix_strides(t: torch.Tensor) -> bool:
+    if t.dim() != 3:
+        return False
+    count, m, n = t.shape
+    stride = t.stride()
+    return (n < 2 or stride[2] == 1) and (m < 2 or stride[1] == n) and (count < 2 or stride[0] >= m * n)
+
+
 def low_rank(p: torch.Tensor, qt: torch.Tensor, x: Optional[torch.Tensor], out: torch.Tensor,
              stream: bool = False) -> torch.Tensor:
-    """``out = x - p @ qt`` (``x`` None: ``p @ qt``) in one pass: ``p`` (m, r), ``qt`` (r, n),
-    ``x`` and ``out`` (m, n; ``out`` may be ``x``), contiguous fp32 CPU.  ``stream``: ``out`` is
-    written past the cache (it is read only later).  Returns ``out``."""
-    if p.dim() != 2 or qt.dim() != 2 or p.shape[1] != qt.shape[0] or not 1 <= p.shape[1] <= 2 ** 31 - 1:
-        raise ValueError(f"native low_rank: need p (m, r) and qt (r, n), got {tuple(p.shape)} and {tuple(qt.shape)}")
-    (m, r), n = p.shape, qt.shape[1]
-    _library().mc_low_rank(_buf("p", p, torch.float32, m * r), _buf("qt", qt, torch.float32, r * n), m, n, r,
-                           None if x is None else _buf("x", x, torch.float32, m * n),
-                           _buf("out", out, torch.float32, m * n), int(stream), _threads())
+    """``out = x - p @ qt`` (``x`` None: ``p @ qt``) in one pass, batched: ``p`` (k, m, r) and
+    ``qt`` (k, r, n), contiguous fp32 CPU; ``x`` and ``out`` (k, m, n) fp32 CPU with the same
+    strides ``(s, n, 1)`` (:func:`matrices_usable`; ``out`` may be ``x``).  ``stream``: ``out``
+    is written past the cache (it is read only later).  Returns ``out``."""
+    if p.dim() != 3 or qt.dim() != 3 or p.shape[0] != qt.shape[0] or p.shape[2] != qt.shape[1] \
+            or not 1 <= p.shape[2] <= 2 ** 31 - 1:
+        raise ValueError(f"native low_rank: need p (k, m, r) and qt (k, r, n), got {tuple(p.shape)} and "
+                         f"{tuple(qt.shape)}")
+    (count, m, r), n = p.shape, qt.shape[2]
+    for name, t in (("out", out), ("x", x)):
+        if t is not None and (tuple(t.shape) != (count, m, n) or t.stride() != out.stride()
+                              or not matrices_usable(t)):
+            raise ValueError(f"native low_rank: {name} must be {count} fp32 CPU row-major {m} x {n} matrices at "
+                             f"out's strides, got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+    _library().mc_low_rank(_buf("p", p, torch.float32, count * m * r), _buf("qt", qt, torch.float32, count * r * n),
+                           count, m, n, r, None if x is None else x.data_ptr(), out.data_ptr(),
+                           out.stride(0), int(stream), _threads())
     return out
 
 

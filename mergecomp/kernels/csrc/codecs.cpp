@@ -933,7 +933,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 33; }
+int mc_abi_version() { return 34; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1205,38 +1205,43 @@ void mc_zero_fill(float* out, int64_t n, int threads) {
   });
 }
 
-// A low-rank product written in one pass: out[i, j] = x[i, j] - sum_k p[i, k] * qt[k, j] (x
-// null: the sum alone) for the m x n elements, k < r, the products added in k order and each
-// product, sum and difference rounded on its own (with r = 1, as torch's mm and sub round
-// them).  p: m x r, qt: r x n (Q transposed), x and out: m x n, row-major fp32; out may be x.
-// With `stream` (the caller's choice: the matrix is one of a group of STREAM_MIN elements or
-// more, read only later) out is written by non-temporal stores (stream_out), so a decoded
-// matrix costs its write and, with x, one read.
-void mc_low_rank(const float* p, const float* qt, int64_t m, int64_t n, int r, const float* x, float* out,
-                 int stream, int threads) {
+// Low-rank products written in one pass: out_b[i, j] = x_b[i, j] - sum_k p_b[i, k] * qt_b[k, j]
+// (x null: the sum alone) for each of `count` matrices b of m x n elements, k < r, the products
+// added in k order and each product, sum and difference rounded on its own (with r = 1, as
+// torch's mm and sub round them).  p: count x m x r, qt: count x r x n (each Q transposed),
+// both contiguous; x_b and out_b: row-major m x n fp32 matrices `stride` elements apart (the
+// equally spaced matrices of one shape in a merged group); out may be x.  With `stream` (the
+// caller's choice: the matrices are part of a group of STREAM_MIN elements or more, read only
+// later) out is written by non-temporal stores (stream_out), so a decoded matrix costs its
+// write and, with x, one read.
+void mc_low_rank(const float* p, const float* qt, int64_t count, int64_t m, int64_t n, int r, const float* x,
+                 float* out, int64_t stride, int stream, int threads) {
   constexpr int64_t kRun = 1024;  // elements of a row worked out in a cache-resident buffer
-  parallel_for(m, n, threads, [=](int64_t first, int64_t last) {
+  parallel_for(count * m, n, threads, [=](int64_t first, int64_t last) {
     float run[kRun];
-    for (int64_t i = first; i < last; ++i) {
-      const float* pi = p + i * r;
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t b = row / m, i = row % m;
+      const float* pi = p + row * r;
+      const float* qb = qt + b * r * n;
+      const int64_t at = b * stride + i * n;
       for (int64_t j0 = 0; j0 < n; j0 += kRun) {
         const int64_t len = std::min(kRun, n - j0);
         const float p0 = pi[0];
-        const float* q0 = qt + j0;
+        const float* q0 = qb + j0;
 #pragma omp simd
         for (int64_t j = 0; j < len; ++j) run[j] = p0 * q0[j];
         for (int k = 1; k < r; ++k) {
           const float pk = pi[k];
-          const float* qk = qt + k * n + j0;
+          const float* qk = qb + k * n + j0;
 #pragma omp simd
           for (int64_t j = 0; j < len; ++j) run[j] += pk * qk[j];
         }
         if (x != nullptr) {
-          const float* xi = x + i * n + j0;
+          const float* xi = x + at + j0;
 #pragma omp simd
           for (int64_t j = 0; j < len; ++j) run[j] = xi[j] - run[j];
         }
-        stream_out(run, out + i * n + j0, len, stream != 0);
+        stream_out(run, out + at + j0, len, stream != 0);
       }
     }
     if (stream) stores_done();
