@@ -162,7 +162,7 @@ def diloco_slow_links() -> str:
                     for seed, s in by_seed.items()]
             label = SLOW_LABELS[config] + " /".join(dict.fromkeys(_chosen(config, s.run) for s in seeds))
             rows.append([link(rate), label + (f", seeds {', '.join(map(str, by_seed))}" if len(seeds) > 1 else ""),
-                         f"{first['steps']:,}", "32" if config == "ddp" else _bits(statistics.median(bits)),
+                         f"{first['steps']:,}", "32" if config == "ddp" else median_span(bits, _bits),
                          f"{statistics.median(s.step for s in seeds):.3f}",
                          f"{statistics.median(s.run['compute_s'] for s in seeds):.3f}",
                          median_span(steps, "{:.0f}".format) if len(steps) == len(seeds) else "not reached", shown,
