@@ -35,8 +35,8 @@ import torch
 from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.low_rank import (FACTOR_DTYPES, Layout, check_options, factor_views, group_layout,
-                                                 multiply, new_payload, orthogonalize, raw_runs, raw_views,
-                                                 write_group)
+                                                 matrices, multiply, new_payload, orthogonalize, raw_runs,
+                                                 raw_views, write_group)
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
 from mergecomp.kernels.quantize import work_dtype
@@ -96,11 +96,6 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
             state["q"] = q
         return q
 
-    @staticmethod
-    def _matrices(ctx: PowerSGDCtx, work: torch.dtype) -> List[torch.Tensor]:
-        """Each batch of this rank's matrices (k x m x n) in the work dtype."""
-        return [batch.of(ctx.tensor).to(work) for batch in ctx.layout.matrices]
-
     # -- the pipeline -------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str,
                  shapes: Optional[Sequence[torch.Size]] = None) -> Tuple[Payload, PowerSGDCtx]:
@@ -112,7 +107,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         payload, ps, raw = new_payload(layout, "p", wire, tensor, raw=True)
         if layout.matrices:
             q = self._initial_q(name, layout, work, tensor.device)
-            multiply(ps, self._matrices(ctx, work), factor_views(q, layout, "q"))
+            multiply(ps, matrices(tensor, layout, work), factor_views(q, layout, "q"))
         for view, run in zip(raw, raw_runs(tensor, layout, wire)):
             view.copy_(run)
         return (payload,), ctx
@@ -123,7 +118,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         p_numel = layout.p_numel
         ps = orthogonalize(factor_views(flat[:p_numel].to(work), layout, "p"))
         payload, qs, _ = new_payload(layout, "q", ctx.wire, flat, raw=False)
-        multiply(qs, [m.transpose(1, 2) for m in self._matrices(ctx, work)], ps)
+        multiply(qs, [m.transpose(1, 2) for m in matrices(ctx.tensor, layout, work)], ps)
         return (payload,), ctx._replace(ps=tuple(ps), raw_sum=flat[p_numel:])
 
     def _reconstruct(self, q_flat: torch.Tensor, ctx: PowerSGDCtx, raw: Sequence[torch.Tensor],
@@ -140,7 +135,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
 
     @staticmethod
     def _pairs(q_flat: torch.Tensor, ctx: PowerSGDCtx) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """``(P, Q)`` of each matrix: the round-2 ``P``'s with the ``Q``'s in ``q_flat`` (any
+        """``(P, Q)`` of each batch: the round-2 ``P``'s with the ``Q``'s in ``q_flat`` (any
         dtype; in the work dtype)."""
         return list(zip(ctx.ps, factor_views(q_flat.to(work_dtype(ctx.dtype)), ctx.layout, "q")))
 

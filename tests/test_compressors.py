@@ -742,6 +742,12 @@ def test_powersgd_shapes_must_match():
         make("powersgd").compress(torch.randn(10), "g", [torch.Size([3, 3])])
 
 
+@pytest.mark.parametrize("name", ["powersgd", "acpsgd"])
+def test_low_rank_compressors_refuse_a_group_that_is_not_flat_and_contiguous(name):
+    with pytest.raises(ValueError, match="flat contiguous group"):
+        make(name).compress(torch.randn(2 * 24 * 20)[::2], "g", [torch.Size([24, 20])])
+
+
 # -- ACP-SGD ---------------------------------------------------------------------------------
 def test_acpsgd_alternates_its_factors_and_is_exact_for_low_rank_once_it_holds_one():
     """Step 0 sends ``P = M Q`` for the drawn ``Q``, step 1 ``Q = M^T P`` for the summed ``P``:

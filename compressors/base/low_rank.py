@@ -24,7 +24,7 @@ import torch
 from mergecomp.kernels import codecs
 
 __all__ = ["FACTOR_DTYPES", "Batch", "Layout", "check_options", "group_layout", "factor_views", "orthogonalize",
-           "multiply", "new_payload", "raw_runs", "raw_views", "write_group"]
+           "matrices", "multiply", "new_payload", "raw_runs", "raw_views", "write_group"]
 
 #: ``factor_dtype`` names and the dtypes the payloads travel in
 FACTOR_DTYPES = {"bf16": torch.bfloat16}
@@ -43,7 +43,11 @@ class Batch(NamedTuple):
         return self.count * math.prod(self.shape)
 
     def of(self, group: torch.Tensor) -> torch.Tensor:
-        """The members in the flat contiguous ``group``: a ``(count, *shape)`` strided view."""
+        """The members in the flat contiguous ``group``: a ``(count, *shape)`` strided view
+        (ValueError for any other ``group``: a view of it would read the wrong elements)."""
+        if group.dim() != 1 or not group.is_contiguous():
+            raise ValueError(f"low-rank compressors take a flat contiguous group, got shape {tuple(group.shape)} "
+                             f"with strides {group.stride()}")
         strides = (self.stride, self.shape[1], 1) if len(self.shape) == 2 else (self.stride, 1)
         return group.as_strided((self.count, *self.shape), strides, group.storage_offset() + self.offset)
 
@@ -132,6 +136,12 @@ def _batched(members: Sequence[Tuple[int, Tuple[int, ...]]]) -> Tuple[Batch, ...
             free.difference_update(best)
             batches.append(Batch(first, best[1] - first if len(best) > 1 else math.prod(shape), len(best), shape))
     return tuple(sorted(batches))
+
+
+def matrices(group: torch.Tensor, layout: Layout, work: torch.dtype) -> List[torch.Tensor]:
+    """Each batch of the group's matrices (k x m x n) in the ``work`` dtype (views where it is
+    the group's)."""
+    return [batch.of(group).to(work) for batch in layout.matrices]
 
 
 def factor_views(flat: torch.Tensor, layout: Layout, which: str) -> List[torch.Tensor]:
