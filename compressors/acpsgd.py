@@ -35,8 +35,8 @@ import torch
 from mergecomp.compressors.base.capabilities import SubtractsDecode
 from mergecomp.compressors.base.compressor import Compressor, Payload
 from mergecomp.compressors.base.low_rank import (FACTOR_DTYPES, Layout, check_options, factor_views, group_layout,
-                                                 matrices, multiply, new_payload, orthogonalize, raw_runs,
-                                                 raw_views, write_group)
+                                                 matrices, multiply, new_payload, orthogonalize, raw_views,
+                                                 write_group)
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import stable_seed
 from mergecomp.kernels.quantize import work_dtype
@@ -94,11 +94,9 @@ class ACPSGDCompressor(Compressor, SubtractsDecode):
         work = work_dtype(tensor.dtype)
         holds, held = ("q", []) if not layout.matrices else self._held(name, layout, work, tensor.device)
         ctx = ACPCtx(name, numel, tensor.dtype, wire, layout, tensor, holds, tuple(held))
-        payload, sent, raw = new_payload(layout, self._sent(ctx), wire, tensor, raw=True)
+        payload, sent = new_payload(layout, self._sent(ctx), wire, tensor, raw_from=tensor)
         ms = matrices(tensor, layout, work)
         multiply(sent, ms if holds == "q" else [m.transpose(1, 2) for m in ms], held)
-        for view, run in zip(raw, raw_runs(tensor, layout, wire)):
-            view.copy_(run)
         return (payload,), ctx
 
     @staticmethod

@@ -104,12 +104,10 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         wire = FACTOR_DTYPES.get(self.factor_dtype, tensor.dtype)
         ctx = PowerSGDCtx(name, numel, tensor.dtype, wire, layout, tensor)
         work = work_dtype(tensor.dtype)
-        payload, ps, raw = new_payload(layout, "p", wire, tensor, raw=True)
+        payload, ps = new_payload(layout, "p", wire, tensor, raw_from=tensor)
         if layout.matrices:
             q = self._initial_q(name, layout, work, tensor.device)
             multiply(ps, matrices(tensor, layout, work), factor_views(q, layout, "q"))
-        for view, run in zip(raw, raw_runs(tensor, layout, wire)):
-            view.copy_(run)
         return (payload,), ctx
 
     def next_round(self, summed: Payload, ctx: PowerSGDCtx) -> Tuple[Payload, PowerSGDCtx]:
@@ -117,7 +115,7 @@ class PowerSGDCompressor(Compressor, SubtractsDecode):
         flat = summed[0]
         p_numel = layout.p_numel
         ps = orthogonalize(factor_views(flat[:p_numel].to(work), layout, "p"))
-        payload, qs, _ = new_payload(layout, "q", ctx.wire, flat, raw=False)
+        payload, qs = new_payload(layout, "q", ctx.wire, flat)
         multiply(qs, [m.transpose(1, 2) for m in matrices(ctx.tensor, layout, work)], ps)
         return (payload,), ctx._replace(ps=tuple(ps), raw_sum=flat[p_numel:])
 

@@ -173,14 +173,17 @@ def raw_views(flat: torch.Tensor, layout: Layout) -> List[torch.Tensor]:
 
 
 def new_payload(layout: Layout, which: str, wire: torch.dtype, like: torch.Tensor,
-                raw: bool) -> Tuple[torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
+                raw_from: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """A fresh flat ``wire`` payload (fresh: the allreduce sums in place) for each batch's factor
-    ``which`` (:func:`factor_views`) and, with ``raw``, the raw elements after them; with views
-    of it as the factors and as the raw batches (:func:`raw_views`; empty without ``raw``)."""
+    ``which``, with views of it as those factors (:func:`factor_views`, left to fill); with
+    ``raw_from`` (a group), that group's raw runs after them, copied in (rounded to ``wire``)."""
     factors = layout.p_numel if which == "p" else layout.q_numel
-    total = factors + (sum(b.numel for b in layout.raw) if raw else 0)
+    total = factors + (0 if raw_from is None else sum(b.numel for b in layout.raw))
     payload = like.new_empty(total, dtype=wire)
-    return payload, factor_views(payload, layout, which), raw_views(payload[factors:], layout) if raw else []
+    if raw_from is not None:
+        for view, batch in zip(raw_views(payload[factors:], layout), layout.raw):
+            view.copy_(batch.of(raw_from))
+    return payload, factor_views(payload, layout, which)
 
 
 def multiply(outs: Sequence[torch.Tensor], lefts: Sequence[torch.Tensor], rights: Sequence[torch.Tensor]) -> None:
