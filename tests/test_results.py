@@ -62,7 +62,8 @@ def test_the_slow_links_table_takes_each_seed_s_target_and_shows_the_median_of_i
     """Two seeds, each with its own DDP fp32 loss curve (target: its final loss + 1 %): DDP fp32
     stopped after 100 steps at 10 s a step is projected to its seed's steps to target; the
     DiLoCo configuration reaches seed 0's target at step 300 (30 s) and seed 1's at step 200
-    (20 s): a speed-up per seed, and the row their median and range."""
+    (20 s): a speed-up per seed, and the row their median and range; a stopped run that reaches
+    one seed's target and not the other's says which."""
     from mergecomp_bench.results import time_to_target as ttt
 
     config = "onebit@averaging/10~2~auto~auto*2"
@@ -77,6 +78,12 @@ def test_the_slow_links_table_takes_each_seed_s_target_and_shows_the_median_of_i
               "curve": _curve([2.5, 2.1, 2.0, 1.9], 0.1), "sync_delay": 3, "fragment_codecs": ["compressed"] * 2},
              {**common, "config": config, "seed": 1, "rate": "10mbit", "steps": 800, "stop": None, "train_s": 80.0,
               "curve": _curve([2.5, 2.2, 2.0, 1.9], 0.1), "sync_delay": 2, "fragment_codecs": ["compressed"] * 2}]
+    # the momentum exchange, stopped after 100 steps at 5 s a step: on loopback it reaches seed 1's target, not seed 0's
+    stretched += [{**common, "config": "onebit@auto", "seed": seed, "steps": 400, "stop": None, "train_s": 40.0,
+                   "curve": _curve(losses, 0.1), "final_test_loss": losses[-1]}
+                  for seed, losses in ((0, [3.0, 2.8, 2.6, 2.5]), (1, [3.0, 2.5, 2.2, 2.1]))]
+    slow += [{**common, "config": "onebit@auto", "seed": seed, "rate": "10mbit", "steps": 400, "stop": 100,
+              "train_s": 500.0, "curve": _curve([3.0], 5.0)} for seed in (0, 1)]
     for name, runs in ((ttt.STRETCHED, stretched), (ttt.SLOW_LINKS, slow)):
         (tmp_path / name).write_text("".join(json.dumps(run) + "\n" for run in runs))
     monkeypatch.setattr(data, "DATA", tmp_path)
@@ -91,6 +98,9 @@ def test_the_slow_links_table_takes_each_seed_s_target_and_shows_the_median_of_i
     row = next(line for line in rows if "delay and codecs" in line)
     assert "(chose 3; the compressor, the compressor) / (chose 2; the compressor, the compressor)" in row
     assert "| 250 (200 to 300) | 25 s (20 s to 30 s) | 141.67x (133.33x to 150.00x) |" in row, row
+    exchange = next(line for line in rows if "momentum exchanged every step" in line and "Mbit" in line)
+    assert ("| 300 (seed 1); not reached (seed 0) | 1,500 s (projected: 100 steps timed) (seed 1); not reached (seed 0) "
+            "(its 400 steps: 2,000 s projected) | 2.00x (seed 1) |") in exchange, exchange
 
 
 def test_a_table_of_named_records_reads_only_their_runs():

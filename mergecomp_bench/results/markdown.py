@@ -43,10 +43,9 @@ def span(values: Iterable[float], write: Callable[[float], str]) -> str:
 
 
 def median_span(values: Sequence[float], write: Callable[[float], str]) -> str:
-    """``median (lo to hi)``, or the one value."""
-    if len(values) == 1:
-        return write(values[0])
-    return f"{write(statistics.median(values))} ({span(values, write)})"
+    """``median (lo to hi)``, or the one value (where they all read the same)."""
+    middle, spread = write(statistics.median(values)), span(values, write)
+    return middle if spread == middle else f"{middle} ({spread})"
 
 
 #: how the tables name a compressor

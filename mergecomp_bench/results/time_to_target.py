@@ -133,6 +133,12 @@ def _chosen(config: str, run: dict) -> str:
     return f" (chose {run['sync_delay']}" + (f"; {', '.join(NAMES[c] for c in codecs)})" if codecs else ")")
 
 
+def _seed_list(seeds: Iterable[int]) -> str:
+    """``seed 0`` or ``seeds 1, 2``."""
+    seeds = sorted(seeds)
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+
+
 def diloco_slow_links() -> str:
     """DiLoCo trained twice DDP's steps (its LR schedule stretched) against DDP fp32, by link:
     the steps each needs to reach DDP fp32's final loss + 1 % (from :data:`STRETCHED`: losses do
@@ -150,13 +156,16 @@ def diloco_slow_links() -> str:
             seeds = list(by_seed.values())
             first = seeds[0].run
             reached = [s.reached for s in seeds if s.reached is not None]
-            if len(reached) == len(seeds):
-                shown = median_span(reached, lambda t: f"{t:,.0f} s") + (
-                    f" (projected: {first['stop']} steps timed)" if first["stop"] else "")
-            elif first["stop"]:  # its whole schedule's time instead
-                shown = f"not reached (its {first['steps']:,} steps: {projected(first, first['steps']):,.0f} s projected)"
-            else:
-                shown = "not reached" + (f" on {len(seeds) - len(reached)} of {len(seeds)} seeds" if reached else "")
+            missed = [seed for seed, s in by_seed.items() if s.reached is None]
+            on = f" ({_seed_list(set(by_seed) - set(missed))})" if missed and reached else ""
+            shown = median_span(reached, lambda t: f"{t:,.0f} s") + (
+                f" (projected: {first['stop']} steps timed)" if first["stop"] else "") + on if reached else ""
+            if missed:
+                not_reached = "not reached" + (f" ({_seed_list(missed)})" if reached else "")
+                if first["stop"]:  # its whole schedule's time instead
+                    whole = [projected(by_seed[seed].run, by_seed[seed].run["steps"]) for seed in missed]
+                    not_reached += f" (its {first['steps']:,} steps: {median_span(whole, lambda t: f'{t:,.0f} s')} projected)"
+                shown = f"{shown}; {not_reached}" if shown else not_reached
             steps = [s.steps for s in seeds if s.steps is not None]
             bits = [(stretched[seed][0][config] if s.run["stop"] else s.run)["bits_per_element"]
                     for seed, s in by_seed.items()]
@@ -165,8 +174,9 @@ def diloco_slow_links() -> str:
                          f"{first['steps']:,}", "32" if config == "ddp" else median_span(bits, _bits),
                          f"{statistics.median(s.step for s in seeds):.3f}",
                          f"{statistics.median(s.run['compute_s'] for s in seeds):.3f}",
-                         median_span(steps, "{:.0f}".format) if len(steps) == len(seeds) else "not reached", shown,
-                         median_span(speed_ups[config], times) if speed_ups.get(config) else "–"])
+                         (median_span(steps, "{:.0f}".format) + on + (f"; not reached ({_seed_list(missed)})" if on else "")
+                          if steps else "not reached"), shown,
+                         median_span(speed_ups[config], times) + on if speed_ups.get(config) else "–"])
     header = ["link", "configuration", "schedule (steps)", "bits per element per step", "mean step (s)",
               "one worker's step (s)", "steps to target", "time to target", "vs DDP fp32"]
     return table(header, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
