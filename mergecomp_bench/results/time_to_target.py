@@ -139,6 +139,33 @@ def _seed_list(seeds: Iterable[int]) -> str:
     return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
 
 
+def _reach(by_seed: Dict[int, SlowRun]) -> Tuple[str, str, str]:
+    """A row's steps to the target, time to it (median and range over the seeds that reached
+    it; a stopped run's whole schedule, projected, where one did not) and, where only some
+    seeds reached it, `` (seeds 1, 2)`` naming them (else "")."""
+    first = next(iter(by_seed.values())).run
+    reached = {seed: s for seed, s in by_seed.items() if s.reached is not None}
+    missed = [seed for seed in by_seed if seed not in reached]
+    some = f" ({_seed_list(reached)})" if missed and reached else ""
+    projected_note = f" (projected: {first['stop']} steps timed)" if first["stop"] else ""
+    steps, times_to = [], []
+    if reached:
+        steps.append(median_span([s.steps for s in reached.values()], "{:.0f}".format) + some)
+        times_to.append(median_span([s.reached for s in reached.values()], _seconds) + projected_note + some)
+    if missed:
+        not_reached = "not reached" + (f" ({_seed_list(missed)})" if reached else "")
+        steps.append(not_reached)
+        if first["stop"]:  # its whole schedule's time instead
+            whole = [projected(by_seed[seed].run, by_seed[seed].run["steps"]) for seed in missed]
+            not_reached += f" (its {first['steps']:,} steps: {median_span(whole, _seconds)} projected)"
+        times_to.append(not_reached)
+    return "; ".join(steps), "; ".join(times_to), some
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:,.0f} s"
+
+
 def diloco_slow_links() -> str:
     """DiLoCo trained twice DDP's steps (its LR schedule stretched) against DDP fp32, by link:
     the steps each needs to reach DDP fp32's final loss + 1 % (from :data:`STRETCHED`: losses do
@@ -155,18 +182,7 @@ def diloco_slow_links() -> str:
         for config, by_seed in timed.items():
             seeds = list(by_seed.values())
             first = seeds[0].run
-            reached = [s.reached for s in seeds if s.reached is not None]
-            missed = [seed for seed, s in by_seed.items() if s.reached is None]
-            on = f" ({_seed_list(set(by_seed) - set(missed))})" if missed and reached else ""
-            shown = median_span(reached, lambda t: f"{t:,.0f} s") + (
-                f" (projected: {first['stop']} steps timed)" if first["stop"] else "") + on if reached else ""
-            if missed:
-                not_reached = "not reached" + (f" ({_seed_list(missed)})" if reached else "")
-                if first["stop"]:  # its whole schedule's time instead
-                    whole = [projected(by_seed[seed].run, by_seed[seed].run["steps"]) for seed in missed]
-                    not_reached += f" (its {first['steps']:,} steps: {median_span(whole, lambda t: f'{t:,.0f} s')} projected)"
-                shown = f"{shown}; {not_reached}" if shown else not_reached
-            steps = [s.steps for s in seeds if s.steps is not None]
+            steps_cell, time_cell, some = _reach(by_seed)
             bits = [(stretched[seed][0][config] if s.run["stop"] else s.run)["bits_per_element"]
                     for seed, s in by_seed.items()]
             label = SLOW_LABELS[config] + " /".join(dict.fromkeys(_chosen(config, s.run) for s in seeds))
@@ -174,9 +190,8 @@ def diloco_slow_links() -> str:
                          f"{first['steps']:,}", "32" if config == "ddp" else median_span(bits, _bits),
                          f"{statistics.median(s.step for s in seeds):.3f}",
                          f"{statistics.median(s.run['compute_s'] for s in seeds):.3f}",
-                         (median_span(steps, "{:.0f}".format) + on + (f"; not reached ({_seed_list(missed)})" if on else "")
-                          if steps else "not reached"), shown,
-                         median_span(speed_ups[config], times) + on if speed_ups.get(config) else "–"])
+                         steps_cell, time_cell,
+                         median_span(speed_ups[config], times) + some if speed_ups.get(config) else "–"])
     header = ["link", "configuration", "schedule (steps)", "bits per element per step", "mean step (s)",
               "one worker's step (s)", "steps to target", "time to target", "vs DDP fp32"]
     return table(header, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
