@@ -111,6 +111,26 @@ def test_a_table_of_named_records_reads_only_their_runs():
     assert "diverged" in without_floor and "diverged" not in with_floor
 
 
+def test_the_adam_noise_column_compares_fp16_gradients_with_adamw_on_each_seed_of_its_setting(tmp_path, monkeypatch):
+    """fp16@grad against none@grad seed by seed (median and range); another setting's or run
+    length's fp16 runs are not this row's; without any, a dash."""
+    setting = {"layers": 3, "lr": 3e-3}
+
+    def run(config, seed, loss, steps=600, **differs):
+        return {"config": config, "seed": seed, "final_test_loss": loss, "steps": steps, "status": "ok",
+                "setting": {**setting, **differs}}
+    runs = [run("fp16@grad", 0, 1.01), run("fp16@grad", 1, 1.98), run("fp16@grad", 2, 3.09),
+            run("fp16@grad", 0, 9.0, steps=300), run("fp16@grad", 1, 9.0, batch=16)]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    (tmp_path / "none.jsonl").write_text(json.dumps(run("fp16@grad", 0, 1.0, beta2=0.95)) + "\n")
+    monkeypatch.setattr(data, "DATA", tmp_path)
+    full = {**adam._ADAM_DEFAULTS, **setting}
+    baseline = {0: 1.0, 1: 2.0, 2: 3.0}
+    assert adam._noise_cell(full, 600, "r.jsonl", baseline) == "+1.00 % (−1.00 % to +3.00 %)"
+    assert adam._noise_cell(full, 300, "r.jsonl", baseline) == "+800.00 % (seed 0)"
+    assert adam._noise_cell(full, 600, "none.jsonl", baseline) == "–"
+
+
 # Records older than provenance in every row (mergecomp_bench/records.py) for which neither the docs
 # nor the commit messages give a command (docs/img/data/provenance.json says what they give instead).
 # A gap may be filled; a new record must carry its command.

@@ -8,13 +8,16 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from mergecomp_bench.results.data import named, records
 from mergecomp_bench.results.markdown import median_span, signed, table
 
-__all__ = ["BY_COMPRESSOR", "SHORT_RUN", "SHORT_RUN_RECORDS", "WARM_UPS", "BETA2_095", "BETA2_095_RECORD",
-           "BETA2_095_ROWS", "WITHOUT_FLOOR_RECORD", "WITHOUT_FLOOR_ROWS", "adam_auto", "adam_momentum_exchange",
-           "recipes_on_their_own_run"]
+__all__ = ["BY_COMPRESSOR", "NOISE_CONFIG", "SHORT_RUN", "SHORT_RUN_RECORDS", "WARM_UPS", "BETA2_095",
+           "BETA2_095_RECORD", "BETA2_095_ROWS", "WITHOUT_FLOOR_RECORD", "WITHOUT_FLOOR_ROWS", "adam_auto",
+           "adam_momentum_exchange", "recipes_on_their_own_run"]
 
 #: bench_adam.py's defaults, which records made before it wrote its setting leave out
 _ADAM_DEFAULTS = {"model": "gpt2", "corpus": "stdlib", "layers": 4, "lr": 1e-3, "beta2": 0.999, "clip": None,
                   "batch": 8, "workers": 2}
+#: AdamW's gradients rounded to fp16 (DDP's fp16 hook), no exchange: the column of :func:`adam_auto`
+#: that shows how far a change of the numerics too small to matter moves a setting's final loss
+NOISE_CONFIG = "fp16@grad"
 #: the compressors of :func:`adam_auto`'s columns
 _AUTO_COMPRESSORS = ("onebit", "topk", "powersgd", "terngrad")
 #: its rows: label, the setting (what differs from the defaults), updates, the record of its runs
@@ -85,9 +88,22 @@ def adam_auto() -> str:
                  else _auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
                  for compressor, measured in runs.items()]
         seeds = _seeds(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {_seeds(seeds_of_row)}"
-        rows.append([f"{label}, {seeds}", *cells, f"`{record}`"])
-    header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS), "record (`docs/img/data/`)"]
-    return table(header, ["---", *["---:"] * len(_AUTO_COMPRESSORS), "---"], rows)
+        rows.append([f"{label}, {seeds}", *cells, _noise_cell(setting, steps, record, baseline), f"`{record}`"])
+    header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS),
+              f"fp16 gradients, no exchange (`{NOISE_CONFIG}`): the noise", "record (`docs/img/data/`)"]
+    return table(header, ["---", *["---:"] * (len(_AUTO_COMPRESSORS) + 1), "---"], rows)
+
+
+def _noise_cell(setting: Dict[str, object], steps: int, record: str, baseline: Dict[int, float]) -> str:
+    """The setting's noise: :data:`NOISE_CONFIG`'s runs in ``record`` against uncompressed AdamW
+    on their seeds, ``median (lo to hi)`` in per cent ("–" without such runs)."""
+    runs = [r for r in records(record) if r["config"] == NOISE_CONFIG and _setting(r) == setting
+            and r["steps"] == steps]
+    if not runs:
+        return "–"
+    cell = median_span(_vs_adamw(runs, baseline, record), signed)
+    seeds = {r["seed"] for r in runs}
+    return cell if len(seeds) > 1 else f"{cell} ({_seeds(seeds)})"
 
 
 def recipes_on_their_own_run() -> List[Tuple[float, float]]:
