@@ -6,7 +6,7 @@ import statistics
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from mergecomp_bench.results.data import named, records
-from mergecomp_bench.results.markdown import median_span, signed, table
+from mergecomp_bench.results.markdown import median_span, seed_list, signed, table
 
 __all__ = ["BY_COMPRESSOR", "NOISE_CONFIG", "SHORT_RUN", "SHORT_RUN_RECORDS", "WARM_UPS", "BETA2_095",
            "BETA2_095_RECORD", "BETA2_095_ROWS", "WITHOUT_FLOOR_RECORD", "WITHOUT_FLOOR_ROWS", "adam_auto",
@@ -87,7 +87,7 @@ def adam_auto() -> str:
         cells = ["refused" if refuses(compressor, setting["beta2"])
                  else _auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
                  for compressor, measured in runs.items()]
-        seeds = _seeds(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {_seeds(seeds_of_row)}"
+        seeds = seed_list(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {seed_list(seeds_of_row)}"
         rows.append([f"{label}, {seeds}", *cells, _noise_cell(setting, steps, record, baseline), f"`{record}`"])
     header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS),
               f"fp16 gradients, no exchange (`{NOISE_CONFIG}`): the noise", "record (`docs/img/data/`)"]
@@ -103,7 +103,7 @@ def _noise_cell(setting: Dict[str, object], steps: int, record: str, baseline: D
         return "–"
     cell = median_span(_vs_adamw(runs, baseline, record), signed)
     seeds = {r["seed"] for r in runs}
-    return cell if len(seeds) > 1 else f"{cell} ({_seeds(seeds)})"
+    return cell if len(seeds) > 1 else f"{cell} ({seed_list(seeds)})"
 
 
 def recipes_on_their_own_run() -> List[Tuple[float, float]]:
@@ -143,11 +143,6 @@ def _vs_adamw(runs: List[dict], baseline: Dict[int, float], record: str) -> List
     return [100 * (r["final_test_loss"] / baseline[r["seed"]] - 1) for r in runs]
 
 
-def _seeds(seeds: Set[int]) -> str:
-    """``seed 0`` or ``seeds 0, 1, 2``."""
-    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, sorted(seeds)))}"
-
-
 def _auto_cell(runs: List[dict], baseline: Dict[int, float], record: str, row_seeds: Set[int]) -> str:
     """``**+0.83 %** (worst +1.01 %; 1.93 bits)``: bold where the median is within 1 %; the
     cell's seeds named where they are fewer than its row's (``row_seeds``)."""
@@ -156,7 +151,7 @@ def _auto_cell(runs: List[dict], baseline: Dict[int, float], record: str, row_se
     bits = f"{statistics.median(r['bits_per_element'] for r in runs):.2f} bits"
     worst = f"worst {signed(max(deltas))}; " if len(runs) > 1 else ""
     seeds = {r["seed"] for r in runs}
-    only = f"{_seeds(seeds)} only; " if seeds != row_seeds else ""
+    only = f"{seed_list(seeds)} only; " if seeds != row_seeds else ""
     return f"{f'**{middle}**' if statistics.median(deltas) <= 1.0 else middle} ({only}{worst}{bits})"
 
 

@@ -7,7 +7,7 @@ import math
 import statistics
 from typing import Callable, Iterable, Sequence
 
-__all__ = ["table", "signed", "times", "span", "median_span", "compressor_name", "groups_label", "link"]
+__all__ = ["table", "signed", "times", "span", "median_span", "seed_list", "compressor_name", "groups_label", "link"]
 
 
 def table(header: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -46,6 +46,12 @@ def median_span(values: Sequence[float], write: Callable[[float], str]) -> str:
     """``median (lo to hi)``, or the one value (where they all read the same)."""
     middle, spread = write(statistics.median(values)), span(values, write)
     return middle if spread == middle else f"{middle} ({spread})"
+
+
+def seed_list(seeds: Iterable[int]) -> str:
+    """``seed 0`` or ``seeds 0, 1, 2``."""
+    seeds = sorted(seeds)
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
 
 
 #: how the tables name a compressor

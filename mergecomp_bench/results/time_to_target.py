@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 from mergecomp.scheduler.fragment_codecs import NAMES
 from mergecomp_bench.cluster import bits_per_second
 from mergecomp_bench.results.data import finished
-from mergecomp_bench.results.markdown import link, median_span, signed, table, times
+from mergecomp_bench.results.markdown import link, median_span, seed_list, signed, table, times
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
@@ -133,12 +133,6 @@ def _chosen(config: str, run: dict) -> str:
     return f" (chose {run['sync_delay']}" + (f"; {', '.join(NAMES[c] for c in codecs)})" if codecs else ")")
 
 
-def _seed_list(seeds: Iterable[int]) -> str:
-    """``seed 0`` or ``seeds 1, 2``."""
-    seeds = sorted(seeds)
-    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
-
-
 def _reach(by_seed: Dict[int, SlowRun]) -> Tuple[str, str, str]:
     """A row's steps to the target, time to it (median and range over the seeds that reached
     it; a stopped run's whole schedule, projected, where one did not) and, where only some
@@ -146,14 +140,14 @@ def _reach(by_seed: Dict[int, SlowRun]) -> Tuple[str, str, str]:
     first = next(iter(by_seed.values())).run
     reached = {seed: s for seed, s in by_seed.items() if s.reached is not None}
     missed = [seed for seed in by_seed if seed not in reached]
-    some = f" ({_seed_list(reached)})" if missed and reached else ""
+    some = f" ({seed_list(reached)})" if missed and reached else ""
     projected_note = f" (projected: {first['stop']} steps timed)" if first["stop"] else ""
     steps, times_to = [], []
     if reached:
         steps.append(median_span([s.steps for s in reached.values()], "{:.0f}".format) + some)
         times_to.append(median_span([s.reached for s in reached.values()], _seconds) + projected_note + some)
     if missed:
-        not_reached = "not reached" + (f" ({_seed_list(missed)})" if reached else "")
+        not_reached = "not reached" + (f" ({seed_list(missed)})" if reached else "")
         steps.append(not_reached)
         if first["stop"]:  # its whole schedule's time instead
             whole = [projected(by_seed[seed].run, by_seed[seed].run["steps"]) for seed in missed]
