@@ -97,8 +97,7 @@ def adam_auto() -> str:
 def _noise_cell(setting: Dict[str, object], steps: int, record: str, baseline: Dict[int, float]) -> str:
     """The setting's noise: :data:`NOISE_CONFIG`'s runs in ``record`` against uncompressed AdamW
     on their seeds, ``median (lo to hi)`` in per cent ("–" without such runs)."""
-    runs = [r for r in records(record) if r["config"] == NOISE_CONFIG and _setting(r) == setting
-            and r["steps"] == steps]
+    runs = _runs(records(record), NOISE_CONFIG, setting, steps)
     if not runs:
         return "–"
     cell = median_span(_vs_adamw(runs, baseline, record), signed)
@@ -120,8 +119,12 @@ def recipes_on_their_own_run() -> List[Tuple[float, float]]:
 
 def _adamw(every: List[dict], setting: Dict[str, object], steps: int) -> Dict[int, float]:
     """Uncompressed AdamW's final validation loss per seed, in one setting."""
-    return {r["seed"]: r["final_test_loss"] for r in every
-            if r["config"] == "none@grad" and _setting(r) == setting and r["steps"] == steps}
+    return {r["seed"]: r["final_test_loss"] for r in _runs(every, "none@grad", setting, steps)}
+
+
+def _runs(rows: List[dict], config: str, setting: Dict[str, object], steps: int) -> List[dict]:
+    """The runs of ``config`` among ``rows`` made with ``setting`` over ``steps`` updates."""
+    return [r for r in rows if r["config"] == config and _setting(r) == setting and r["steps"] == steps]
 
 
 def _auto_runs(setting: Dict[str, object], steps: int, record: str) -> Dict[str, List[dict]]:
@@ -130,8 +133,8 @@ def _auto_runs(setting: Dict[str, object], steps: int, record: str) -> Dict[str,
     runs = {}
     for compressor in _AUTO_COMPRESSORS:
         after, refresh = _auto_now(compressor, setting, steps)
-        runs[compressor] = [r for r in measured if r["config"] == f"{compressor}@auto" and _setting(r) == setting
-                            and r["steps"] == steps and r["after"] == after and r.get("refresh") == refresh]
+        runs[compressor] = [r for r in _runs(measured, f"{compressor}@auto", setting, steps)
+                            if r["after"] == after and r.get("refresh") == refresh]
     return runs
 
 
