@@ -209,18 +209,19 @@ SHORT_RUN = {"layers": 3, "lr": 3e-3, "clip": 1.0}
 SHORT_RUN_RECORDS = ("adam_gpt2_3x256_warmup_length_2workers.jsonl", "adam_gpt2_qsgd4_warmup_2workers.jsonl")
 #: its rows: the recipes' warm-up K before its floor of 150 updates, and the warm-up's codec
 WARM_UPS: Tuple[Row, ...] = (
-    ("1-bit SGD recipe before the floor", "onebit@auto", 18),
+    ("1-bit SGD, K before the floor", "onebit@momentum/32^qsgd", 18),
     ("1-bit SGD, fp16 warm-up", "onebit@momentum/32^fp16", 60),
     ("the same, a longer warm-up", "onebit@momentum/32^fp16", 150),
     ("1-bit SGD, 8-bit QSGD warm-up (the recipe)", "onebit@momentum/32^qsgd", 150),
     ("1-bit SGD, 4-bit QSGD warm-up", "onebit@momentum/32^qsgd4", 150),
-    ("PowerSGD recipe before the floor", "powersgd@auto", 36),
-    ("PowerSGD rank 16 in bf16, the increment sent", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 120),
+    ("PowerSGD rank 16 in bf16, the increment sent, K before the floor",
+     "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 36),
+    ("the same, K = 120", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 120),
     ("the same, 4-bit QSGD warm-up", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd4", 150),
-    ("top-k recipe before the floor", "topk@auto", 45),
-    ("top-k 2.5 % in fp16, 4-bit QSGD warm-up", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd4", 150),
-    ("TernGrad recipe before the floor", "terngrad@auto", 18),
-    ("TernGrad base 3, 4-bit QSGD warm-up", "terngrad:packing=base3@momentum/40^qsgd4", 150),
+    ("top-k 2.5 % in fp16, K before the floor", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd", 45),
+    ("the same, 4-bit QSGD warm-up", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd4", 150),
+    ("TernGrad base 3, K before the floor", "terngrad:packing=base3@momentum/40^qsgd", 18),
+    ("the same, 4-bit QSGD warm-up", "terngrad:packing=base3@momentum/40^qsgd4", 150),
 )
 #: the short run with beta2 = 0.95, and its record
 BETA2_095 = {**SHORT_RUN, "beta2": 0.95}
