@@ -103,6 +103,30 @@ def test_the_slow_links_table_takes_each_seed_s_target_and_shows_the_median_of_i
             "(its 400 steps: 2,000 s projected) | 2.00x (seed 1) |") in exchange, exchange
 
 
+def test_the_four_hosts_table_takes_each_seed_s_target_and_its_dense_diloco(tmp_path, monkeypatch):
+    """Two seeds: each configuration's steps to its own seed's DDP fp32 final loss + 1 %, its
+    final loss against its own seed's dense DiLoCo, each the median and range over the seeds; a
+    seed whose target a configuration missed is named."""
+    from mergecomp_bench.results import time_to_target as ttt
+
+    def run(config, seed, losses, steps=400, bits=3.2):
+        return {"status": "ok", "config": config, "seed": seed, "steps": steps, "bits_per_element": bits,
+                "curve": _curve(losses, 0.1), "final_test_loss": losses[-1]}
+
+    runs = [run("ddp", 0, [3.0, 2.5, 2.0, 2.0], steps=200, bits=32), run("ddp", 1, [3.0, 2.6, 2.2, 2.2], steps=200, bits=32),
+            run(ttt._DENSE, 0, [2.5, 2.1, 2.0, 1.9]), run(ttt._DENSE, 1, [2.5, 2.2, 2.0, 2.0]),
+            run("onebit@averaging/10*2", 0, [2.6, 2.4, 2.1, 2.09], bits=0.1),
+            run("onebit@averaging/10*2", 1, [2.6, 2.2, 2.1, 2.1], bits=0.1)]
+    (tmp_path / ttt.FOUR_HOSTS).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    monkeypatch.setattr(data, "DATA", tmp_path)
+    rows = ttt.diloco_four_hosts().splitlines()
+    dense = next(line for line in rows if "dense, seeds 0, 1" in line)
+    assert "| 250 (200 to 300) | 1.950 (1.900 to 2.000) | – | – |" in dense, dense
+    onebit = next(line for line in rows if "1-bit SGD, seeds 0, 1" in line)
+    assert "| 200 (seed 1); not reached (seed 0) |" in onebit, onebit
+    assert "| +7.50 % (+5.00 % to +10.00 %) | 1/32 |" in onebit, onebit
+
+
 def test_a_table_of_named_records_reads_only_their_runs():
     """The same configurations in the same setting, before and after the variance floor: each
     table keeps to its record."""

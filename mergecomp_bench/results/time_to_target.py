@@ -199,24 +199,39 @@ _DENSE = "none@averaging/10*2"
 
 
 def diloco_four_hosts() -> str:
-    """:data:`FOUR_HOSTS`: each configuration's steps to DDP fp32's final loss + 1 %, its final
-    loss against dense DiLoCo's, and its bits per element over the run as a fraction of dense
-    DiLoCo's."""
-    runs = {run["config"]: run for run in finished(FOUR_HOSTS)}
-    target = runs["ddp"]["final_test_loss"] * (1 + TARGET)
-    dense = runs[_DENSE]
+    """:data:`FOUR_HOSTS`: each configuration's steps to its seed's DDP fp32 final loss + 1 %,
+    its final loss against dense DiLoCo's of the same seed, and its bits per element over the run
+    as a fraction of dense DiLoCo's (over several seeds: the median, and the range where they
+    differ)."""
+    seeds: Dict[int, Dict[str, dict]] = {}
+    for run in finished(FOUR_HOSTS):
+        seeds.setdefault(run["seed"], {})[run["config"]] = run
 
     def over_run(run: dict) -> float:
         return (32 if run["config"] == "ddp" else run["bits_per_element"]) * run["steps"]
 
+    def steps_cell(config: str) -> str:
+        reached = {seed: steps_to(by_config[config], by_config["ddp"]["final_test_loss"] * (1 + TARGET))
+                   for seed, by_config in seeds.items()}
+        hit = {seed: steps for seed, steps in reached.items() if steps is not None}
+        missed = [seed for seed in reached if seed not in hit]
+        if not hit:
+            return "not reached"
+        cell = median_span(list(hit.values()), "{:,.0f}".format)
+        return f"{cell} ({seed_list(hit)}); not reached ({seed_list(missed)})" if missed else cell
+
     rows = []
     for config, label in FOUR_HOSTS_LABELS.items():
-        run = runs[config]
-        bytes_vs_dense = over_run(run) / over_run(dense)
+        runs = [by_config[config] for by_config in seeds.values()]
+        bytes_vs_dense = statistics.median(over_run(by_config[config]) / over_run(by_config[_DENSE])
+                                           for by_config in seeds.values())
         shown_bytes = times(bytes_vs_dense) if bytes_vs_dense >= 1 else f"1/{1 / bytes_vs_dense:.0f}"
-        rows.append([label, f"{run['steps']:,}", "32" if config == "ddp" else _bits(run["bits_per_element"]),
-                     f"{steps_to(run, target) or 'not reached'}", f"{run['final_test_loss']:.3f}",
-                     "–" if config in ("ddp", _DENSE) else signed(100 * (run["final_test_loss"] / dense["final_test_loss"] - 1)),
+        vs_dense = [100 * (by_config[config]["final_test_loss"] / by_config[_DENSE]["final_test_loss"] - 1)
+                    for by_config in seeds.values()]
+        rows.append([label + (f", {seed_list(seeds)}" if len(seeds) > 1 else ""), f"{runs[0]['steps']:,}",
+                     "32" if config == "ddp" else median_span([run["bits_per_element"] for run in runs], _bits),
+                     steps_cell(config), median_span([run["final_test_loss"] for run in runs], "{:.3f}".format),
+                     "–" if config in ("ddp", _DENSE) else median_span(vs_dense, signed),
                      "–" if config == _DENSE else shown_bytes])
     header = ["configuration (4 hosts)", "schedule (steps)", "bits per element per step", "steps to target",
               "final loss", "vs dense DiLoCo's", "bytes over the run vs dense DiLoCo's"]
