@@ -234,15 +234,14 @@ BETA2_095_ROWS: Tuple[Row, ...] = (
     ("the same, R = 8", "onebit@momentum/8^fp16", 60),
     ("1-bit SGD, fp16 warm-up", "onebit@momentum/32^fp16", 150),
     ("the same, R = 8", "onebit@momentum/8^fp16", 150),
-    ("1-bit SGD recipe before the floor", "onebit@auto", 18),
-    ("top-k recipe before the floor", "topk@auto", 45),
+    ("1-bit SGD, R = 8, K before the floor", "onebit@momentum/8^qsgd", 18),
+    ("top-k 2.5 % in fp16, R = 8, K before the floor", "topk:ratio=0.025;value_dtype=fp16@momentum/8^qsgd", 45),
     ("top-k 2.5 % in fp16, R = 32", "topk:ratio=0.025;value_dtype=fp16@momentum/32^qsgd", 150),
-    ("PowerSGD recipe before the floor", "powersgd@auto", 36),
+    ("PowerSGD rank 16 in bf16, R = 8, K before the floor", "powersgd:rank=16;factor_dtype=bf16@increment/8^qsgd", 36),
     ("PowerSGD rank 16 in bf16, R = 48", "powersgd:rank=16;factor_dtype=bf16@increment/48^qsgd", 120),
-    ("TernGrad recipe before the floor", "terngrad@auto", 18),
-    ("the same, its settings spelled out", "terngrad:packing=base3@momentum/8^qsgd", 18),
+    ("TernGrad base 3, R = 8, K before the floor", "terngrad:packing=base3@momentum/8^qsgd", 18),
     ("the same, a longer warm-up", "terngrad:packing=base3@momentum/8^qsgd", 60),
-    ("the same, the warm-up `\"auto\"` would give it (127-level QSGD)", "terngrad:packing=base3@momentum/8^qsgd", 150),
+    ("the same, the warm-up `\"auto\"` would give it", "terngrad:packing=base3@momentum/8^qsgd", 150),
 )
 #: the record of the same run before the update's variance floor, and its rows
 WITHOUT_FLOOR_RECORD = "adam_gpt2_3x256_beta2_095_without_variance_floor_2workers.jsonl"
