@@ -3,7 +3,7 @@ final validation loss + :data:`TARGET` of the same seed, against DDP fp32's and 
 from __future__ import annotations
 
 import statistics
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from mergecomp.scheduler.fragment_codecs import NAMES
 from mergecomp_bench.cluster import bits_per_second
@@ -133,6 +133,17 @@ def _chosen(config: str, run: dict) -> str:
     return f" (chose {run['sync_delay']}" + (f"; {', '.join(NAMES[c] for c in codecs)})" if codecs else ")")
 
 
+def _reached_cell(by_seed: Dict[int, Optional[float]], write: Callable[[float], str]) -> str:
+    """The values of the seeds that reached the target (None: not reached) as ``median (lo to
+    hi)``, then ``not reached``; each list of seeds named where only some reached it."""
+    hit = {seed: value for seed, value in by_seed.items() if value is not None}
+    missed = [seed for seed in by_seed if seed not in hit]
+    if not hit:
+        return "not reached"
+    cell = median_span(list(hit.values()), write)
+    return f"{cell} ({seed_list(hit)}); not reached ({seed_list(missed)})" if missed else cell
+
+
 def _reach(by_seed: Dict[int, SlowRun]) -> Tuple[str, str, str]:
     """A row's steps to the target, time to it (median and range over the seeds that reached
     it; a stopped run's whole schedule, projected, where one did not) and, where only some
@@ -142,18 +153,18 @@ def _reach(by_seed: Dict[int, SlowRun]) -> Tuple[str, str, str]:
     missed = [seed for seed in by_seed if seed not in reached]
     some = f" ({seed_list(reached)})" if missed and reached else ""
     projected_note = f" (projected: {first['stop']} steps timed)" if first["stop"] else ""
-    steps, times_to = [], []
+    steps = _reached_cell({seed: None if s.reached is None else s.steps for seed, s in by_seed.items()},
+                          "{:.0f}".format)
+    times_to = []
     if reached:
-        steps.append(median_span([s.steps for s in reached.values()], "{:.0f}".format) + some)
         times_to.append(median_span([s.reached for s in reached.values()], _seconds) + projected_note + some)
     if missed:
         not_reached = "not reached" + (f" ({seed_list(missed)})" if reached else "")
-        steps.append(not_reached)
         if first["stop"]:  # its whole schedule's time instead
             whole = [projected(by_seed[seed].run, by_seed[seed].run["steps"]) for seed in missed]
             not_reached += f" (its {first['steps']:,} steps: {median_span(whole, _seconds)} projected)"
         times_to.append(not_reached)
-    return "; ".join(steps), "; ".join(times_to), some
+    return steps, "; ".join(times_to), some
 
 
 def _seconds(seconds: float) -> str:
@@ -210,16 +221,6 @@ def diloco_four_hosts() -> str:
     def over_run(run: dict) -> float:
         return (32 if run["config"] == "ddp" else run["bits_per_element"]) * run["steps"]
 
-    def steps_cell(config: str) -> str:
-        reached = {seed: steps_to(by_config[config], by_config["ddp"]["final_test_loss"] * (1 + TARGET))
-                   for seed, by_config in seeds.items()}
-        hit = {seed: steps for seed, steps in reached.items() if steps is not None}
-        missed = [seed for seed in reached if seed not in hit]
-        if not hit:
-            return "not reached"
-        cell = median_span(list(hit.values()), "{:,.0f}".format)
-        return f"{cell} ({seed_list(hit)}); not reached ({seed_list(missed)})" if missed else cell
-
     rows = []
     for config, label in FOUR_HOSTS_LABELS.items():
         runs = [by_config[config] for by_config in seeds.values()]
@@ -230,7 +231,10 @@ def diloco_four_hosts() -> str:
                     for by_config in seeds.values()]
         rows.append([label + (f", {seed_list(seeds)}" if len(seeds) > 1 else ""), f"{runs[0]['steps']:,}",
                      "32" if config == "ddp" else median_span([run["bits_per_element"] for run in runs], _bits),
-                     steps_cell(config), median_span([run["final_test_loss"] for run in runs], "{:.3f}".format),
+                     _reached_cell({seed: steps_to(by_config[config],
+                                                   by_config["ddp"]["final_test_loss"] * (1 + TARGET))
+                                    for seed, by_config in seeds.items()}, "{:,.0f}".format),
+                     median_span([run["final_test_loss"] for run in runs], "{:.3f}".format),
                      "–" if config in ("ddp", _DENSE) else median_span(vs_dense, signed),
                      "–" if config == _DENSE else shown_bytes])
     header = ["configuration (4 hosts)", "schedule (steps)", "bits per element per step", "steps to target",
