@@ -56,6 +56,7 @@ def _with_first_zeros(indices: torch.Tensor, values: torch.Tensor, k: int,
 @register_compressor("topk")
 class TopKCompressor(SparseCompressor, FusedEncode):
     checks_finite = True
+    clears = True
 
     def __init__(self, ratio: float = 0.01, selection: str = "threshold", value_dtype: Optional[str] = None,
                  index_format: str = "auto") -> None:
@@ -95,7 +96,7 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         return topk_abs_indices(tensor, k, self.selection)
 
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
-                       residual: Residual, check: bool = False) -> Union[None, Fused, NotFinite]:
+                       residual: Residual, check: bool = False, clear: bool = False) -> Union[None, Fused, NotFinite]:
         """With the ``residual`` of the residual memory or DGC's and the threshold selection,
         where the kernel serves the tensors (:func:`mergecomp.kernels.codecs.compensated_above`):
         one pass reads the gradient and the memory and writes the memory's new state, setting the
@@ -104,7 +105,8 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         Compensate, compress and feed make three passes with the residual (the add, the
         threshold scan, the residual's copy), six with DGC's memory (momentum, velocity, the
         copy out, the scan, the velocity's copy, the masking).  The same payload and state, bit
-        for bit.  With ``check`` the scan is also the gradient's NaN/Inf check."""
+        for bit.  With ``check`` the scan is also the gradient's NaN/Inf check; with ``clear``
+        it zeroes the gradient as it reads it (the zeros a decode into it scatters into)."""
         n = tensor.numel()
         k = num_selected(n, self.ratio)
         if self.selection != "threshold" or k >= n:
@@ -127,7 +129,7 @@ class TopKCompressor(SparseCompressor, FusedEncode):
         out = residual.target()  # every element written below
         indices, values, count, momenta, finite = compensated_above(
             tensor, old, threshold, out, candidate_capacity(k),
-            None if momentum is None else (momentum.factor, momentum.old, corrected))
+            None if momentum is None else (momentum.factor, momentum.old, corrected), clear)
         if check and not finite:
             return NOT_FINITE
         if k <= count <= indices.numel():  # the k largest among the candidates; the others go back

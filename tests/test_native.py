@@ -450,6 +450,29 @@ def test_compensated_above_takes_what_passes_and_leaves_the_rest(n, capacity, so
 
 
 @needs_kernels
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("source", ["plain", "residual", "momentum"])
+def test_compensated_above_clearing_zeroes_x_and_changes_nothing_else(n, source):
+    """With ``clear`` every element of x is 0 afterwards, and every other output, the
+    finiteness flag included, is what the scan gives without it."""
+    x, r, u = torch.randn(n), torch.randn(n), torch.randn(n)
+    x[n // 2] = float("inf")  # the flag is read from x before it is cleared
+    runs = []
+    for clear in (False, True):
+        given = x.clone()
+        out, u_out = torch.empty(n), torch.empty(n)
+        momentum = (0.9, u, u_out) if source == "momentum" else None
+        found = native.compensated_above(given, None if source == "plain" else r, 1.0, out, 1000, momentum, clear)
+        runs.append((found, out, u_out, given))
+    (plain, out, u_out, kept), (cleared, out_c, u_out_c, zeroed) = runs
+    assert torch.equal(kept, x) and not zeroed.any()
+    assert plain[2] == cleared[2] and not plain[4] and not cleared[4]  # count; finite
+    assert torch.equal(plain[0], cleared[0]) and torch.equal(plain[1], cleared[1])
+    assert (plain[3] is None) == (cleared[3] is None) and (plain[3] is None or torch.equal(plain[3], cleared[3]))
+    assert torch.equal(out, out_c) and (source != "momentum" or torch.equal(u_out, u_out_c))
+
+
+@needs_kernels
 @pytest.mark.parametrize("capacity", [5, 10 ** 6])
 def test_compensated_above_masks_the_momentum_of_what_it_takes(capacity):
     """DGC's scan: u_out = m u + x and c = r + u_out everywhere, except that a candidate it

@@ -70,6 +70,50 @@ def test_serving_lends_the_callers_tensor_once_and_never_pools_it():
             pass
 
 
+def test_a_tensor_lent_as_zeros_is_known_only_inside_the_block():
+    ws, mine = Workspace(), torch.zeros(10)
+    with ws.serving(mine, zeroed=True):
+        assert ws.holds_zeros(mine) and not ws.holds_zeros(torch.zeros(10))
+    assert not ws.holds_zeros(mine)
+    with ws.serving(mine):
+        assert not ws.holds_zeros(mine)
+
+
+def test_a_sparse_decode_scatters_into_a_tensor_lent_as_zeros_without_zeroing_it():
+    """The workspace's word is trusted: a tensor lent as zeros is not zeroed again, the entries
+    are added where they land (a lent tensor of sevens shows it); one lent without it is zeroed."""
+    compressor = mergecomp.get_compressor("topk", ratio=0.25)
+    compressor.workspace = ws = Workspace()
+    payload, ctx = compressor.compress(torch.arange(8.0), "g")
+    for zeroed in (True, False):
+        sevens = torch.full((8,), 7.0)
+        with ws.serving(sevens, zeroed=zeroed):
+            dense = compressor.decompress(payload, ctx)
+        assert dense is sevens
+        assert dense.tolist() == ([7.0] * 6 + [13.0, 14.0] if zeroed else [0.0] * 6 + [6.0, 7.0])
+
+
+@pytest.mark.parametrize("compression", ["topk", "dgc", "randk", "onebit", "none"])
+def test_an_encode_that_zeroes_its_scratch_buffer_gives_the_same_result(compression):
+    """start(scratch=True) and finish(out=) into the same buffer: top-k's fused encode zeroes
+    the buffer as it reads it (:attr:`Job.zeroed`) and its decode scatters into it; the results
+    and the memory are those of an exchange that leaves the buffer alone, step after step."""
+    shapes = [torch.Size([300, 40]), torch.Size([900])]
+    groups = layout(build_plan(1, [0, 1], ["a", "b"], [300 * 40 * 4, 900 * 4]), shapes)
+    results = []
+    for scratch in (False, True):
+        torch.manual_seed(0)
+        exchange = Exchange.create(compression, None, LocalCommunicator())
+        for step in range(3):
+            exchange.step = step
+            buffer = torch.randn(groups[0].numel, generator=torch.Generator().manual_seed(step))
+            job = exchange.start(groups[0], buffer, scratch=scratch)
+            assert job.zeroed == (scratch and compression in ("topk", "dgc")) and (not job.zeroed or not buffer.any())
+            results.append(exchange.finish(job, out=buffer).clone())
+            exchange.end_step()
+    assert all(torch.equal(a, b) for a, b in zip(results[:3], results[3:]))
+
+
 class FreshOutput(mergecomp.Compressor):
     """A plugin whose aggregate ignores the workspace: finish(out=) must copy its result in."""
     name = "fresh-output"

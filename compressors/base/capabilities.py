@@ -65,16 +65,21 @@ class FusedEncode(abc.ABC):
     carries_residual: bool = False
     #: :meth:`compress_fused` can check the gradient for NaN/Inf in its own pass (``check``)
     checks_finite: bool = False
+    #: :meth:`compress_fused` zeroes ``tensor`` in its own pass where asked (``clear``)
+    clears: bool = False
 
     @abc.abstractmethod
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
-                       residual: "Residual", check: bool = False) -> Union[None, Fused, NotFinite]:
+                       residual: "Residual", check: bool = False, clear: bool = False
+                       ) -> Union[None, Fused, NotFinite]:
         """``compensate``, ``compress`` and the memory's update of group ``name`` whose memory
         gives ``residual`` (:meth:`Memory.fused_residual`), where this compressor can for
         ``tensor``: ``(payload, ctx, update)``, the payload and ctx ``compress`` gives the
         compensated ``tensor``, bit for bit, and ``update()``, which leaves the memory as its
         update would; the caller runs it once, after the payload is sent or copied and before
-        ``tensor`` changes.  ``tensor`` itself stays as given.  None: the caller compensates,
+        ``tensor`` changes.  ``tensor`` itself stays as given, but with ``clear`` (asked only
+        of a compressor that :attr:`clears`, by a caller that reads ``tensor`` no more): every
+        element is then 0, the payload or NOT_FINITE returned.  None: the caller compensates,
         compresses and updates.  ``check`` (asked only of a compressor that
         :attr:`checks_finite`): for a ``tensor`` holding NaN/Inf, returns :data:`NOT_FINITE`,
         having written the memory's target with what it read (the caller puts the memory back

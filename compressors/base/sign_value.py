@@ -42,7 +42,8 @@ class SignValueCompressor(SummedDecode, ShardedEncode, FusedEncode, PartsEncode)
         return self.encode(*pack_signs(tensor, empty=self.scratch), tensor)
 
     def compress_fused(self, tensor: torch.Tensor, name: str, shapes: Optional[Sequence[torch.Size]],
-                       residual: Residual, check: bool = False) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
+                       residual: Residual, check: bool = False,
+                       clear: bool = False) -> Optional[Tuple[Payload, Any, Callable[[], None]]]:
         """With the residual memory's ``residual`` (carried), where a kernel serves the tensors
         (:func:`mergecomp.kernels.codecs.compensated_signs`): one
         pass reads the gradient and the buffer the step before left, and writes the compensated

@@ -162,8 +162,8 @@ class SparseCompressor(Compressor, SparseEntries):
     ``index_format``'s indices (module docstring)."""
 
     default_memory = "residual"
-    #: decompress: zeroing the dense output (the scatter touches k entries); aggregate: one
-    #: scatter of every rank's entries into it
+    #: decompress: zeroing the dense output (the scatter touches k entries; none where the
+    #: workspace lends it zeroed); aggregate: one scatter of every rank's entries into it
     passes = CodecPasses(aggregate=1)
 
     def __init__(self, ratio: float = 0.01, index_format: str = "int32") -> None:
@@ -212,7 +212,9 @@ class SparseCompressor(Compressor, SparseEntries):
 
     def _scatter(self, values: torch.Tensor, indices: torch.Tensor, ctx: Tuple[int, torch.dtype]) -> torch.Tensor:
         numel, dtype = ctx
-        dense = zero_(self.scratch(numel, dtype, values.device))
+        dense = self.scratch(numel, dtype, values.device)
+        if self.workspace is None or not self.workspace.holds_zeros(dense):
+            zero_(dense)
         # scatter_add_ accumulates repeated indices like index_add_, and is faster on CPU.
         return dense.scatter_add_(0, indices, values.to(dtype))
 

@@ -28,17 +28,19 @@ Encoded = Tuple[Payload, Any]
 
 
 def fused(compressor: Compressor, memory: Memory, tensor: torch.Tensor, name: str,
-          shapes: Optional[Sequence[torch.Size]] = None, check: bool = False) -> Union[None, Fused, NotFinite]:
+          shapes: Optional[Sequence[torch.Size]] = None, check: bool = False,
+          clear: bool = False) -> Union[None, Fused, NotFinite]:
     """``compressor``'s fused encode of group ``name`` with ``memory``
     (:class:`~mergecomp.compressors.base.capabilities.FusedEncode`), where the compressor offers
     one for the memory's residual: ``(payload, ctx, update)``, or with ``check`` (for a
     compressor that ``checks_finite``) :data:`NOT_FINITE` for a ``tensor`` holding NaN/Inf;
-    else None."""
+    else None.  ``clear`` (for a compressor that ``clears``): ``tensor`` zeroed by the encode."""
     if not isinstance(compressor, FusedEncode):
         return None
     residual = memory.fused_residual(tensor, name, carried=compressor.carries_residual)
     check = check and compressor.checks_finite
-    return None if residual is None else compressor.compress_fused(tensor, name, shapes, residual, check)
+    clear = clear and compressor.clears
+    return None if residual is None else compressor.compress_fused(tensor, name, shapes, residual, check, clear)
 
 
 def fused_parts(compressor: Compressor, memory: Memory, like: torch.Tensor, name: str,
@@ -149,9 +151,15 @@ class Encoder:
         as given; :meth:`feed` then runs the memory's update).  ``check``: the encode is also
         the gradient's NaN/Inf check, where the compressor ``checks_finite``; it returns
         :data:`NOT_FINITE` for a gradient holding one (nothing taken, the memory's target
-        written)."""
-        encoded = fused(job.compressor, self.memory, job.compensated, job.group.name, job.group.shapes, check)
-        return encoded if encoded is NOT_FINITE else self.take(job, encoded)
+        written).  Where the job's buffer is :attr:`~mergecomp.exchange.job.Job.scratch`, a
+        compressor that ``clears`` zeroes it in the same pass (:attr:`Job.zeroed`)."""
+        encoded = fused(job.compressor, self.memory, job.compensated, job.group.name, job.group.shapes, check,
+                        job.scratch)
+        if encoded is NOT_FINITE:
+            return encoded
+        taken = self.take(job, encoded)
+        job.zeroed = taken and job.scratch and job.compressor.clears
+        return taken
 
     def parts(self, name: str, like: torch.Tensor, parts: int) -> Optional[FusedParts]:
         """The configured compressor's encode of group ``name`` part by part with this memory
@@ -226,9 +234,10 @@ class Encoder:
     def decode_into(self, job: Job, out: Optional[torch.Tensor], decode: Callable[..., torch.Tensor],
                     *args) -> torch.Tensor:
         """``decode(*args)``, in ``out`` when given: the codec decodes straight into it when it
-        takes its output from the workspace, else the result is copied there (``copy-out``)."""
-        lend = (self.workspace.serving(out) if out is not None and self.workspace is not None
-                else contextlib.nullcontext())
+        takes its output from the workspace (lent as holding zeros where the job's fused encode
+        zeroed it, :attr:`Job.zeroed`), else the result is copied there (``copy-out``)."""
+        lend = (self.workspace.serving(out, zeroed=job.zeroed and out is job.compensated)
+                if out is not None and self.workspace is not None else contextlib.nullcontext())
         with lend:
             result = decode(*args)
         if out is not None and result.data_ptr() != out.data_ptr():

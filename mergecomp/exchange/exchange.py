@@ -196,7 +196,8 @@ class Exchange:
         parts.kept = []
 
     def start(self, group: Group, flat: torch.Tensor, route: Optional[Route] = None,
-              finite: Optional[bool] = None, parts: Optional[FusedParts] = None, check: bool = True) -> Job:
+              finite: Optional[bool] = None, parts: Optional[FusedParts] = None, check: bool = True,
+              scratch: bool = False) -> Job:
         """Check, compensate and hand ``flat`` (the group's gradients; modified in place) to the
         scheme of its ``route`` (:meth:`route`; default ``"compressed"``'s), which starts the
         first collective.  ``check`` False: no NaN/Inf check this step (:attr:`Job.finite` is
@@ -207,12 +208,16 @@ class Exchange:
         ``parts``: what :meth:`begin` gave, every gradient added (``finite``: whether all were;
         ``flat`` then holds no gradients): its payload is sent, or, for a part not finite, the
         group's state is put back and the group goes on as one whose ``flat`` held NaN.
+        ``scratch``: the caller reads ``flat`` no more and finishes into it
+        (``finish(job, out=flat)``): an encode that can may zero it as it reads it, for a decode
+        that scatters into zeros (:attr:`Job.scratch`).
         """
         check = check and self.check_finite
         with self.clock(ENCODE, group.name):
             if self.workspace is not None:
                 self.workspace.advance(self.step)
             job = Job(group, route or self.route(COMPRESSED), flat, self.comm, self.step)
+            job.scratch = scratch and self.workspace is not None
             compressor, scheme = job.compressor, job.scheme
             if parts is not None:
                 if finite or not check:

@@ -91,6 +91,10 @@ class Job:
         self.ctx: Any = None
         #: the payload was made by a fused encode, whose memory update runs in place of a feed
         self.encoded = False
+        #: ``compensated`` is the decode's output, not read after the encode (and the decode
+        #: lent it by the workspace); ``zeroed``: the fused encode left it all zeros
+        self.scratch = False
+        self.zeroed = False
         self.update: Optional[Callable[[], None]] = None
         #: the payload's tensors are the encoder's own, written by nothing until the next step
         #: (:class:`~mergecomp.compressors.base.compressor.FusedParts`): a one-tensor payload

@@ -109,7 +109,7 @@ _SIGNATURES = {
     "mc_trits_sum": ([_P, _P, _I32, _I64, _F32, _P, _I32], None),
     "mc_levels_sum": ([_P, _I32, _I64, _I32, _F32, _P, _I64, _I64, _F32, _P, _I32], None),
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
-    "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _P, _I32], _I64),
+    "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _P, _P, _I32], _I64),
     "mc_keep_largest": ([_P, _P, _P, _I64, _I64, _P, _P], None),
     "mc_sampled_threshold": ([_P, _P, _I64, _I64, _I64], _F32),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
@@ -523,8 +523,8 @@ def indices_above(x: torch.Tensor, threshold: float, capacity: int) -> torch.Ten
 
 
 def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], threshold: float, out: torch.Tensor,
-                      capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor], bool]:
+                      capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None,
+                      clear: bool = False) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor], bool]:
     """Top-k's scan of ``c = x + residual`` (``residual`` None: ``x``) in one pass: ``out`` (fp32,
     ``x``'s numel; may be ``residual``) gets ``c``, except that the first ``capacity`` elements
     with ``|c| >= threshold`` get 0 and are returned as ``(indices, values, count, None,
@@ -534,7 +534,7 @@ def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], thresho
     ``u``) gets ``m * u + x``, each step rounded to fp32, and ``c = residual + u_out``; a
     returned element's ``u_out`` is 0 where its ``c`` is not (momentum factor masking), its
     value before that is returned fourth.  :func:`keep_largest` then puts back what is not
-    sent."""
+    sent.  ``clear``: ``x`` is zeroed, each element once the scan has read it."""
     n = x.numel()
     indices = torch.empty(max(int(capacity), 1), dtype=torch.int64)
     values = torch.empty(indices.numel(), dtype=torch.float32)
@@ -546,7 +546,8 @@ def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], thresho
         None if u is None else _buf("u", u, torch.float32, n), factor,
         None if u_out is None else _buf("u_out", u_out, torch.float32, n),
         n, threshold, _buf("out", out, torch.float32, n), indices.data_ptr(), values.data_ptr(),
-        None if momenta is None else momenta.data_ptr(), indices.numel(), ctypes.byref(finite), _threads())
+        None if momenta is None else momenta.data_ptr(), indices.numel(), ctypes.byref(finite),
+        _buf("x", x, torch.float32, n) if clear else None, _threads())
     stored = min(count, indices.numel())
     return indices[:stored], values[:stored], count, None if momenta is None else momenta[:stored], bool(finite.value)
 

@@ -12,7 +12,8 @@ holds more than two steps' worth.
 
 :meth:`serving` lends a caller's own tensor for one request, so a codec's full-size output can
 land straight in the caller's buffer (the merged group's gradients) instead of a pool tensor
-that would then be copied there.
+that would then be copied there; lent as holding zeros (zeroed by the encode that read it), a
+sparse decode scatters into it without zeroing it again.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class Workspace:
         self._free: Dict[Key, List[torch.Tensor]] = {}
         self._taken: Dict[Key, List[torch.Tensor]] = {}
         self._lent: Optional[torch.Tensor] = None
+        self._zeros: Optional[torch.Tensor] = None
 
     def advance(self, step: int) -> None:
         """Start ``step``: the tensors taken before it become reusable."""
@@ -60,13 +62,19 @@ class Workspace:
         return tensor
 
     @contextlib.contextmanager
-    def serving(self, tensor: torch.Tensor) -> Iterator[None]:
+    def serving(self, tensor: torch.Tensor, zeroed: bool = False) -> Iterator[None]:
         """Inside the block, the first :meth:`empty` request for ``tensor``'s numel, dtype and
-        device returns ``tensor`` itself (flat, contiguous; its contents are then undefined)."""
+        device returns ``tensor`` itself (flat, contiguous; its contents are then undefined,
+        unless ``zeroed``: it holds zeros, which :meth:`holds_zeros` tells)."""
         if tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError(f"Workspace.serving needs a flat contiguous tensor, got shape {tuple(tensor.shape)}")
         self._lent = tensor
+        self._zeros = tensor if zeroed else None
         try:
             yield
         finally:
-            self._lent = None
+            self._lent = self._zeros = None
+
+    def holds_zeros(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the one :meth:`serving` lends as holding zeros, inside its block."""
+        return tensor is self._zeros

@@ -236,7 +236,8 @@ class MergedStep:
         (the warm-up and the ``scheme`` option decide how it travels)."""
         if not self._started:
             self._checking = self._checks()
-        job = self.exchange.start(group, flat, self.route(codec), finite, parts, self._checking)
+        job = self.exchange.start(group, flat, self.route(codec), finite, parts, self._checking,
+                                  scratch=not self.front_end.hand_out)
         job.count("copy-in", 1, copied)
         self._started.append(job)
         self._outs.append(flat)

@@ -30,11 +30,11 @@ def fused_scan_served(*tensors: torch.Tensor) -> bool:
 
 
 def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], threshold: float, out: torch.Tensor,
-                      capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor], bool]:
-    """Top-k's one-pass scan of ``x + residual``, which also tells whether ``x`` is finite
-    (:func:`mergecomp.kernels.native.compensated_above`)."""
-    return native.compensated_above(x, residual, threshold, out, capacity, momentum)
+                      capacity: int, momentum: Optional[Tuple[float, torch.Tensor, torch.Tensor]] = None,
+                      clear: bool = False) -> Tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor], bool]:
+    """Top-k's one-pass scan of ``x + residual``, which also tells whether ``x`` is finite and
+    with ``clear`` zeroes ``x`` (:func:`mergecomp.kernels.native.compensated_above`)."""
+    return native.compensated_above(x, residual, threshold, out, capacity, momentum, clear)
 
 
 def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
