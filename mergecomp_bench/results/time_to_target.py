@@ -12,7 +12,7 @@ from mergecomp_bench.results.markdown import link, median_span, seed_list, signe
 
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
-           "FOUR_HOSTS", "FOUR_HOSTS_LABELS", "diloco_four_hosts",
+           "FOUR_HOSTS", "FOUR_HOSTS_LABELS", "diloco_four_hosts", "STALENESS", "diloco_staleness",
            "time_to", "runs_by_seed", "speed_ups", "median_or_dash", "headline_speed_ups", "headline",
            "time_to_accuracy", "time_to_accuracy_recipes", "SlowRun", "slow_link_runs", "slow_link_speed_ups"]
 
@@ -240,6 +240,35 @@ def diloco_four_hosts() -> str:
     header = ["configuration (4 hosts)", "schedule (steps)", "bits per element per step", "steps to target",
               "final loss", "vs dense DiLoCo's", "bytes over the run vs dense DiLoCo's"]
     return table(header, ["---", "---:", "---:", "---:", "---:", "---:", "---:"], rows)
+
+
+#: 1-bit SGD DiLoCo (averaging, H = 10, stretched) with P fragments and each exchange in flight
+#: for D inner steps (losses on loopback), beside DDP fp32 on the same seed
+STALENESS = "time_to_accuracy_gpt2_4x256_batch2_loopback_diloco_staleness.jsonl"
+
+
+def _fragments_and_delay(config: str) -> Tuple[int, int]:
+    """P and D of a ``...~P~D*F`` configuration (1 and 0 without ``~``)."""
+    streaming = config.split("*")[0].split("~")[1:]
+    return (int(streaming[0]), int(streaming[1])) if streaming else (1, 0)
+
+
+def diloco_staleness() -> str:
+    """:data:`STALENESS`, one row per (fragments, delay): the steps to DDP fp32's final loss +
+    :data:`TARGET` and the final loss against the unfragmented, undelayed run's (one seed)."""
+    runs = {run["config"]: run for run in finished(STALENESS)}
+    target = runs.pop("ddp")["final_test_loss"] * (1 + TARGET)
+    grid = sorted(runs.values(), key=lambda run: _fragments_and_delay(run["config"]))
+    reference = grid[0]["final_test_loss"]  # P = 1, D = 0 sorts first
+    rows = []
+    for run in grid:
+        fragments, delay = _fragments_and_delay(run["config"])
+        reached = steps_to(run, target)
+        rows.append([str(fragments), str(delay), "not reached" if reached is None else f"{reached:,}",
+                     f"{run['final_test_loss']:.3f}",
+                     "–" if run is grid[0] else signed(100 * (run["final_test_loss"] / reference - 1))])
+    header = ["fragments (P)", "delay (inner steps)", "steps to target", "final loss", "vs P = 1, no delay"]
+    return table(header, ["---:", "---:", "---:", "---:", "---:"], rows)
 
 
 def time_to(record: dict, target: float) -> Optional[float]:
