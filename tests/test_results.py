@@ -128,21 +128,25 @@ def test_the_four_hosts_table_takes_each_seed_s_target_and_its_dense_diloco(tmp_
 
 
 def test_the_staleness_table_orders_fragments_and_delays_against_the_undelayed_run(tmp_path, monkeypatch):
-    """One row per (fragments, delay), sorted, the unfragmented undelayed run first: steps to
-    DDP fp32's final loss + 1 % and the final loss against that first run's."""
+    """One row per (fragments, delay), sorted, the unfragmented undelayed run first, over the
+    seeds that ran it: steps to the seed's DDP fp32 final loss + 1 % and the final loss against
+    the same seed's first run (median and range)."""
     from mergecomp_bench.results import time_to_target as ttt
 
-    def run(config, losses):
-        return {"status": "ok", "config": config, "seed": 0, "steps": 400, "curve": _curve(losses, 0.1),
+    def run(config, losses, seed=0):
+        return {"status": "ok", "config": config, "seed": seed, "steps": 400, "curve": _curve(losses, 0.1),
                 "final_test_loss": losses[-1]}
 
     runs = [run("onebit@averaging/10~2~4*2", [2.6, 2.3, 2.2, 2.2]), run("ddp", [3.0, 2.5, 2.0, 2.0]),
-            run("onebit@averaging/10~1~3*2", [2.6, 2.0, 2.0, 2.1]), run("onebit@averaging/10*2", [2.6, 2.4, 2.0, 2.0])]
+            run("onebit@averaging/10~1~3*2", [2.6, 2.0, 2.0, 2.1]), run("onebit@averaging/10*2", [2.6, 2.4, 2.0, 2.0]),
+            run("ddp", [3.0, 2.5, 2.4, 2.4], seed=1), run("onebit@averaging/10*2", [2.6, 2.4, 2.4, 2.4], seed=1),
+            run("onebit@averaging/10~1~3*2", [2.6, 2.5, 2.5, 2.64], seed=1)]
     (tmp_path / ttt.STALENESS).write_text("".join(json.dumps(r) + "\n" for r in runs))
     monkeypatch.setattr(data, "DATA", tmp_path)
     rows = ttt.diloco_staleness().splitlines()[2:]
-    assert rows == ["| 1 | 0 | 300 | 2.000 | – |", "| 1 | 3 | 200 | 2.100 | +5.00 % |",
-                    "| 2 | 4 | not reached | 2.200 | +10.00 % |"], rows
+    assert rows == ["| 1 | 0 | 0, 1 | 250 (200 to 300) | 2.200 (2.000 to 2.400) | – |",
+                    "| 1 | 3 | 0, 1 | 200 (seed 0); not reached (seed 1) | 2.370 (2.100 to 2.640) | +7.50 % (+5.00 % to +10.00 %) |",
+                    "| 2 | 4 | 0 | not reached | 2.200 | +10.00 % |"], rows
 
 
 def test_a_table_of_named_records_reads_only_their_runs():

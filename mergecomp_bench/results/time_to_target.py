@@ -254,21 +254,27 @@ def _fragments_and_delay(config: str) -> Tuple[int, int]:
 
 
 def diloco_staleness() -> str:
-    """:data:`STALENESS`, one row per (fragments, delay): the steps to DDP fp32's final loss +
-    :data:`TARGET` and the final loss against the unfragmented, undelayed run's (one seed)."""
-    runs = {run["config"]: run for run in finished(STALENESS)}
-    target = runs.pop("ddp")["final_test_loss"] * (1 + TARGET)
-    grid = sorted(runs.values(), key=lambda run: _fragments_and_delay(run["config"]))
-    reference = grid[0]["final_test_loss"]  # P = 1, D = 0 sorts first
+    """:data:`STALENESS`, one row per (fragments, delay), over the seeds that ran it (median and
+    range): the steps to the seed's DDP fp32 final loss + :data:`TARGET`, and the final loss and
+    its difference to the same seed's unfragmented, undelayed run."""
+    seeds: Dict[int, Dict[Tuple[int, int], dict]] = {}
+    targets: Dict[int, float] = {}
+    for run in finished(STALENESS):
+        if run["config"] == "ddp":
+            targets[run["seed"]] = run["final_test_loss"] * (1 + TARGET)
+        else:
+            seeds.setdefault(run["seed"], {})[_fragments_and_delay(run["config"])] = run
     rows = []
-    for run in grid:
-        fragments, delay = _fragments_and_delay(run["config"])
-        reached = steps_to(run, target)
-        rows.append([str(fragments), str(delay), "not reached" if reached is None else f"{reached:,}",
-                     f"{run['final_test_loss']:.3f}",
-                     "–" if run is grid[0] else signed(100 * (run["final_test_loss"] / reference - 1))])
-    header = ["fragments (P)", "delay (inner steps)", "steps to target", "final loss", "vs P = 1, no delay"]
-    return table(header, ["---:", "---:", "---:", "---:", "---:"], rows)
+    for key in sorted({key for by_key in seeds.values() for key in by_key}):
+        runs = {seed: by_key[key] for seed, by_key in seeds.items() if key in by_key}
+        vs = [100 * (run["final_test_loss"] / seeds[seed][(1, 0)]["final_test_loss"] - 1) for seed, run in runs.items()]
+        rows.append([str(key[0]), str(key[1]), seed_list(runs).split(" ", 1)[1],
+                     _reached_cell({seed: steps_to(run, targets[seed]) for seed, run in runs.items()},
+                                   "{:,.0f}".format),
+                     median_span([run["final_test_loss"] for run in runs.values()], "{:.3f}".format),
+                     "–" if key == (1, 0) else median_span(vs, signed)])
+    header = ["fragments (P)", "delay (inner steps)", "seeds", "steps to target", "final loss", "vs P = 1, no delay"]
+    return table(header, ["---:", "---:", "---", "---:", "---:", "---:"], rows)
 
 
 def time_to(record: dict, target: float) -> Optional[float]:
