@@ -268,7 +268,7 @@ def diloco_staleness() -> str:
     for key in sorted({key for by_key in seeds.values() for key in by_key}):
         runs = {seed: by_key[key] for seed, by_key in seeds.items() if key in by_key}
         vs = [100 * (run["final_test_loss"] / seeds[seed][(1, 0)]["final_test_loss"] - 1) for seed, run in runs.items()]
-        rows.append([str(key[0]), str(key[1]), seed_list(runs).split(" ", 1)[1],
+        rows.append([str(key[0]), str(key[1]), ", ".join(map(str, sorted(runs))),
                      _reached_cell({seed: steps_to(run, targets[seed]) for seed, run in runs.items()},
                                    "{:,.0f}".format),
                      median_span([run["final_test_loss"] for run in runs.values()], "{:.3f}".format),
