@@ -492,3 +492,164 @@ def test_a_three_rank_checkpoint_resumes_on_two_ranks(tmp_path, residuals):
                 assert not any(torch.equal(value, mine) for mine in each)
                 torch.testing.assert_close(value, torch.stack(each).mean(dim=0))
     assert torch.equal(out[0][2], out[1][2])
+
+
+def test_the_fragment_count_is_the_fewest_behind_the_smallest_delay():
+    from mergecomp.scheduler.fragment_codecs import FIT_SHARE
+    from mergecomp.scheduler.fragment_count import choose, covering
+
+    step = 0.1 / FIT_SHARE  # 0.1 s of each inner step holds an exchange
+    assert covering(0.25, step) == 3 and covering(0.2, step) == 2 and covering(0.0, step) == 1
+    assert covering(0.1, 0.0) == float("inf")
+    whole = {1: 0.6, 2: 0.31, 3: 0.19, 4: 0.16, 5: 0.13}  # H = 10: room for 9, 4, 2, 1, 1 steps
+    choice = choose(whole, step, 10)
+    assert (choice["fragments"], choice["delay"], choice["hidden"]) == (3, 2, True), choice
+    assert choice["covering"] == {1: 6, 2: 4, 3: 2, 4: 2, 5: 2}
+    assert choose({**whole, 3: 0.21}, step, 10)["fragments"] == 2, "three would need 3 steps of their 2"
+    fast = {p: 0.01 / p for p in whole}
+    assert choose(fast, step, 10)["fragments"] == 1 and choose(fast, step, 10)["delay"] == 1, "one hides it at once"
+    assert choose({1: 0.6, 2: 0.31, 3: 0.21, 4: 0.1, 5: 0.08}, step, 10)["fragments"] == 4, "delay 1 beats fewer"
+    slow = {p: 5.0 / p for p in whole}
+    choice = choose(slow, step, 10)
+    assert (choice["fragments"], choice["delay"], choice["hidden"]) == (1, 9, False), "the most overlap: one"
+    assert choose(whole, step, 10, delay=4)["fragments"] == 2, "the fewest hidden within the delay given"
+    assert choose(whole, step, 10, delay=2)["fragments"] == 3
+    choice = choose(whole, step, 10, delay=1)
+    assert (choice["fragments"], choice["delay"], choice["hidden"]) == (5, 1, False), "none hides: the smallest waits"
+
+
+def deep_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)], torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _auto_count_worker(rank, world, H, steer, codecs=False, saved_at=None, path=None):
+    """``fragments="auto"`` with the delay chosen, top-k on the pseudo-gradients: the choice at
+    step 2, the same on every rank, and the run then exactly DiLoCo with those fragments and
+    that delay.  ``steer``: the probe's prediction replaced by the whole model's exchange taking
+    that many inner steps' share (the real probe still runs), to make the choice deterministic.
+    ``saved_at``: also saved there and resumed by a fresh run, which must end the same."""
+    import mergecomp.torch as mc
+    import mergecomp.torch.diloco as module
+
+    probe, total = module.exchanges_within, sum(p.numel() for p in deep_model().parameters())
+
+    def steered(comm, compressor, codec, sizes, dtype, device, budget):
+        probe(comm, compressor, codec, sizes, dtype, device, budget)
+        return {n: (0.0, n / total * steer * budget / module.PROBE_STEPS) for n in sizes}
+    data = [(x.repeat(1, 2)[:, :8], y) for x, y in batches(rank, H * 4)]
+    extra = {"fragment_codecs": "auto"} if codecs else {}
+
+    def run(build, frm=0, state=None, save=None):
+        model = deep_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        diloco = build(model, opt)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            diloco.load_state_dict(state["diloco"])
+        undecided = []
+        for step, (x, y) in enumerate(data[frm:], frm + 1):
+            inner_step(model, opt, x, y)
+            undecided.append(diloco.fragment_choice == {})
+            if step == save:
+                torch.save(copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                                          "diloco": diloco.state_dict()}), f"{path}.{rank}")
+        diloco.sync()  # every rank's parameters the global ones
+        diloco.close()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), diloco, undecided
+
+    if steer:
+        module.exchanges_within = steered
+    try:
+        auto = lambda model, opt: mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="topk",
+                                            fragments="auto", fragment_sync_delay="auto", **extra)
+        params, diloco, undecided = run(auto, save=saved_at)
+        resumed = run(auto, saved_at, torch.load(f"{path}.{rank}", weights_only=False))[0] if saved_at else None
+    finally:
+        module.exchanges_within = probe
+    count, delay = len(diloco.fragments), diloco.sync_delay
+    fixed = run(lambda model, opt: mc.DiLoCo(model.named_parameters(), opt, sync_every=H, compression="topk",
+                                             fragments=count, fragment_sync_delay=delay))[0]
+    return {"params": params, "count": count, "delay": delay, "choice": diloco.fragment_choice,
+            "undecided": undecided, "codecs": diloco.fragment_codecs, "codec_choices": diloco.codec_choices,
+            "fixed": fixed, "resumed": resumed}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_fragments_are_chosen_at_the_second_step_and_run_as_given_ones(world):
+    """Unsteered (whatever this machine's link and steps make of it) on 2 and 3 ranks."""
+    from mergecomp.scheduler.fragment_count import choose
+
+    results = run_workers(_auto_count_worker, world, world, 8, None, timeout=120)
+    first = results[0]
+    choice = first["choice"]
+    assert first["undecided"] == [True] + [False] * 31
+    assert torch.equal(first["params"], first["fixed"]), "after the choice: DiLoCo with those fragments and delay"
+    assert set(choice["exchange_s"]) == {1, 2, 3, 4} and choice["step_s"] > 0 and choice["probe_s"] > 0
+    again = choose(choice["exchange_s"], choice["step_s"], 8)
+    assert (again["fragments"], again["delay"]) == (first["count"], first["delay"]) == (choice["fragments"],
+                                                                                       choice["delay"])
+    for other in results[1:]:
+        assert torch.equal(other["params"], first["params"])
+        assert {**other["choice"], "probe_s": 0} == {**choice, "probe_s": 0}, "the same on every rank but its clock"
+
+
+def test_auto_fragments_steered_to_a_slow_link_split_the_model():
+    """The whole model's exchange predicted at 5 inner steps' share: one fragment would wait 5
+    steps, two 3 (room for 3), three 3 and four 2 (room for 1): two fragments, 3 steps late."""
+    for result in run_workers(_auto_count_worker, 2, 2, 8, 5.0, timeout=120):
+        choice = result["choice"]
+        assert (result["count"], result["delay"]) == (2, 3) and choice["hidden"]
+        assert choice["covering"] == {1: 5, 2: 3, 3: 3, 4: 2}
+        assert torch.equal(result["params"], result["fixed"])
+
+
+@pytest.mark.parametrize("saved_at", [1, 5])
+def test_auto_fragments_resume_exactly_before_and_after_the_choice(tmp_path, saved_at):
+    """Saved at step 1 (before the choice: the resumed run chooses at its second step, steered
+    alike) and at step 5 (two fragments chosen, the first's exchange in flight)."""
+    for result in run_workers(_auto_count_worker, 2, 2, 8, 5.0, False, saved_at, str(tmp_path / "ckpt"),
+                              timeout=120):
+        assert result["count"] == 2 and torch.equal(result["params"], result["resumed"])
+
+
+def test_auto_fragments_fit_the_codecs_into_the_delay_chosen():
+    """With ``fragment_codecs="auto"`` too: each fragment's codec is chosen for the chosen
+    delay's inner steps (3 of them), the same on every rank, and the delay shrinks to what the
+    codecs' predicted exchanges need."""
+    from mergecomp.scheduler.fragment_count import covering
+
+    results = run_workers(_auto_count_worker, 2, 2, 8, 5.0, True, timeout=120)
+    first = results[0]
+    step = first["choice"]["step_s"]
+    assert first["count"] == 2 and len(first["codecs"]) == 2 and len(first["codec_choices"]) == 2
+    assert all(c["window_s"] == 3 * step for c in first["codec_choices"])
+    assert first["delay"] == min(3, covering(max(c["predicted_s"] for c in first["codec_choices"]), step))
+    for other in results[1:]:
+        assert torch.equal(other["params"], first["params"])
+        assert (other["codecs"], other["delay"]) == (first["codecs"], first["delay"])
+
+
+def _auto_count_bad_input_worker(rank):
+    import mergecomp.torch as mc
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = []
+    for kwargs in ({"fragments": "auto"}, {"fragments": "many"}, {"fragments": "auto", "fragment_sync_delay": 4},
+                   {"fragments": "auto" if rank else 2, "fragment_sync_delay": 1}):
+        try:
+            mc.DiLoCo(model.named_parameters(), opt, sync_every=4, **kwargs).close()
+            errors.append(None)
+        except (ValueError, TypeError) as err:
+            errors.append(f"{type(err).__name__}: {err}")
+    return errors
+
+
+def test_auto_fragments_refuse_what_they_cannot_do_by_name_on_every_rank():
+    for blocking, unknown, too_late, disagree in run_workers(_auto_count_bad_input_worker, 2, timeout=120):
+        assert "fragments='auto'" in blocking and "fragment_sync_delay >= 1 or 'auto'" in blocking
+        assert unknown.startswith("TypeError") and "'many'" in unknown and "'auto'" in unknown
+        assert "fragment_sync_delay" in too_late and "[0, sync_every // fragments = 4)" in too_late
+        assert disagree is not None and "fragments" in disagree, disagree

@@ -30,6 +30,10 @@ once) and then keeps each exchange in flight for the fewest inner steps that cov
 codec whose exchange fits the inner steps it is in flight: the exact average on a fast link,
 fp16, 8- or 4-bit QSGD, down to ``compression`` on a slow one
 (:mod:`mergecomp.scheduler.fragment_codecs`), so one configuration serves every link.
+``fragments="auto"`` chooses P for the link before the first send: the fewest fragments whose
+exchange hides behind the smallest delay (the loss follows the delay;
+:mod:`mergecomp.scheduler.fragment_count`), and with it the delay and codecs, from predictions
+instead of a timed round.
 
 Bytes per rank: one pseudo-gradient per ``sync_every`` steps, at the compressor's bits per
 element.  Memory per rank: the global parameters and the outer optimizer's state besides the
@@ -54,8 +58,9 @@ from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
 from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.pipeline.resharding import to_fold
+from mergecomp.scheduler import fragment_count
 from mergecomp.scheduler.fragment_codecs import FIT_SHARE, LADDER, NAMES, Candidate, choose
-from mergecomp.scheduler.probes import exchange_within
+from mergecomp.scheduler.probes import exchange_within, exchanges_within
 
 from .functions import broadcast_tensors
 
@@ -94,7 +99,7 @@ def _split(params: List[torch.nn.Parameter], fragments: Union[int, Sequence[torc
     """The indices of ``params`` in each fragment: ``fragments`` consecutive runs of about equal
     elements, or each module's parameters (every parameter in exactly one module)."""
     if isinstance(fragments, bool) or not isinstance(fragments, (int, list, tuple)):
-        raise TypeError(f"DiLoCo: fragments must be an int or a list of modules, got {type(fragments).__name__}")
+        raise TypeError(f"DiLoCo: fragments must be an int, a list of modules or 'auto', got {fragments!r}")
     if isinstance(fragments, int):
         if not 1 <= fragments <= len(params):
             raise ValueError(f"DiLoCo: fragments must be between 1 and the {len(params)} parameters, got {fragments}")
@@ -137,6 +142,11 @@ class _InFlight:
     fragment: int
     due: int
     averaged: Optional[List[torch.Tensor]] = None
+
+
+#: ``fragments="auto"`` replays a probe size on the link while its exchange would take at most this
+#: many inner steps; longer ones are extrapolated (an exchange is affine in its bytes)
+PROBE_STEPS = 4
 
 
 def covering_delay(exchange_s: float, step_s: float, limit: int) -> int:
@@ -201,9 +211,16 @@ class DiLoCo:
             returning its outer optimizer; default :func:`nesterov`.
         fragments: Streaming DiLoCo's fragments: an int P (consecutive parameters, about equal
             elements each; 1 <= P <= H) or a list of modules (each one's parameters; every
-            parameter in exactly one), as ``model_fragments`` in torchft.
+            parameter in exactly one), as ``model_fragments`` in torchft; or ``"auto"`` (with a
+            ``fragment_sync_delay`` of ``"auto"`` or >= 1): at the second inner step, before any
+            fragment sends, the fewest fragments whose exchange is hidden behind the smallest
+            delay any fragment count allows (or behind the delay given), each count's exchange
+            predicted on the link with ``compression`` (:mod:`mergecomp.scheduler.fragment_count`;
+            :attr:`fragment_choice`; logged; a warning where no count hides it).  One fragment
+            until then; a :meth:`sync` before the choice keeps one.
         fragment_sync_delay: inner steps a fragment's exchange stays in flight before its outer
-            step (0 <= d < H // P), or ``"auto"`` (H // P >= 2): the first round is sent and
+            step (0 <= d < H // P), or ``"auto"`` (H // P >= 2; with ``fragments="auto"`` chosen
+            with them, from the predicted exchanges, not timed): the first round is sent and
             waited for at once and timed, then every rank takes the fewest inner steps that
             cover the slowest rank's slowest exchange at the fastest rank's median step, at
             least 1 and at most H // P - 1 (:attr:`sync_delay`; logged; one allgather).
@@ -214,7 +231,8 @@ class DiLoCo:
             fragment takes the least lossy of the exact average, fp16, 8-bit and 4-bit QSGD
             (unbiased, outside error feedback) whose exchange fits 3/4 of the inner steps it
             is in flight (``fragment_sync_delay``, or with ``"auto"`` H // P - 1 of them, at the
-            fastest rank's median step), never one of fewer bits than ``compression``, which is
+            fastest rank's median step; with ``fragments="auto"`` the delay chosen, at its step
+            time, right away), never one of fewer bits than ``compression``, which is
             kept where none fits.  Each candidate's exchange is predicted by probing it (its
             work rehearsed at the fragment's size, its collectives replayed on the link, from
             the fewest bits up until one overruns: a slow link probes the small codecs only);
@@ -249,7 +267,9 @@ class DiLoCo:
         names, self.params = _named(params)
         #: the optimizer of the inner steps
         self.inner_optimizer = inner_optimizer
-        split = _split(self.params, fragments)
+        #: whether ``fragments="auto"`` has yet to choose (one fragment until then)
+        self._count_auto = fragments == "auto"
+        split = [list(range(len(self.params)))] if self._count_auto else _split(self.params, fragments)
         if len(split) > sync_every:
             raise ValueError(f"DiLoCo: {len(split)} fragments cannot each sync at its own step of sync_every="
                              f"{sync_every}")
@@ -262,6 +282,9 @@ class DiLoCo:
                 or not 0 <= fragment_sync_delay < limit):
             raise ValueError(f"DiLoCo: fragment_sync_delay must be an int in [0, sync_every // fragments = "
                              f"{limit}) or 'auto', got {fragment_sync_delay!r}")
+        if self._count_auto and fragment_sync_delay == 0:
+            raise ValueError("DiLoCo: fragments='auto' chooses how many fragments hide their exchange behind the "
+                             "inner steps: give fragment_sync_delay >= 1 or 'auto'")
         if not isinstance(fragment_update_alpha, (int, float)) or not 0 <= fragment_update_alpha < 1:
             raise ValueError(f"DiLoCo: fragment_update_alpha must be in [0, 1), got {fragment_update_alpha!r}")
         if fragment_codecs not in (None, "auto"):
@@ -281,30 +304,24 @@ class DiLoCo:
         #: inner steps a fragment's exchange stays in flight; None while ``"auto"`` times the first round
         self.sync_delay: Optional[int] = None if auto else fragment_sync_delay
         self._delay_limit = limit - 1
-        self._clock = _FirstRoundClock(len(split)) if auto or self._codecs_auto else None
+        self._clock = _FirstRoundClock(len(split)) if auto or self._codecs_auto or self._count_auto else None
         #: each fragment's codec (a plan codec name) once ``fragment_codecs="auto"`` chose; None before
         self.fragment_codecs: Optional[List[str]] = None
         #: ``fragment_codecs="auto"``'s decision per fragment: the codec, its predicted exchange
         #: and every candidate's (seconds), the timed exchange and the window
         self.codec_choices: List[Dict[str, Any]] = []
-        step_options = StepOptions.create("DiLoCo", options)
-        agree = (("sync_every", sync_every), ("fragments", [[names[i] for i in f] for f in split]),
-                 ("fragment_sync_delay", fragment_sync_delay), ("fragment_update_alpha", self.update_alpha),
-                 ("fragment_codecs", fragment_codecs))
+        #: ``fragments="auto"``'s decision: the fragments, the delay, the step time and each
+        #: fragment count's predicted exchange (empty before, and where ``fragments`` was given)
+        self.fragment_choice: Dict[str, Any] = {}
+        self._names, self._step_options = names, StepOptions.create("DiLoCo", options)
+        self._given = (compression, memory, outer_optimizer or nesterov)
+        self._agree = (("sync_every", sync_every), ("fragment_sync_delay", fragment_sync_delay),
+                       ("fragment_update_alpha", self.update_alpha), ("fragment_codecs", fragment_codecs))
         self._comm = comm = communicator() if process_group is None else TorchCommunicator(process_group)
         broadcast_tensors(comm, list(zip(names, (p.data for p in self.params))), root_rank=0)
         #: the parameters every rank last agreed on, which the outer optimizers step
         self.global_params = [p.detach().clone() for p in self.params]
-        self.fragments: List[_Fragment] = []
-        def own(given: Any) -> Any:  # each fragment its own instance (names build fresh ones)
-            return given if len(split) == 1 or given is None or isinstance(given, str) else copy.deepcopy(given)
-        for k, indices in enumerate(split):
-            merged = PlannedStep(
-                own(compression), own(memory), comm, [names[i] for i in indices], [self.params[i].shape for i in indices],
-                [self.params[i].dtype for i in indices], self.params[0].device, step_options,
-                FrontEnd("DiLoCo", "parameters", observe_order=False, timed=False, in_place=True, agree=agree))
-            outer = (outer_optimizer or nesterov)([self.global_params[i] for i in indices])
-            self.fragments.append(_Fragment(indices, merged, outer, (k + 1) * sync_every // len(split) % sync_every))
+        self.fragments = self._built(split, "auto" if self._count_auto else None)
         #: the inner steps taken so far (checkpointed)
         self.inner_steps = 0
         self._in_flight: Optional[_InFlight] = None
@@ -318,6 +335,26 @@ class DiLoCo:
                 update(*args, **kwargs)
                 self._counted()
             grad_scaler.update = counted_update  # on the instance; close() removes it
+
+    def _built(self, split: List[List[int]], described: Optional[str] = None) -> List[_Fragment]:
+        """The fragments of ``split`` (parameter indices), each with its merged step (agreeing on
+        the split, or on ``described`` where given) and outer optimizer, sending at its offset."""
+        compression, memory, outer_optimizer = self._given
+        copies = len(split) > 1 or self._count_auto  # "auto" may build them twice
+
+        def own(given: Any) -> Any:  # each fragment its own instance (names build fresh ones)
+            return copy.deepcopy(given) if copies and given is not None and not isinstance(given, str) else given
+        agree = (("fragments", described or [[self._names[i] for i in f] for f in split]), *self._agree)
+        built = []
+        for k, indices in enumerate(split):
+            merged = PlannedStep(
+                own(compression), own(memory), self._comm, [self._names[i] for i in indices],
+                [self.params[i].shape for i in indices], [self.params[i].dtype for i in indices],
+                self.params[0].device, self._step_options,
+                FrontEnd("DiLoCo", "parameters", observe_order=False, timed=False, in_place=True, agree=agree))
+            outer = outer_optimizer([self.global_params[i] for i in indices])
+            built.append(_Fragment(indices, merged, outer, (k + 1) * self.sync_every // len(split) % self.sync_every))
+        return built
 
     compressor = property(lambda self: self.fragments[0].merged.exchange.compressor,
                           doc="the configured compressor (the first fragment's)")
@@ -333,6 +370,8 @@ class DiLoCo:
         if clock is not None:
             clock.step_began()
         self.inner_steps += 1
+        if self._count_auto and clock.step_s:
+            self._choose_fragments()
         for k, fragment in enumerate(self.fragments):
             if self.inner_steps % self.sync_every == fragment.offset:
                 self._send(k)
@@ -389,6 +428,53 @@ class DiLoCo:
             torch._foreach_copy_(locals_, globals_)
         return bool(flight.averaged)
 
+    @torch.no_grad()
+    def _choose_fragments(self) -> None:
+        """``fragments="auto"``, before the first send: every fragment count P whose first
+        fragment has yet to send (H // P >= this step) and that leaves room for the delay, its
+        largest fragment's exchange with ``compression`` predicted on the link
+        (:func:`~mergecomp.scheduler.probes.exchanges_within`, sizes whose exchange would take
+        over :data:`PROBE_STEPS` inner steps extrapolated), against the fastest rank's last inner
+        step (one allgather); :func:`~mergecomp.scheduler.fragment_count.choose` picks P and,
+        with ``fragment_sync_delay="auto"``, the delay; ``fragment_codecs="auto"`` then fits each
+        fragment's codec into that delay's inner steps (and the delay shrinks to what the codecs
+        chosen need).  The same on every rank."""
+        began, clock, fixed = time.perf_counter(), self._clock, None if self._auto else self.sync_delay
+        step_s = float(self._comm.allgather(torch.tensor([clock.step_s[-1]], dtype=torch.float64).to(
+            self._comm.device), "DiLoCo's inner step time").min())
+        sync_every, numels = self.sync_every, [p.numel() for p in self.params]
+        least = max((fixed or 1) + 1, self.inner_steps)
+        candidates = [1, *range(2, min(len(numels), sync_every // least) + 1)]
+        splits = {p: cut_evenly(range(len(numels)), numels, p) for p in candidates}
+        largest = {p: max(sum(numels[i] for i in f) for f in split) for p, split in splits.items()}
+        first = self.params[0]
+        probed = exchanges_within(self._comm, self.compressor, COMPRESSED, sorted(set(largest.values())), first.dtype,
+                                  first.device, PROBE_STEPS * FIT_SHARE * step_s)
+        exchange_s = {p: sum(probed[size]) for p, size in largest.items()}
+        choice = fragment_count.choose(exchange_s, step_s, sync_every, fixed)
+        count, delay = choice["fragments"], choice["delay"]
+        if count > 1:
+            self.fragments = self._built(splits[count])
+        self._count_auto, self._clock, self._delay_limit = False, None, sync_every // count - 1
+        if self._codecs_auto:
+            predicted = [self._choose_codec(k, delay * step_s, exchange_s[count]) for k in range(count)]
+            self.fragment_codecs = [c["codec"] for c in self.codec_choices]
+            if choice["hidden"] and self._auto:
+                delay = min(delay, fragment_count.covering(max(predicted), step_s))
+        self.sync_delay = delay
+        self.fragment_choice = {**choice, "delay": delay, "exchange_s": exchange_s, "step_s": step_s,
+                                "probe_s": time.perf_counter() - began}
+        logger.info("DiLoCo: fragments='auto' syncs %d fragment(s), each exchange in flight for %d inner step(s)%s: "
+                    "the largest fragment's exchange predicted %s s by fragment count, the fastest rank's inner step "
+                    "%.3f s (probed in %.2f s)", count, delay,
+                    "" if self.fragment_codecs is None else f", sent with {[NAMES[c] for c in self.fragment_codecs]}",
+                    {p: round(s, 4) for p, s in exchange_s.items()}, step_s, self.fragment_choice["probe_s"])
+        if not choice["hidden"]:
+            logger.warning("DiLoCo: fragments='auto': no fragment count hides the exchange behind the inner steps (the "
+                           "whole model's takes %.3f s, a round of %d inner steps %.3f s); the inner steps will wait for "
+                           "it: raise sync_every or choose a compressor of fewer bits", exchange_s[1], sync_every,
+                           sync_every * step_s)
+
     def _choose(self) -> None:
         """After the timed first round: ``fragment_codecs="auto"``'s codecs, then
         ``fragment_sync_delay="auto"``'s delay covering the slowest fragment's exchange with its
@@ -400,7 +486,8 @@ class DiLoCo:
         exchange_s, step_s = every[:, :-1].max(dim=0).values.tolist(), float(every[:, -1].min())
         if self._codecs_auto:
             window_s = (self._delay_limit if self._auto else self.sync_delay) * step_s
-            exchange_s = [self._choose_codec(k, seconds, clock.codecs[k], window_s)
+            timed_route = [f.merged.route(COMPRESSED, compressing=True).name for f in self.fragments]
+            exchange_s = [self._choose_codec(k, window_s, seconds if clock.codecs[k] == timed_route[k] else None)
                           for k, seconds in enumerate(exchange_s)]
             self.fragment_codecs = [choice["codec"] for choice in self.codec_choices]
             logger.info("DiLoCo: fragment_codecs='auto' sends the fragments with %s (predicted exchanges %s s, "
@@ -413,10 +500,11 @@ class DiLoCo:
                         "slowest exchange takes %.3f s, the fastest rank's median inner step %.3f s (at most %d)",
                         self.sync_delay, max(exchange_s), step_s, self._delay_limit)
 
-    def _choose_codec(self, k: int, timed_s: float, timed_codec: str, window_s: float) -> float:
+    def _choose_codec(self, k: int, window_s: float, floor_s: Optional[float]) -> float:
         """Fragment ``k``'s codec (:func:`~mergecomp.scheduler.fragment_codecs.choose`, each
         candidate probed by :func:`~mergecomp.scheduler.probes.exchange_within` as one flat group
-        of the fragment's elements), set in its plan; returns its predicted exchange in seconds."""
+        of the fragment's elements; ``floor_s``: the compressor's exchange, timed or predicted,
+        None: probed too), set in its plan; returns its predicted exchange in seconds."""
         merged = self.fragments[k].merged
         first = self.params[self.fragments[k].indices[0]]
         shapes = [self.params[i].shape for i in self.fragments[k].indices]
@@ -429,11 +517,10 @@ class DiLoCo:
             return exchange_within(self._comm, merged.exchange.compressor, c.codec, numel, first.dtype, first.device,
                                    FIT_SHARE * window_s)
         began = time.perf_counter()
-        floor = candidate(COMPRESSED)  # timed in the first round unless that went by a warm-up's route
-        floor_s = timed_s if timed_codec == merged.route(COMPRESSED, compressing=True).name else sum(predict(floor))
+        floor = candidate(COMPRESSED)
+        floor_s = sum(predict(floor)) if floor_s is None else floor_s
         choice = choose(floor_s, [*map(candidate, LADDER), floor], predict, window_s)
-        self.codec_choices.append({**choice, "timed_s": timed_s, "window_s": window_s,
-                                   "probe_s": time.perf_counter() - began})
+        self.codec_choices.append({**choice, "window_s": window_s, "probe_s": time.perf_counter() - began})
         plan = merged.plan
         merged.set_plan(GroupPlan(plan.groups, tuple(EXEMPT if c == EXEMPT else choice["codec"]
                                                      for c in plan.codec_names())))
@@ -443,6 +530,10 @@ class DiLoCo:
         """Land the fragment in flight, then synchronize every fragment now, every rank's
         parameters becoming the global ones whatever ``fragment_update_alpha`` (at the end of
         training: one model on every rank).  False where any fragment's round was skipped."""
+        if self._count_auto:  # nothing timed yet: the fragments stay one, the rest is timed as with fragments=1
+            self._count_auto = False
+            self._clock = self._clock if self._auto or self._codecs_auto else None
+            logger.info("DiLoCo: fragments='auto': sync() before the choice keeps one fragment")
         landed = self._land() if self._in_flight is not None else True
         for k in range(len(self.fragments)):
             self._send(k)
@@ -469,6 +560,8 @@ class DiLoCo:
         if flight is not None:
             self._receive()
         return {"global_params": [g.clone() for g in self.global_params], "inner_steps": self.inner_steps,
+                "fragment_count": None if self._count_auto else len(self.fragments),
+                "fragment_choice": dict(self.fragment_choice),
                 "fragment_sync_delay": self.sync_delay, "fragment_codecs": self.fragment_codecs,
                 "codec_choices": list(self.codec_choices),
                 "delay_timings": None if self._clock is None else self._clock.state_dict(),
@@ -483,6 +576,13 @@ class DiLoCo:
         if [tuple(t.shape) for t in saved] != [tuple(g.shape) for g in self.global_params]:
             raise ValueError("DiLoCo.load_state_dict: the checkpoint's global parameters do not match these "
                              "parameters' shapes")
+        count = state.get("fragment_count")
+        if self._count_auto and count is not None:  # what the saving run chose
+            if count > 1:
+                numels = [p.numel() for p in self.params]
+                self.fragments = self._built(cut_evenly(range(len(numels)), numels, count))
+            self._count_auto, self._delay_limit = False, self.sync_every // count - 1
+            self.fragment_choice = dict(state.get("fragment_choice", {}))
         if [f["parameters"] for f in state["fragments"]] != [len(f.indices) for f in self.fragments]:
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has fragments of "
                              f"{[f['parameters'] for f in state['fragments']]} parameters, this DiLoCo "
@@ -505,6 +605,9 @@ class DiLoCo:
                 self.codec_choices = list(state.get("codec_choices", [])) if chosen else []
             # once chosen, the plans with their codecs came with the merged steps' state
             self._clock = None if chosen else _FirstRoundClock(len(self.fragments), state.get("delay_timings"))
+        if self._count_auto:  # saved before the choice: timed afresh, from here to the next step on
+            self._clock = _FirstRoundClock(1, state.get("delay_timings"))
+            self._clock.step_ended()
         flight = state["in_flight"]
         self._in_flight = None if flight is None else _InFlight(flight["fragment"], flight["due"], flight["averaged"])
 

@@ -34,7 +34,7 @@ from mergecomp.exchange.schemes import SCHEMES
 from mergecomp.scheduler.clock import settle
 from mergecomp.scheduler.costmodel import CodecCost, Profile, fit_affine
 
-__all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "exchange_within", "measure", "probe_sizes",
+__all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "exchange_within", "exchanges_within", "measure", "probe_sizes",
            "rehearse", "replay", "replay_within"]
 
 #: the name of the probe group in the compressor's and the memory's state while it is timed
@@ -232,20 +232,27 @@ def replay_within(comm: Communicator, calls_by_size: Sequence[Sequence[Call]], d
     return timed
 
 
+def exchanges_within(comm: Communicator, compressor: Compressor, codec: str, sizes: Sequence[int],
+                     dtype: torch.dtype, device: torch.device, budget: float) -> Dict[int, Tuple[float, float]]:
+    """``{numel: (own work, collectives)}`` seconds of the exchange of one flat group of each of
+    ``sizes`` elements of ``dtype`` sent with plan codec ``codec`` of ``compressor``'s exchange (no
+    error feedback) on ``comm``'s ranks: :func:`measure` at 1/64 and 1/8 of the smallest and at
+    each size (a size the affine fit puts beyond ``budget`` seconds gets the fit's,
+    :func:`replay_within`), agreed (:meth:`Measurements.agree`: the slowest rank's, the same on
+    every rank); the work between collectives counts with them, as in the scheduler's profile.
+    A collective: every rank calls it with the same arguments."""
+    element = torch.empty((), dtype=dtype).element_size()
+    smallest = min(sizes)
+    numels = sorted({max(1, smallest // 64), max(1, smallest // 8), *sizes})
+    probe = measure(comm, compressor, [codec], [(n * element, 1) for n in numels], [], dtype, device, [], 0.0,
+                    budget=budget).agree(comm, device).codecs[codec]
+    return {n: (probe.encode[i] + probe.decode[i], probe.network[i]) for i, n in enumerate(numels) if n in sizes}
+
+
 def exchange_within(comm: Communicator, compressor: Compressor, codec: str, numel: int, dtype: torch.dtype,
                     device: torch.device, budget: float) -> Tuple[float, float]:
-    """``(own work, collectives)`` seconds of the exchange of one flat group of ``numel``
-    elements of ``dtype`` sent with plan codec ``codec`` of ``compressor``'s exchange (no error
-    feedback) on ``comm``'s ranks: :func:`measure` at 1/64, 1/8 and all of it (a size the
-    affine fit puts beyond ``budget`` seconds gets the fit's, :func:`replay_within`), agreed
-    (:meth:`Measurements.agree`: the slowest rank's, the same on every rank); the work between
-    collectives counts with them, as in the scheduler's profile.  A collective: every rank calls
-    it with the same arguments."""
-    element = torch.empty((), dtype=dtype).element_size()
-    samples = [(n * element, 1) for n in sorted({max(1, numel // 64), max(1, numel // 8), numel})]
-    probe = measure(comm, compressor, [codec], samples, [torch.Size([numel])], dtype, device, [], 0.0,
-                    budget=budget).agree(comm, device).codecs[codec]
-    return probe.encode[-1] + probe.decode[-1], probe.network[-1]
+    """:func:`exchanges_within` of the one size ``numel``."""
+    return exchanges_within(comm, compressor, codec, [numel], dtype, device, budget)[numel]
 
 
 def _fastest(run: Callable[[], None], device: torch.device) -> Tuple[float, float]:
