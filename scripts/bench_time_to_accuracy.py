@@ -29,7 +29,9 @@ sent with that compressor every H steps (``none@diloco/H``: dense DiLoCo), group
 every H steps, Local SGD).  ``~P~D`` after either: Streaming DiLoCo, P fragments, each exchange in
 flight for D inner steps (``fragments``, ``fragment_sync_delay``; ``~P~auto``: chosen by timing the
 first round, in the record as ``sync_delay``); ``~P~D~auto``: ``fragment_codecs="auto"`` too (the
-codecs chosen in the record as ``fragment_codecs``, each fragment's predictions as ``codec_choices``).
+codecs chosen in the record as ``fragment_codecs``, each fragment's predictions as ``codec_choices``);
+``~auto~D``: ``fragments="auto"`` (the count chosen in the record as ``fragments``, its predictions as
+``fragment_choice``).
 A suffix ``*F`` stretches that configuration's schedule to F times ``--steps`` (a user who
 trains F times longer because each step costs less).
 
@@ -246,7 +248,9 @@ def worker(args):
                   "step_s": statistics.median(times),
                   "compute_s": alone.median(), "compute_samples": len(alone.times), "train_s": trained,
                   "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve,
-                  **({} if diloco is None else {"sync_delay": diloco.sync_delay, "fragment_codecs": diloco.fragment_codecs,
+                  **({} if diloco is None else {"fragments": len(diloco.fragments), "sync_delay": diloco.sync_delay,
+                                                 "fragment_choice": diloco.fragment_choice,
+                                                 "fragment_codecs": diloco.fragment_codecs,
                                                  "codec_choices": diloco.codec_choices}),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         with open(args.out, "w") as f:
