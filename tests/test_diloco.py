@@ -505,13 +505,21 @@ def test_the_fragment_count_is_the_fewest_behind_the_smallest_delay():
     choice = choose(whole, step, 10)
     assert (choice["fragments"], choice["delay"], choice["hidden"]) == (3, 2, True), choice
     assert choice["covering"] == {1: 6, 2: 4, 3: 2, 4: 2, 5: 2}
-    assert choose({**whole, 3: 0.21}, step, 10)["fragments"] == 2, "three would need 3 steps of their 2"
+    choice = choose({**whole, 3: 0.21}, step, 10)  # three would need 3 steps of their 2: none hides it
+    assert (choice["fragments"], choice["delay"], choice["hidden"]) == (3, 2, False), "the least held up"
+    assert choice["wait_s"] == pytest.approx(0.03)
+    assert choose({**whole, 1: 0.2}, step, 10)["fragments"] == 1, "hidden within a quarter of H"
+    assert choose({**whole, 1: 0.25}, step, 10)["fragments"] == 3, "not in 3 of H = 10 steps"
     fast = {p: 0.01 / p for p in whole}
     assert choose(fast, step, 10)["fragments"] == 1 and choose(fast, step, 10)["delay"] == 1, "one hides it at once"
-    assert choose({1: 0.6, 2: 0.31, 3: 0.21, 4: 0.1, 5: 0.08}, step, 10)["fragments"] == 4, "delay 1 beats fewer"
+    assert choose({1: 0.6, 2: 0.31, 3: 0.21, 4: 0.1, 5: 0.08}, step, 10)["fragments"] == 4, "the fewest that hide it"
+    choice = choose({**whole, 1: 0.2, 2: 0.09}, step, 10)
+    assert (choice["fragments"], choice["delay"], choice["longest"]) == (1, 2, 2), "fewer fragments, not a shorter delay"
+    choice = choose({**whole, 2: 0.09}, step, 10)
+    assert (choice["fragments"], choice["delay"], choice["longest"]) == (2, 1, 2), "the codecs may use the rest"
     slow = {p: 5.0 / p for p in whole}
     choice = choose(slow, step, 10)
-    assert (choice["fragments"], choice["delay"], choice["hidden"]) == (1, 9, False), "the most overlap: one"
+    assert (choice["fragments"], choice["delay"], choice["hidden"]) == (3, 2, False), "the least held up"
     assert choose(whole, step, 10, delay=4)["fragments"] == 2, "the fewest hidden within the delay given"
     assert choose(whole, step, 10, delay=2)["fragments"] == 3
     choice = choose(whole, step, 10, delay=1)
@@ -596,12 +604,13 @@ def test_auto_fragments_are_chosen_at_the_second_step_and_run_as_given_ones(worl
 
 
 def test_auto_fragments_steered_to_a_slow_link_split_the_model():
-    """The whole model's exchange predicted at 5 inner steps' share: one fragment would wait 5
-    steps, two 3 (room for 3), three 3 and four 2 (room for 1): two fragments, 3 steps late."""
-    for result in run_workers(_auto_count_worker, 2, 2, 8, 5.0, timeout=120):
+    """The whole model's exchange predicted at 3.5 inner steps' share: one fragment would wait 4
+    steps, more than a quarter of H = 8, two 2 (room for 2), three and four 2 (room for 1): two
+    fragments, 2 steps late."""
+    for result in run_workers(_auto_count_worker, 2, 2, 8, 3.5, timeout=120):
         choice = result["choice"]
-        assert (result["count"], result["delay"]) == (2, 3) and choice["hidden"]
-        assert choice["covering"] == {1: 5, 2: 3, 3: 3, 4: 2}
+        assert (result["count"], result["delay"]) == (2, 2) and choice["hidden"]
+        assert choice["covering"] == {1: 4, 2: 2, 3: 2, 4: 2}
         assert torch.equal(result["params"], result["fixed"])
 
 
@@ -609,23 +618,23 @@ def test_auto_fragments_steered_to_a_slow_link_split_the_model():
 def test_auto_fragments_resume_exactly_before_and_after_the_choice(tmp_path, saved_at):
     """Saved at step 1 (before the choice: the resumed run chooses at its second step, steered
     alike) and at step 5 (two fragments chosen, the first's exchange in flight)."""
-    for result in run_workers(_auto_count_worker, 2, 2, 8, 5.0, False, saved_at, str(tmp_path / "ckpt"),
+    for result in run_workers(_auto_count_worker, 2, 2, 8, 3.5, False, saved_at, str(tmp_path / "ckpt"),
                               timeout=120):
         assert result["count"] == 2 and torch.equal(result["params"], result["resumed"])
 
 
-def test_auto_fragments_fit_the_codecs_into_the_delay_chosen():
-    """With ``fragment_codecs="auto"`` too: each fragment's codec is chosen for the chosen
-    delay's inner steps (3 of them), the same on every rank, and the delay shrinks to what the
-    codecs' predicted exchanges need."""
+def test_auto_fragments_fit_the_codecs_into_the_longest_delay():
+    """With ``fragment_codecs="auto"`` too: each fragment's codec is chosen for the longest delay
+    the count may take (2 of H = 8 inner steps), the same on every rank, and the delay is what
+    the codecs' predicted exchanges need."""
     from mergecomp.scheduler.fragment_count import covering
 
-    results = run_workers(_auto_count_worker, 2, 2, 8, 5.0, True, timeout=120)
+    results = run_workers(_auto_count_worker, 2, 2, 8, 3.5, True, timeout=120)
     first = results[0]
     step = first["choice"]["step_s"]
     assert first["count"] == 2 and len(first["codecs"]) == 2 and len(first["codec_choices"]) == 2
-    assert all(c["window_s"] == 3 * step for c in first["codec_choices"])
-    assert first["delay"] == min(3, covering(max(c["predicted_s"] for c in first["codec_choices"]), step))
+    assert all(c["window_s"] == 2 * step for c in first["codec_choices"])
+    assert first["delay"] == min(2, covering(max(c["predicted_s"] for c in first["codec_choices"]), step))
     for other in results[1:]:
         assert torch.equal(other["params"], first["params"])
         assert (other["codecs"], other["delay"]) == (first["codecs"], first["delay"])

@@ -31,7 +31,7 @@ codec whose exchange fits the inner steps it is in flight: the exact average on 
 fp16, 8- or 4-bit QSGD, down to ``compression`` on a slow one
 (:mod:`mergecomp.scheduler.fragment_codecs`), so one configuration serves every link.
 ``fragments="auto"`` chooses P for the link before the first send: the fewest fragments whose
-exchange hides behind the smallest delay (the loss follows the delay;
+exchange hides behind the smallest delay, at most a quarter of H (the loss follows the delay;
 :mod:`mergecomp.scheduler.fragment_count`), and with it the delay and codecs, from predictions
 instead of a timed round.
 
@@ -214,8 +214,9 @@ class DiLoCo:
             parameter in exactly one), as ``model_fragments`` in torchft; or ``"auto"`` (with a
             ``fragment_sync_delay`` of ``"auto"`` or >= 1): at the second inner step, before any
             fragment sends, the fewest fragments whose exchange is hidden behind the smallest
-            delay any fragment count allows (or behind the delay given), each count's exchange
-            predicted on the link with ``compression`` (:mod:`mergecomp.scheduler.fragment_count`;
+            delay, at most a quarter of H (or behind the delay given), each count's exchange
+            predicted on the link with ``compression``; where none is, the count that holds the
+            inner steps up least (:mod:`mergecomp.scheduler.fragment_count`;
             :attr:`fragment_choice`; logged; a warning where no count hides it).  One fragment
             until then; a :meth:`sync` before the choice keeps one.
         fragment_sync_delay: inner steps a fragment's exchange stays in flight before its outer
@@ -437,8 +438,8 @@ class DiLoCo:
         over :data:`PROBE_STEPS` inner steps extrapolated), against the fastest rank's last inner
         step (one allgather); :func:`~mergecomp.scheduler.fragment_count.choose` picks P and,
         with ``fragment_sync_delay="auto"``, the delay; ``fragment_codecs="auto"`` then fits each
-        fragment's codec into that delay's inner steps (and the delay shrinks to what the codecs
-        chosen need).  The same on every rank."""
+        fragment's codec into the longest delay that count may take (the delay then what the
+        codecs chosen need).  The same on every rank."""
         began, clock, fixed = time.perf_counter(), self._clock, None if self._auto else self.sync_delay
         step_s = float(self._comm.allgather(torch.tensor([clock.step_s[-1]], dtype=torch.float64).to(
             self._comm.device), "DiLoCo's inner step time").min())
@@ -457,10 +458,11 @@ class DiLoCo:
             self.fragments = self._built(splits[count])
         self._count_auto, self._clock, self._delay_limit = False, None, sync_every // count - 1
         if self._codecs_auto:
-            predicted = [self._choose_codec(k, delay * step_s, exchange_s[count]) for k in range(count)]
+            longest = choice["longest"] if self._auto else delay
+            predicted = [self._choose_codec(k, longest * step_s, exchange_s[count]) for k in range(count)]
             self.fragment_codecs = [c["codec"] for c in self.codec_choices]
-            if choice["hidden"] and self._auto:
-                delay = min(delay, fragment_count.covering(max(predicted), step_s))
+            if self._auto:
+                delay = min(longest, fragment_count.covering(max(predicted), step_s))
         self.sync_delay = delay
         self.fragment_choice = {**choice, "delay": delay, "exchange_s": exchange_s, "step_s": step_s,
                                 "probe_s": time.perf_counter() - began}
@@ -471,9 +473,9 @@ class DiLoCo:
                     {p: round(s, 4) for p, s in exchange_s.items()}, step_s, self.fragment_choice["probe_s"])
         if not choice["hidden"]:
             logger.warning("DiLoCo: fragments='auto': no fragment count hides the exchange behind the inner steps (the "
-                           "whole model's takes %.3f s, a round of %d inner steps %.3f s); the inner steps will wait for "
-                           "it: raise sync_every or choose a compressor of fewer bits", exchange_s[1], sync_every,
-                           sync_every * step_s)
+                           "whole model's takes %.3f s, a round of %d inner steps %.3f s): %d fragments %d step(s) late "
+                           "are predicted to hold each round up %.3f s; raise sync_every or choose a compressor of "
+                           "fewer bits", exchange_s[1], sync_every, sync_every * step_s, count, delay, choice["wait_s"])
 
     def _choose(self) -> None:
         """After the timed first round: ``fragment_codecs="auto"``'s codecs, then

@@ -1,13 +1,20 @@
 """How many Streaming DiLoCo fragments the link needs (``mc.DiLoCo(..., fragments="auto")``).
 
 A fragment's outer step lands the inner steps it is in flight (its *delay*) after its send, and
-the loss follows that delay far more than the number of fragments (docs/scheduler.md,
-``diloco-staleness``).  More fragments make each exchange smaller, so it is hidden behind fewer
-inner steps, but P fragments in ``sync_every`` = H inner steps leave each at most H // P - 1 of
-them in flight.  So the choice is the smallest delay that some fragment count hides, and the
-fewest fragments that hide their exchange within it.  An exchange is hidden behind d inner steps
-when it is predicted within :data:`~mergecomp.scheduler.fragment_codecs.FIT_SHARE` of them (the
-rest: the prediction's error, and the engine's threads competing with the inner steps).
+its local parameters then take the global ones: the inner steps it trained meanwhile are lost to
+it.  The loss follows that delay far more than the number of fragments (docs/scheduler.md,
+``diloco-staleness``, H = 10: delays up to a quarter of H ended within 0.3 % of landing at once,
+3, 4, 6 and 9 inner steps +1.9, +2.8, +7.7 and +34 %).  More fragments make each exchange
+smaller, so it hides behind fewer inner steps, but P fragments in ``sync_every`` = H inner steps
+leave each at most H // P - 1 of them in flight.  So the choice is the fewest fragments whose
+exchange hides behind a delay of at most :data:`STALE_SHARE` of H (the delays the grid found as
+good as none), with the smallest delay that hides it; a codec chosen for the link
+(``fragment_codecs="auto"``) may use the rest of that bound.  Where no count hides its exchange
+there, it will hold the inner steps up whatever the count, and the count that holds them least
+within that bound is taken.  An exchange is hidden
+behind d inner steps when it is predicted within
+:data:`~mergecomp.scheduler.fragment_codecs.FIT_SHARE` of them (the rest: the prediction's error,
+and the engine's threads competing with the inner steps).
 """
 from __future__ import annotations
 
@@ -16,7 +23,10 @@ from typing import Dict, Mapping, Optional
 
 from mergecomp.scheduler.fragment_codecs import FIT_SHARE
 
-__all__ = ["covering", "choose"]
+__all__ = ["STALE_SHARE", "covering", "choose"]
+
+#: the longest delay chosen for the user, as a share of H (at least 1 inner step)
+STALE_SHARE = 0.25
 
 
 def covering(exchange_s: float, step_s: float) -> float:
@@ -31,20 +41,28 @@ def choose(exchange_s: Mapping[int, float], step_s: float, sync_every: int,
            delay: Optional[int] = None) -> Dict[str, object]:
     """The fragment count and delay for ``sync_every`` = H inner steps of ``step_s`` seconds, from
     ``exchange_s`` (fragment count P -> seconds of the exchange of its largest fragment; the
-    candidates, each with H // P >= 2).  Without ``delay``: the smallest delay d that some P
-    hides (d <= H // P - 1, :func:`covering`), with the fewest fragments that do; where none
-    hides its exchange, the fewest fragments with their longest delay (P fragments overlap at
-    most H - P inner steps of a round: one fragment the most).  With ``delay``: the fewest
-    fragments hidden within it, else the most that may keep it (each smaller exchange stalls
-    less).  Returns ``{"fragments", "delay", "hidden", "covering"}`` (``covering``: P -> the
-    inner steps its exchange needs)."""
+    candidates, each with H // P >= 2, P = 1 among them).  Each P may keep its exchange in
+    flight for ``delay`` inner steps where given (the counts with H // P > delay), else for up
+    to H // P - 1 of them and :data:`STALE_SHARE` of H.  The fewest fragments hidden within
+    that (:func:`covering`), at the fewest inner steps that hide them (with ``delay``: it);
+    where none is, the count whose exchanges are predicted to hold the inner steps up least in
+    a round (P times what each exchange overruns its delay's share), at its longest delay.
+    Returns ``{"fragments", "delay", "longest", "hidden", "covering", "wait_s"}``: ``longest``
+    the chosen count's longest delay, ``covering`` P -> the inner steps its exchange needs,
+    ``wait_s`` the predicted hold-up per round (0 where hidden)."""
     needs = {p: covering(seconds, step_s) for p, seconds in exchange_s.items()}
-    allowed = {p: sync_every // p - 1 for p in exchange_s}
     if delay is None:
-        hidden = [(need, p) for p, need in needs.items() if need <= allowed[p]]
-        fragments, chosen = min(hidden)[::-1] if hidden else (min(needs), allowed[min(needs)])
+        bound = max(1, int(STALE_SHARE * sync_every))
+        delays = {p: min(sync_every // p - 1, bound) for p in exchange_s}
     else:
-        keeping = [p for p in needs if delay <= allowed[p]]
-        hidden = [p for p in keeping if needs[p] <= delay]
-        fragments, chosen = (min(hidden) if hidden else max(keeping)), delay
-    return {"fragments": fragments, "delay": int(chosen), "hidden": bool(hidden), "covering": needs}
+        delays = {p: delay for p in exchange_s if delay <= sync_every // p - 1}
+    hidden = [p for p in delays if needs[p] <= delays[p]]
+    if hidden:
+        fragments = min(hidden)
+        chosen, wait = needs[fragments] if delay is None else delay, 0.0
+    else:
+        waits = {p: p * max(0.0, exchange_s[p] - FIT_SHARE * d * step_s) for p, d in delays.items()}
+        fragments = min(waits, key=lambda p: (waits[p], p))
+        chosen, wait = delays[fragments], waits[fragments]
+    return {"fragments": fragments, "delay": int(chosen), "longest": delays[fragments], "hidden": bool(hidden),
+            "covering": needs, "wait_s": wait}
