@@ -512,11 +512,9 @@ def test_the_fragment_count_is_the_fewest_behind_the_smallest_delay():
     assert choose({**whole, 1: 0.25}, step, 10)["fragments"] == 3, "not in 3 of H = 10 steps"
     fast = {p: 0.01 / p for p in whole}
     assert choose(fast, step, 10)["fragments"] == 1 and choose(fast, step, 10)["delay"] == 1, "one hides it at once"
-    assert choose({1: 0.6, 2: 0.31, 3: 0.21, 4: 0.1, 5: 0.08}, step, 10)["fragments"] == 4, "the fewest that hide it"
+    assert choose({1: 0.6, 2: 0.31, 3: 0.21, 4: 0.1, 5: 0.08}, step, 10)["fragments"] == 4, "delay 1, then fewest"
     choice = choose({**whole, 1: 0.2, 2: 0.09}, step, 10)
-    assert (choice["fragments"], choice["delay"], choice["longest"]) == (1, 2, 2), "fewer fragments, not a shorter delay"
-    choice = choose({**whole, 2: 0.09}, step, 10)
-    assert (choice["fragments"], choice["delay"], choice["longest"]) == (2, 1, 2), "the codecs may use the rest"
+    assert (choice["fragments"], choice["delay"]) == (2, 1), "a shorter delay before fewer fragments"
     slow = {p: 5.0 / p for p in whole}
     choice = choose(slow, step, 10)
     assert (choice["fragments"], choice["delay"], choice["hidden"]) == (3, 2, False), "the least held up"
@@ -623,10 +621,10 @@ def test_auto_fragments_resume_exactly_before_and_after_the_choice(tmp_path, sav
         assert result["count"] == 2 and torch.equal(result["params"], result["resumed"])
 
 
-def test_auto_fragments_fit_the_codecs_into_the_longest_delay():
-    """With ``fragment_codecs="auto"`` too: each fragment's codec is chosen for the longest delay
-    the count may take (2 of H = 8 inner steps), the same on every rank, and the delay is what
-    the codecs' predicted exchanges need."""
+def test_auto_fragments_fit_the_codecs_into_the_delay_chosen():
+    """With ``fragment_codecs="auto"`` too: each fragment's codec is chosen for the delay chosen
+    (2 of H = 8 inner steps), the same on every rank, and the delay is what the codecs'
+    predicted exchanges need where that is fewer steps."""
     from mergecomp.scheduler.fragment_count import covering
 
     results = run_workers(_auto_count_worker, 2, 2, 8, 3.5, True, timeout=120)

@@ -438,8 +438,8 @@ class DiLoCo:
         over :data:`PROBE_STEPS` inner steps extrapolated), against the fastest rank's last inner
         step (one allgather); :func:`~mergecomp.scheduler.fragment_count.choose` picks P and,
         with ``fragment_sync_delay="auto"``, the delay; ``fragment_codecs="auto"`` then fits each
-        fragment's codec into the longest delay that count may take (the delay then what the
-        codecs chosen need).  The same on every rank."""
+        fragment's codec into that delay's inner steps (the delay then what the codecs chosen
+        need, if fewer).  The same on every rank."""
         began, clock, fixed = time.perf_counter(), self._clock, None if self._auto else self.sync_delay
         step_s = float(self._comm.allgather(torch.tensor([clock.step_s[-1]], dtype=torch.float64).to(
             self._comm.device), "DiLoCo's inner step time").min())
@@ -458,11 +458,10 @@ class DiLoCo:
             self.fragments = self._built(splits[count])
         self._count_auto, self._clock, self._delay_limit = False, None, sync_every // count - 1
         if self._codecs_auto:
-            longest = choice["longest"] if self._auto else delay
-            predicted = [self._choose_codec(k, longest * step_s, exchange_s[count]) for k in range(count)]
+            predicted = [self._choose_codec(k, delay * step_s, exchange_s[count]) for k in range(count)]
             self.fragment_codecs = [c["codec"] for c in self.codec_choices]
             if self._auto:
-                delay = min(longest, fragment_count.covering(max(predicted), step_s))
+                delay = min(delay, fragment_count.covering(max(predicted), step_s))
         self.sync_delay = delay
         self.fragment_choice = {**choice, "delay": delay, "exchange_s": exchange_s, "step_s": step_s,
                                 "probe_s": time.perf_counter() - began}

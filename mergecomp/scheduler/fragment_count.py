@@ -6,12 +6,11 @@ it.  The loss follows that delay far more than the number of fragments (docs/sch
 ``diloco-staleness``, H = 10: delays up to a quarter of H ended within 0.3 % of landing at once,
 3, 4, 6 and 9 inner steps +1.9, +2.8, +7.7 and +34 %).  More fragments make each exchange
 smaller, so it hides behind fewer inner steps, but P fragments in ``sync_every`` = H inner steps
-leave each at most H // P - 1 of them in flight.  So the choice is the fewest fragments whose
-exchange hides behind a delay of at most :data:`STALE_SHARE` of H (the delays the grid found as
-good as none), with the smallest delay that hides it; a codec chosen for the link
-(``fragment_codecs="auto"``) may use the rest of that bound.  Where no count hides its exchange
-there, it will hold the inner steps up whatever the count, and the count that holds them least
-within that bound is taken.  An exchange is hidden
+leave each at most H // P - 1 of them in flight.  So the choice is the smallest delay, at most
+:data:`STALE_SHARE` of H, behind which some fragment count hides its exchange, and the fewest
+fragments that hide it there (at equal delays the grid's counts ended within a seed's spread of
+each other).  Where no count hides its exchange within that bound, it will hold the inner steps
+up whatever the count, and the count that holds them least there is taken.  An exchange is hidden
 behind d inner steps when it is predicted within
 :data:`~mergecomp.scheduler.fragment_codecs.FIT_SHARE` of them (the rest: the prediction's error,
 and the engine's threads competing with the inner steps).
@@ -43,26 +42,24 @@ def choose(exchange_s: Mapping[int, float], step_s: float, sync_every: int,
     ``exchange_s`` (fragment count P -> seconds of the exchange of its largest fragment; the
     candidates, each with H // P >= 2, P = 1 among them).  Each P may keep its exchange in
     flight for ``delay`` inner steps where given (the counts with H // P > delay), else for up
-    to H // P - 1 of them and :data:`STALE_SHARE` of H.  The fewest fragments hidden within
-    that (:func:`covering`), at the fewest inner steps that hide them (with ``delay``: it);
-    where none is, the count whose exchanges are predicted to hold the inner steps up least in
-    a round (P times what each exchange overruns its delay's share), at its longest delay.
-    Returns ``{"fragments", "delay", "longest", "hidden", "covering", "wait_s"}``: ``longest``
-    the chosen count's longest delay, ``covering`` P -> the inner steps its exchange needs,
-    ``wait_s`` the predicted hold-up per round (0 where hidden)."""
+    to H // P - 1 of them and :data:`STALE_SHARE` of H.  The smallest delay behind which some
+    count's exchange hides (:func:`covering`; with ``delay``: it), and the fewest fragments
+    hidden there; where none is, the count whose exchanges are predicted to hold the inner
+    steps up least in a round (P times what each exchange overruns its delay's share), at its
+    longest delay.  Returns ``{"fragments", "delay", "hidden", "covering", "wait_s"}``:
+    ``covering`` P -> the inner steps its exchange needs, ``wait_s`` the predicted hold-up per
+    round (0 where hidden)."""
     needs = {p: covering(seconds, step_s) for p, seconds in exchange_s.items()}
     if delay is None:
         bound = max(1, int(STALE_SHARE * sync_every))
         delays = {p: min(sync_every // p - 1, bound) for p in exchange_s}
     else:
         delays = {p: delay for p in exchange_s if delay <= sync_every // p - 1}
-    hidden = [p for p in delays if needs[p] <= delays[p]]
+    hidden = [(needs[p] if delay is None else delay, p) for p in delays if needs[p] <= delays[p]]
     if hidden:
-        fragments = min(hidden)
-        chosen, wait = needs[fragments] if delay is None else delay, 0.0
+        (chosen, fragments), wait = min(hidden), 0.0
     else:
         waits = {p: p * max(0.0, exchange_s[p] - FIT_SHARE * d * step_s) for p, d in delays.items()}
         fragments = min(waits, key=lambda p: (waits[p], p))
         chosen, wait = delays[fragments], waits[fragments]
-    return {"fragments": fragments, "delay": int(chosen), "longest": delays[fragments], "hidden": bool(hidden),
-            "covering": needs, "wait_s": wait}
+    return {"fragments": fragments, "delay": int(chosen), "hidden": bool(hidden), "covering": needs, "wait_s": wait}

@@ -46,7 +46,8 @@ from mergecomp_bench.results.schemes import plans, scheduler_summary, schemes_by
 from mergecomp_bench.results.step_time import every_compressor, scaling, throughput_anchors, throughput_repeats
 from mergecomp_bench.results.time_to_target import (DILOCO, DILOCO_LABELS, HEADLINE, HEADLINE_LABELS, TARGET,
                                                     TRAINER_ROUTE, TRAINER_ROUTE_LABELS, TTA, TTA_LABELS,
-                                                    diloco_four_hosts, diloco_slow_links, diloco_staleness,
+                                                    diloco_four_hosts, diloco_fragment_count, diloco_slow_links,
+                                                    diloco_staleness,
                                                     headline, time_to,
                                                     time_to_accuracy, time_to_accuracy_recipes)
 
@@ -97,6 +98,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "diloco-slow-links": diloco_slow_links,
     "diloco-four-hosts": diloco_four_hosts,
     "diloco-staleness": diloco_staleness,
+    "diloco-fragment-count": diloco_fragment_count,
     "elastic": elastic_runs,
     "elastic-torchrun": partial(elastic_runs, TORCHRUN_RESTARTS),
     "codec-work": codec_work,

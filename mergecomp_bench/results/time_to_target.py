@@ -13,6 +13,7 @@ from mergecomp_bench.results.markdown import link, median_span, seed_list, signe
 __all__ = ["TARGET", "TTA", "HEADLINE", "HEADLINE_LABELS", "TTA_LABELS", "TRAINER_ROUTE", "TRAINER_ROUTE_LABELS",
            "DILOCO", "DILOCO_LABELS", "STRETCHED", "SLOW_LINKS", "SLOW_LABELS", "diloco_slow_links",
            "FOUR_HOSTS", "FOUR_HOSTS_LABELS", "diloco_four_hosts", "STALENESS", "diloco_staleness",
+           "FRAGMENT_COUNT", "diloco_fragment_count",
            "time_to", "runs_by_seed", "speed_ups", "median_or_dash", "headline_speed_ups", "headline",
            "time_to_accuracy", "time_to_accuracy_recipes", "SlowRun", "slow_link_runs", "slow_link_speed_ups"]
 
@@ -275,6 +276,49 @@ def diloco_staleness() -> str:
                      "–" if key == (1, 0) else median_span(vs, signed)])
     header = ["fragments (P)", "delay (inner steps)", "seeds", "steps to target", "final loss", "vs P = 1, no delay"]
     return table(header, ["---:", "---:", "---", "---:", "---:", "---:"], rows)
+
+
+#: fragments="auto" beside 2 fragments (delay and codecs "auto" in both), each link's two in one run
+FRAGMENT_COUNT = "time_to_accuracy_gpt2_4x256_batch2_diloco_fragment_count.jsonl"
+_TWO_FRAGMENTS = "onebit@averaging/10~2~auto~auto*2"
+
+
+def diloco_fragment_count() -> str:
+    """:data:`FRAGMENT_COUNT` by link (slowest first): each configuration's fragments, delay and
+    codecs (as chosen; ``/`` between seeds that chose differently), bits per element per step,
+    mean step and one worker's, steps and seconds to the seed's DDP fp32 final loss +
+    :data:`TARGET` (:data:`STRETCHED`'s DDP run), final loss, and 2 fragments' time to it over
+    this row's (median and range over the seeds)."""
+    stretched = _stretched()
+    by_rate: Dict[str, Dict[str, Dict[int, dict]]] = {}
+    for run in sorted(finished(FRAGMENT_COUNT), key=lambda r: bits_per_second(r["rate"])):
+        by_rate.setdefault(run["rate"], {}).setdefault(run["config"], {})[run["seed"]] = run
+    rows = []
+    for rate, configs in by_rate.items():
+        for config, by_seed in configs.items():
+            def chosen(write: Callable[[dict], str]) -> str:
+                return " / ".join(dict.fromkeys(write(run) for run in by_seed.values()))
+            reached = {seed: time_to(run, stretched[seed][1]) for seed, run in by_seed.items()}
+            two = configs.get(_TWO_FRAGMENTS, {})
+            ratios = [time_to(two[seed], stretched[seed][1]) / seconds for seed, seconds in reached.items()
+                      if seconds and seed in two and time_to(two[seed], stretched[seed][1])]
+            rows.append([link(rate), ("`\"auto\"`: " if "~auto~auto~auto" in config else "")
+                         + chosen(lambda r: str(r["fragments"])), chosen(lambda r: str(r["sync_delay"])),
+                         chosen(lambda r: ", ".join(NAMES[c] for c in r["fragment_codecs"])),
+                         ", ".join(map(str, sorted(by_seed))),
+                         median_span([r["bits_per_element"] for r in by_seed.values()], _bits),
+                         median_span([r["step_s"] for r in by_seed.values()], "{:.3f}".format),
+                         median_span([r["compute_s"] for r in by_seed.values()], "{:.3f}".format),
+                         _reached_cell({seed: steps_to(run, stretched[seed][1]) for seed, run in by_seed.items()},
+                                       "{:,.0f}".format),
+                         _reached_cell(reached, _seconds),
+                         median_span([r["final_test_loss"] for r in by_seed.values()], "{:.3f}".format),
+                         "–" if config == _TWO_FRAGMENTS or not ratios else median_span(ratios, times)])
+    header = ["link", "fragments", "delay (inner steps)", "codecs", "seeds", "bits per element per step",
+              "mean step (s)", "one worker's step (s)", "steps to target", "time to target", "final loss",
+              "2 fragments' time to target over this"]
+    return table(header, ["---", "---", "---:", "---", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:"],
+                 rows)
 
 
 def time_to(record: dict, target: float) -> Optional[float]:
