@@ -508,10 +508,11 @@ def test_the_fragment_count_is_the_fewest_behind_the_smallest_delay():
     choice = choose({**whole, 3: 0.21}, step, 10)  # three would need 3 steps of their 2: none hides it
     assert (choice["fragments"], choice["delay"], choice["hidden"]) == (3, 2, False), "the least held up"
     assert choice["wait_s"] == pytest.approx(0.03)
-    assert choose({**whole, 1: 0.2}, step, 10)["fragments"] == 1, "hidden within a quarter of H"
+    assert choose({**whole, 1: 0.2}, step, 10)["fragments"] == 3, "one fragment late is not chosen where two fit"
+    assert (choose({1: 0.05}, step, 3)["fragments"], choose({1: 0.05}, step, 3)["delay"]) == (1, 1), "H < 4: one"
     assert choose({**whole, 1: 0.25}, step, 10)["fragments"] == 3, "not in 3 of H = 10 steps"
     fast = {p: 0.01 / p for p in whole}
-    assert choose(fast, step, 10)["fragments"] == 1 and choose(fast, step, 10)["delay"] == 1, "one hides it at once"
+    assert choose(fast, step, 10)["fragments"] == 2 and choose(fast, step, 10)["delay"] == 1, "two hide it at once"
     assert choose({1: 0.6, 2: 0.31, 3: 0.21, 4: 0.1, 5: 0.08}, step, 10)["fragments"] == 4, "delay 1, then fewest"
     choice = choose({**whole, 1: 0.2, 2: 0.09}, step, 10)
     assert (choice["fragments"], choice["delay"]) == (2, 1), "a shorter delay before fewer fragments"

@@ -3,8 +3,10 @@
 A fragment's outer step lands the inner steps it is in flight (its *delay*) after its send, and
 its local parameters then take the global ones: the inner steps it trained meanwhile are lost to
 it.  The loss follows that delay far more than the number of fragments (docs/scheduler.md,
-``diloco-staleness``, H = 10: delays up to a quarter of H ended within 0.3 % of landing at once,
-3, 4, 6 and 9 inner steps +1.9, +2.8, +7.7 and +34 %).  More fragments make each exchange
+``diloco-staleness``, H = 10: 2 or 5 fragments up to a quarter of H late ended within 0.3 % of
+landing at once, 3, 4, 6 and 9 inner steps +1.9, +2.8, +7.7 and +34 %), except that the whole
+model landing late costs more than half of it landing as late (seed 0: one fragment 2 steps late
++1.7 %, two +0.5 %), so where two fragments fit in H with a delay (H >= 4) one is not chosen.  More fragments make each exchange
 smaller, so it hides behind fewer inner steps, but P fragments in ``sync_every`` = H inner steps
 leave each at most H // P - 1 of them in flight.  So the choice is the smallest delay, at most
 :data:`STALE_SHARE` of H, behind which some fragment count hides its exchange, and the fewest
@@ -40,9 +42,9 @@ def choose(exchange_s: Mapping[int, float], step_s: float, sync_every: int,
            delay: Optional[int] = None) -> Dict[str, object]:
     """The fragment count and delay for ``sync_every`` = H inner steps of ``step_s`` seconds, from
     ``exchange_s`` (fragment count P -> seconds of the exchange of its largest fragment; the
-    candidates, each with H // P >= 2, P = 1 among them).  Each P may keep its exchange in
-    flight for ``delay`` inner steps where given (the counts with H // P > delay), else for up
-    to H // P - 1 of them and :data:`STALE_SHARE` of H.  The smallest delay behind which some
+    candidates, each with H // P >= 2, P = 1 among them; P = 1 only where no other is).  Each
+    P may keep its exchange in flight for ``delay`` inner steps where given (the counts with
+    H // P > delay), else for up to H // P - 1 of them and :data:`STALE_SHARE` of H.  The smallest delay behind which some
     count's exchange hides (:func:`covering`; with ``delay``: it), and the fewest fragments
     hidden there; where none is, the count whose exchanges are predicted to hold the inner
     steps up least in a round (P times what each exchange overruns its delay's share), at its
@@ -50,11 +52,12 @@ def choose(exchange_s: Mapping[int, float], step_s: float, sync_every: int,
     ``covering`` P -> the inner steps its exchange needs, ``wait_s`` the predicted hold-up per
     round (0 where hidden)."""
     needs = {p: covering(seconds, step_s) for p, seconds in exchange_s.items()}
+    counts = [p for p in exchange_s if p > 1] or list(exchange_s)
     if delay is None:
         bound = max(1, int(STALE_SHARE * sync_every))
-        delays = {p: min(sync_every // p - 1, bound) for p in exchange_s}
+        delays = {p: min(sync_every // p - 1, bound) for p in counts}
     else:
-        delays = {p: delay for p in exchange_s if delay <= sync_every // p - 1}
+        delays = {p: delay for p in counts if delay <= sync_every // p - 1} or {1: delay}
     hidden = [(needs[p] if delay is None else delay, p) for p in delays if needs[p] <= delays[p]]
     if hidden:
         (chosen, fragments), wait = min(hidden), 0.0
