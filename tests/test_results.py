@@ -127,6 +127,35 @@ def test_the_four_hosts_table_takes_each_seed_s_target_and_its_dense_diloco(tmp_
     assert "| +7.50 % (+5.00 % to +10.00 %) | 1/32 |" in onebit, onebit
 
 
+def test_the_fragment_count_table_sets_auto_beside_two_fragments_on_each_link(tmp_path, monkeypatch):
+    """Each link's two configurations with what they chose, against each seed's DDP fp32 target
+    (the stretched record's): 2 fragments' time to it over fragments="auto"'s, seed by seed."""
+    from mergecomp_bench.results import time_to_target as ttt
+
+    common = {"status": "ok", "bits_per_element": 0.1, "compute_s": 0.04, "steps": 400, "stop": None}
+    stretched = [{**common, "config": "ddp", "seed": seed, "train_s": 40.0, "curve": _curve([3.0, 2.5, 2.0, 2.0], 0.1),
+                  "final_test_loss": 2.0} for seed in (0, 1)]
+    auto, two = "onebit@averaging/10~auto~auto~auto*2", "onebit@averaging/10~2~auto~auto*2"
+    runs = [{**common, "config": two, "seed": 0, "rate": "10mbit", "step_s": 0.05, "train_s": 40.0,
+             "curve": _curve([2.5, 2.1, 2.0, 1.9], 0.1), "final_test_loss": 1.9, "fragments": 2, "sync_delay": 4,
+             "fragment_codecs": ["compressed"] * 2},
+            {**common, "config": auto, "seed": 0, "rate": "10mbit", "step_s": 0.04, "train_s": 40.0,
+             "curve": _curve([2.5, 2.0, 1.9, 1.8], 0.1), "final_test_loss": 1.8, "fragments": 5, "sync_delay": 1,
+             "fragment_codecs": ["compressed"] * 5},
+            {**common, "config": auto, "seed": 1, "rate": "10mbit", "step_s": 0.04, "train_s": 40.0,
+             "curve": _curve([2.5, 2.3, 2.1, 2.1], 0.1), "final_test_loss": 2.1, "fragments": 4, "sync_delay": 1,
+             "fragment_codecs": ["compressed"] * 4}]
+    for name, records in ((ttt.STRETCHED, stretched), (ttt.FRAGMENT_COUNT, runs)):
+        (tmp_path / name).write_text("".join(json.dumps(run) + "\n" for run in records))
+    monkeypatch.setattr(data, "DATA", tmp_path)
+    rows = ttt.diloco_fragment_count().splitlines()[2:]
+    assert rows[0].startswith("| 10 Mbit/s | 2 | 4 | the compressor (all) | 0 |"), rows[0]
+    assert rows[0].endswith("| 300 | 30 s | 1.900 | – |"), rows[0]
+    assert rows[1].startswith("| 10 Mbit/s | `\"auto\"`: 5 / 4 | 1 | the compressor (all) | 0, 1 |"), rows[1]
+    assert rows[1].endswith("| 200 (seed 0); not reached (seed 1) | 20 s (seed 0); not reached (seed 1) "
+                            "| 1.950 (1.800 to 2.100) | 1.50x |"), rows[1]
+
+
 def test_the_staleness_table_orders_fragments_and_delays_against_the_undelayed_run(tmp_path, monkeypatch):
     """One row per (fragments, delay), sorted, the unfragmented undelayed run first, over the
     seeds that ran it: steps to the seed's DDP fp32 final loss + 1 % and the final loss against

@@ -283,6 +283,12 @@ FRAGMENT_COUNT = "time_to_accuracy_gpt2_4x256_batch2_diloco_fragment_count.jsonl
 _TWO_FRAGMENTS = "onebit@averaging/10~2~auto~auto*2"
 
 
+def _codecs(run: dict) -> str:
+    """The codecs a run's fragments chose: ``fp16 (all)``, or each fragment's in order."""
+    codecs = run["fragment_codecs"]
+    return f"{NAMES[codecs[0]]} (all)" if len(set(codecs)) == 1 else ", ".join(NAMES[c] for c in codecs)
+
+
 def diloco_fragment_count() -> str:
     """:data:`FRAGMENT_COUNT` by link (slowest first): each configuration's fragments, delay and
     codecs (as chosen; ``/`` between seeds that chose differently), bits per element per step,
@@ -304,7 +310,7 @@ def diloco_fragment_count() -> str:
                       if seconds and seed in two and time_to(two[seed], stretched[seed][1])]
             rows.append([link(rate), ("`\"auto\"`: " if "~auto~auto~auto" in config else "")
                          + chosen(lambda r: str(r["fragments"])), chosen(lambda r: str(r["sync_delay"])),
-                         chosen(lambda r: ", ".join(NAMES[c] for c in r["fragment_codecs"])),
+                         chosen(_codecs),
                          ", ".join(map(str, sorted(by_seed))),
                          median_span([r["bits_per_element"] for r in by_seed.values()], _bits),
                          median_span([r["step_s"] for r in by_seed.values()], "{:.3f}".format),
