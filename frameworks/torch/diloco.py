@@ -30,8 +30,9 @@ once) and then keeps each exchange in flight for the fewest inner steps that cov
 codec whose exchange fits the inner steps it is in flight: the exact average on a fast link,
 fp16, 8- or 4-bit QSGD, down to ``compression`` on a slow one
 (:mod:`mergecomp.scheduler.fragment_codecs`), so one configuration serves every link.
-``fragments="auto"`` chooses P for the link before the first send: the fewest fragments whose
-exchange hides behind the smallest delay, at most a quarter of H (the loss follows the delay;
+``fragments="auto"`` chooses P for the link before the first send: the smallest delay, at most a
+quarter of H, behind which some count's exchange hides, and the fewest fragments (two at least
+where H >= 4) that hide it there (the loss follows the delay;
 :mod:`mergecomp.scheduler.fragment_count`), and with it the delay and codecs, from predictions
 instead of a timed round.
 
@@ -213,10 +214,10 @@ class DiLoCo:
             elements each; 1 <= P <= H) or a list of modules (each one's parameters; every
             parameter in exactly one), as ``model_fragments`` in torchft; or ``"auto"`` (with a
             ``fragment_sync_delay`` of ``"auto"`` or >= 1): at the second inner step, before any
-            fragment sends, the fewest fragments whose exchange is hidden behind the smallest
-            delay, at most a quarter of H (or behind the delay given), each count's exchange
-            predicted on the link with ``compression``; where none is, the count that holds the
-            inner steps up least (:mod:`mergecomp.scheduler.fragment_count`;
+            fragment sends, the smallest delay, at most a quarter of H (or the delay given),
+            behind which some count's exchange hides and the fewest fragments (two at least
+            where H >= 4) that hide it there, each count's exchange predicted on the link with
+            ``compression``; where none does, the count that holds the inner steps up least (:mod:`mergecomp.scheduler.fragment_count`;
             :attr:`fragment_choice`; logged; a warning where no count hides it).  One fragment
             until then; a :meth:`sync` before the choice keeps one.
         fragment_sync_delay: inner steps a fragment's exchange stays in flight before its outer
