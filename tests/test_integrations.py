@@ -209,7 +209,7 @@ def _lightning(rank, folder, port, saved_by_three):
     path = os.path.join(folder, "diloco", "epoch=0-step=4.ckpt")
     out["diloco_record"] = torch.load(path, weights_only=False)[CHECKPOINT_KEY]
     out["diloco_resumed"] = fit(diloco(), ckpt=path)
-    strategy = MergecompDiLoCoStrategy(4, "topk", fragments=2, fragment_sync_delay="auto", fragment_codecs="auto")
+    strategy = MergecompDiLoCoStrategy(4, "topk", fragments="auto", fragment_sync_delay="auto", fragment_codecs="auto")
     out["diloco_codecs_params"] = fit(strategy)
     out["diloco_codecs"] = strategy.diloco.fragment_codecs
     try:
@@ -319,12 +319,12 @@ def test_lightning_diloco_strategy_averages_like_ddp_and_resumes_exactly(lightni
     """``MergecompDiLoCoStrategy``: with H = 1 and plain averaging it is DDP; Streaming DiLoCo
     with top-k resumed from a checkpoint taken while a fragment is in flight (each rank's local
     parameters differing) ends where the uninterrupted run does; at the end every rank holds
-    the global model; ``fragment_codecs="auto"`` passes through it to DiLoCo, the same codecs
-    on every rank."""
+    the global model; ``fragments``, ``fragment_sync_delay`` and ``fragment_codecs="auto"`` pass
+    through it to DiLoCo, the same choice on every rank."""
     for out in lightning:
         assert (out["diloco_every_step"] - out["ddp"]).abs().max().item() < 1e-5
         assert out["diloco_steps"] == 8 and torch.equal(out["diloco_resumed"], out["diloco"])
-        assert len(out["diloco_codecs"]) == 2, out["diloco_codecs"]  # chosen after the first round (step 4)
+        assert len(out["diloco_codecs"]) == 2, out["diloco_codecs"]  # H = 4: two fragments, chosen at step 2
         assert out["diloco_bucket_views"]
     assert torch.equal(lightning[0]["diloco"], lightning[1]["diloco"])
     assert lightning[0]["diloco_codecs"] == lightning[1]["diloco_codecs"]
