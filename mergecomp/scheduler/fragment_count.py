@@ -3,10 +3,10 @@
 A fragment's outer step lands the inner steps it is in flight (its *delay*) after its send, and
 its local parameters then take the global ones: the inner steps it trained meanwhile are lost to
 it.  The loss follows that delay far more than the number of fragments (docs/scheduler.md,
-``diloco-staleness``, H = 10: 2 or 5 fragments up to a quarter of H late ended within 0.3 % of
-landing at once, 3, 4, 6 and 9 inner steps +1.9, +2.8, +7.7 and +34 %), except that the whole
-model landing late costs more than half of it landing as late (seed 0: one fragment 2 steps late
-+1.7 %, two +0.5 %), so where two fragments fit in H with a delay (H >= 4) one is not chosen.  More fragments make each exchange
+``diloco-staleness``, H = 10: 2, 3 or 5 fragments 1 or 2 inner steps late ended within 0.3 %
+of landing at once, 2 fragments 4 steps late +2.8 %), and the whole model landing late pays most
+(one fragment 1, 2, 3, 6 and 9 steps late +1.0, +1.4, +1.9, +7.7 and +34 %), so where two
+fragments fit in H with a delay (H >= 4) one is not chosen.  More fragments make each exchange
 smaller, so it hides behind fewer inner steps, but P fragments in ``sync_every`` = H inner steps
 leave each at most H // P - 1 of them in flight.  So the choice is the smallest delay, at most
 :data:`STALE_SHARE` of H, behind which some fragment count hides its exchange, and the fewest
