@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -151,11 +150,10 @@ PROBE_STEPS = 4
 
 
 def covering_delay(exchange_s: float, step_s: float, limit: int) -> int:
-    """The fewest inner steps of ``step_s`` seconds that cover an exchange of ``exchange_s``
-    seconds, at least 1 and at most ``limit``."""
-    if step_s <= 0:
-        return limit
-    return max(1, min(limit, math.ceil(exchange_s / step_s)))
+    """The fewest inner steps of ``step_s`` seconds that cover a timed exchange of ``exchange_s``
+    seconds (:func:`~mergecomp.scheduler.fragment_count.covering` of the whole steps), at least 1
+    and at most ``limit``."""
+    return min(limit, fragment_count.covering(exchange_s, step_s, share=1.0))
 
 
 class _FirstRoundClock:
@@ -217,8 +215,9 @@ class DiLoCo:
             fragment sends, the smallest delay, at most a quarter of H (or the delay given),
             behind which some count's exchange hides and the fewest fragments (two at least
             where H >= 4) that hide it there, each count's exchange predicted on the link with
-            ``compression``; where none does, the count that holds the inner steps up least (:mod:`mergecomp.scheduler.fragment_count`;
-            :attr:`fragment_choice`; logged; a warning where no count hides it).  One fragment
+            ``compression``; where none does, the count that holds the inner steps up least
+            (:mod:`mergecomp.scheduler.fragment_count`; :attr:`fragment_choice`; logged; a
+            warning where no count hides it).  One fragment
             until then; a :meth:`sync` before the choice keeps one.
         fragment_sync_delay: inner steps a fragment's exchange stays in flight before its outer
             step (0 <= d < H // P), or ``"auto"`` (H // P >= 2; with ``fragments="auto"`` chosen
@@ -305,7 +304,6 @@ class DiLoCo:
         self._auto = auto = fragment_sync_delay == "auto"
         #: inner steps a fragment's exchange stays in flight; None while ``"auto"`` times the first round
         self.sync_delay: Optional[int] = None if auto else fragment_sync_delay
-        self._delay_limit = limit - 1
         self._clock = _FirstRoundClock(len(split)) if auto or self._codecs_auto or self._count_auto else None
         #: each fragment's codec (a plan codec name) once ``fragment_codecs="auto"`` chose; None before
         self.fragment_codecs: Optional[List[str]] = None
@@ -358,6 +356,8 @@ class DiLoCo:
             built.append(_Fragment(indices, merged, outer, (k + 1) * self.sync_every // len(split) % self.sync_every))
         return built
 
+    _delay_limit = property(lambda self: self.sync_every // len(self.fragments) - 1,
+                            doc="the longest delay the fragments leave room for: H // P - 1")
     compressor = property(lambda self: self.fragments[0].merged.exchange.compressor,
                           doc="the configured compressor (the first fragment's)")
     outer_optimizer = property(lambda self: self.fragments[0].outer_optimizer,
@@ -447,7 +447,7 @@ class DiLoCo:
         sync_every, numels = self.sync_every, [p.numel() for p in self.params]
         least = max((fixed or 1) + 1, self.inner_steps)
         candidates = [1, *range(2, min(len(numels), sync_every // least) + 1)]
-        splits = {p: cut_evenly(range(len(numels)), numels, p) for p in candidates}
+        splits = {p: _split(self.params, p) for p in candidates}
         largest = {p: max(sum(numels[i] for i in f) for f in split) for p, split in splits.items()}
         first = self.params[0]
         probed = exchanges_within(self._comm, self.compressor, COMPRESSED, sorted(set(largest.values())), first.dtype,
@@ -457,7 +457,7 @@ class DiLoCo:
         count, delay = choice["fragments"], choice["delay"]
         if count > 1:
             self.fragments = self._built(splits[count])
-        self._count_auto, self._clock, self._delay_limit = False, None, sync_every // count - 1
+        self._count_auto, self._clock = False, None
         if self._codecs_auto:
             predicted = [self._choose_codec(k, delay * step_s, exchange_s[count]) for k in range(count)]
             self.fragment_codecs = [c["codec"] for c in self.codec_choices]
@@ -472,10 +472,11 @@ class DiLoCo:
                     "" if self.fragment_codecs is None else f", sent with {[NAMES[c] for c in self.fragment_codecs]}",
                     {p: round(s, 4) for p, s in exchange_s.items()}, step_s, self.fragment_choice["probe_s"])
         if not choice["hidden"]:
-            logger.warning("DiLoCo: fragments='auto': no fragment count hides the exchange behind the inner steps (the "
-                           "whole model's takes %.3f s, a round of %d inner steps %.3f s): %d fragments %d step(s) late "
-                           "are predicted to hold each round up %.3f s; raise sync_every or choose a compressor of "
-                           "fewer bits", exchange_s[1], sync_every, sync_every * step_s, count, delay, choice["wait_s"])
+            logger.warning("DiLoCo: fragments='auto': no fragment count hides the exchange behind the inner steps "
+                           "(the whole model's takes %.3f s, a round of %d inner steps %.3f s): %d fragments %d "
+                           "step(s) late are predicted to hold each round up %.3f s; raise sync_every or choose a "
+                           "compressor of fewer bits", exchange_s[1], sync_every, sync_every * step_s, count, delay,
+                           choice["wait_s"])
 
     def _choose(self) -> None:
         """After the timed first round: ``fragment_codecs="auto"``'s codecs, then
@@ -581,9 +582,8 @@ class DiLoCo:
         count = state.get("fragment_count")
         if self._count_auto and count is not None:  # what the saving run chose
             if count > 1:
-                numels = [p.numel() for p in self.params]
-                self.fragments = self._built(cut_evenly(range(len(numels)), numels, count))
-            self._count_auto, self._delay_limit = False, self.sync_every // count - 1
+                self.fragments = self._built(_split(self.params, count))
+            self._count_auto = False
             self.fragment_choice = dict(state.get("fragment_choice", {}))
         if [f["parameters"] for f in state["fragments"]] != [len(f.indices) for f in self.fragments]:
             raise ValueError(f"DiLoCo.load_state_dict: the checkpoint has fragments of "

@@ -30,12 +30,13 @@ __all__ = ["STALE_SHARE", "covering", "choose"]
 STALE_SHARE = 0.25
 
 
-def covering(exchange_s: float, step_s: float) -> float:
-    """The fewest inner steps of ``step_s`` seconds whose :data:`FIT_SHARE` holds an exchange of
-    ``exchange_s`` seconds (at least 1; infinite without a step time)."""
+def covering(exchange_s: float, step_s: float, share: float = FIT_SHARE) -> float:
+    """The fewest inner steps of ``step_s`` seconds whose ``share`` holds an exchange of
+    ``exchange_s`` seconds (at least 1; infinite without a step time).  The default share
+    (:data:`FIT_SHARE`) is for a predicted exchange; a timed one takes the whole steps (1)."""
     if step_s <= 0:
         return math.inf
-    return max(1, math.ceil(exchange_s / (FIT_SHARE * step_s)))
+    return max(1, math.ceil(exchange_s / (share * step_s)))
 
 
 def choose(exchange_s: Mapping[int, float], step_s: float, sync_every: int,
@@ -44,9 +45,9 @@ def choose(exchange_s: Mapping[int, float], step_s: float, sync_every: int,
     ``exchange_s`` (fragment count P -> seconds of the exchange of its largest fragment; the
     candidates, each with H // P >= 2, P = 1 among them; P = 1 only where no other is).  Each
     P may keep its exchange in flight for ``delay`` inner steps where given (the counts with
-    H // P > delay), else for up to H // P - 1 of them and :data:`STALE_SHARE` of H.  The smallest delay behind which some
-    count's exchange hides (:func:`covering`; with ``delay``: it), and the fewest fragments
-    hidden there; where none is, the count whose exchanges are predicted to hold the inner
+    H // P > delay), else for up to H // P - 1 of them and :data:`STALE_SHARE` of H.  The
+    smallest delay behind which some count's exchange hides (:func:`covering`; with ``delay``:
+    it), and the fewest fragments hidden there; where none is, the count whose exchanges are predicted to hold the inner
     steps up least in a round (P times what each exchange overruns its delay's share), at its
     longest delay.  Returns ``{"fragments", "delay", "hidden", "covering", "wait_s"}``:
     ``covering`` P -> the inner steps its exchange needs, ``wait_s`` the predicted hold-up per

@@ -34,8 +34,8 @@ from mergecomp.exchange.schemes import SCHEMES
 from mergecomp.scheduler.clock import settle
 from mergecomp.scheduler.costmodel import CodecCost, Profile, fit_affine
 
-__all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "exchange_within", "exchanges_within", "measure", "probe_sizes",
-           "rehearse", "replay", "replay_within"]
+__all__ = ["Call", "CodecProbe", "Measurements", "Rehearsal", "Rehearsed", "exchange_within", "exchanges_within",
+           "measure", "probe_sizes", "rehearse", "replay", "replay_within"]
 
 #: the name of the probe group in the compressor's and the memory's state while it is timed
 PROBE = "__scheduler_probe__"

@@ -305,10 +305,10 @@ def diloco_fragment_count() -> str:
             def chosen(write: Callable[[dict], str]) -> str:
                 return " / ".join(dict.fromkeys(write(run) for run in by_seed.values()))
             reached = {seed: time_to(run, stretched[seed][1]) for seed, run in by_seed.items()}
-            two = configs.get(_TWO_FRAGMENTS, {})
-            ratios = [time_to(two[seed], stretched[seed][1]) / seconds for seed, seconds in reached.items()
-                      if seconds and seed in two and time_to(two[seed], stretched[seed][1])]
-            rows.append([link(rate), ("`\"auto\"`: " if "~auto~auto~auto" in config else "")
+            two = {seed: time_to(run, stretched[seed][1]) for seed, run in configs.get(_TWO_FRAGMENTS, {}).items()}
+            ratios = [two[seed] / seconds for seed, seconds in reached.items() if seconds and two.get(seed)]
+            counted = config.split("*")[0].split("~")[1:2] == ["auto"]  # fragments="auto"
+            rows.append([link(rate), ("`\"auto\"`: " if counted else "")
                          + chosen(lambda r: str(r["fragments"])), chosen(lambda r: str(r["sync_delay"])),
                          chosen(_codecs),
                          ", ".join(map(str, sorted(by_seed))),
