@@ -1,15 +1,18 @@
 """Gradients written where they are sent, on real gloo processes: ``p.grad`` stays a view of its
-group's buffer across ``zero_grad()`` (either ``set_to_none``), a group of one tensor is sent
-from its own gradient, and what users do to gradients (a module's ``zero_grad``, replacing
+group's buffer across ``zero_grad()`` (either ``set_to_none``; under ``set_to_none=True`` but
+where the sign codes encode the gradients where they lie, which it drops), a group of one tensor
+is sent from its own gradient, and what users do to gradients (a module's ``zero_grad``, replacing
 ``p.grad``, clipping, ``GradScaler``, Horovod's predivide factor, a NaN on one rank) gives the
 uncompressed single-process result, with a copy only where a gradient was not in place."""
 import pytest
 import torch
 from distributed import run_workers
+from mergecomp.kernels import native
 from test_momentum_exchange import run
 from test_optimizer_dist import flat_params, make_data, make_model, shard
 
 STEPS = 6
+needs_kernels = pytest.mark.skipif(not native.usable(torch.zeros(1)), reason="native kernels unavailable")
 
 
 def _steps(model, opt, x, y, zero, steps=STEPS, scaler=None, clip=None, poison=None, rank=0):
@@ -138,3 +141,44 @@ def test_topk_checks_the_slots_in_its_scan_and_a_nan_step_leaves_no_trace():
         assert nan_results is True
         assert checks[2:] == [0.0] * 3  # the slots from the 2nd step on: no check pass, the poisoned step too
         assert torch.equal(params, reference)
+
+
+def _parts_worker(rank, world, compression):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    x, y = shard(x, rank, world), shard(y, rank, world)
+    out = []
+    for set_to_none in (True, False):
+        model = make_model()
+        model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # never gets a gradient
+        opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                      model.named_parameters(), compression=compression, groups=2)
+        dropped, held, copied = [], [], []
+        for t in range(STEPS):
+            opt.zero_grad(set_to_none=set_to_none)
+            dropped.append(all(p.grad is None for p in model.parameters()))
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            held.append(all(p.grad is slot for p, slot in zip(model.parameters(), opt.merged.slots)))
+            copied.append(sum(g["passes_by_stage"].get("copy-in", 0.0) for g in opt.step_breakdown(1)["groups"]))
+        out.append((flat_params(model), dropped, held, copied))
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("compression,world", [("signsgd", 2), ("onebit", 3)])
+def test_gradients_encoded_where_they_lie_are_dropped_by_zero_grad_and_nothing_is_written_into_the_groups(
+        compression, world):
+    """The sign codes encode each gradient where autograd left it: zero_grad() drops those
+    gradients as torch does (no fill of their groups, no accumulation into the slots) and the
+    step's result is a view of its group again, nothing copied in but a parameter without a
+    gradient's zeros; the parameters end bit for bit where zero_grad(set_to_none=False), which
+    keeps the slots and fills them, ends."""
+    for (params, dropped, held, copied), (kept, kept_dropped, kept_held, kept_copied) in run_workers(
+            _parts_worker, world, world, compression):
+        assert torch.equal(params, kept)
+        assert all(dropped) and all(held)
+        assert not any(kept_dropped[1:]) and all(kept_held)
+        # from the 2nd step on, only the unused parameter's zeros are written in, either way
+        assert copied[1:] == kept_copied[1:] and all(0 < c < 0.01 for c in copied[1:])

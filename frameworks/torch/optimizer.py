@@ -19,7 +19,9 @@ Lifecycle of one step (``backward_passes_per_step=1``)::
       └─ the wrapped optimizer class's own step() (timed: ``step_breakdown()``)
     optimizer.zero_grad()
       └─ one fill per group buffer: the slots stay p.grad (either ``set_to_none``), so the next
-         backward accumulates into them again
+         backward accumulates into them again; a group encoded part by part (the sign codes on
+         the CPU) is not filled and, under ``set_to_none=True``, its gradients are dropped: the
+         next backward's are encoded where they lie
 
 A step in which some parameter gets no gradient cannot know when backward ends (a gradient
 may still come): its exchange finishes when ``step()``, ``synchronize()`` or a read of
@@ -34,7 +36,10 @@ As under DDP's ``gradient_as_bucket_view=True``, ``p.grad`` is a view of the mer
 after the first step, and stays one across ``zero_grad()``: ``set_to_none=True`` zeroes it
 instead of dropping it (the other parameters' gradients are set to None as usual), so a
 parameter that gets no gradient in a step holds zeros, not None, until the exchange gives it
-the other ranks' average.  A gradient replaced by the user's code (``p.grad = t``, or a
+the other ranks' average.  A group whose gradients the compressor encodes where they lie (the
+sign codes on the CPU: no pass writes them into the group) is the exception: there
+``set_to_none=True`` drops them as torch does, sparing the fill and backward's accumulation
+into the slots, and the result is a view of the buffer again after the exchange.  A gradient replaced by the user's code (``p.grad = t``, or a
 module's ``zero_grad()`` setting it to None) is copied in at its next step and counted
 (``copy-in``, :meth:`step_breakdown`), then a view again.  Plans, the backward order, the
 scheduler and checkpoints are :class:`mergecomp.pipeline.planned.PlannedStep`'s.
@@ -447,11 +452,14 @@ class DistributedOptimizer(HoldsMergedStep):
         """Zero the gradients: the slots of the group buffers that are the parameters'
         ``p.grad`` stay their gradients, zeroed by one fill per group whatever ``set_to_none``
         says (backward then accumulates into the groups, as under DDP's
-        ``gradient_as_bucket_view``); every other gradient is set to None
-        (``set_to_none=True``) or zeroed, as torch does.  An optimizer class with a
-        ``zero_grad`` of its own runs it instead.  AssertionError, as Horovod's, between a
-        ``backward()`` and the ``step()``, ``synchronize()`` or read of :attr:`param_groups`
-        (``GradScaler.unscale_``) that takes its averaged gradients."""
+        ``gradient_as_bucket_view``), but for the groups whose gradients are encoded where
+        they lie (the sign codes on the CPU), whose gradients ``set_to_none=True`` drops: the
+        next backward's are read where autograd leaves them, without being accumulated
+        anywhere.  Every other gradient is set to None (``set_to_none=True``) or zeroed, as
+        torch does.  An optimizer class with a ``zero_grad`` of its own runs it instead.
+        AssertionError, as Horovod's, between a ``backward()`` and the ``step()``,
+        ``synchronize()`` or read of :attr:`param_groups` (``GradScaler.unscale_``) that takes
+        its averaged gradients."""
         if self.merged.in_flight or self._unapplied:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(): the gradients this step "
@@ -460,8 +468,9 @@ class DistributedOptimizer(HoldsMergedStep):
             super().zero_grad(set_to_none=set_to_none)
             return
         with torch.autograd.profiler.record_function(f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"):
-            self.merged.zero_buffers()
             slots = self.merged.slots
+            for i in self.merged.zero_buffers(spare_parts=set_to_none):  # dropped below, as torch drops them
+                slots[i] = None
             others = [p for p, slot in zip(self._exchanged, slots) if p.grad is not None and p.grad is not slot]
             for p in others + [p for p in self._frozen if p.grad is not None]:
                 if set_to_none:

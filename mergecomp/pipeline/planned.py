@@ -89,14 +89,25 @@ class PlannedStep(MergedStep):
                 self._buffer(g)
         return list(self._slots)
 
-    def zero_buffers(self) -> None:
+    def zero_buffers(self, spare_parts: bool = False) -> List[int]:
         """Zero every group buffer, one fill per group: the slots (:attr:`slots`) handed out as
-        gradients are zeroed together."""
+        gradients are zeroed together.  With ``spare_parts``, a group whose gradients the last
+        step encoded where they lay (part by part, :meth:`Exchange.begin`) is not filled, and
+        its tensors' indices are returned: the front end drops those gradients (``p.grad =
+        None``), so that the next backward's are encoded where autograd leaves them, with
+        neither this fill nor an accumulation into the slots (a group not encoded so after all
+        copies them in)."""
         if self.in_flight:
             raise RuntimeError(f"{self.front_end.who}: the group buffers can only be zeroed between steps")
-        for flat in self._buffers:
-            if flat is not None:
+        spared: List[int] = []
+        for flat, group, parted in zip(self._buffers, self._groups, self._parted):
+            if flat is None:
+                continue
+            if spare_parts and parted:
+                spared += group.indices
+            else:
                 flat.zero_()
+        return spared
 
     @property
     def in_flight(self) -> bool:
@@ -140,6 +151,8 @@ class PlannedStep(MergedStep):
         self._direct = [self.front_end.in_place and size == 1 for size in self._sizes]
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self._groups)
         self._slots: List[Optional[torch.Tensor]] = [None] * count
+        #: per group: whether the last step encoded its gradients where they lay (part by part)
+        self._parted = [False] * len(self._groups)
         self._reset()
 
     def set_plan(self, plan: PlanSpec) -> None:
@@ -372,6 +385,7 @@ class PlannedStep(MergedStep):
 
     def _end_step(self, bad: bool) -> None:
         self._arrivals = (self._arrival_times if self._timed_step else None), self._order_seen
+        self._parted = [self._arriving.get(g) is not None for g in range(len(self._groups))]
         if (bad or self.exact) and self.search is not None:  # an exact step times no codec
             self.search.skip_sample()
         super()._end_step(bad)
