@@ -69,6 +69,7 @@ CONFIGS: Tuple[Config, ...] = (
     Config("ddp sgd", "sgd", "ddp"), Config("ddp adamw", "adamw", "ddp"),
     Config("none", "sgd", "mergecomp", "none"), Config("fp16", "sgd", "mergecomp", "fp16"),
     Config("topk", "sgd", "mergecomp", "topk"), Config("powersgd", "sgd", "mergecomp", "powersgd"),
+    Config("onebit", "sgd", "mergecomp", "onebit"),
     Config("onebit momentum", "adamw", "mergecomp", "onebit", momentum=True),
     Config("hook onebit momentum", "adamw", "hook", "onebit", momentum=True),
 )
