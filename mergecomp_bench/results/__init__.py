@@ -41,7 +41,7 @@ from mergecomp_bench.results.decision import summary
 from mergecomp_bench.results.elastic import TORCHRUN_RESTARTS, elastic_runs
 from mergecomp_bench.results.fsdp2 import fsdp2_accuracy, fsdp2_bytes, fsdp2_step
 from mergecomp_bench.results.gpu import gpu_runs, gpu_training
-from mergecomp_bench.results.host_work import HEADLINE_ROWS, codec_work, own_work
+from mergecomp_bench.results.host_work import HEADLINE_ROWS, RESNET50, RESNET50_ROWS, codec_work, own_work
 from mergecomp_bench.results.schemes import plans, scheduler_summary, schemes_by_ranks, schemes_fixed_vs_auto
 from mergecomp_bench.results.step_time import every_compressor, scaling, throughput_anchors, throughput_repeats
 from mergecomp_bench.results.time_to_target import (DILOCO, DILOCO_LABELS, HEADLINE, HEADLINE_LABELS, TARGET,
@@ -79,6 +79,7 @@ TABLES: Dict[str, Callable[[], str]] = {
     "accuracy-by-compressor": by_compressor,
     "own-work": own_work,
     "readme-own-work": partial(own_work, rows=HEADLINE_ROWS),
+    "own-work-resnet50": partial(own_work, RESNET50, ("resnet50",), RESNET50_ROWS),
     "compatibility-routes": compatibility.routes,
     "front-end-options": compatibility.front_end_options,
     "adam-auto": adam_auto,

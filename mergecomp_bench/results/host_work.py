@@ -9,7 +9,7 @@ from typing import List, Sequence, Tuple
 from mergecomp_bench.results.data import document, records
 from mergecomp_bench.results.markdown import compressor_name, table, times
 
-__all__ = ["OWN_WORK", "NARROW", "HEADLINE_ROWS", "own_work", "codec_work"]
+__all__ = ["OWN_WORK", "NARROW", "HEADLINE_ROWS", "RESNET50", "RESNET50_ROWS", "own_work", "codec_work"]
 
 OWN_WORK = "host_overhead_cpu.jsonl"
 #: the models of :func:`own_work`: two GPT-2s of about the same size, one with twice the tensors
@@ -33,6 +33,12 @@ _OWN_WORK_ROWS: Tuple[Row, ...] = (
 #: the rows the README quotes: plain torch, DDP, mergecomp `none` and top-k with SGD, 1-bit SGD with AdamW
 HEADLINE_ROWS = tuple(row for row in _OWN_WORK_ROWS if set(row[1]) <= {
     "torch sgd", "ddp sgd", "none", "topk", "torch adamw", "ddp adamw", "onebit momentum", "hook onebit momentum"})
+#: ResNet-50's record: few large tensors, where the codecs' passes over 25.6 M elements weigh most
+RESNET50 = "host_overhead_resnet50_cpu.jsonl"
+#: its rows: SGD only, 1-bit SGD (the sign codes encode each gradient where it lies) added
+RESNET50_ROWS: Tuple[Row, ...] = (*(row for row in _OWN_WORK_ROWS if set(row[1]) <= {"torch sgd", "ddp sgd", "none",
+                                                                                      "fp16", "topk"}),
+                                  ("mergecomp `onebit` (1-bit SGD)", ("onebit",), False))
 
 
 def own_work(record: str = OWN_WORK, models: Sequence[str] = NARROW, rows: Sequence[Row] = _OWN_WORK_ROWS) -> str:
