@@ -65,9 +65,9 @@ def own_work(record: str = OWN_WORK, models: Sequence[str] = NARROW, rows: Seque
 
 
 def _model_label(model: str) -> str:
-    """``gpt2-12x64`` -> ``12 x 64``."""
+    """``gpt2-12x64`` -> ``12 x 64``; ``resnet50`` -> ``ResNet-50``."""
     narrow = re.fullmatch(r"gpt2-(\d+)x(\d+)", model)
-    return f"{narrow.group(1)} x {narrow.group(2)}" if narrow else model
+    return f"{narrow.group(1)} x {narrow.group(2)}" if narrow else {"resnet50": "ResNet-50"}.get(model, model)
 
 
 def codec_work(record: str = "codec_encode_decode_resnet50_memory.json") -> str:
