@@ -154,15 +154,20 @@ def _parts_worker(rank, world, compression):
         model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))  # never gets a gradient
         opt = mc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                       model.named_parameters(), compression=compression, groups=2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1000)
         dropped, held, copied = [], [], []
         for t in range(STEPS):
             opt.zero_grad(set_to_none=set_to_none)
             dropped.append(all(p.grad is None for p in model.parameters()))
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss * float("inf") if (t, rank) == (3, 1) else loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
             held.append(all(p.grad is slot for p, slot in zip(model.parameters(), opt.merged.slots)))
             copied.append(sum(g["passes_by_stage"].get("copy-in", 0.0) for g in opt.step_breakdown(1)["groups"]))
-        out.append((flat_params(model), dropped, held, copied))
+        out.append((flat_params(model), dropped, held, copied, scaler.get_scale()))
     return out
 
 
@@ -173,10 +178,11 @@ def test_gradients_encoded_where_they_lie_are_dropped_by_zero_grad_and_nothing_i
     """The sign codes encode each gradient where autograd left it: zero_grad() drops those
     gradients as torch does (no fill of their groups, no accumulation into the slots) and the
     step's result is a view of its group again, nothing copied in but a parameter without a
-    gradient's zeros; the parameters end bit for bit where zero_grad(set_to_none=False), which
-    keeps the slots and fills them, ends."""
-    for (params, dropped, held, copied), (kept, kept_dropped, kept_held, kept_copied) in run_workers(
+    gradient's zeros.  With a GradScaler, clipping and an Inf on one rank, the parameters end
+    bit for bit where zero_grad(set_to_none=False), which keeps the slots and fills them, ends."""
+    for (params, dropped, held, copied, scale), (kept, kept_dropped, kept_held, kept_copied, kept_scale) in run_workers(
             _parts_worker, world, world, compression):
+        assert scale == kept_scale == 2.0 ** 11  # the Inf on rank 1 at step 3 skipped that step on every rank
         assert torch.equal(params, kept)
         assert all(dropped) and all(held)
         assert not any(kept_dropped[1:]) and all(kept_held)
