@@ -1,8 +1,9 @@
 """
 mergecomp's own work per step with no network: one process, plain torch (SGD and AdamW, foreach
 and fused), DDP on one rank, and mergecomp's DistributedOptimizer (none, fp16, topk, powersgd,
-1-bit SGD, and 1-bit SGD exchanging AdamW's momentum) side by side, interleaved round after round; ms per
-step, aten operators per step, and each row's ratio to plain torch with the same optimizer.
+1-bit SGD, and 1-bit SGD exchanging AdamW's momentum) side by side, interleaved round after
+round; ms per step, aten operators per step, and each row's ratio to plain torch with the same
+optimizer.
 
     python scripts/bench_host_overhead.py                                  # the narrow GPT-2s
     python scripts/bench_host_overhead.py --models resnet50,gpt2-small --rounds 2 --steps 5

@@ -7,12 +7,11 @@ uncompressed single-process result, with a copy only where a gradient was not in
 import pytest
 import torch
 from distributed import run_workers
-from mergecomp.kernels import native
+from test_codecs import needs_kernels
 from test_momentum_exchange import run
 from test_optimizer_dist import flat_params, make_data, make_model, shard
 
 STEPS = 6
-needs_kernels = pytest.mark.skipif(not native.usable(torch.zeros(1)), reason="native kernels unavailable")
 
 
 def _steps(model, opt, x, y, zero, steps=STEPS, scaler=None, clip=None, poison=None, rank=0):

@@ -39,9 +39,10 @@ parameter that gets no gradient in a step holds zeros, not None, until the excha
 the other ranks' average.  A group whose gradients the compressor encodes where they lie (the
 sign codes on the CPU: no pass writes them into the group) is the exception: there
 ``set_to_none=True`` drops them as torch does, sparing the fill and backward's accumulation
-into the slots, and the result is a view of the buffer again after the exchange.  A gradient replaced by the user's code (``p.grad = t``, or a
-module's ``zero_grad()`` setting it to None) is copied in at its next step and counted
-(``copy-in``, :meth:`step_breakdown`), then a view again.  Plans, the backward order, the
+into the slots, and the result is a view of the buffer again after the exchange.  A gradient
+replaced by the user's code (``p.grad = t``, or a module's ``zero_grad()`` setting it to None)
+is copied in at its next step and counted (``copy-in``, :meth:`step_breakdown`), then a view
+again.  Plans, the backward order, the
 scheduler and checkpoints are :class:`mergecomp.pipeline.planned.PlannedStep`'s.
 """
 from __future__ import annotations

@@ -5,8 +5,8 @@ A benchmark model (:mod:`mergecomp_bench.models`: ResNet-50 on 32x32 images, GPT
 configuration of :data:`mergecomp_bench.host_overhead.CONFIGS` (plain torch SGD and AdamW,
 default, foreach and fused; DDP on a process group of one rank; ``DistributedOptimizer`` on the
 local engine with ``none``, ``fp16``, ``topk``, ``powersgd``, ``onebit`` in groups of about
-25 MB and 1-bit SGD exchanging AdamW's momentum) and with top-k under ``groups="auto"`` (the scheduler's search
-runs first, untimed; its choice is reported).  No byte crosses a network, so what a row adds to
+25 MB and 1-bit SGD exchanging AdamW's momentum) and with top-k under ``groups="auto"`` (the
+scheduler's search runs first, untimed; its choice is reported).  No byte crosses a network, so what a row adds to
 plain torch's step is mergecomp's own work on the GPU.  Each configuration runs ``warmup``
 untimed steps, then ``steps`` steps between two CUDA events; ``x`` is against plain torch with
 the same optimizer (default implementation: foreach on CUDA).
