@@ -907,8 +907,10 @@ static uint32_t kth_bits(std::vector<uint32_t>& bits, int64_t rank) {
     found |= bucket << shift;
     if (shift == 0) break;
     int64_t kept = 0;
-    for (int64_t j = 0; j < live; ++j) {
-      if (((bits[j] >> shift) & mask) == bucket) bits[kept++] = bits[j];
+    for (int64_t j = 0; j < live; ++j) {  // without a branch: whether one is kept is not predictable
+      const uint32_t b = bits[j];
+      bits[kept] = b;
+      kept += ((b >> shift) & mask) == bucket;
     }
     live = kept;
   }
@@ -1424,17 +1426,31 @@ void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count,
   const float kth = kth_magnitude(val, count, count - k);
   int64_t ties = k;
   for (int64_t j = 0; j < count; ++j) ties -= std::fabs(val[j]) > kth;
-  int64_t kept = 0;
+  // Without a branch (whether a candidate is kept is not predictable): each is written to the
+  // front and, with its momentum, to the list of those going back, and only one list advances.
+  std::vector<int64_t> back_idx(out ? count - k + 1 : 1);
+  std::vector<float> back_val(back_idx.size()), back_uval(u_out ? back_idx.size() : 1);
+  const bool put_back = out != nullptr;
+  int64_t kept = 0, back = 0;
   for (int64_t j = 0; j < count; ++j) {
-    const float a = std::fabs(val[j]);
-    if (a > kth || (a == kth && ties-- > 0)) {
-      idx[kept] = idx[j];
-      val[kept] = val[j];
-      ++kept;
-    } else if (out) {
-      out[idx[j]] = val[j];
-      if (u_out) u_out[idx[j]] = uval[j];
+    const int64_t i = idx[j];
+    const float v = val[j], a = std::fabs(v);
+    const bool tie = a == kth && ties > 0;
+    const bool take = a > kth || tie;
+    ties -= tie;
+    idx[kept] = i;
+    val[kept] = v;
+    kept += take;
+    if (put_back) {
+      back_idx[back] = i;
+      back_val[back] = v;
+      if (u_out) back_uval[back] = uval[j];
+      back += !take;
     }
+  }
+  for (int64_t b = 0; b < back; ++b) {
+    out[back_idx[b]] = back_val[b];
+    if (u_out) u_out[back_idx[b]] = back_uval[b];
   }
 }
 
