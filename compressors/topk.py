@@ -24,7 +24,8 @@ from mergecomp.compressors.base.memory import Residual
 from mergecomp.compressors.base.passes import CodecPasses
 from mergecomp.compressors.base.sparse import (SparseCompressor, candidate_capacity, num_selected, sample_rank,
                                                sample_stride, sample_threshold, topk_abs_indices)
-from mergecomp.kernels.codecs import compensated_above, fused_scan_served, keep_largest, sampled_threshold
+from mergecomp.kernels.codecs import (compensated_above, fused_scan_served, keep_largest, sampled_threshold,
+                                      with_first_zeros)
 from mergecomp.registry import register_compressor
 
 _SELECTIONS = ("exact", "threshold")
@@ -34,23 +35,6 @@ _VALUE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 #: the smallest positive fp32 (a subnormal): ``|x| >= _SMALLEST`` holds for every nonzero ``x``
 _SMALLEST = float(torch.finfo(torch.float32).smallest_normal) * 2.0 ** -23
-
-
-def _with_first_zeros(indices: torch.Tensor, values: torch.Tensor, k: int,
-                      out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of a group with fewer than ``k`` nonzero elements, all of them in ``indices``
-    (ascending) with their ``values`` and the rest of ``out`` zeros: those, and the first zeros
-    to make ``k`` (of equal magnitudes the first, as :func:`keep_largest` breaks ties), in
-    ascending order; the zeros sent are zeroed in ``out``."""
-    missing = k - indices.numel()
-    below = indices.numel() + missing  # the first `missing` zeros lie below this
-    free = torch.ones(below, dtype=torch.bool)
-    free[indices[indices < below]] = False
-    zeros = torch.arange(below)[free][:missing]
-    merged, order = torch.cat([indices, zeros]).sort()
-    sent = torch.cat([values, out.index_select(0, zeros)])[order]
-    out[zeros] = 0
-    return merged, sent
 
 
 @register_compressor("topk")
@@ -136,7 +120,7 @@ class TopKCompressor(SparseCompressor, FusedEncode):
             indices, values = keep_largest(indices, values, k, out,
                                                   None if momenta is None else (momenta, corrected))
         elif count < k and threshold == _SMALLEST:  # every nonzero, and the first zeros after them
-            indices, values = _with_first_zeros(indices, values, k, out)
+            indices, values = with_first_zeros(indices, values, k, out)
         else:  # too few or too many candidates: ``out`` (and the momentum) as before the scan took them
             out[indices] = values
             if corrected is not None:

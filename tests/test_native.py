@@ -379,6 +379,31 @@ def test_keep_largest_keeps_the_top_k_in_ascending_order_and_puts_the_others_bac
 
 
 @needs_kernels
+@pytest.mark.parametrize("n, nonzeros, k", [(1, 0, 1), (10, 3, 10), (10, 0, 4), (65_536, 512, 656), (1000, 300, 301)])
+def test_with_first_zeros_takes_the_nonzeros_and_the_first_zeros_in_ascending_order(n, nonzeros, k):
+    """Of a group with fewer nonzeros than k, all among the candidates: those, and the first
+    zeros to make k, ascending; the zeros' values read from out (a -0 stays one) and zeroed."""
+    out = torch.zeros(n)
+    out[1::4] = -0.0
+    indices = torch.randperm(n)[:nonzeros].sort().values
+    values = torch.randn(nonzeros)
+    taken = out.clone()
+    kept_indices, kept_values = native.with_first_zeros(indices, values, k, out)
+    free = torch.ones(n, dtype=torch.bool)
+    free[indices] = False
+    zeros = torch.nonzero(free).view(-1)[:k - nonzeros]
+    expected, order = torch.cat([indices, zeros]).sort()
+    assert torch.equal(kept_indices, expected)
+    assert torch.equal(kept_values, torch.cat([values, taken[zeros]])[order])
+    assert torch.equal(kept_values.signbit(), torch.cat([values, taken[zeros]])[order].signbit())
+    expected_out = taken.clone()
+    expected_out[zeros] = 0.0
+    assert torch.equal(out, expected_out) and torch.equal(out.signbit(), expected_out.signbit())
+    with pytest.raises(ValueError, match="with_first_zeros"):
+        native.with_first_zeros(indices, values, nonzeros, out)  # not fewer candidates than k
+
+
+@needs_kernels
 @pytest.mark.parametrize("n, stride", [(1, 1), (7, 3), (100_003, 1), (3_300_000, 167)])
 @pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "nonfinite"])
 @pytest.mark.parametrize("residual", [False, True])

@@ -39,14 +39,15 @@ from mergecomp.kernels.tritpack import packed_size as trit_bytes
 __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_levels", "decode_codes",
            "pack_signs", "compensated_signs", "CompensatedSignParts", "MomentumSignParts", "sign_residual",
            "momentum_signs", "majority_vote", "codes_sum", "trits_sum", "stochastic_trits", "levels_sum",
-           "indices_above", "compensated_above", "keep_largest", "sampled_threshold", "moments", "copy_finite",
+           "indices_above", "compensated_above", "keep_largest", "with_first_zeros", "sampled_threshold", "moments",
+           "copy_finite",
            "cast_half_finite", "zero_fill", "low_rank", "momentum_to_wire_segments", "momentum_from_wire_segments",
            "frozen_adam_segments"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 34
+_ABI_VERSION = 35
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -111,6 +112,7 @@ _SIGNATURES = {
     "mc_indices_above": ([_P, _I64, _F32, _P, _I64, _I32], _I64),
     "mc_compensated_above": ([_P, _P, _P, _F32, _P, _I64, _F32, _P, _P, _P, _P, _I64, _P, _P, _I32], _I64),
     "mc_keep_largest": ([_P, _P, _P, _I64, _I64, _P, _P], None),
+    "mc_with_first_zeros": ([_P, _P, _I64, _I64, _P, _P, _P], None),
     "mc_sampled_threshold": ([_P, _P, _I64, _I64, _I64], _F32),
     "mc_copy_finite": ([_P, _P, _I64, _F32, _I32, _I32], _I32),
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
@@ -574,6 +576,28 @@ def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optio
         None if out is None else _buf("out", out, torch.float32, numel),
         None if u_out is None else _buf("u_out", u_out, torch.float32, numel))
     return indices[:k], values[:k]
+
+
+def with_first_zeros(indices: torch.Tensor, values: torch.Tensor, k: int,
+                     out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of a group with fewer than ``k`` nonzero elements, all of them among the
+    candidates ``indices`` (int64, ascending) with their fp32 ``values``, every other element of
+    ``out`` a zero: those and the first zeros to make ``k`` (of equal magnitudes the first, as
+    :func:`keep_largest` breaks ties), ``(indices, values)`` in ascending order, the zeros taken
+    read from ``out`` (a -0 stays one) and then zeroed there."""
+    count, numel = indices.numel(), out.numel()
+    if not count < k <= numel or values.numel() != count:
+        raise ValueError(f"with_first_zeros: need {count} candidates with as many values and {count} < k <= "
+                         f"{numel}, got k={k}, {values.numel()} values")
+    if count and not 0 <= int(indices[0]) <= int(indices[-1]) < numel:  # ascending: the ends bound them
+        raise ValueError(f"with_first_zeros: candidate indices {int(indices[0])}..{int(indices[-1])} do not fit "
+                         f"an output of {numel} elements")
+    kept_indices, kept_values = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
+    _library().mc_with_first_zeros(_buf("indices", indices, torch.int64, count),
+                                   _buf("values", values, torch.float32, count), count, k,
+                                   _buf("out", out, torch.float32, numel), kept_indices.data_ptr(),
+                                   kept_values.data_ptr())
+    return kept_indices, kept_values
 
 
 def sampled_threshold(x: torch.Tensor, residual: Optional[torch.Tensor], stride: int, rank: int) -> float:

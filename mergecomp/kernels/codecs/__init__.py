@@ -27,7 +27,7 @@ from mergecomp.kernels.codecs.levels import (codes_sum, decode_codes, levels_sum
 from mergecomp.kernels.codecs.products import low_rank
 from mergecomp.kernels.codecs.scans import all_finite, cast_finite, copy_finite, indices_above, zero_
 from mergecomp.kernels.codecs.selection import (compensated_above, fused_scan_served, keep_largest, largest,
-                                                sampled_threshold)
+                                                sampled_threshold, with_first_zeros)
 from mergecomp.kernels.codecs.signs import (compensated_sign_parts, compensated_signs, decode_signs, majority_vote,
                                             momentum_sign_parts, momentum_signs, pack_signs, parts_served,
                                             sign_remainder, sign_sum, streamed)
@@ -38,4 +38,4 @@ __all__ = ["pack_signs", "compensated_signs", "sign_remainder", "momentum_signs"
            "qsgd_encode", "scale_levels",
            "moments", "all_finite", "cast_finite", "copy_finite", "indices_above", "zero_", "low_rank",
            "compensated_sign_parts", "momentum_sign_parts", "parts_served", "streamed", "largest",
-           "compensated_above", "keep_largest", "fused_scan_served", "sampled_threshold"]
+           "compensated_above", "keep_largest", "with_first_zeros", "fused_scan_served", "sampled_threshold"]

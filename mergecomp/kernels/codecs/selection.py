@@ -8,7 +8,8 @@ import torch
 
 from mergecomp.kernels import native
 
-__all__ = ["largest", "compensated_above", "keep_largest", "fused_scan_served", "sampled_threshold"]
+__all__ = ["largest", "compensated_above", "keep_largest", "with_first_zeros", "fused_scan_served",
+           "sampled_threshold"]
 
 
 def largest(candidates: torch.Tensor, values: torch.Tensor, k: int, absolute: bool) -> torch.Tensor:
@@ -42,6 +43,13 @@ def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optio
     """The ``k`` largest candidates of :func:`compensated_above`, the others put back
     (:func:`mergecomp.kernels.native.keep_largest`)."""
     return native.keep_largest(indices, values, k, out, momentum)
+
+
+def with_first_zeros(indices: torch.Tensor, values: torch.Tensor, k: int,
+                     out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k where :func:`compensated_above` found fewer than ``k`` nonzero elements: those and
+    the first zeros (:func:`mergecomp.kernels.native.with_first_zeros`)."""
+    return native.with_first_zeros(indices, values, k, out)
 
 
 def sampled_threshold(x: torch.Tensor, residual: Optional[torch.Tensor], stride: int, rank: int) -> float:

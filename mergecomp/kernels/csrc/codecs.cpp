@@ -943,7 +943,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 34; }
+int mc_abi_version() { return 35; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1451,6 +1451,28 @@ void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count,
   for (int64_t b = 0; b < back; ++b) {
     out[back_idx[b]] = back_val[b];
     if (u_out) u_out[back_idx[b]] = back_uval[b];
+  }
+}
+
+// Top-k of a group with fewer than k nonzero elements, all of them among the `count` candidates
+// (idx ascending, val their values; every other element of out is a zero, +0 or -0): the
+// candidates and the first k - count other elements, in ascending order, into kept_idx and
+// kept_val (k each), those others' values read from out and then zeroed there.
+void mc_with_first_zeros(const int64_t* idx, const float* val, int64_t count, int64_t k, float* out,
+                         int64_t* kept_idx, float* kept_val) {
+  int64_t missing = k - count, p = 0, i = 0;
+  for (int64_t w = 0; w < k; ++i) {
+    if (p < count && idx[p] == i) {
+      kept_idx[w] = i;
+      kept_val[w++] = val[p++];
+    } else if (missing > 0) {
+      kept_idx[w] = i;
+      kept_val[w++] = out[i];
+      out[i] = 0.0f;
+      --missing;
+    } else {
+      i = idx[p] - 1;  // no zeros left to take: on to the next candidate
+    }
   }
 }
 
