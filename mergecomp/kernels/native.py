@@ -554,6 +554,14 @@ def compensated_above(x: torch.Tensor, residual: Optional[torch.Tensor], thresho
     return indices[:stored], values[:stored], count, None if momenta is None else momenta[:stored], bool(finite.value)
 
 
+def _check_fit(kernel: str, indices: torch.Tensor, numel: int) -> None:
+    """Raise unless the candidate ``indices`` (ascending, not empty: the ends bound them) all
+    fall in an output of ``numel`` elements that ``kernel`` writes at them."""
+    first, last = int(indices[0]), int(indices[-1])
+    if not 0 <= first <= last < numel:
+        raise ValueError(f"{kernel}: candidate indices {first}..{last} do not fit an output of {numel} elements")
+
+
 def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
                  momentum: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Of candidates ``indices`` (int64, ascending) with fp32 ``values`` (``0 < k <= len``): the
@@ -567,9 +575,8 @@ def keep_largest(indices: torch.Tensor, values: torch.Tensor, k: int, out: Optio
                          f"{values.numel()} values")
     momenta, u_out = (None, None) if momentum is None else momentum
     numel = 0 if out is None else out.numel()
-    if out is not None and not 0 <= int(indices[0]) <= int(indices[-1]) < numel:  # ascending: the ends bound them
-        raise ValueError(f"keep_largest: candidate indices {int(indices[0])}..{int(indices[-1])} do not fit "
-                         f"an output of {numel} elements")
+    if out is not None:
+        _check_fit("keep_largest", indices, numel)
     _library().mc_keep_largest(
         _buf("indices", indices, torch.int64, count), _buf("values", values, torch.float32, count),
         None if momenta is None else _buf("momenta", momenta, torch.float32, count), count, k,
@@ -589,9 +596,8 @@ def with_first_zeros(indices: torch.Tensor, values: torch.Tensor, k: int,
     if not count < k <= numel or values.numel() != count:
         raise ValueError(f"with_first_zeros: need {count} candidates with as many values and {count} < k <= "
                          f"{numel}, got k={k}, {values.numel()} values")
-    if count and not 0 <= int(indices[0]) <= int(indices[-1]) < numel:  # ascending: the ends bound them
-        raise ValueError(f"with_first_zeros: candidate indices {int(indices[0])}..{int(indices[-1])} do not fit "
-                         f"an output of {numel} elements")
+    if count:
+        _check_fit("with_first_zeros", indices, numel)
     kept_indices, kept_values = torch.empty(k, dtype=torch.int64), torch.empty(k, dtype=torch.float32)
     _library().mc_with_first_zeros(_buf("indices", indices, torch.int64, count),
                                    _buf("values", values, torch.float32, count), count, k,

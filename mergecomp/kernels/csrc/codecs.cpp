@@ -1428,9 +1428,9 @@ void mc_keep_largest(int64_t* idx, float* val, const float* uval, int64_t count,
   for (int64_t j = 0; j < count; ++j) ties -= std::fabs(val[j]) > kth;
   // Without a branch (whether a candidate is kept is not predictable): each is written to the
   // front and, with its momentum, to the list of those going back, and only one list advances.
-  std::vector<int64_t> back_idx(out ? count - k + 1 : 1);
-  std::vector<float> back_val(back_idx.size()), back_uval(u_out ? back_idx.size() : 1);
   const bool put_back = out != nullptr;
+  std::vector<int64_t> back_idx(put_back ? count - k + 1 : 1);
+  std::vector<float> back_val(back_idx.size()), back_uval(u_out ? back_idx.size() : 1);
   int64_t kept = 0, back = 0;
   for (int64_t j = 0; j < count; ++j) {
     const int64_t i = idx[j];
