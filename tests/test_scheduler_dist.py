@@ -12,7 +12,7 @@ from mergecomp.scheduler.online import SchedulerConfig
 FAST = dict(warmup_steps=2, settle_steps=1, probe_steps=2, retune_window=1000)
 
 
-def _auto_worker(rank, world, compression, steps, cache_path=None, slow_after=None, window=None):
+def _auto_worker(rank, world, compression, steps, cache_path=None, slow_after=None, window=None, prune_ratio=2.0):
     import time
 
     import mergecomp.torch as mc
@@ -28,7 +28,7 @@ def _auto_worker(rank, world, compression, steps, cache_path=None, slow_after=No
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups="auto",
                                   scheduler=SchedulerConfig(**{**FAST, "retune_window": window or 1000},
-                                                            cache_path=cache_path))
+                                                            cache_path=cache_path, prune_ratio=prune_ratio))
     plans = []
     for step in range(steps):
         if slow_after is not None and step >= slow_after:
@@ -139,10 +139,12 @@ def test_which_codecs_the_search_offers():
 
 
 def test_auto_with_a_compressor_keeps_ranks_identical():
-    r0, r1 = run_workers(_auto_worker, 2, 2, "topk", 25)
+    # no plan left unmeasured for its prediction (which the timings decide: a loaded machine
+    # predicted the compressor's plans over 2x the fastest and pruned them)
+    r0, r1 = run_workers(_auto_worker, 2, 2, "topk", 25, None, None, None, 1e9)  # prune_ratio
     assert r0["plans"] == r1["plans"]
     assert torch.equal(r0["params"], r1["params"])
-    # The best plans using the compressor alone, at two group counts, are always verified.
+    # The best plans using the compressor alone, at two group counts, are among the candidates and verified.
     verified = [c for c in r0["report"]["candidates"] if c["measured_s"] is not None]
     assert len({c["groups"] for c in verified if set(c["codecs"]) == {"compressed"}}) >= 2
 
