@@ -7,6 +7,8 @@ import pytest
 import torch
 from distributed import run_workers
 
+from mergecomp.exchange.plan import WARMUP_QSGD4
+
 
 def make_model():
     torch.manual_seed(0)
@@ -309,12 +311,21 @@ def test_a_grad_scaler_skipping_one_ranks_step_keeps_the_ranks_in_step():
     assert [scale for _, _, scale, _ in out] == [2.0 ** 10, 2.0 ** 9, 2.0 ** 10, 2.0 ** 10]
 
 
-def _resume_worker(rank, path, H, streaming, saved_at):
-    """Save after ``saved_at`` inner steps (model, inner optimizer, DiLoCo), go on to 4 rounds; a
-    fresh run loads the checkpoint and goes on the same way.  ``streaming``: two fragments with a
-    delay of one step (``"auto"``: chosen, which H = 4 leaves at 1), saved while the first
-    fragment's exchange is in flight."""
+def _resume_worker(rank, path, H, streaming, saved_at, codec=None):
+    """Save after ``saved_at`` inner steps (model, inner optimizer, DiLoCo, torch's RNG state as
+    the frameworks' checkpoints hold it), go on to 4 rounds; a fresh run loads the checkpoint and
+    goes on the same way.  ``streaming``: two fragments with a delay of one step (``"auto"``:
+    chosen, which H = 4 leaves at 1), saved while the first fragment's exchange is in flight.
+    ``codec``: the codec ``fragment_codecs="auto"`` takes whatever the link (None: its choice)."""
     import mergecomp.torch as mc
+    import mergecomp.torch.diloco as diloco_module
+
+    if codec is not None:
+        chosen_by = diloco_module.choose
+
+        def forced(*args):
+            return {**chosen_by(*args), "codec": codec}
+        diloco_module.choose = forced
 
     data = batches(rank, 4 * H)
     delay = 1 if streaming is True else "auto"
@@ -332,7 +343,8 @@ def _resume_worker(rank, path, H, streaming, saved_at):
         inner_step(model, opt, x, y)
     in_flight = diloco.in_flight == 0 or streaming == "auto" and diloco.sync_delay is None
     chosen = diloco.fragment_codecs
-    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "diloco": diloco.state_dict()})
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "diloco": diloco.state_dict(),
+                           "rng": torch.get_rng_state()})  # QSGD's rounding, if "codecs" chose it, draws from it
     torch.save(saved, f"{path}.{rank}")
     for x, y in data[saved_at:]:
         inner_step(model, opt, x, y)
@@ -343,6 +355,7 @@ def _resume_worker(rank, path, H, streaming, saved_at):
     model.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["opt"])
     diloco.load_state_dict(loaded["diloco"])
+    torch.set_rng_state(loaded["rng"])
     assert diloco.fragment_codecs == chosen
     assert streaming != "codecs" or [f.merged.plan.codec_names() for f in diloco.fragments] == [(c,) for c in chosen]
     for x, y in data[saved_at:]:
@@ -350,13 +363,15 @@ def _resume_worker(rank, path, H, streaming, saved_at):
     return all(torch.equal(a, b) for a, b in zip(straight, model.parameters())), diloco.inner_steps, in_flight
 
 
-@pytest.mark.parametrize("H,streaming,saved_at", [(3, False, 7), (4, True, 6), (4, "auto", 6), (4, "auto", 3),
-                                                  (4, "codecs", 6)])
-def test_resume_continues_exactly(tmp_path, H, streaming, saved_at):
+@pytest.mark.parametrize("H,streaming,saved_at,codec", [(3, False, 7, None), (4, True, 6, None), (4, "auto", 6, None),
+                                                        (4, "auto", 3, None), (4, "codecs", 6, None),
+                                                        (4, "codecs", 6, WARMUP_QSGD4)])
+def test_resume_continues_exactly(tmp_path, H, streaming, saved_at, codec):
     """``"auto"`` saved after its choice (step 6: in flight), and before it (step 3: the first
-    fragment's exchange timed, the second's not yet)."""
+    fragment's exchange timed, the second's not yet); 4-bit QSGD's stochastic rounding, whichever
+    codec the link makes ``fragment_codecs="auto"`` choose."""
     for exact, steps, in_flight in run_workers(_resume_worker, 2, str(tmp_path / "ckpt"), H, streaming, saved_at,
-                                               timeout=120):
+                                               codec, timeout=120):
         assert exact and steps == 4 * H and in_flight == bool(streaming)
 
 
