@@ -90,7 +90,8 @@ class PlannedStep(MergedStep):
         return list(self._slots)
 
     def zero_buffers(self, spare_parts: bool = False) -> List[int]:
-        """Zero every group buffer, one fill per group: the slots (:attr:`slots`) handed out as
+        """Zero every group buffer, one fill per group (a large one by non-temporal stores,
+        :func:`mergecomp.kernels.codecs.zero_`): the slots (:attr:`slots`) handed out as
         gradients are zeroed together.  With ``spare_parts``, a group whose gradients the last
         step encoded where they lay (part by part, :meth:`Exchange.begin`) is not filled, and
         its tensors' indices are returned: the front end drops those gradients (``p.grad =
@@ -106,7 +107,7 @@ class PlannedStep(MergedStep):
             if spare_parts and parted:
                 spared += group.indices
             else:
-                flat.zero_()
+                codecs.zero_(flat)
         return spared
 
     @property
