@@ -67,6 +67,46 @@ def test_the_slots_stay_the_gradients_and_only_gradients_elsewhere_are_copied(ze
             assert copied[1:] == [0] * (STEPS - 1)
 
 
+def _wide_worker(rank, world, set_to_none):
+    """One group of over STREAM_MIN elements (zeroed by non-temporal stores where the kernels
+    are on): after each zero_grad, every p.grad its slot and all zeros."""
+    import mergecomp.torch as mc
+    from mergecomp.kernels.native import STREAM_MIN
+
+    def wide():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),
+                                   torch.nn.Tanh(), torch.nn.Linear(1024, 4))
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    x, y = make_data()
+    model = wide()
+    opt = mc.DistributedOptimizer(sgd(model), model.named_parameters(), compression="none", groups=1)
+    zeroed = []
+
+    def zero(model, opt, t):
+        opt.zero_grad(set_to_none=set_to_none)
+        if t:  # from the second step on, the slots are the gradients
+            zeroed.append(all(p.grad is slot and not slot.any() for p, slot in zip(model.parameters(),
+                                                                                 opt.merged.slots)))
+    _steps(model, opt, shard(x, rank, world), shard(y, rank, world), zero, steps=4)
+    reference, joined = wide(), world * (x.shape[0] // world)
+    _steps(reference, sgd(reference), x[:joined], y[:joined], ZEROS["opt.zero_grad()"], steps=4)
+    return ([b.numel() >= STREAM_MIN for b in opt.merged.buffers], zeroed,
+            (flat_params(model) - flat_params(reference)).abs().max())
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_group_past_the_cache_is_zeroed_for_the_next_backward(set_to_none):
+    """A group large enough to be filled past the cache: zeros in every slot after zero_grad(),
+    and the parameters of the uncompressed single-process run on 2 ranks."""
+    for large, zeroed, diff in run_workers(_wide_worker, 2, 2, set_to_none):
+        assert large == [True] and zeroed == [True] * 3
+        assert diff < 1e-5
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_a_group_of_one_tensor_is_sent_from_its_gradient(world):
     """Layer-wise groups: no buffer, no slot, no copy; each result lands in p.grad itself, exact
