@@ -32,9 +32,9 @@ def _auto_worker(rank, world, compression, steps, cache_path=None, slow_after=No
     plans, slowdown = [], 0.05
     for step in range(steps):
         if slow_after is not None and step >= slow_after:
-            if step == slow_after and opt.schedule_report()["chosen"] is not None:
-                # past the retune's margin whatever this machine's load made the chosen plan measure
-                slowdown = max(slowdown, 2 * opt.schedule_report()["chosen"]["measured_s"])
+            if step == slow_after:  # past the retune's margin whatever the chosen plan measured under load
+                chosen = opt.schedule_report()["chosen"] or {}
+                slowdown = max(slowdown, 2 * (chosen.get("measured_s") or 0.0))
             time.sleep(slowdown)  # the "network" got slower
         loss = torch.nn.functional.cross_entropy(model(shard(x, rank, world)), shard(y, rank, world))
         opt.zero_grad()

@@ -96,11 +96,12 @@ def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
 
 
 def zero_(out: torch.Tensor) -> torch.Tensor:
-    """``out`` set to zeros: the dense output a sparse decode scatters into.  An output of
-    :data:`mergecomp.kernels.native.STREAM_MIN` elements or more (contiguous fp32 CPU) gets the zeros by
-    non-temporal stores, its lines written without being read first (25.6 M elements: 4.6 ms
-    against 12.2 ms for ``zero_()`` on one thread); a smaller one ``zero_()``, which leaves it in
-    the cache for the scatter that follows.  Returns ``out``."""
+    """``out`` set to zeros: the dense output a sparse decode scatters into, or a group buffer
+    backward accumulates into.  An output of :data:`mergecomp.kernels.native.STREAM_MIN`
+    elements or more (contiguous fp32 CPU) gets the zeros by non-temporal stores, its lines
+    written without being read first (25.6 M elements: 4.6 ms against 12.2 ms for ``zero_()`` on
+    one thread); a smaller one ``zero_()``, which leaves it in the cache for what writes it next.
+    Returns ``out``."""
     if out.numel() >= native.STREAM_MIN and native.usable(out):
         return native.zero_fill(out)
     return out.zero_()
