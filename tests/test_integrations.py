@@ -14,6 +14,8 @@ import pytest
 import torch
 from distributed import free_port, run_workers
 
+from mergecomp.torch.momentum_exchange import LrWarmup
+
 
 def requires(module):
     return pytest.mark.skipif(importlib.util.find_spec(module) is None,
@@ -379,7 +381,7 @@ def _accelerate(rank, folder):
     x, y = x[32 * rank:][:32], y[32 * rank:][:32]
 
     def run(compression=None, steps=range(6), save=None, load=None, adamw=False, after=2, diloco=None,
-            first_buckets=False):
+            first_buckets=False, total=40):
         # DDP's default for plain DDP, bucket views as the docs say for mergecomp; first_buckets: DDP
         # keeps its first buckets (find_unused_parameters), so a fresh one's are the trained one's
         with kept_environment():
@@ -391,8 +393,8 @@ def _accelerate(rank, folder):
                     else torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
             model, opt = accelerator.prepare(net, made)
             momentum = {"exchange_momentum_after": after, "optimizer": opt} if adamw else {}
-            if after == "auto":
-                momentum["total_steps"] = 40  # onebit's recipe: K = 0.6 x 5 % of 40 updates, at least a quarter of them: 10
+            if after == "auto" and total:
+                momentum["total_steps"] = total  # onebit's recipe: K = 0.6 x 5 % of 40 updates, at least a quarter of them: 10
             if diloco is not None:
                 state = register_diloco(accelerator, model, opt, compression=compression, **diloco)
             else:
@@ -426,6 +428,8 @@ def _accelerate(rank, folder):
         out[f"adam_resumed_updates{suffix}"] = state.momentum.exchange.updates
     state = run("onebit", adamw=True, after="auto")[1]
     out["adam_auto"] = (state.momentum.exchange.after, state.momentum.exchange.refresh_every)
+    exchange = run("onebit", adamw=True, after="auto", total=None)[1].momentum.exchange  # K follows the LR
+    out["adam_auto_followed"] = (exchange.after, exchange.follow, exchange.updates, exchange.active)
     # DiLoCo around Accelerate's optimizer: every step with plain averaging is DDP; top-k every
     # 4 steps resumed from a state saved mid-round
     averaging = {"sync_every": 1, "outer_optimizer": mc.averaging}
@@ -489,6 +493,7 @@ def test_accelerate_register_exchanges_adamws_momentum_and_resumes_exactly(accel
         assert torch.equal(out["adam_resumed"], out["adam"])
         torch.testing.assert_close(out["adam_resumed_rebuilt"], out["adam_rebuilt"], rtol=0, atol=1e-6)
         assert out["adam_auto"] == (10, 32)
+        assert out["adam_auto_followed"] == (None, LrWarmup(0.6, 150), 6, False)  # still warming up
     assert torch.equal(accelerate[0]["adam"], accelerate[1]["adam"])
 
 

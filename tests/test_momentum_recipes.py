@@ -8,7 +8,7 @@ from distributed import run_workers
 from test_momentum_exchange import AFTER, flat_params, make_adam, make_data, make_model, make_schedule, run, shard
 
 import mergecomp
-from mergecomp.torch.momentum_exchange import MomentumSettings
+from mergecomp.torch.momentum_exchange import LrWarmup, MomentumSettings
 from mergecomp.torch.momentum_recipes import RECIPES, adapt, choose
 
 
@@ -46,9 +46,20 @@ def test_what_the_user_gives_stands():
     assert choose("topk", given, "test") == ("topk", given, ())
 
 
+def test_without_the_runs_length_auto_follows_the_learning_rate():
+    """Neither ``total_steps`` nor ``lr_warmup_steps`` (or 0): K is decided from the learning
+    rate as the run goes, at least 150 updates and the recipe's multiple of the LR warm-up."""
+    for length in ({}, {"total_steps": 0}):
+        for name in ("onebit", "topk", "powersgd"):
+            after = choose(name, {"exchange_momentum_after": "auto", **length}, "test")[1]["exchange_momentum_after"]
+            assert after == LrWarmup(RECIPES[name].warmup, 150)
+    assert [LrWarmup(1.5, 150).warmup(rose) for rose in (0, 100, 101, 1000)] == [150, 150, 152, 1500]
+    for bad in ({"share": -1.0, "shortest": 150}, {"share": 0.6, "shortest": 0}):
+        with pytest.raises(ValueError, match="LrWarmup"):
+            LrWarmup(**bad)
+
+
 @pytest.mark.parametrize("compression,options,message", [
-    ("topk", {"exchange_momentum_after": "auto"}, "give total_steps=N"),
-    ("topk", {"exchange_momentum_after": "auto", "total_steps": 0}, "give total_steps=N"),
     ("topk", {"exchange_momentum_after": "auto", "total_steps": 2.5}, "total_steps must be an int"),
     ("randk", {"exchange_momentum_after": "auto", "total_steps": 100}, "has recipes for"),
     ("topk", {"exchange_momentum_after": 5, "total_steps": 100}, "total_steps is only used with"),
@@ -88,6 +99,58 @@ def test_distributed_optimizer_with_auto_trains_as_the_recipe_spelled_out():
     (2.5 % in fp16, K = 1.5 x 4, R = 32, the 8-bit QSGD warm-up codec), on every rank."""
     for auto, spelled in run_workers(_auto_worker, 2):
         assert torch.equal(auto, spelled)
+
+
+WARMUP = 160  # LinearLR's warm-up: the lr rises through update 161 and is held at 162
+
+
+def _follow_worker(rank, world):
+    """1-bit SGD's recipe without the run's length, the LR warmed up over 160 updates: K follows
+    it (162, past the floor of 150), compared with K = 162 given; a run saved at update 161 (the
+    LR still rising) and resumed; the LR held from the start (K = 150); one rank's LR held while
+    the others' rises."""
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    out = {}
+
+    def train(label, steps, after="auto", warm=True, state=None, **given):
+        model = make_model()
+        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="onebit", groups=2,
+                                      exchange_momentum_after=after, **given)
+        schedule = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.05, total_iters=WARMUP) if warm else None
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            schedule.load_state_dict(state["schedule"])
+            torch.set_rng_state(state["rng"])  # the 8-bit QSGD warm-up codec rounds stochastically
+        run(model, opt, shard(x, rank), shard(y, rank), steps, schedule)
+        out[label] = (flat_params(model), opt.momentum_exchange.after, opt.momentum_exchange.active)
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "rng": torch.get_rng_state(),
+                "schedule": schedule.state_dict() if schedule else None}
+
+    steps = WARMUP + 8
+    train("followed", steps)
+    train("given", steps, after=WARMUP + 2, variance_refresh_every=32, compression_warmup_codec="qsgd")
+    train("resumed", steps - WARMUP - 1, state=train("saved", WARMUP + 1))  # before the hold
+    train("held", 151, warm=False)
+    train("one rank held", steps, warm=rank != 1)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_without_the_runs_length_freezes_where_the_lr_warm_up_ends(world):
+    """The warm-up ends once the learning rate stops rising, at least 150 updates: the run equals
+    the recipe with that K given, bit for bit, and a resume from a checkpoint taken before the
+    decision continues it exactly; ranks whose learning rates disagree still freeze together."""
+    for out in run_workers(_follow_worker, world, world):
+        followed, after, active = out["followed"]
+        assert (after, active) == (WARMUP + 2, True)
+        assert torch.equal(followed, out["given"][0]) and out["given"][1:] == (WARMUP + 2, True)
+        assert torch.equal(followed, out["resumed"][0]) and out["resumed"][1:] == (WARMUP + 2, True)
+        assert out["saved"][1:] == (None, False)
+        assert out["held"][1:] == (150, True)
+        assert out["one rank held"][1:] == (WARMUP + 2, True)
 
 
 def test_auto_refreshes_within_the_variances_time_constant_unless_told_otherwise():

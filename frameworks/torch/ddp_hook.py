@@ -306,7 +306,8 @@ def ddp_comm_hook(
             the DDP model's parameters) given here as ``optimizer``, or later by
             :meth:`DDPHookState.set_optimizer`, before the first backward pass.
             ``"auto"``: the compressor's recipe, scaled to ``total_steps=N`` or
-            ``lr_warmup_steps=W`` (:mod:`frameworks.torch.momentum_recipes`).
+            ``lr_warmup_steps=W``, else following the learning rate
+            (:mod:`frameworks.torch.momentum_recipes`).
         grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
             the loss.
 

@@ -65,7 +65,7 @@ import dataclasses
 import logging
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -79,7 +79,7 @@ from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 
 from .momentum_state import GroupState
 
-__all__ = ["MomentumExchange", "MomentumSettings", "SEARCH", "check_optimizer", "default_memory",
+__all__ = ["LrWarmup", "MomentumExchange", "MomentumSettings", "SEARCH", "check_optimizer", "default_memory",
            "refresh_limit", "smallest_beta2", "warn_adam_gradients"]
 
 logger = logging.getLogger("mergecomp")
@@ -174,13 +174,42 @@ def check_after(after: Any, option: str = OPTION) -> int:
     return after
 
 
+#: the compression warm-up of the merged step while :class:`LrWarmup` has not decided: until the
+#: freeze ends it (:meth:`MomentumExchange.begin_step`)
+UNTIL_FROZEN = 1 << 62
+
+
+@dataclasses.dataclass(frozen=True)
+class LrWarmup:
+    """``K`` decided as the run goes, from the learning rate the optimizer's steps use: the
+    warm-up ends at the first update after every parameter group's lr stopped rising (an update
+    whose lr is nowhere above the one before), and lasts at least ``shortest`` updates and
+    ``share`` x the LR warm-up (the last update whose lr rose).  Every rank decides the same:
+    from ``shortest`` on, each update takes the largest ``K`` any rank wants
+    (:meth:`MomentumExchange.counted`).  A warm-up of steps (an lr held for a few updates, then
+    raised) ends at its first hold."""
+
+    share: float
+    shortest: int
+
+    def __post_init__(self) -> None:
+        check_after(self.shortest, "LrWarmup.shortest")
+        if not self.share >= 0:
+            raise ValueError(f"LrWarmup.share must be >= 0, got {self.share!r}")
+
+    def warmup(self, rose: int) -> int:
+        """``K`` for an LR warm-up whose lr last rose at update ``rose`` (0: never)."""
+        return max(self.shortest, math.ceil(self.share * rose))
+
+
 @dataclasses.dataclass(frozen=True)
 class MomentumSettings:
     """The momentum exchange's options, as every front end takes them (checked in one place:
-    :meth:`create`): ``after`` (``exchange_momentum_after``), ``refresh_every``
-    (``variance_refresh_every``), ``send`` (``exchange_momentum_as``)."""
+    :meth:`create`): ``after`` (``exchange_momentum_after``: ``K``, or :class:`LrWarmup` to
+    decide it from the learning rate), ``refresh_every`` (``variance_refresh_every``), ``send``
+    (``exchange_momentum_as``)."""
 
-    after: int
+    after: Union[int, LrWarmup]
     refresh_every: Optional[int] = None
     send: str = "momentum"
     #: the options ``exchange_momentum_after="auto"`` chose, not the user
@@ -202,7 +231,8 @@ class MomentumSettings:
             if given:
                 raise ValueError(f"{given[0]} is only used with {OPTION} (it configures the momentum exchange)")
             return None
-        check_after(after)
+        if not isinstance(after, LrWarmup):
+            check_after(after)
         if refresh_every is not None:
             check_after(refresh_every, REFRESH_OPTION)
         send = "momentum" if send is None else send
@@ -220,7 +250,8 @@ class MomentumSettings:
         """The step options this exchange changes the defaults of (a lossless warm-up of
         ``after`` steps, the search of :data:`SEARCH`), and the memory ``memory`` None means
         (:func:`default_memory`)."""
-        return ({"compression_warmup_steps": self.after, "scheduler": SEARCH},
+        warmup = UNTIL_FROZEN if isinstance(self.after, LrWarmup) else self.after
+        return ({"compression_warmup_steps": warmup, "scheduler": SEARCH},
                 default_memory(compression) if memory is None else memory)
 
 
@@ -234,8 +265,8 @@ def warn_adam_gradients(optimizer: Any, exchange: Exchange, who: str) -> None:
     if isinstance(optimizer, torch.optim.Adam) and not compressor.lossless and exchange.memory.feeds_back:
         warnings.warn(f"{who}: {compressor.name!r} with error feedback on {type(optimizer).__name__}'s gradients "
                       f"ends far behind uncompressed {type(optimizer).__name__}; exchange its momentum instead: add "
-                      f"{OPTION}='auto' (the compressor's recipe; total_steps=N where the front end cannot see the "
-                      f"run's length) or {OPTION}=K (K: at least the LR warm-up's updates)", UserWarning, stacklevel=3)
+                      f"{OPTION}='auto' (the compressor's recipe) or {OPTION}=K (K: at least the LR warm-up's "
+                      f"updates)", UserWarning, stacklevel=3)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, exchange: Exchange) -> None:
@@ -274,7 +305,14 @@ class MomentumExchange:
         self.optimizer = optimizer
         self.params = params
         self.exchange = exchange
-        self.after = settings.after
+        #: ``K``, the warm-up's updates (None while :attr:`follow` has not decided it)
+        self.after: Optional[int] = None if isinstance(settings.after, LrWarmup) else settings.after
+        #: how ``K`` is decided from the learning rate (None: given)
+        self.follow: Optional[LrWarmup] = settings.after if isinstance(settings.after, LrWarmup) else None
+        #: the LR warm-up as seen so far (:meth:`_lr_warmup`): each parameter group's last lr, the
+        #: last update whose lr rose, whether it stopped rising
+        self._lrs: Optional[List[float]] = None
+        self._rose, self._lr_warmup_over = 0, False
         self.refresh_every = settings.refresh_every
         self.grad_scaler = grad_scaler
         send = settings.send
@@ -340,7 +378,10 @@ class MomentumExchange:
 
     def begin_step(self, merged: MergedStep) -> None:
         """A step's first gradient is final: in the momentum phase ``merged``'s groups become this
-        rank's momentum before they start (:meth:`to_wire`), and a refresh sends them exactly."""
+        rank's momentum before they start (:meth:`to_wire`), and a refresh sends them exactly;
+        a compression warm-up left running by an undecided ``K`` ends (:data:`UNTIL_FROZEN`)."""
+        if self.active and merged.warmup_steps > merged.step:
+            merged.end_warmup()
         merged.exact = self.active and self.refreshing
         merged.before_start = self.to_wire if self.active else None
 
@@ -495,8 +536,36 @@ class MomentumExchange:
         """An update was applied (warm-up or momentum phase); the one that ends the warm-up
         freezes the variance."""
         self.updates += 1
+        if self.after is None:
+            self.after = self._lr_warmup()
         if self.updates == self.after:
             self._freeze()
+
+    def _lr_warmup(self) -> Optional[int]:
+        """:attr:`follow`'s ``K`` once decided (at least this update: a later one would be the
+        past), else None.  Reads each parameter group's lr (that of the update just applied);
+        from :attr:`LrWarmup.shortest` on, one allgather of an int per update until every rank
+        wants a ``K``, the largest then taken on every rank."""
+        if not self._lr_warmup_over:
+            lrs = [float(group["lr"]) for group in self.optimizer.param_groups]
+            if self._lrs is not None:
+                if any(new > old for new, old in zip(lrs, self._lrs)):
+                    self._rose = self.updates
+                else:
+                    self._lr_warmup_over = True
+            self._lrs = lrs
+        if self.updates < self.follow.shortest:
+            return None
+        wanted = self.follow.warmup(self._rose) if self._lr_warmup_over else UNTIL_FROZEN
+        agreed = int(self.exchange.comm.allgather(torch.tensor([wanted], dtype=torch.int64),
+                                                  f"{OPTION}='auto': the LR warm-up's end").max())
+        if agreed == UNTIL_FROZEN:
+            return None
+        after = max(agreed, self.updates)
+        logger.info("%s: the learning rate last rose at update %d; the warm-up ends after update %d (at least %d "
+                    "updates, %.1f x the LR warm-up)", OPTION, self._rose, after, self.follow.shortest,
+                    self.follow.share)
+        return after
 
     def _freeze(self) -> None:
         """The variance of an element that got no gradient in the warm-up (e.g. the embedding of
@@ -551,19 +620,28 @@ class MomentumExchange:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """The same on every rank: the warm-up length, updates so far, the coefficients."""
-        return {OPTION: self.after, REFRESH_OPTION: self.refresh_every, "updates": self.updates,
-                "coefficients": self.coefficients}
+        """The same on every rank: the warm-up length (None while undecided), updates so far, the
+        coefficients; with :attr:`follow`, the LR warm-up as seen so far."""
+        state = {OPTION: self.after, REFRESH_OPTION: self.refresh_every, "updates": self.updates,
+                 "coefficients": self.coefficients}
+        if self.follow is not None:
+            state["lr_warmup"] = {"lrs": self._lrs, "rose": self._rose, "over": self._lr_warmup_over}
+        return state
 
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
         """Restore :meth:`state_dict`; None (a checkpoint saved without the option): the updates
-        are Adam's step count, and a checkpoint past the warm-up freezes the variance now.  The
+        are Adam's step count, and a checkpoint past the warm-up freezes the variance now (with
+        :attr:`follow`, ``K`` is decided afresh from the learning rate from here on).  The
         optimizer's state was loaded before: each group takes it over at its next use."""
         self._step, self._groups, self._result, self._written = None, {}, None, None
+        if self.follow is not None:
+            self.after = None if state is None else state[OPTION]
+            seen = {} if state is None else state.get("lr_warmup") or {}
+            self._lrs, self._rose, self._lr_warmup_over = seen.get("lrs"), seen.get("rose", 0), seen.get("over", False)
         if state is None:
             steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
             self.updates, self.coefficients = int(max(steps, default=0)), None
-            if self.updates >= self.after:
+            if self.after is not None and self.updates >= self.after:
                 self._freeze()
             return
         self.updates = int(state["updates"])

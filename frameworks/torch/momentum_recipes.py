@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.registry import get_compressor
 
-from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, MomentumSettings, refresh_limit, smallest_beta2
+from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, LrWarmup, MomentumSettings, refresh_limit, smallest_beta2
 
 __all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose", "settings_of"]
 
@@ -91,7 +91,8 @@ def _named(compression: Any) -> Optional[str]:
 def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Dict[str, Any], Tuple[str, ...]]:
     """``(compression, options, chosen)`` with ``exchange_momentum_after="auto"`` replaced by its
     recipe's settings (:data:`RECIPES`): the compressor named with the recipe's settings, K from
-    the run's LR warm-up (``lr_warmup_steps`` where given, else 5 % of ``total_steps``) and at
+    the run's LR warm-up (``lr_warmup_steps`` where given, else 5 % of ``total_steps``; neither:
+    :class:`~.momentum_exchange.LrWarmup`, from the learning rate as it moves) and at
     least :data:`SHORTEST_WARMUP` (a quarter of a shorter ``total_steps``), and the
     refresh interval, warm-up codec and wire form unless ``options`` gives them; ``chosen``: the
     momentum options the recipe set (for :func:`adapt`); the two run options are taken out of
@@ -113,14 +114,13 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{who}: {option} must be an int >= 0, got {value!r}")
     lr_warmup, total = run[WARMUP_OPTION], run[TOTAL_OPTION]
-    if not lr_warmup:
-        if not total:
-            raise ValueError(f"{who}: {OPTION}='auto' scales the warm-up to the run: give {TOTAL_OPTION}=N (the "
-                             f"run's optimizer updates) or {WARMUP_OPTION}=W (its LR warm-up's)")
-        lr_warmup = math.ceil(LR_WARMUP_SHARE * total)
     shortest = min(SHORTEST_WARMUP, math.ceil(SHORT_RUN_SHARE * total)) if total else SHORTEST_WARMUP
     chosen = [OPTION]
-    options[OPTION] = max(1, math.ceil(recipe.warmup * lr_warmup), shortest)
+    if lr_warmup or total:
+        lr_warmup = lr_warmup or math.ceil(LR_WARMUP_SHARE * total)
+        options[OPTION] = max(1, math.ceil(recipe.warmup * lr_warmup), shortest)
+    else:  # decided from the learning rate as it moves
+        options[OPTION] = LrWarmup(recipe.warmup, shortest)
     if recipe.refresh_every is not None and options.get(REFRESH_OPTION) is None:
         options[REFRESH_OPTION] = recipe.refresh_every
         chosen.append(REFRESH_OPTION)
@@ -129,9 +129,12 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
     options.setdefault("compression_warmup_codec", recipe.codec)
     if isinstance(compression, str) and recipe.compressor:
         compression = get_compressor(compression, **recipe.compressor)
-    logger.info("%s: %s='auto' for %s: %s=%d (%.1f x an LR warm-up of %d updates, at least %d), %s=%s, %s=%r, "
-                "compression_warmup_codec=%r", who, OPTION, compression, OPTION, options[OPTION], recipe.warmup,
-                lr_warmup, shortest, REFRESH_OPTION, options.get(REFRESH_OPTION), SEND_OPTION, options[SEND_OPTION],
+    after = options[OPTION]
+    warmup = (f"{after} ({recipe.warmup:.1f} x an LR warm-up of {lr_warmup} updates, at least {shortest})"
+              if isinstance(after, int) else
+              f"{recipe.warmup:.1f} x the LR warm-up, at least {shortest} updates, once the learning rate stops rising")
+    logger.info("%s: %s='auto' for %s: %s=%s, %s=%s, %s=%r, compression_warmup_codec=%r", who, OPTION, compression,
+                OPTION, warmup, REFRESH_OPTION, options.get(REFRESH_OPTION), SEND_OPTION, options[SEND_OPTION],
                 options["compression_warmup_codec"])
     return compression, options, tuple(chosen)
 

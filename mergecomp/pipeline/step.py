@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -172,6 +172,11 @@ class MergedStep:
     @property
     def warmup_steps(self) -> int:
         return self.options.compression_warmup_steps
+
+    def end_warmup(self) -> None:
+        """End the compression warm-up now: the step about to start compresses (a front end
+        whose warm-up length is decided as the run goes)."""
+        self.options = replace(self.options, compression_warmup_steps=self.step)
 
     @property
     def in_flight(self) -> bool:

@@ -3,8 +3,8 @@
     accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     model, opt, loader = accelerator.prepare(model, opt, loader)
     register(accelerator, model, "topk")          # before the first backward pass
-    # with AdamW, its momentum exchanged by the compressor's recipe over a 2,000-update run:
-    # register(accelerator, model, "onebit", exchange_momentum_after="auto", total_steps=2000, optimizer=opt)
+    # with AdamW, its momentum exchanged by the compressor's recipe (the warm-up follows the LR's):
+    # register(accelerator, model, "onebit", exchange_momentum_after="auto", optimizer=opt)
 
 or DiLoCo around the prepared optimizer (no exchange per step; every ``sync_every`` steps the
 parameters' change, compressed)::
@@ -49,7 +49,8 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
             ``nonfinite``, ``compression_warmup_steps``, ``uncompressed``, ...;
             ``exchange_momentum_after=K, optimizer=opt`` with the AdamW ``prepare`` returned:
             its momentum exchanged, in the loss scale of the accelerator's ``GradScaler`` under
-            fp16; ``exchange_momentum_after="auto", total_steps=N``: the compressor's recipe).
+            fp16; ``exchange_momentum_after="auto"``: the compressor's recipe, its warm-up
+            following the learning rate, or scaled to ``total_steps=N`` where given).
         checkpoint: also ``accelerator.register_for_checkpointing`` every rank's hook state, so
             ``save_state`` writes it (one file, from the main process) and ``load_state`` gives
             each rank its own back.
