@@ -46,7 +46,7 @@ CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsig
 CONTEXT, BATCH, LR, DECAY, EVAL_EVERY = 64, 8, 1e-3, 0.1, 50
 TARGET = 0.01  # within 1 % of uncompressed AdamW's validation loss
 BASELINE = "none@grad"
-MODELS, CORPORA = ("gpt2", "llama"), ("stdlib", "prose")
+MODELS, CORPORA, FRONTENDS = ("gpt2", "llama"), ("stdlib", "prose"), ("optimizer", "trainer")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,6 +70,11 @@ parser.add_argument("--clip", type=float, default=None,
                     help="clip_grad_norm_ to this after synchronize(), step() inside skip_synchronize()")
 parser.add_argument("--batch", type=int, default=BATCH, help="windows per rank per step")
 parser.add_argument("--workers", type=int, default=2, help="ranks (gloo over loopback)")
+parser.add_argument("--frontend", choices=FRONTENDS, default="optimizer",
+                    help="optimizer: mc.DistributedOptimizer around AdamW (the loop above); trainer: the transformers "
+                         "Trainer's own AdamW (adamw_torch), warm-up and cosine schedule and clipping (max_grad_norm "
+                         "1.0 unless --clip), with register(trainer, COMPRESSOR, exchange_momentum_after='auto') for "
+                         "@auto configurations and plain DDP for none@grad")
 parser.add_argument("--trace", action="store_true",
                     help="record each update's RMS over the parameters of (change / lr) in the record's 'trace'")
 
@@ -244,6 +249,69 @@ def run_one(rank, world, config, seed, args, data):
                         "batch": args.batch, "workers": world}}
 
 
+def run_trainer(rank, world, config, seed, args, data):
+    """One run through the transformers ``Trainer`` (``--frontend trainer``): its AdamW
+    (``adamw_torch``, weight decay ``DECAY``), a linear warm-up over :func:`lr_warmup` then a
+    cosine decay to 10 % (``cosine_with_min_lr``), its clipping; ``none@grad`` plain DDP,
+    ``COMPRESSOR@auto`` with ``register(trainer, COMPRESSOR, exchange_momentum_after="auto")``.
+    The training windows are drawn from every rank's share of the bytes by the Trainer's
+    distributed sampler; evaluated every ``EVAL_EVERY`` updates on the held-out windows."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments, TrainerCallback
+    from transformers.utils import logging as hf_logging
+
+    from mergecomp.torch.integrations.transformers import register
+
+    spec, mode, *_ = parse_config(config)
+    if (spec, mode) != ("none", "grad") and mode != "auto":
+        raise ValueError(f"--frontend trainer runs none@grad and COMPRESSOR@auto, not {config!r}")
+    hf_logging.set_verbosity_error()
+    train, held_out = data
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    windows = [random_windows(train, gen, 1)[0] for _ in range(args.steps * args.batch * world)]  # the sampler's shards
+    curve, began = [], time.perf_counter()
+
+    class Curve(TrainerCallback):
+        def on_evaluate(self, targs, state, control, metrics=None, **kwargs):
+            curve.append({"step": state.global_step, "test_loss": metrics["eval_loss"],
+                          "seconds": time.perf_counter() - began})
+
+    torch.manual_seed(seed)
+    model = make_model(args.layers, args.model)
+    saved = dict(os.environ)
+    with tempfile.TemporaryDirectory() as folder:
+        targs = TrainingArguments(
+            output_dir=folder, max_steps=args.steps, per_device_train_batch_size=args.batch,
+            per_device_eval_batch_size=len(held_out) // world, learning_rate=args.lr, weight_decay=DECAY, adam_beta2=args.beta2,
+            warmup_steps=lr_warmup(args.steps), lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.1}, max_grad_norm=1.0 if args.clip is None else args.clip,
+            optim="adamw_torch", eval_strategy="steps", eval_steps=EVAL_EVERY, save_strategy="no",
+            logging_strategy="no", report_to="none", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, seed=seed,
+            data_seed=seed, disable_tqdm=True, dataloader_drop_last=True)
+        trainer = Trainer(model=model, args=targs, callbacks=[Curve()],
+                          train_dataset=[{"input_ids": w, "labels": w} for w in windows],
+                          eval_dataset=[{"input_ids": w, "labels": w} for w in held_out])
+        callback = register(trainer, spec, exchange_momentum_after="auto") if mode == "auto" else None
+        trainer.train()
+    os.environ.clear()  # the Trainer's accelerate state edits it; the next run needs it back
+    os.environ.update(saved)
+    shapes = [p.shape for p in model.parameters()]
+    hook = callback.hook_state if callback else None
+    momentum = hook.momentum.exchange if hook else None
+    refresh = momentum.refresh_every if momentum else None
+    return {"config": config, "seed": seed, "steps": args.steps, "after": momentum.after if momentum else None,
+            "compressor": repr(hook.merged.exchange.compressor) if hook else "DDP fp32",
+            "parameters": sum(s.numel() for s in shapes),
+            "warmup_codec": repr(warmup_compressor(hook.merged)) if hook else None, "refresh": refresh,
+            "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, refresh) if hook else 32.0,
+            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
+            "status": "ok",
+            "setting": {"frontend": "trainer", "model": args.model, "corpus": args.corpus, "layers": args.layers,
+                        "lr": args.lr, "beta2": args.beta2, "clip": 1.0 if args.clip is None else args.clip,
+                        "batch": args.batch, "workers": world}}
+
+
 def worker(rank, world, port, jobs, args, queue):
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
@@ -254,7 +322,7 @@ def worker(rank, world, port, jobs, args, queue):
     data = rank_data(rank, world, corpus=args.corpus)
     for config, seed in jobs:
         try:
-            record = run_one(rank, world, config, seed, args, data)
+            record = (run_trainer if args.frontend == "trainer" else run_one)(rank, world, config, seed, args, data)
         except Exception as err:  # a failing configuration is a result too
             record = {"config": config, "seed": seed, "status": f"failed: {err}"}
         if rank == 0:
