@@ -280,6 +280,7 @@ def run_trainer(rank, world, config, seed, args, data):
     torch.manual_seed(seed)
     model = make_model(args.layers, args.model)
     saved = dict(os.environ)
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, as the other front end runs (accelerate sets 2)
     with tempfile.TemporaryDirectory() as folder:
         targs = TrainingArguments(
             output_dir=folder, max_steps=args.steps, per_device_train_batch_size=args.batch,
@@ -293,6 +294,7 @@ def run_trainer(rank, world, config, seed, args, data):
                           train_dataset=[{"input_ids": w, "labels": w} for w in windows],
                           eval_dataset=[{"input_ids": w, "labels": w} for w in held_out])
         callback = register(trainer, spec, exchange_momentum_after="auto") if mode == "auto" else None
+        torch.set_num_threads(1)
         trainer.train()
     os.environ.clear()  # the Trainer's accelerate state edits it; the next run needs it back
     os.environ.update(saved)

@@ -350,8 +350,10 @@ class MomentumExchange:
     def refreshing(self) -> bool:
         """Whether this step refreshes the variance (:func:`last_write`), its gradients
         travelling exactly."""
+        if not self.active:
+            return False
         n = self._phase_update
-        return self.active and n >= 1 and last_write(n, self.refresh_every) == n
+        return n >= 1 and last_write(n, self.refresh_every) == n
 
     # -- a group about to start: its gradients become this rank's momentum ----------------------
     def _settings(self) -> Dict[str, Any]:
@@ -557,8 +559,9 @@ class MomentumExchange:
         if self.updates < self.follow.shortest:
             return None
         wanted = self.follow.warmup(self._rose) if self._lr_warmup_over else UNTIL_FROZEN
-        agreed = int(self.exchange.comm.allgather(torch.tensor([wanted], dtype=torch.int64),
-                                                  f"{OPTION}='auto': the LR warm-up's end").max())
+        comm = self.exchange.comm
+        agreed = int(comm.allgather(torch.tensor([wanted], dtype=torch.int64, device=comm.device),
+                                    f"{OPTION}='auto': the LR warm-up's end").max())
         if agreed == UNTIL_FROZEN:
             return None
         after = max(agreed, self.updates)
