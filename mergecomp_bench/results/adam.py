@@ -13,8 +13,8 @@ __all__ = ["BY_COMPRESSOR", "NOISE_CONFIG", "SHORT_RUN", "SHORT_RUN_RECORDS", "W
            "adam_momentum_exchange", "recipes_on_their_own_run"]
 
 #: bench_adam.py's defaults, which records made before it wrote its setting leave out
-_ADAM_DEFAULTS = {"model": "gpt2", "corpus": "stdlib", "layers": 4, "lr": 1e-3, "beta2": 0.999, "clip": None,
-                  "batch": 8, "workers": 2}
+_ADAM_DEFAULTS = {"frontend": "optimizer", "model": "gpt2", "corpus": "stdlib", "layers": 4, "lr": 1e-3,
+                  "beta2": 0.999, "clip": None, "batch": 8, "workers": 2}
 #: AdamW's gradients rounded to fp16 (DDP's fp16 hook), no exchange: the column of :func:`adam_auto`
 #: that shows how far a change of the numerics too small to matter moves a setting's final loss
 NOISE_CONFIG = "fp16@grad"
@@ -41,6 +41,10 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      {"layers": 3, "lr": 3e-3, "clip": 1.0}, 300, "adam_gpt2_3x256_300_updates_auto_2workers.jsonl"),
     ("the same, twice as long (`--steps 1200`: K = 150)",
      {"layers": 3, "lr": 3e-3, "clip": 1.0}, 1200, "adam_gpt2_3x256_1200_updates_auto_2workers.jsonl"),
+    ("GPT-2 3 x 256, lr 1e-3, 1,500 updates through the transformers `Trainer`: its AdamW, schedule and clipping "
+     "at 1.0, `register(trainer, \"onebit\", exchange_momentum_after=\"auto\")` against plain DDP "
+     "(`--frontend trainer --layers 3 --steps 1500`)",
+     {"frontend": "trainer", "layers": 3, "clip": 1.0}, 1500, "adam_trainer_gpt2_3x256_2workers.jsonl"),
 )
 
 
