@@ -277,6 +277,7 @@ def run_trainer(rank, world, config, seed, args, data):
             curve.append({"step": state.global_step, "test_loss": metrics["eval_loss"],
                           "seconds": time.perf_counter() - began})
 
+    clip = 1.0 if args.clip is None else args.clip  # the Trainer's max_grad_norm default
     torch.manual_seed(seed)
     model = make_model(args.layers, args.model)
     saved = dict(os.environ)
@@ -284,12 +285,13 @@ def run_trainer(rank, world, config, seed, args, data):
     with tempfile.TemporaryDirectory() as folder:
         targs = TrainingArguments(
             output_dir=folder, max_steps=args.steps, per_device_train_batch_size=args.batch,
-            per_device_eval_batch_size=len(held_out) // world, learning_rate=args.lr, weight_decay=DECAY, adam_beta2=args.beta2,
-            warmup_steps=lr_warmup(args.steps), lr_scheduler_type="cosine_with_min_lr",
-            lr_scheduler_kwargs={"min_lr_rate": 0.1}, max_grad_norm=1.0 if args.clip is None else args.clip,
+            per_device_eval_batch_size=len(held_out) // world, learning_rate=args.lr, weight_decay=DECAY,
+            adam_beta2=args.beta2, warmup_steps=lr_warmup(args.steps), lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": 0.1}, max_grad_norm=clip,
             optim="adamw_torch", eval_strategy="steps", eval_steps=EVAL_EVERY, save_strategy="no",
-            logging_strategy="no", report_to="none", use_cpu=True, ddp_backend="gloo", ddp_find_unused_parameters=False, seed=seed,
-            data_seed=seed, disable_tqdm=True, dataloader_drop_last=True)
+            logging_strategy="no", report_to="none", use_cpu=True, ddp_backend="gloo",
+            ddp_find_unused_parameters=False, seed=seed, data_seed=seed, disable_tqdm=True,
+            dataloader_drop_last=True)
         trainer = Trainer(model=model, args=targs, callbacks=[Curve()],
                           train_dataset=[{"input_ids": w, "labels": w} for w in windows],
                           eval_dataset=[{"input_ids": w, "labels": w} for w in held_out])
@@ -310,7 +312,7 @@ def run_trainer(rank, world, config, seed, args, data):
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
             "status": "ok",
             "setting": {"frontend": "trainer", "model": args.model, "corpus": args.corpus, "layers": args.layers,
-                        "lr": args.lr, "beta2": args.beta2, "clip": 1.0 if args.clip is None else args.clip,
+                        "lr": args.lr, "beta2": args.beta2, "clip": clip,
                         "batch": args.batch, "workers": world}}
 
 

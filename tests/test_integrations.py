@@ -394,7 +394,8 @@ def _accelerate(rank, folder):
             model, opt = accelerator.prepare(net, made)
             momentum = {"exchange_momentum_after": after, "optimizer": opt} if adamw else {}
             if after == "auto" and total:
-                momentum["total_steps"] = total  # onebit's recipe: K = 0.6 x 5 % of 40 updates, at least a quarter of them: 10
+                # onebit's recipe: K = 0.6 x 5 % of 40 updates, at least a quarter of them: 10
+                momentum["total_steps"] = total
             if diloco is not None:
                 state = register_diloco(accelerator, model, opt, compression=compression, **diloco)
             else:

@@ -21,7 +21,8 @@ from typing import Any, Dict, Optional, Tuple
 from mergecomp.compressors.base.compressor import Compressor
 from mergecomp.registry import get_compressor
 
-from .momentum_exchange import OPTION, REFRESH_OPTION, SEND_OPTION, LrWarmup, MomentumSettings, refresh_limit, smallest_beta2
+from .momentum_exchange import (OPTION, REFRESH_OPTION, SEND_OPTION, LrWarmup, MomentumSettings, refresh_limit,
+                                smallest_beta2)
 
 __all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose", "settings_of"]
 

@@ -148,8 +148,9 @@ class DistributedOptimizer(HoldsMergedStep):
             the search then sends every group with the compressor (``momentum_exchange.SEARCH``)
             unless ``scheduler=`` says otherwise.  ``"auto"``: the compressor's recipe chooses
             K from the run (``total_steps=N``, its updates, or ``lr_warmup_steps=W``, its LR
-            warm-up's; neither: from the learning rate, once it stops rising), the options below and the compressor's own settings when it is given
-            by name (an option given stands; :mod:`frameworks.torch.momentum_recipes`).
+            warm-up's; neither: from the learning rate, once it stops rising), the options below
+            and the compressor's own settings when it is given by name (an option given stands;
+            :mod:`frameworks.torch.momentum_recipes`).
         variance_refresh_every: with ``exchange_momentum_after``: every this many updates of the
             momentum phase, the gradients travel as in the warm-up (exactly, or as
             ``compression_warmup_codec`` says) and refresh the variance (as the last
