@@ -73,7 +73,7 @@ parser.add_argument("--workers", type=int, default=2, help="ranks (gloo over loo
 parser.add_argument("--frontend", choices=FRONTENDS, default="optimizer",
                     help="optimizer: mc.DistributedOptimizer around AdamW (the loop above); trainer: the transformers "
                          "Trainer's own AdamW (adamw_torch), warm-up and cosine schedule and clipping (max_grad_norm "
-                         "1.0 unless --clip), with register(trainer, COMPRESSOR, exchange_momentum_after='auto') for "
+                         "1.0 unless --clip), with register(trainer, COMPRESSOR) (its default, 'auto') for "
                          "@auto configurations and plain DDP for none@grad")
 parser.add_argument("--trace", action="store_true",
                     help="record each update's RMS over the parameters of (change / lr) in the record's 'trace'")
@@ -253,7 +253,7 @@ def run_trainer(rank, world, config, seed, args, data):
     """One run through the transformers ``Trainer`` (``--frontend trainer``): its AdamW
     (``adamw_torch``, weight decay ``DECAY``), a linear warm-up over :func:`lr_warmup` then a
     cosine decay to 10 % (``cosine_with_min_lr``), its clipping; ``none@grad`` plain DDP,
-    ``COMPRESSOR@auto`` with ``register(trainer, COMPRESSOR, exchange_momentum_after="auto")``.
+    ``COMPRESSOR@auto`` with ``register(trainer, COMPRESSOR)`` (with AdamW ``"auto"`` by default).
     The training windows are drawn from every rank's share of the bytes by the Trainer's
     distributed sampler; evaluated every ``EVAL_EVERY`` updates on the held-out windows."""
     import tempfile
@@ -295,9 +295,11 @@ def run_trainer(rank, world, config, seed, args, data):
         trainer = Trainer(model=model, args=targs, callbacks=[Curve()],
                           train_dataset=[{"input_ids": w, "labels": w} for w in windows],
                           eval_dataset=[{"input_ids": w, "labels": w} for w in held_out])
-        callback = register(trainer, spec, exchange_momentum_after="auto") if mode == "auto" else None
+        callback = register(trainer, spec) if mode == "auto" else None  # AdamW: "auto" by default
         torch.set_num_threads(1)
         trainer.train()
+        if callback is not None and callback.hook_state.momentum is None:
+            raise ValueError(f"register(trainer, {spec!r}) sent AdamW's gradients (no recipe serves it): not {config}")
     os.environ.clear()  # the Trainer's accelerate state edits it; the next run needs it back
     os.environ.update(saved)
     shapes = [p.shape for p in model.parameters()]

@@ -14,14 +14,14 @@ from test_momentum_exchange import run as train
 from test_optimizer_dist import flat_params, make_data, make_model, shard
 
 
-def hooked(compression="none", per_tensor=False, scaler=None, **options):
+def hooked(compression="none", per_tensor=False, scaler=None, fused=False, **options):
     """The test model in DDP with the hook exchanging AdamW's momentum: ``(ddp, opt, state)``."""
     import mergecomp.torch as mc
 
     model = make_model()
     caps = {"bucket_cap_mb_list": [1e-6]} if per_tensor else {"bucket_cap_mb": BUCKET_MB}
     ddp = torch.nn.parallel.DistributedDataParallel(model, **caps)
-    opt = make_adam(model)
+    opt = make_adam(model, fused=fused)
     state, hook = mc.ddp_comm_hook(compression, named_parameters=model.named_parameters(),
                                    exchange_momentum_after=AFTER, optimizer=opt, grad_scaler=scaler, **options)
     ddp.register_comm_hook(state, hook)
@@ -73,25 +73,28 @@ def test_compressors_through_the_hook_keep_the_ranks_identical_and_learn():
             assert after < before, (name, before, after)
 
 
-def _scaler_worker(rank, poison):
+def _scaler_worker(rank, poison, fused=False):
     x, y = make_data()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
-    ddp, opt, state = hooked(scaler=scaler)
+    ddp, opt, state = hooked(scaler=scaler, fused=fused)
     train(ddp, opt, shard(x, rank), shard(y, rank), STEPS, make_schedule(opt), scaler=scaler, poison=poison)
     return flat_params(ddp.module), scaler.get_scale(), state.momentum.exchange.updates
 
 
-def test_a_grad_scaler_changes_nothing_and_its_overflow_skips_the_step_everywhere():
-    """The momentum goes on the wire in the loss scale and comes back unscaled by the scaler: the
-    lossless run equals the reference; an Inf in the momentum phase skips that step on every
-    rank (not counted as an update) and halves the scale."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_grad_scaler_changes_nothing_and_its_overflow_skips_the_step_everywhere(fused):
+    """The momentum goes on the wire in the loss scale and comes back unscaled by the scaler (a
+    fused AdamW's step gets the scale handed over instead: the update divides it out): the
+    lossless run equals the reference; an Inf in the warm-up or the momentum phase skips that
+    step on every rank (not counted as an update) and halves the scale."""
     expected = reference(2, STEPS, "AdamW")
-    for params, scale, updates in run_workers(_scaler_worker, 2, ()):
+    for params, scale, updates in run_workers(_scaler_worker, 2, (), fused):
         assert scale == 2.0 ** 10 and updates == STEPS
         torch.testing.assert_close(params, expected, rtol=0, atol=1e-6)
-    results = run_workers(_scaler_worker, 2, (AFTER + 2,))
-    assert torch.equal(results[0][0], results[1][0]) and torch.isfinite(results[0][0]).all()
-    assert all(scale == 2.0 ** 9 and updates == STEPS - 1 for _, scale, updates in results)
+    for poison in (1, AFTER + 2):
+        results = run_workers(_scaler_worker, 2, (poison,), fused)
+        assert torch.equal(results[0][0], results[1][0]) and torch.isfinite(results[0][0]).all()
+        assert all(scale == 2.0 ** 9 and updates == STEPS - 1 for _, scale, updates in results)
 
 
 def _resume_worker(rank, compression):

@@ -16,6 +16,9 @@ from distributed import free_port, run_workers
 
 from mergecomp.torch.momentum_exchange import LrWarmup
 
+#: an option left out, where None would give it
+DEFAULT = object()
+
 
 def requires(module):
     return pytest.mark.skipif(importlib.util.find_spec(module) is None,
@@ -154,17 +157,23 @@ def _lightning(rank, folder, port, saved_by_three):
     strategy = adam_hook()
     out["hook_adam_resumed"] = fit(strategy, module=Tiny("hook"), ckpt=path)
     out["hook_adam_resumed_updates"] = strategy.hook_state.momentum.exchange.updates
-    strategy = MergecompDDPStrategy("onebit", exchange_momentum_after="auto")  # fit's 8 updates: K = 2
-    with warnings.catch_warnings(record=True) as caught:  # the optimizer comes after the hook: R follows its beta2
-        warnings.simplefilter("always")
-        fit(strategy, module=Tiny("hook", beta2=0.95))
-    momentum = strategy.hook_state.momentum.exchange
-    out["hook_adam_auto"] = (momentum.after, momentum.refresh_every, momentum.updates)
-    out["hook_adam_auto_warnings"] = [str(w.message) for w in caught if "measured with beta2" in str(w.message)]
-    with warnings.catch_warnings(record=True) as caught:  # AdamW's gradients through top-k: told what to add
-        warnings.simplefilter("always")
-        fit(MergecompDDPStrategy("topk"), epochs=1, module=Tiny("hook"))
-    out["hook_adam_warnings"] = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
+    # "auto", given and by default (AdamW's gradients through 1-bit SGD): fit's 8 updates, K = 2
+    for label, options in (("auto", {"exchange_momentum_after": "auto"}), ("default", {})):
+        strategy = MergecompDDPStrategy("onebit", **options)
+        with warnings.catch_warnings(record=True) as caught:  # R follows the optimizer's beta2
+            warnings.simplefilter("always")
+            out[f"hook_adam_{label}_params"] = fit(strategy, module=Tiny("hook", beta2=0.95))
+        momentum = strategy.hook_state.momentum.exchange
+        out[f"hook_adam_{label}"] = (momentum.after, momentum.refresh_every, momentum.updates)
+        out[f"hook_adam_{label}_warnings"] = [str(w.message) for w in caught if "measured with beta2" in str(w.message)]
+    out["hook_adam_warnings"] = {}
+    for compression, options in (("randk", {}), ("topk", {"exchange_momentum_after": None})):
+        strategy = MergecompDDPStrategy(compression, **options)
+        with warnings.catch_warnings(record=True) as caught:  # randk has no recipe: told what to add
+            warnings.simplefilter("always")
+            fit(strategy, epochs=1, module=Tiny("hook"))
+        out["hook_adam_warnings"][compression] = (strategy.hook_state.momentum, [
+            str(w.message) for w in caught if "exchange its momentum" in str(w.message)])
 
     # no DDP: mc.DistributedOptimizer exchanges, after mc.init() ran as one process (the README's
     # script under Lightning's launcher, as rank 0 sees it); the strategy starts mergecomp anew
@@ -285,13 +294,20 @@ def test_lightning_hook_strategy_resumes_exactly(lightning):
 def test_lightning_hook_strategy_exchanges_adamws_momentum_and_resumes_exactly(lightning):
     """MergecompDDPStrategy("onebit", exchange_momentum_after=3) with a plain AdamW from
     configure_optimizers: 8 updates, 5 of them in the momentum phase (Lightning runs the
-    backward pass inside optimizer.step(closure)); resumed after epoch 1, the same parameters."""
+    backward pass inside optimizer.step(closure)); resumed after epoch 1, the same parameters.
+    ``MergecompDDPStrategy("onebit")`` alone trains as with ``exchange_momentum_after="auto"``;
+    a compressor without a recipe, or the option given as None, sends the gradients."""
     for out in lightning:
         assert out["hook_adam_updates"] == 8 and out["hook_adam_resumed_updates"] == 8
-        assert out["hook_adam_auto"] == (2, 8, 8)  # onebit's recipe: a quarter of fit's 8 updates, R for beta2 0.95
-        assert len(out["hook_adam_auto_warnings"]) == 1 and "with beta2=0.95" in out["hook_adam_auto_warnings"][0]
-        [told] = out["hook_adam_warnings"]
-        assert told.startswith("MergecompDDPStrategy: 'topk'") and "exchange_momentum_after=K" in told
+        for label in ("auto", "default"):  # onebit's recipe: a quarter of fit's 8 updates, R for beta2 0.95
+            assert out[f"hook_adam_{label}"] == (2, 8, 8)
+            assert len(out[f"hook_adam_{label}_warnings"]) == 1
+            assert "with beta2=0.95" in out[f"hook_adam_{label}_warnings"][0]
+        assert torch.equal(out["hook_adam_default_params"], out["hook_adam_auto_params"])
+        momentum, [told] = out["hook_adam_warnings"]["randk"]
+        assert momentum is None and told.startswith("MergecompDDPStrategy: 'randk'")
+        assert "exchange_momentum_after=K" in told
+        assert out["hook_adam_warnings"]["topk"] == (None, [])  # the user's gradients, no word
         assert torch.equal(out["hook_adam_resumed"], out["hook_adam"])
         assert not torch.equal(out["hook_adam"], out["hook_none"])
     assert torch.equal(lightning[0]["hook_adam"], lightning[1]["hook_adam"])
@@ -392,7 +408,8 @@ def _accelerate(rank, folder):
             made = (torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1) if adamw
                     else torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9))
             model, opt = accelerator.prepare(net, made)
-            momentum = {"exchange_momentum_after": after, "optimizer": opt} if adamw else {}
+            momentum = {"optimizer": opt, **({} if after == DEFAULT else {"exchange_momentum_after": after})} \
+                if adamw else {}
             if after == "auto" and total:
                 # onebit's recipe: K = 0.6 x 5 % of 40 updates, at least a quarter of them: 10
                 momentum["total_steps"] = total
@@ -429,8 +446,10 @@ def _accelerate(rank, folder):
         out[f"adam_resumed_updates{suffix}"] = state.momentum.exchange.updates
     state = run("onebit", adamw=True, after="auto")[1]
     out["adam_auto"] = (state.momentum.exchange.after, state.momentum.exchange.refresh_every)
-    exchange = run("onebit", adamw=True, after="auto", total=None)[1].momentum.exchange  # K follows the LR
-    out["adam_auto_followed"] = (exchange.after, exchange.follow, exchange.updates, exchange.active)
+    for label, after in (("auto", "auto"), ("default", DEFAULT)):  # K follows the LR; optimizer=opt alone: "auto"
+        out[f"adam_{label}_params"], state = run("onebit", adamw=True, after=after, total=None)
+        exchange = state.momentum.exchange
+        out[f"adam_{label}_followed"] = (exchange.after, exchange.follow, exchange.updates, exchange.active)
     # DiLoCo around Accelerate's optimizer: every step with plain averaging is DDP; top-k every
     # 4 steps resumed from a state saved mid-round
     averaging = {"sync_every": 1, "outer_optimizer": mc.averaging}
@@ -495,6 +514,8 @@ def test_accelerate_register_exchanges_adamws_momentum_and_resumes_exactly(accel
         torch.testing.assert_close(out["adam_resumed_rebuilt"], out["adam_rebuilt"], rtol=0, atol=1e-6)
         assert out["adam_auto"] == (10, 32)
         assert out["adam_auto_followed"] == (None, LrWarmup(0.6, 150), 6, False)  # still warming up
+        assert out["adam_default_followed"] == out["adam_auto_followed"]  # optimizer=opt alone: "auto"
+        assert torch.equal(out["adam_default_params"], out["adam_auto_params"])
     assert torch.equal(accelerate[0]["adam"], accelerate[1]["adam"])
 
 
@@ -562,11 +583,11 @@ def _transformers(rank, folder, saved_by_three):
 
     # AdamW's momentum exchanged from update 3 on, with a linear schedule and clipping; DDP keeps its
     # first buckets (find_unused_parameters), so the resumed run's are the trained one's
-    def train_adam(run, resume=None, after=2):
-        params, callback = trainer_run(os.path.join(folder, run), {"compression": "onebit", "exchange_momentum_after": after},
-                                       resume, max_steps=8, learning_rate=1e-2, lr_scheduler_type="linear",
-                                       warmup_steps=2, optim="adamw_torch", weight_decay=0.1, max_grad_norm=1.0,
-                                       save_steps=4, ddp_find_unused_parameters=True)
+    def train_adam(run, resume=None, after=2, optim="adamw_torch"):
+        options = {"compression": "onebit", **({} if after is DEFAULT else {"exchange_momentum_after": after})}
+        params, callback = trainer_run(os.path.join(folder, run), options, resume, max_steps=8, learning_rate=1e-2,
+                                       lr_scheduler_type="linear", warmup_steps=2, optim=optim, weight_decay=0.1,
+                                       max_grad_norm=1.0, save_steps=4, ddp_find_unused_parameters=True)
         return params, callback.hook_state.momentum.exchange
 
     out["adam"], momentum = train_adam("adam")
@@ -578,13 +599,21 @@ def _transformers(rank, folder, saved_by_three):
     torch.distributed.barrier()
     out["adam_resumed"], momentum = train_adam("adam_resumed", resume=elsewhere)
     out["adam_resumed_updates"] = momentum.updates
-    _, momentum = train_adam("adam_auto", after="auto")  # onebit's recipe: 0.6 LR warm-ups of 2 updates
-    out["adam_auto"] = (momentum.after, momentum.refresh_every, momentum.exchange.compressor.name)
-    with warnings.catch_warnings(record=True) as caught:  # AdamW's gradients through top-k: told what to add
-        warnings.simplefilter("always")
-        trainer_run(os.path.join(folder, "adam_gradients"), {"compression": "topk"}, max_steps=1,
-                    optim="adamw_torch", save_strategy="no")
-    out["adam_warnings"] = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
+    # onebit's recipe, 0.6 LR warm-ups of 2 updates: asked for, by default, and by default with the
+    # Trainer's default optimizer (a fused AdamW)
+    for label, after, optim in (("auto", "auto", "adamw_torch"), ("default", DEFAULT, "adamw_torch"),
+                                ("fused", DEFAULT, "adamw_torch_fused")):
+        out[f"adam_{label}_params"], momentum = train_adam(f"adam_{label}", after=after, optim=optim)
+        out[f"adam_{label}"] = (momentum.after, momentum.refresh_every, momentum.exchange.compressor.name,
+                                momentum.updates, momentum.active)
+    out["adam_warnings"] = {}
+    for compression, options in (("randk", {}), ("topk", {"exchange_momentum_after": None})):
+        with warnings.catch_warnings(record=True) as caught:  # randk has no recipe: told what to add
+            warnings.simplefilter("always")
+            callback = trainer_run(os.path.join(folder, f"adam_{compression}"), {"compression": compression, **options},
+                                   max_steps=1, optim="adamw_torch", save_strategy="no")[1]
+        out["adam_warnings"][compression] = (callback.hook_state.momentum, [
+            str(w.message) for w in caught if "exchange its momentum" in str(w.message)])
 
     # DiLoCo around the Trainer's SGD: with H = 1 and plain averaging as the outer step it is DDP
     # (unclipped: DDP clips the average of the gradients, DiLoCo each rank's own, whose norms here
@@ -662,14 +691,22 @@ def test_transformers_trainer_exchanges_adamws_momentum_and_resumes_from_any_fol
     """``register(trainer, "onebit", exchange_momentum_after=2)`` with the Trainer's AdamW, linear
     schedule and clipping: the momentum phase runs through the Trainer's own optimizer step, the
     ranks stay identical, and ``train(resume_from_checkpoint=<a folder outside output_dir>)``
-    ends exactly where the uninterrupted run does."""
+    ends exactly where the uninterrupted run does.  ``register(trainer, "onebit")`` alone trains
+    as with ``exchange_momentum_after="auto"``, also with the Trainer's default fused AdamW; a
+    compressor without a recipe, or the option given as None, sends the gradients."""
     for out in transformers:
         assert out["adam_active"] and out["adam_updates"] == 8 and out["adam_resumed_updates"] == 8
         assert torch.equal(out["adam_resumed"], out["adam"])
-        assert out["adam_auto"] == (2, 32, "onebit")
+        for label in ("auto", "default", "fused"):
+            assert out[f"adam_{label}"] == (2, 32, "onebit", 8, True)
+        assert torch.equal(out["adam_default_params"], out["adam_auto_params"])
+        # the fused kernel rounds otherwise in the warm-up; the momentum phase is the same update
+        torch.testing.assert_close(out["adam_fused_params"], out["adam_auto_params"], rtol=0, atol=1e-5)
         assert out["adam_record"]["ranks"][0]["mergecomp_momentum"]["updates"] == 4
-        [told] = out["adam_warnings"]
-        assert told.startswith("MergecompCallback: 'topk'") and "exchange_momentum_after=K" in told
+        momentum, [told] = out["adam_warnings"]["randk"]
+        assert momentum is None and told.startswith("MergecompCallback: 'randk'")
+        assert "exchange_momentum_after=K" in told
+        assert out["adam_warnings"]["topk"] == (None, [])  # the user's gradients, no word
     assert torch.equal(transformers[0]["adam"], transformers[1]["adam"])
 
 

@@ -379,7 +379,7 @@ def test_resume_continues_exactly(compression, who_loads, save_at, refresh, send
         assert torch.equal(resumed, uninterrupted)
 
 
-def _scaler_worker(rank, poison_rank, device="cpu"):
+def _scaler_worker(rank, poison_rank, device="cpu", fused=False, clip=None, poison_at=AFTER + 2):
     import mergecomp.torch as mc
 
     x, y = (t.to(device) for t in make_data())
@@ -389,17 +389,24 @@ def _scaler_worker(rank, poison_rank, device="cpu"):
         model = make_model().to(device)
         scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** 10,
                                       growth_interval=1000) if use_scaler else None
-        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="none", groups=2,
-                                      exchange_momentum_after=AFTER, grad_scaler=scaler)
-        poison = (AFTER + 2,) if use_scaler and rank == poison_rank else ()
-        run(model, opt, xs, ys, STEPS + (1 if use_scaler else 0), scaler=scaler, poison=poison)
+        opt = mc.DistributedOptimizer(make_adam(model, fused=fused), model.named_parameters(), compression="none",
+                                      groups=2, exchange_momentum_after=AFTER, grad_scaler=scaler)
+        poison = (poison_at,) if use_scaler and rank == poison_rank else ()
+        run(model, opt, xs, ys, STEPS + (1 if use_scaler else 0), scaler=scaler, poison=poison, clip=clip)
         results.append((flat_params(model).cpu(), opt.momentum_exchange.updates,
                         scaler.get_scale() if scaler else None))
     return results
 
 
-def test_grad_scaler_skips_an_overflow_everywhere_and_otherwise_changes_nothing():
-    for (plain, plain_updates, _), (scaled, scaled_updates, scale) in run_workers(_scaler_worker, 2, 1):
+@pytest.mark.parametrize("fused,clip,poison_at", [
+    (False, None, AFTER + 2), (True, None, AFTER + 2), (True, 1.0, AFTER + 2), (True, None, 1)])
+def test_grad_scaler_skips_an_overflow_everywhere_and_otherwise_changes_nothing(fused, clip, poison_at):
+    """With a fused Adam the scaler hands its step the loss scale and the overflow instead of
+    unscaling and skipping it (unless ``unscale_`` ran first, for clipping): the frozen-variance
+    update divides the scale out and leaves a step with an overflow alone, in the momentum
+    phase and (not counted) in the warm-up."""
+    for (plain, plain_updates, _), (scaled, scaled_updates, scale) in run_workers(_scaler_worker, 2, 1, "cpu",
+                                                                                    fused, clip, poison_at):
         assert scaled_updates == plain_updates == STEPS  # one step more, one skipped
         assert scale == 2.0 ** 9  # the overflow halved it on this rank too
         assert torch.equal(scaled, plain)  # powers of two: the loss scale cancels exactly

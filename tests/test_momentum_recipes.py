@@ -9,7 +9,7 @@ from test_momentum_exchange import AFTER, flat_params, make_adam, make_data, mak
 
 import mergecomp
 from mergecomp.torch.momentum_exchange import LrWarmup, MomentumSettings
-from mergecomp.torch.momentum_recipes import RECIPES, adapt, choose
+from mergecomp.torch.momentum_recipes import RECIPES, adapt, choose, hook_default
 
 
 def test_each_recipe_scales_its_warm_up_to_the_runs_lr_warm_up():
@@ -44,6 +44,61 @@ def test_what_the_user_gives_stands():
                        "compression_warmup_codec": "fp16", "nonfinite": "skip"}
     given = {"exchange_momentum_after": 7, "variance_refresh_every": None}  # no "auto": untouched
     assert choose("topk", given, "test") == ("topk", given, ())
+
+
+class _Wrapper:
+    """A framework's optimizer wrapper (Accelerate's, Lightning's): the torch optimizer as ``.optimizer``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+@pytest.mark.parametrize("compression,optimizers,options,switched,warned", [
+    ("onebit", ["AdamW"], {}, True, False),
+    ("topk", ["wrapped Adam"], {}, True, False),
+    ("onebit", ["fused AdamW"], {}, True, False),
+    ("powersgd", ["AdamW"], {"nonfinite": "propagate"}, True, False),
+    ("onebit", ["AdamW"], {"exchange_momentum_after": None}, False, False),  # the user's gradients, no word
+    ("onebit", ["AdamW"], {"exchange_momentum_after": 7}, False, False),
+    ("onebit", ["SGD"], {}, False, False),
+    ("qsgd", ["AdamW"], {}, False, False),  # unbiased, no error feedback: its gradients are safe
+    ("none", ["AdamW"], {}, False, False),
+    ("randk", ["AdamW"], {}, False, True),  # no recipe
+    ("onebit", ["amsgrad AdamW"], {}, False, True),  # an option the exchange does not implement
+    ("onebit", ["AdamW", "AdamW"], {}, False, True),  # the exchange serves one optimizer
+    ("terngrad", ["beta2 0.95 AdamW"], {"memory": "residual"}, False, True),  # its recipe refused there
+])
+def test_a_hook_front_end_exchanges_adams_momentum_by_default_where_a_recipe_serves_it(
+        caplog, compression, optimizers, options, switched, warned):
+    """``hook_default``: where the options do not name ``exchange_momentum_after``, one Adam or
+    AdamW whose gradients a lossy compressor with error feedback would send gets ``"auto"``,
+    with a logged warning naming the option that turns it off; where no recipe serves it, the
+    gradients' warning names the line to add; everything else is left as it is, silently."""
+    model = make_model()
+    made = {"AdamW": lambda: make_adam(model), "wrapped Adam": lambda: _Wrapper(make_adam(model, "Adam")),
+            "fused AdamW": lambda: make_adam(model, fused=True),
+            "SGD": lambda: torch.optim.SGD(model.parameters(), 0.1),
+            "amsgrad AdamW": lambda: make_adam(model, amsgrad=True),
+            "beta2 0.95 AdamW": lambda: make_adam(model, betas=(0.9, 0.95))}
+    memory = options.pop("memory", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = hook_default(compression, memory, [made[name]() for name in optimizers], options, "Front")
+    told = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if switched:
+        assert result == {**options, "exchange_momentum_after": "auto"}
+        [line] = logged
+        assert line.startswith("Front: ") and "exchanging its momentum instead" in line \
+            and "exchange_momentum_after=None exchanges the gradients" in line, line
+    else:
+        assert result == options and logged == []
+    if warned:
+        [message] = told
+        assert message.startswith(f"Front: {compression!r} with error feedback")
+        assert "exchange_momentum_after=K" in message
+    else:
+        assert told == []
 
 
 def test_without_the_runs_length_auto_follows_the_learning_rate():

@@ -52,10 +52,9 @@ from mergecomp.pipeline.step import HoldsMergedStep
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import MomentumSettings, warn_adam_gradients
+from .momentum_exchange import MomentumSettings
 from .momentum_recipes import settings_of
 from .momentum_hook import HookMomentum
-from .named_parameters import inner_optimizer
 
 __all__ = ["ddp_comm_hook", "DDPHookState", "mergecomp_hook", "check_settings"]
 
@@ -132,15 +131,13 @@ class DDPHookState(HoldsMergedStep):
             self._optimizer = None
         return self
 
-    def train_with(self, optimizer: Any, grad_scaler: Any = None, who: str = "ddp_comm_hook") -> None:
+    def train_with(self, optimizer: Any, grad_scaler: Any = None) -> None:
         """The optimizer a framework steps with this hook (its wrapper of one too): with
         ``exchange_momentum_after`` its momentum is exchanged (:meth:`set_optimizer`); without,
-        an Adam whose gradients a lossy compressor with error feedback sends warns, naming
-        ``who`` and the line to add."""
+        nothing to do (a front end that knows it decides the default before building the hook:
+        :func:`~frameworks.torch.momentum_recipes.hook_default`)."""
         if self.momentum is not None:
             self.set_optimizer(optimizer, grad_scaler)
-        else:
-            warn_adam_gradients(inner_optimizer(optimizer), self.exchange, who)
 
     @property
     def nonfinite(self) -> str:

@@ -69,7 +69,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from mergecomp.exchange.compatibility import MOMENTUM, check
+from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.compressors.base.memory import Memory
+from mergecomp.exchange.compatibility import MOMENTUM, refusal
 from mergecomp.exchange.exchange import Exchange, resolve
 from mergecomp.exchange.plan import Group
 from mergecomp.kernels import frozen_adam
@@ -80,7 +82,8 @@ from mergecomp.scheduler.online import SEARCHED, SchedulerConfig
 from .momentum_state import GroupState
 
 __all__ = ["LrWarmup", "MomentumExchange", "MomentumSettings", "SEARCH", "check_optimizer", "default_memory",
-           "refresh_limit", "smallest_beta2", "warn_adam_gradients"]
+           "refusal_of", "refresh_limit", "scaler_skips", "sends_adam_gradients", "smallest_beta2",
+           "warn_adam_gradients"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -94,7 +97,7 @@ STATE_KEY = "mergecomp_momentum"
 #: what each rank puts on the wire in the momentum phase (:class:`MomentumExchange`'s ``send``)
 SENDS = ("momentum", "increment")
 #: Adam options the frozen-variance update does not implement, with the values it accepts
-_UNSUPPORTED = {"amsgrad": (False,), "fused": (None, False), "capturable": (False,), "differentiable": (False,)}
+_UNSUPPORTED = {"amsgrad": (False,), "capturable": (False,), "differentiable": (False,)}
 
 
 #: ``groups="auto"``'s search with the momentum exchange, unless the user gives ``scheduler=``:
@@ -255,31 +258,56 @@ class MomentumSettings:
                 default_memory(compression) if memory is None else memory)
 
 
-def warn_adam_gradients(optimizer: Any, exchange: Exchange, who: str) -> None:
-    """Warn (``UserWarning``, naming ``who`` and the line to add) when ``optimizer`` is an Adam or
-    AdamW whose gradients ``exchange`` sends through a lossy compressor with error feedback:
-    Adam's division by its second moment turns the feedback's late bursts into full-size steps,
-    and such runs end far behind uncompressed Adam (README: 1-bit SGD +48 %, top-k +28 % on the
-    byte-level GPT-2).  Not an error and no silent change: the user's choice stands."""
-    compressor = exchange.compressor
-    if isinstance(optimizer, torch.optim.Adam) and not compressor.lossless and exchange.memory.feeds_back:
+def sends_adam_gradients(optimizer: Any, compressor: Compressor, memory: Memory) -> bool:
+    """Whether ``optimizer`` is an Adam or AdamW whose gradients ``compressor`` would send lossily
+    with ``memory``'s error feedback: Adam's division by its second moment turns the feedback's
+    late bursts into full-size steps, and such runs end far behind uncompressed Adam (README:
+    1-bit SGD +48 %, top-k +28 % on the byte-level GPT-2)."""
+    return isinstance(optimizer, torch.optim.Adam) and not compressor.lossless and memory.feeds_back
+
+
+def warn_adam_gradients(optimizer: Any, compressor: Compressor, memory: Memory, who: str) -> None:
+    """Warn (``UserWarning``, naming ``who`` and the line to add) where :func:`sends_adam_gradients`.
+    Not an error and no silent change: the user's choice stands."""
+    if sends_adam_gradients(optimizer, compressor, memory):
         warnings.warn(f"{who}: {compressor.name!r} with error feedback on {type(optimizer).__name__}'s gradients "
                       f"ends far behind uncompressed {type(optimizer).__name__}; exchange its momentum instead: add "
                       f"{OPTION}='auto' (the compressor's recipe) or {OPTION}=K (K: at least the LR warm-up's "
                       f"updates)", UserWarning, stacklevel=3)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, exchange: Exchange) -> None:
-    """ValueError naming what the momentum exchange cannot do with ``optimizer`` (an Adam or
-    AdamW without the options it does not implement) and ``exchange``'s compressor and memory."""
+def refusal_of(optimizer: Any, compressor: Compressor, memory: Memory) -> Optional[str]:
+    """Why the momentum exchange cannot serve ``optimizer`` (an Adam or AdamW without the options
+    it does not implement) with ``compressor`` and ``memory``, naming the option; None if it can."""
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW is an Adam
-        raise ValueError(f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
-    check(exchange.compressor, MOMENTUM, OPTION, exchange.memory.name)
+        return f"{OPTION} needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}"
+    why = refusal(compressor, MOMENTUM, memory.name)
+    if why is not None:
+        return f"{OPTION}: {MOMENTUM} cannot carry {why}"
     for g, group in enumerate(optimizer.param_groups):
         for key, allowed in _UNSUPPORTED.items():
             if group.get(key, False) not in allowed:
-                raise ValueError(f"{OPTION} does not support {type(optimizer).__name__}({key}="
-                                 f"{group[key]!r}) (parameter group {g})")
+                return (f"{OPTION} does not support {type(optimizer).__name__}({key}={group[key]!r}) "
+                        f"(parameter group {g})")
+    return None
+
+
+def scaler_skips(optimizer: Any) -> bool:
+    """Whether the ``torch.amp.GradScaler`` stepping ``optimizer`` found Inf/NaN in this step's
+    gradients.  Only an optimizer that unscales its gradients itself (a fused Adam) is stepped
+    through then: the scaler hands it ``grad_scale`` and ``found_inf`` as attributes and its
+    step leaves every parameter as it was.  One host read where ``found_inf`` is set (the
+    scaler reads it too when it skips the step of any other optimizer)."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    return found_inf is not None and bool(found_inf)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, exchange: Exchange) -> None:
+    """ValueError with :func:`refusal_of`'s reason where the momentum exchange cannot serve
+    ``optimizer`` with ``exchange``'s compressor and memory."""
+    why = refusal_of(optimizer, exchange.compressor, exchange.memory)
+    if why is not None:
+        raise ValueError(why)
 
 
 class MomentumExchange:
@@ -455,9 +483,11 @@ class MomentumExchange:
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update(self) -> bool:
+    def update(self, grad_scale: Optional[torch.Tensor] = None) -> bool:
         """The frozen-variance Adam update from ``p.grad`` (the averaged momentum), for every
-        exchanged parameter with Adam state and a gradient, one pass per group.  Returns whether
+        exchanged parameter with Adam state and a gradient, one pass per group; ``grad_scale``:
+        the loss scale ``p.grad`` is still in (what a ``GradScaler`` hands a fused Adam's step,
+        :func:`scaler_skips`), divided out first.  Returns whether
         it ran: an exchange that held NaN/Inf on any rank (:attr:`Reduced.nonfinite`, the same on
         every rank) is not applied, whether the gradients or the exchange made it (a warning
         says so): the frozen variance and the momentum would keep the damage for good, where a
@@ -480,6 +510,9 @@ class MomentumExchange:
         copied = [i for i in replaced if self.params[i].grad is not None]
         if copied:  # p.grad replaced since the exchange (or a copy of it, DDP's): its values
             torch._foreach_copy_([views[i] for i in copied], [self.params[i].grad for i in copied])
+        if grad_scale is not None:
+            for flat in reduced.flats:
+                flat.div_(grad_scale)
         if refreshing:
             self._watch(n)
         for group, flat in zip(reduced.groups, reduced.flats):

@@ -21,7 +21,7 @@ import torch
 from mergecomp.exchange.exchange import Exchange
 from mergecomp.pipeline.step import MergedStep
 
-from .momentum_exchange import OPTION, MomentumExchange, MomentumSettings
+from .momentum_exchange import OPTION, MomentumExchange, MomentumSettings, scaler_skips
 from .momentum_recipes import adapt
 from .named_parameters import inner_optimizer
 
@@ -111,10 +111,14 @@ class HookMomentum:
         return args[:1], {**kwargs, "closure": closure_then_update}
 
     def _update(self, optimizer: torch.optim.Optimizer) -> None:
+        if scaler_skips(optimizer):  # a fused Adam's step that moves nothing: not counted
+            self._applied = False
+            return
         momentum = self._phase
         if momentum is None:
             return
-        self._applied = momentum.update()  # not applied: Adam's step must not touch them either
+        # not applied: Adam's step must not touch them either
+        self._applied = momentum.update(getattr(optimizer, "grad_scale", None))
         groups = optimizer.param_groups
         self._hidden = [group["params"] for group in groups]
         if len(self._others) != len(groups) or any(seen is not params for (seen, _), params in

@@ -16,15 +16,17 @@ import dataclasses
 import logging
 import math
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from mergecomp.compressors.base.compressor import Compressor
+from mergecomp.exchange.exchange import resolve
 from mergecomp.registry import get_compressor
 
-from .momentum_exchange import (OPTION, REFRESH_OPTION, SEND_OPTION, LrWarmup, MomentumSettings, refresh_limit,
-                                smallest_beta2)
+from .momentum_exchange import (OPTION, REFRESH_OPTION, SEND_OPTION, LrWarmup, MomentumSettings, default_memory,
+                                refresh_limit, refusal_of, sends_adam_gradients, smallest_beta2, warn_adam_gradients)
+from .named_parameters import inner_optimizer
 
-__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose", "settings_of"]
+__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose", "hook_default", "settings_of"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -183,3 +185,45 @@ def adapt(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSetti
     if REFRESH_OPTION in settings.chosen:
         return dataclasses.replace(settings, refresh_every=min(settings.refresh_every, refresh_limit(beta2)))
     return settings
+
+
+def hook_default(compression: Any, memory: Any, optimizers: Sequence[Any], options: Dict[str, Any],
+                 who: str) -> Dict[str, Any]:
+    """A hook front end's ``options`` once it knows the ``optimizers`` its DDP model trains with
+    (frameworks' wrappers of them too).  Where ``options`` has no ``exchange_momentum_after``
+    (given as None, the user's gradients stand, without a word) and an optimizer is an Adam or
+    AdamW whose gradients a lossy compressor with error feedback would send
+    (:func:`~.momentum_exchange.sends_adam_gradients`): ``"auto"`` is added, its momentum
+    exchanged by the compressor's recipe, logged as a warning naming the option that turns it
+    off; where no recipe serves it (:func:`_unserved`), the gradients' warning names the line to
+    add instead.  Returns ``options`` (a new dict where changed)."""
+    if OPTION in options:
+        return options
+    compressor, sent_with = resolve(compression, memory)
+    adams = [opt for opt in map(inner_optimizer, optimizers) if sends_adam_gradients(opt, compressor, sent_with)]
+    if not adams:
+        return options
+    adam, name = adams[0], type(adams[0]).__name__
+    why = _unserved(compression, memory, adam, len(optimizers))
+    if why is not None:
+        logger.info("%s: %s's momentum is not exchanged by default: %s", who, name, why)
+        warn_adam_gradients(adam, compressor, sent_with, who)
+        return options
+    logger.warning("%s: %s's gradients through %r with error feedback end far behind uncompressed %s: exchanging "
+                   "its momentum instead (%s='auto', the compressor's recipe; docs/compressors.md); %s=None "
+                   "exchanges the gradients", who, name, compressor.name, name, OPTION, OPTION)
+    return {**options, OPTION: AUTO}
+
+
+def _unserved(compression: Any, memory: Any, adam: Any, optimizers: int) -> Optional[str]:
+    """Why ``"auto"`` cannot serve ``adam`` (one of ``optimizers``) with ``compression`` and
+    ``memory``, or None."""
+    if optimizers != 1:
+        return f"the exchange serves one optimizer, the DDP model has {optimizers}"
+    name = _named(compression) if isinstance(compression, (str, Compressor)) else None
+    if name not in RECIPES:
+        return f"{OPTION}='auto' has no recipe for {compression!r}"
+    if refuses(name, smallest_beta2(adam)):
+        return f"{name!r}'s recipe is refused with beta2={smallest_beta2(adam)}"
+    compressor, exchanged_with = resolve(compression, default_memory(compression) if memory is None else memory)
+    return refusal_of(adam, compressor, exchanged_with)

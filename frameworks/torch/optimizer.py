@@ -67,7 +67,7 @@ from mergecomp.registry import Compression
 
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
-from .momentum_exchange import MomentumExchange, MomentumSettings, warn_adam_gradients
+from .momentum_exchange import MomentumExchange, MomentumSettings, scaler_skips, warn_adam_gradients
 from .momentum_recipes import adapt, settings_of
 from .named_parameters import collect_parameters
 
@@ -235,7 +235,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self._warned_step = False
         self._should_synchronize = True
         if momentum is None:
-            warn_adam_gradients(optimizer, self.merged.exchange, "DistributedOptimizer")
+            exchange = self.merged.exchange
+            warn_adam_gradients(optimizer, exchange.compressor, exchange.memory, "DistributedOptimizer")
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
 
     def _build(self) -> None:
@@ -424,10 +425,11 @@ class DistributedOptimizer(HoldsMergedStep):
         if self._step_skipped:
             self._step_skipped = False
             return loss
-        applied = True
+        # a fused Adam's step under a GradScaler that found Inf/NaN moves nothing: not counted
+        applied = self.momentum_exchange is None or not scaler_skips(self)
         with self.merged.time_update():
             if self._momentum_phase:
-                applied = self._frozen_variance_step()
+                applied = applied and self._frozen_variance_step()
             else:
                 super().step()
         if self.momentum_exchange is not None and applied:
@@ -438,7 +440,7 @@ class DistributedOptimizer(HoldsMergedStep):
     def _frozen_variance_step(self) -> bool:
         """:meth:`MomentumExchange.update`, between the optimizer's step pre- and post-hooks;
         whether it was applied."""
-        return self.momentum_exchange.update()
+        return self.momentum_exchange.update(getattr(self, "grad_scale", None))
 
     @contextlib.contextmanager
     def skip_synchronize(self):

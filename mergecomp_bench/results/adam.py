@@ -42,7 +42,7 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
     ("the same, twice as long (`--steps 1200`: K = 150)",
      {"layers": 3, "lr": 3e-3, "clip": 1.0}, 1200, "adam_gpt2_3x256_1200_updates_auto_2workers.jsonl"),
     ("GPT-2 3 x 256, lr 1e-3, 1,500 updates through the transformers `Trainer`: its AdamW, schedule and clipping "
-     "at 1.0, `register(trainer, \"onebit\", exchange_momentum_after=\"auto\")` against plain DDP "
+     "at 1.0, `register(trainer, \"onebit\")` (its default, `\"auto\"`) against plain DDP "
      "(`--frontend trainer --layers 3 --steps 1500`)",
      {"frontend": "trainer", "layers": 3, "clip": 1.0}, 1500, "adam_trainer_gpt2_3x256_2workers.jsonl"),
 )

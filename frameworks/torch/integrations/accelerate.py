@@ -3,8 +3,8 @@
     accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     model, opt, loader = accelerator.prepare(model, opt, loader)
     register(accelerator, model, "topk")          # before the first backward pass
-    # with AdamW, its momentum exchanged by the compressor's recipe (the warm-up follows the LR's):
-    # register(accelerator, model, "onebit", exchange_momentum_after="auto", optimizer=opt)
+    # with AdamW given, its momentum exchanged by the compressor's recipe (the warm-up follows the LR's):
+    # register(accelerator, model, "onebit", optimizer=opt)
 
 or DiLoCo around the prepared optimizer (no exchange per step; every ``sync_every`` steps the
 parameters' change, compressed)::
@@ -31,6 +31,7 @@ from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
+from mergecomp.torch.momentum_recipes import hook_default
 
 from ._hook import attach, attach_diloco
 from ._ranks import AllRanks, DiLoCoRank
@@ -47,10 +48,13 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
     Args:
         compression, memory, options: as :func:`mergecomp.torch.ddp_comm_hook` (``options``:
             ``nonfinite``, ``compression_warmup_steps``, ``uncompressed``, ...;
-            ``exchange_momentum_after=K, optimizer=opt`` with the AdamW ``prepare`` returned:
-            its momentum exchanged, in the loss scale of the accelerator's ``GradScaler`` under
-            fp16; ``exchange_momentum_after="auto"``: the compressor's recipe, its warm-up
-            following the learning rate, or scaled to ``total_steps=N`` where given).
+            ``optimizer=opt``, the optimizer ``prepare`` returned: an Adam or AdamW whose
+            gradients a lossy compressor with error feedback would send has its momentum
+            exchanged instead, by the compressor's recipe (``exchange_momentum_after="auto"``,
+            its warm-up following the learning rate, or scaled to ``total_steps=N`` where given;
+            :func:`~mergecomp.torch.momentum_recipes.hook_default`), in the loss scale of the
+            accelerator's ``GradScaler`` under fp16; ``exchange_momentum_after=K`` sets the
+            warm-up, None sends the gradients).
         checkpoint: also ``accelerator.register_for_checkpointing`` every rank's hook state, so
             ``save_state`` writes it (one file, from the main process) and ``load_state`` gives
             each rank its own back.
@@ -60,9 +64,15 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
     """
     if accelerator.num_processes == 1:
         return None
+    who = "mergecomp.torch.integrations.accelerate.register"
+    optimizer = options.get("optimizer")
+    if optimizer is not None:
+        options = hook_default(compression, memory, [optimizer], options, who)
+        if options.get(MOMENTUM_OPTION) is None:  # gradients: the hook has no use for it
+            options = {name: value for name, value in options.items() if name != "optimizer"}
     if options.get(MOMENTUM_OPTION) is not None and options.get("grad_scaler") is None:
         options["grad_scaler"] = accelerator.scaler  # None without fp16
-    state = attach(model, compression, memory, options, who="mergecomp.torch.integrations.accelerate.register")
+    state = attach(model, compression, memory, options, who=who)
     if checkpoint:
         accelerator.register_for_checkpointing(AllRanks(state, accelerator.device, to_fold))
     return state

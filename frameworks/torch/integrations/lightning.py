@@ -40,7 +40,7 @@ from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
-from mergecomp.torch.momentum_recipes import AUTO, RUN_OPTIONS, TOTAL_OPTION
+from mergecomp.torch.momentum_recipes import AUTO, RUN_OPTIONS, TOTAL_OPTION, hook_default
 
 from ._hook import BUCKET_VIEWS, attach, attach_diloco
 from ._ranks import DiLoCoRank, collect, own
@@ -101,16 +101,18 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         kwargs: mergecomp's options (``nonfinite``, ``compression_warmup_steps``,
             ``uncompressed``, ``min_compress_numel``, ``scheme``, and ``exchange_momentum_after``,
             ``variance_refresh_every``, ``exchange_momentum_as`` to exchange the momentum of the
-            one Adam or AdamW ``configure_optimizers`` returns; with ``"auto"`` the run's length
-            is fit's ``estimated_stepping_batches`` unless ``total_steps`` or
-            ``lr_warmup_steps`` is given) go to the hook; the rest to
+            one Adam or AdamW ``configure_optimizers`` returns; ``"auto"``, the compressor's
+            recipe, is the default where a lossy compressor with error feedback would send its
+            gradients, None sends them; with ``"auto"`` the run's length is fit's
+            ``estimated_stepping_batches`` unless ``total_steps`` or ``lr_warmup_steps`` is
+            given) go to the hook; the rest to
             Lightning's ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ...; DDP's
             ``gradient_as_bucket_view`` is True unless given).
             Bad settings raise here, naming the option.  ``ddp_comm_hook``, ``ddp_comm_state``,
             ``ddp_comm_wrapper`` and ``model_averaging_period`` raise ValueError.
 
     ``hook_state`` is the hook's :class:`~mergecomp.torch.ddp_hook.DDPHookState` once ``fit``
-    has wrapped the model (``step``, ``step_breakdown()``, ``state_dict()``); a later ``fit``
+    has set up the optimizers (``step``, ``step_breakdown()``, ``state_dict()``); a later ``fit``
     with the same strategy continues from it.
     """
 
@@ -121,41 +123,36 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
                                               "compression=; fp16 is compression='fp16')")
         options = {name: kwargs.pop(name) for name in [*(f.name for f in dataclasses.fields(StepOptions)),
                                                          *MOMENTUM_OPTIONS, *RUN_OPTIONS] if name in kwargs}
-        #: ``exchange_momentum_after="auto"`` without the run's length: fit's stepping batches
-        self._auto = options.get(MOMENTUM_OPTION) == AUTO and not any(options.get(name) for name in RUN_OPTIONS)
-        check_settings(compression, memory, True,  # "auto": any run stands in for the one fit will train
-                       **({TOTAL_OPTION: 1, **options} if self._auto else options))
+        check_settings(compression, memory, True, **options)
         super().__init__(**{**BUCKET_VIEWS, **kwargs})
         self._hook_settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
         self._resumed: Optional[Dict[str, Any]] = None
 
-    def configure_ddp(self) -> None:
-        """Wrap the model in DDP, then register mergecomp's hook, on any device (Lightning's own
-        ``ddp_comm_hook`` argument registers hooks on CUDA only)."""
-        super().configure_ddp()
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's, then mergecomp's hook on the DDP model (which ``configure_ddp`` made just
+        before), registered on any device (Lightning's own ``ddp_comm_hook`` argument registers
+        hooks on CUDA only).  With ``exchange_momentum_after`` (by default for one Adam or AdamW
+        a lossy compressor with error feedback would send the gradients of:
+        :func:`~mergecomp.torch.momentum_recipes.hook_default`) the optimizer and the precision
+        plugin's ``GradScaler`` go to the hook.  Lightning loads the optimizer's state after
+        this, when it resumes."""
+        super().setup_optimizers(trainer)
+        who = type(self).__name__
         compression, memory, options = self._hook_settings
-        if self._auto:
-            options = {**options, TOTAL_OPTION: int(self.lightning_module.trainer.estimated_stepping_batches)}
+        options = hook_default(compression, memory, self.optimizers, options, who)
+        if options.get(MOMENTUM_OPTION) == AUTO and not any(options.get(name) for name in RUN_OPTIONS):
+            options = {**options, TOTAL_OPTION: int(trainer.estimated_stepping_batches)}
         # the state of the checkpoint fit() resumes from, else that of an earlier fit with this strategy
         carried = self._resumed if self._resumed is not None else self._local_state({})
-        self.hook_state = attach(self.model, compression, memory, options, who=type(self).__name__)
+        self.hook_state = attach(self.model, compression, memory, options, who=who)
         self.hook_state.load_state_dict(carried)
         self._resumed = None
-
-    def setup_optimizers(self, trainer: Any) -> None:
-        """Lightning's, then with ``exchange_momentum_after`` the optimizer (one Adam or AdamW
-        from ``configure_optimizers``) and the precision plugin's ``GradScaler`` go to the hook
-        (without it, an Adam whose gradients a lossy compressor with error feedback sends
-        warns).  Lightning loads the optimizer's state after this, when it resumes."""
-        super().setup_optimizers(trainer)
-        if self.hook_state is None:
-            return
-        if self.hook_state.momentum is not None and len(self.optimizers) != 1:
-            raise ValueError(f"{type(self).__name__}: exchange_momentum_after needs exactly one optimizer from "
-                             f"configure_optimizers, got {len(self.optimizers)}")
-        for optimizer in self.optimizers:
-            self.hook_state.train_with(optimizer, getattr(self.precision_plugin, "scaler", None), type(self).__name__)
+        if self.hook_state.momentum is not None:
+            if len(self.optimizers) != 1:
+                raise ValueError(f"{who}: exchange_momentum_after needs exactly one optimizer from "
+                                 f"configure_optimizers, got {len(self.optimizers)}")
+            self.hook_state.train_with(self.optimizers[0], getattr(self.precision_plugin, "scaler", None))
 
     def _local_state(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
         return self.hook_state.state_dict() if self.hook_state is not None else {}

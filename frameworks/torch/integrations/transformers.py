@@ -4,11 +4,13 @@
     register(trainer, "topk")
     trainer.train()                      # or trainer.train(resume_from_checkpoint=True)
 
-With AdamW (or Adam), ``register(trainer, "onebit", exchange_momentum_after=K)`` exchanges its
-momentum instead of its gradients after ``K`` updates (:mod:`mergecomp.torch.momentum_hook`): the
-callback hands the Trainer's optimizer (and, under fp16, its ``GradScaler``) to the hook.
-``exchange_momentum_after="auto"`` takes the compressor's recipe, ``K`` scaled to the run's LR
-warm-up (:func:`run_length`).
+With AdamW (or Adam) and a lossy compressor with error feedback, ``register(trainer, "onebit")``
+exchanges the optimizer's momentum instead of its gradients (:mod:`mergecomp.torch.momentum_hook`)
+by the compressor's recipe, ``exchange_momentum_after="auto"``, its warm-up scaled to the run's LR
+warm-up (:func:`run_length`; the default where a recipe serves the optimizer:
+:func:`~mergecomp.torch.momentum_recipes.hook_default`); ``exchange_momentum_after=K`` gives the
+warm-up, ``exchange_momentum_after=None`` exchanges the gradients.  The callback hands the
+Trainer's optimizer (and, under fp16, its ``GradScaler``) to the hook.
 
 The callback registers the hook on ``trainer.model_wrapped`` when training begins (the Trainer
 wraps the model in DDP just before, with ``gradient_as_bucket_view=True``, which ``register`` sets:
@@ -48,7 +50,7 @@ from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
-from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION
+from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION, hook_default
 
 from ._hook import BUCKET_VIEWS, attach, attach_diloco
 from ._ranks import AllRanks, DiLoCoRank
@@ -137,10 +139,7 @@ class MergecompCallback(_EveryRankCallback):
     def __init__(self, trainer: Any, compression: Union[str, Compressor] = "none",
                  memory: Union[str, Memory, None] = None, **options: Any) -> None:
         super().__init__(trainer)
-        #: ``exchange_momentum_after="auto"``: the run's length is known when training begins
-        self.auto = options.get(MOMENTUM_OPTION) == AUTO
-        check_settings(compression, memory, True,  # "auto": any run stands in for the one to come
-                       **({TOTAL_OPTION: 1, **options} if self.auto else options))
+        check_settings(compression, memory, True, **options)
         self.settings = (compression, memory, options)
         self.hook_state: Optional[DDPHookState] = None
 
@@ -148,15 +147,16 @@ class MergecompCallback(_EveryRankCallback):
         wrapped = self._ddp(args)
         if wrapped is None:
             return
+        optimizer = kwargs["optimizer"]
         if wrapped is not self._wrapped:  # a second train() on the same DDP keeps its hook
             compression, memory, options = self.settings
-            if self.auto:
+            options = hook_default(compression, memory, [optimizer], options, "MergecompCallback")
+            if options.get(MOMENTUM_OPTION) == AUTO:  # the recipe's warm-up scaled to the Trainer's schedule
                 options = {**run_length(args, state.max_steps), **options}
             self.hook_state = attach(wrapped, compression, memory, options, who="MergecompCallback")
             self._ranks, self._wrapped = AllRanks(self.hook_state, args.device, to_fold), wrapped
         scaler = getattr(self.trainer.accelerator, "scaler", None)  # the optimizer's state loaded when it resumes
-        self.hook_state.train_with(kwargs["optimizer"], scaler if scaler is not None and scaler.is_enabled() else None,
-                                   "MergecompCallback")
+        self.hook_state.train_with(optimizer, scaler if scaler is not None and scaler.is_enabled() else None)
         if state.global_step > 0:  # the Trainer resumed from a checkpoint
             self._resume(args, state.global_step)
 
@@ -222,8 +222,8 @@ def _install(trainer: Any, callback: _EveryRankCallback) -> None:
 def register(trainer: Any, compression: Union[str, Compressor] = "none", memory: Union[str, Memory, None] = None,
              **options: Any) -> MergecompCallback:
     """Add :class:`MergecompCallback` to ``trainer`` (before ``trainer.train()``); arguments as
-    :func:`mergecomp.torch.ddp_comm_hook`'s (``exchange_momentum_after=K`` with the Trainer's
-    AdamW: its momentum exchanged).  Returns the callback."""
+    :func:`mergecomp.torch.ddp_comm_hook`'s; with the Trainer's AdamW, its momentum exchanged by
+    default (the module docstring).  Returns the callback."""
     callback = MergecompCallback(trainer, compression, memory, **options)
     _install(trainer, callback)
     return callback
