@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 import torch.multiprocessing as mp
@@ -46,7 +47,7 @@ CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsig
 CONTEXT, BATCH, LR, DECAY, EVAL_EVERY = 64, 8, 1e-3, 0.1, 50
 TARGET = 0.01  # within 1 % of uncompressed AdamW's validation loss
 BASELINE = "none@grad"
-MODELS, CORPORA, FRONTENDS = ("gpt2", "llama"), ("stdlib", "prose"), ("optimizer", "trainer")
+MODELS, CORPORA, FRONTENDS = ("gpt2", "llama", "convnet"), ("stdlib", "prose"), ("optimizer", "trainer")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,7 +61,8 @@ parser.add_argument("--report", default=None, help="print the table from the rec
 parser.add_argument("--layers", type=int, default=4, help="the model's layers")
 parser.add_argument("--model", choices=MODELS, default="gpt2",
                     help="gpt2 (learned positions, LayerNorm, GELU, tied embeddings) or llama (rotary positions, "
-                         "RMSNorm, SwiGLU, untied, no biases); 256 wide, 4 heads either way")
+                         "RMSNorm, SwiGLU, untied, no biases), 256 wide, 4 heads either way; or convnet, a causal "
+                         "convolutional ResNet without attention (CausalConvNet)")
 parser.add_argument("--corpus", choices=CORPORA, default="stdlib",
                     help="stdlib (CPython's library sources) or prose (the Python reference's English text that "
                          "ships in pydoc_data)")
@@ -79,8 +81,41 @@ parser.add_argument("--trace", action="store_true",
                     help="record each update's RMS over the parameters of (change / lr) in the record's 'trace'")
 
 
+class CausalConvNet(torch.nn.Module):
+    """A byte-level convolutional ResNet, no attention (``--model convnet``): a 256-wide byte
+    embedding, ``layers`` residual blocks (LayerNorm over the channels, a causal convolution
+    256 -> 512 of width 5 dilated 1, 2, 4, ..., GELU, a 1 x 1 convolution back to 256), LayerNorm
+    and an untied head.  ``forward(input_ids, labels)`` as a transformers causal LM: ``.loss``,
+    the next byte's cross-entropy."""
+
+    WIDTH, INNER, KERNEL = 256, 512, 5
+
+    def __init__(self, layers):
+        super().__init__()
+        nn = torch.nn
+        self.embed = nn.Embedding(256, self.WIDTH)
+        self.norms = nn.ModuleList(nn.LayerNorm(self.WIDTH) for _ in range(layers))
+        self.convs = nn.ModuleList(nn.Conv1d(self.WIDTH, self.INNER, self.KERNEL, dilation=2 ** i)
+                                   for i in range(layers))
+        self.outs = nn.ModuleList(nn.Conv1d(self.INNER, self.WIDTH, 1) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(self.WIDTH), nn.Linear(self.WIDTH, 256)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)  # (batch, positions, width)
+        for norm, conv, out in zip(self.norms, self.convs, self.outs):
+            h = norm(x).transpose(1, 2)
+            h = conv(torch.nn.functional.pad(h, ((self.KERNEL - 1) * conv.dilation[0], 0)))  # sees the past only
+            x = x + out(torch.nn.functional.gelu(h)).transpose(1, 2)
+        logits = self.head(self.norm(x))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1))
+        return types.SimpleNamespace(loss=loss, logits=logits)
+
+
 def make_model(layers=4, family="gpt2"):
-    """A byte-level decoder, 256 wide, 4 heads, ``CONTEXT`` positions, built from its config."""
+    """A byte-level decoder, 256 wide, 4 heads, ``CONTEXT`` positions, built from its config
+    (``convnet``: :class:`CausalConvNet`)."""
+    if family == "convnet":
+        return CausalConvNet(layers)
     if family == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
