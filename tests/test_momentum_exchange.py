@@ -412,6 +412,29 @@ def test_grad_scaler_skips_an_overflow_everywhere_and_otherwise_changes_nothing(
         assert torch.equal(scaled, plain)  # powers of two: the loss scale cancels exactly
 
 
+def _unnamed_scaler_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    opt = mc.DistributedOptimizer(make_adam(model, fused=True), model.named_parameters(), compression="none",
+                                  exchange_momentum_after=AFTER)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    try:
+        run(model, opt, shard(x, rank), shard(y, rank), 1, scaler=scaler)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_grad_scaler_the_exchange_was_not_given_raises_on_every_rank():
+    """A fused Adam shows the scaler stepping it (it hands the step its scale): without
+    ``grad_scaler=`` the momentum would go on the wire out of the loss scale, so the first
+    step raises, naming the option, on every rank."""
+    for message in run_workers(_unnamed_scaler_worker, 2):
+        assert message is not None and "pass grad_scaler=scaler" in message, message
+
+
 def _unused_worker(rank):
     import mergecomp.torch as mc
 

@@ -292,14 +292,22 @@ def refusal_of(optimizer: Any, compressor: Compressor, memory: Memory) -> Option
     return None
 
 
-def scaler_skips(optimizer: Any) -> bool:
+def scaler_skips(optimizer: Any, grad_scaler: Any) -> bool:
     """Whether the ``torch.amp.GradScaler`` stepping ``optimizer`` found Inf/NaN in this step's
     gradients.  Only an optimizer that unscales its gradients itself (a fused Adam) is stepped
     through then: the scaler hands it ``grad_scale`` and ``found_inf`` as attributes and its
     step leaves every parameter as it was.  One host read where ``found_inf`` is set (the
-    scaler reads it too when it skips the step of any other optimizer)."""
+    scaler reads it too when it skips the step of any other optimizer).  ValueError where a
+    scaler hands them but the momentum exchange's ``grad_scaler`` is None: the momentum would
+    go on the wire out of the gradients' loss scale."""
     found_inf = getattr(optimizer, "found_inf", None)
-    return found_inf is not None and bool(found_inf)
+    if found_inf is None:
+        return False
+    if grad_scaler is None:
+        raise ValueError(f"{OPTION}: a torch.amp.GradScaler steps this {type(optimizer).__name__}, but the momentum "
+                         f"exchange was not given it: pass grad_scaler=scaler (the momentum goes on the wire in the "
+                         f"gradients' loss scale)")
+    return bool(found_inf)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, exchange: Exchange) -> None:

@@ -111,7 +111,7 @@ class HookMomentum:
         return args[:1], {**kwargs, "closure": closure_then_update}
 
     def _update(self, optimizer: torch.optim.Optimizer) -> None:
-        if scaler_skips(optimizer):  # a fused Adam's step that moves nothing: not counted
+        if scaler_skips(optimizer, self.exchange.grad_scaler):  # a fused Adam's step that moves nothing: not counted
             self._applied = False
             return
         momentum = self._phase

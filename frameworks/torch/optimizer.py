@@ -426,7 +426,7 @@ class DistributedOptimizer(HoldsMergedStep):
             self._step_skipped = False
             return loss
         # a fused Adam's step under a GradScaler that found Inf/NaN moves nothing: not counted
-        applied = self.momentum_exchange is None or not scaler_skips(self)
+        applied = self.momentum_exchange is None or not scaler_skips(self, self.momentum_exchange.grad_scaler)
         with self.merged.time_update():
             if self._momentum_phase:
                 applied = applied and self._frozen_variance_step()

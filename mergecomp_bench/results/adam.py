@@ -31,6 +31,9 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      {"layers": 3, "lr": 3e-3, "clip": 1.0, "beta2": 0.95}, 600, "adam_gpt2_3x256_beta2_095_2workers.jsonl"),
     ("the same with a Llama (rotary positions, RMSNorm, SwiGLU, untied embeddings; `--model llama`)",
      {"model": "llama", "layers": 3, "lr": 3e-3, "clip": 1.0}, 600, "adam_llama_3x256_auto_2workers.jsonl"),
+    ("the same with a convolutional ResNet, no attention (dilated causal convolutions in residual blocks; "
+     "`--model convnet`)",
+     {"model": "convnet", "layers": 3, "lr": 3e-3, "clip": 1.0}, 600, "adam_convnet_3x256_auto_2workers.jsonl"),
     ("the same GPT-2 on English prose (the Python reference's text; `--corpus prose`)",
      {"corpus": "prose", "layers": 3, "lr": 3e-3, "clip": 1.0}, 600, "adam_gpt2_3x256_prose_auto_2workers.jsonl"),
     ("the same GPT-2 on twice the batch (`--batch 16`)",
