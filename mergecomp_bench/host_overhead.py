@@ -164,7 +164,7 @@ class _Run:
 
             if not mc.is_initialized():
                 mc.init(engine="local")
-            options = {"exchange_momentum_after": MOMENTUM_AFTER} if config.momentum else {}
+            options = {"exchange_momentum_after": MOMENTUM_AFTER if config.momentum else None}
             self.optimizer = self.mergecomp = mc.DistributedOptimizer(
                 self.optimizer, module.named_parameters(), compression=config.compression,
                 groups=config.groups if config.groups is not None else groups, **options)

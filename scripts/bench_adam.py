@@ -172,6 +172,8 @@ def exchange_options(config, steps, after, warm=None):
     kwargs = {"compression_warmup_codec": warmup_codec} if warmup_codec else {}
     if memory:
         kwargs["memory"] = memory_of(memory)
+    if mode == "grad":
+        kwargs["exchange_momentum_after"] = None  # the gradients, as asked (not the default's momentum)
     if mode in ("momentum", "increment"):
         kwargs.update(exchange_momentum_after=after, variance_refresh_every=refresh, exchange_momentum_as=mode)
     if mode == "auto":  # the compressor's recipe, scaled to the run and its LR warm-up

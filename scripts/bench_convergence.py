@@ -220,7 +220,8 @@ def train_one(rank, world, name, seed, args, task):
     optimizer = mc.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compressor,
                                         memory=memory_of(memory), groups=1,
                                         compression_warmup_steps=args.warmup_steps,
-                                        uncompressed=[p for p in args.uncompressed.split(",") if p])
+                                        uncompressed=[p for p in args.uncompressed.split(",") if p],
+                                        exchange_momentum_after=None)  # Adam's gradients, as measured
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     steps = args.steps or task.steps

@@ -653,32 +653,110 @@ def test_gradients_outgrowing_the_frozen_variance_move_no_element_further_than_a
                                f"{AFTER + 2} and {AFTER + 4}"), line
 
 
-def _warning_worker(rank):
+def _default_worker(rank):
+    import logging
     import warnings
 
     import mergecomp.torch as mc
 
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("mergecomp").addHandler(handler)
     out = {}
-    for label, make, compression, options in [
-            ("adamw onebit", make_adam, "onebit", {}), ("adamw topk", make_adam, "topk", {}),
-            ("adamw onebit, momentum exchanged", make_adam, "onebit", {"exchange_momentum_after": AFTER}),
-            ("adamw qsgd (no error feedback)", make_adam, "qsgd", {}), ("adamw none", make_adam, "none", {}),
-            ("sgd onebit", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "onebit", {})]:
-        model = make_model()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            mc.DistributedOptimizer(make(model), model.named_parameters(), compression=compression, **options)
-        out[label] = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
+    try:
+        for label, make, compression, options in [
+                ("adamw onebit", make_adam, "onebit", {}), ("adamw topk", make_adam, "topk", {}),
+                ("adamw onebit, a GradScaler given", make_adam, "onebit",
+                 {"grad_scaler": torch.amp.GradScaler("cpu")}),
+                ("adamw randk (no recipe)", make_adam, "randk", {}),
+                ("adamw onebit, op=Sum", make_adam, "onebit", {"op": mc.Sum}),
+                ("adamw onebit, gradients asked for", make_adam, "onebit", {"exchange_momentum_after": None}),
+                ("adamw onebit, K given", make_adam, "onebit", {"exchange_momentum_after": AFTER}),
+                ("adamw qsgd (no error feedback)", make_adam, "qsgd", {}), ("adamw none", make_adam, "none", {}),
+                ("sgd onebit", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "onebit", {})]:
+            model = make_model()
+            log.seek(0)
+            log.truncate()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt = mc.DistributedOptimizer(make(model), model.named_parameters(), compression=compression,
+                                              **options)
+            momentum = opt.momentum_exchange
+            out[label] = ("off" if momentum is None else momentum.after, log.getvalue(),
+                          [str(w.message) for w in caught if "exchange its momentum" in str(w.message)])
+    finally:
+        logging.getLogger("mergecomp").removeHandler(handler)
     return out
 
 
-def test_adams_gradients_through_error_feedback_warn_with_the_line_to_add():
-    """Without asking for the momentum exchange, Adam or AdamW with a lossy error-feedback
-    compressor warns naming the option; the user's choice still stands (no refusal, no change)."""
-    out = run_workers(_warning_worker, 2)[0]
-    for label in ("adamw onebit", "adamw topk"):
-        [message] = out[label]
-        assert "DistributedOptimizer" in message and "exchange_momentum_after=K" in message \
-            and "exchange_momentum_after='auto'" in message, message
-    for label in ("adamw onebit, momentum exchanged", "adamw qsgd (no error feedback)", "adamw none", "sgd onebit"):
-        assert out[label] == [], label
+def test_adams_gradients_through_error_feedback_exchange_its_momentum_by_default():
+    """Not given ``exchange_momentum_after``, Adam or AdamW with a lossy error-feedback
+    compressor that has a recipe exchanges its momentum by the recipe (``"auto"``), logged as a
+    warning naming the option that turns it off (and ``grad_scaler=`` where none was given);
+    without a recipe, or under ``op=mc.Sum``, the gradients go with a warning naming the line to
+    add; given as None, or anything else, nothing changes, silently."""
+    out = run_workers(_default_worker, 2)[0]
+    for label in ("adamw onebit", "adamw topk", "adamw onebit, a GradScaler given"):
+        after, logged, told = out[label]
+        assert after is None and told == [], label  # None: K follows the LR warm-up, as "auto" decides it
+        assert logged.startswith("DistributedOptimizer: AdamW's gradients through") \
+            and "exchange_momentum_after=None exchanges the gradients" in logged, logged
+        assert ("grad_scaler=scaler" in logged) == ("GradScaler given" not in label), logged
+    for label in ("adamw randk (no recipe)", "adamw onebit, op=Sum"):
+        after, logged, [message] = out[label]
+        assert after == "off" and "DistributedOptimizer" in message and "exchange_momentum_after=K" in message, label
+    assert out["adamw onebit, K given"] == (AFTER, "", [])
+    for label in ("adamw onebit, gradients asked for", "adamw qsgd (no error feedback)", "adamw none", "sgd onebit"):
+        assert out[label] == ("off", "", []), label
+
+
+def _default_equals_auto_worker(rank):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    params = []
+    for options in ({}, {"exchange_momentum_after": "auto"}):
+        model = make_model()
+        opt = mc.DistributedOptimizer(make_adam(model), model.named_parameters(), compression="onebit",
+                                      total_steps=STEPS, **options)
+        run(model, opt, shard(x, rank), shard(y, rank), STEPS, clip=0.5)
+        params.append((flat_params(model), opt.momentum_exchange.active))
+    return params
+
+
+def test_the_default_trains_bit_for_bit_as_auto_and_clipping_is_not_taken_for_a_scaler():
+    """The default is ``"auto"`` itself (here into its momentum phase), and clipping the averaged
+    gradients before ``step()``, without a scaler, passes the default's loss-scale check."""
+    for (default, active), (auto, auto_active) in run_workers(_default_equals_auto_worker, 2):
+        assert active and auto_active
+        assert torch.equal(default, auto)
+
+
+def _default_under_a_scaler_worker(rank, clip, fused, given):
+    import mergecomp.torch as mc
+
+    x, y = make_data()
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    opt = mc.DistributedOptimizer(make_adam(model, fused=fused), model.named_parameters(), compression="onebit",
+                                  total_steps=STEPS, **({"grad_scaler": scaler} if given else {}))
+    try:
+        run(model, opt, shard(x, rank), shard(y, rank), STEPS, scaler=scaler, clip=clip)
+    except ValueError as err:
+        return str(err), opt.momentum_exchange.updates
+    return None, opt.momentum_exchange.updates
+
+
+@pytest.mark.parametrize("clip,fused,given", [(None, False, False), (0.5, False, False), (None, True, False),
+                                               (0.5, False, True)])
+def test_a_grad_scaler_the_default_exchange_was_not_given_raises_at_the_first_update_on_every_rank(
+        clip, fused, given):
+    """Switched on by default, the exchange sees a ``GradScaler`` it was not given when
+    ``unscale_`` divides its results before ``step()`` (clipped after, too), or when the scaler
+    hands a fused Adam its scale: the first update raises on every rank, naming
+    ``grad_scaler=``, before anything moves.  Given the scaler, the run trains."""
+    for message, updates in run_workers(_default_under_a_scaler_worker, 2, clip, fused, given):
+        if given:
+            assert message is None and updates == STEPS
+        else:
+            assert message is not None and "grad_scaler=scaler" in message and updates == 0, message

@@ -9,7 +9,7 @@ from test_momentum_exchange import AFTER, flat_params, make_adam, make_data, mak
 
 import mergecomp
 from mergecomp.torch.momentum_exchange import LrWarmup, MomentumSettings
-from mergecomp.torch.momentum_recipes import RECIPES, adapt, choose, hook_default
+from mergecomp.torch.momentum_recipes import RECIPES, adapt, choose, momentum_by_default
 
 
 def test_each_recipe_scales_its_warm_up_to_the_runs_lr_warm_up():
@@ -70,7 +70,7 @@ class _Wrapper:
 ])
 def test_a_hook_front_end_exchanges_adams_momentum_by_default_where_a_recipe_serves_it(
         caplog, compression, optimizers, options, switched, warned):
-    """``hook_default``: where the options do not name ``exchange_momentum_after``, one Adam or
+    """``momentum_by_default``: where the options do not name ``exchange_momentum_after``, one Adam or
     AdamW whose gradients a lossy compressor with error feedback would send gets ``"auto"``,
     with a logged warning naming the option that turns it off; where no recipe serves it, the
     gradients' warning names the line to add; everything else is left as it is, silently."""
@@ -83,7 +83,7 @@ def test_a_hook_front_end_exchanges_adams_momentum_by_default_where_a_recipe_ser
     memory = options.pop("memory", None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = hook_default(compression, memory, [made[name]() for name in optimizers], options, "Front")
+        result = momentum_by_default(compression, memory, [made[name]() for name in optimizers], options, "Front")
     told = [str(w.message) for w in caught if "exchange its momentum" in str(w.message)]
     logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     if switched:

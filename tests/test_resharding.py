@@ -15,7 +15,8 @@ def wrap(model, compression):
     import mergecomp.torch as mc
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups=1)
+    return mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups=1,
+                                   exchange_momentum_after=None)  # AdamW's gradients: their memories resharded
 
 
 def train(model, opt, rank, steps, seed):

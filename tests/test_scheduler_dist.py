@@ -28,7 +28,8 @@ def _auto_worker(rank, world, compression, steps, cache_path=None, slow_after=No
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = mc.DistributedOptimizer(opt, model.named_parameters(), compression=compression, groups="auto",
                                   scheduler=SchedulerConfig(**{**FAST, "retune_window": window or 1000},
-                                                            cache_path=cache_path, prune_ratio=prune_ratio))
+                                                            cache_path=cache_path, prune_ratio=prune_ratio),
+                                  exchange_momentum_after=None)  # the gradients' search from the first step
     plans, slowdown = [], 0.05
     for step in range(steps):
         if slow_after is not None and step >= slow_after:

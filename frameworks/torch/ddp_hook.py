@@ -135,7 +135,7 @@ class DDPHookState(HoldsMergedStep):
         """The optimizer a framework steps with this hook (its wrapper of one too): with
         ``exchange_momentum_after`` its momentum is exchanged (:meth:`set_optimizer`); without,
         nothing to do (a front end that knows it decides the default before building the hook:
-        :func:`~frameworks.torch.momentum_recipes.hook_default`)."""
+        :func:`~frameworks.torch.momentum_recipes.momentum_by_default`)."""
         if self.momentum is not None:
             self.set_optimizer(optimizer, grad_scaler)
 

@@ -26,7 +26,7 @@ from .momentum_exchange import (OPTION, REFRESH_OPTION, SEND_OPTION, LrWarmup, M
                                 refresh_limit, refusal_of, sends_adam_gradients, smallest_beta2, warn_adam_gradients)
 from .named_parameters import inner_optimizer
 
-__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose", "hook_default", "settings_of"]
+__all__ = ["AUTO", "RECIPES", "RUN_OPTIONS", "Recipe", "adapt", "choose", "momentum_by_default", "settings_of"]
 
 logger = logging.getLogger("mergecomp")
 
@@ -187,16 +187,16 @@ def adapt(settings: MomentumSettings, optimizer: Any, who: str) -> MomentumSetti
     return settings
 
 
-def hook_default(compression: Any, memory: Any, optimizers: Sequence[Any], options: Dict[str, Any],
-                 who: str) -> Dict[str, Any]:
-    """A hook front end's ``options`` once it knows the ``optimizers`` its DDP model trains with
-    (frameworks' wrappers of them too).  Where ``options`` has no ``exchange_momentum_after``
-    (given as None, the user's gradients stand, without a word) and an optimizer is an Adam or
-    AdamW whose gradients a lossy compressor with error feedback would send
+def momentum_by_default(compression: Any, memory: Any, optimizers: Sequence[Any], options: Dict[str, Any],
+                        who: str, note: str = "") -> Dict[str, Any]:
+    """A front end's ``options`` once it knows the ``optimizers`` it serves (frameworks'
+    wrappers of them too).  Where ``options`` has no ``exchange_momentum_after`` (given as None,
+    the user's gradients stand, without a word) and an optimizer is an Adam or AdamW whose
+    gradients a lossy compressor with error feedback would send
     (:func:`~.momentum_exchange.sends_adam_gradients`): ``"auto"`` is added, its momentum
     exchanged by the compressor's recipe, logged as a warning naming the option that turns it
-    off; where no recipe serves it (:func:`_unserved`), the gradients' warning names the line to
-    add instead.  Returns ``options`` (a new dict where changed)."""
+    off (and ``note``); where no recipe serves it (:func:`_unserved`), the gradients' warning
+    names the line to add instead.  Returns ``options`` (a new dict where changed)."""
     if OPTION in options:
         return options
     compressor, sent_with = resolve(compression, memory)
@@ -211,7 +211,7 @@ def hook_default(compression: Any, memory: Any, optimizers: Sequence[Any], optio
         return options
     logger.warning("%s: %s's gradients through %r with error feedback end far behind uncompressed %s: exchanging "
                    "its momentum instead (%s='auto', the compressor's recipe; docs/compressors.md); %s=None "
-                   "exchanges the gradients", who, name, compressor.name, name, OPTION, OPTION)
+                   "exchanges the gradients%s", who, name, compressor.name, name, OPTION, OPTION, note)
     return {**options, OPTION: AUTO}
 
 

@@ -58,6 +58,7 @@ from mergecomp.compressors.base.memory import Memory
 from mergecomp.compressors.memories import warn_double_momentum
 from mergecomp.horovod_api.arguments import Average, check_horovod_args, resolve_groups, scaling
 from mergecomp.engines.communicator import LocalCommunicator
+from mergecomp.exchange.exchange import resolve as resolve_compression
 from mergecomp.horovod_api.process_sets import resolve as resolve_process_set
 from mergecomp.horovod_api.runtime import communicator
 from mergecomp.pipeline.options import FrontEnd, StepOptions
@@ -65,13 +66,24 @@ from mergecomp.pipeline.planned import PlannedStep
 from mergecomp.pipeline.step import HoldsMergedStep
 from mergecomp.registry import Compression
 
+from .loss_scale_check import UnscaleCheck
 from .momentum_exchange import OPTION as MOMENTUM_OPTION
 from .momentum_exchange import STATE_KEY as MOMENTUM_STATE
 from .momentum_exchange import MomentumExchange, MomentumSettings, scaler_skips, warn_adam_gradients
-from .momentum_recipes import adapt, settings_of
+from .momentum_recipes import adapt, momentum_by_default, settings_of
 from .named_parameters import collect_parameters
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["BY_DEFAULT", "DistributedOptimizer"]
+
+
+class _ByDefault:
+    """``exchange_momentum_after`` not given: :func:`~.momentum_recipes.momentum_by_default` decides."""
+
+    def __repr__(self) -> str:
+        return "<'auto' for an Adam whose gradients a lossy compressor with error feedback would send, else None>"
+
+
+BY_DEFAULT = _ByDefault()
 
 
 _CLASSES: Dict[type, type] = {}
@@ -100,6 +112,8 @@ class _Construction(NamedTuple):
     factor: float
     momentum: Optional[MomentumSettings]
     grad_scaler: Any
+    #: the momentum exchange was switched on by default, without ``grad_scaler``: :class:`UnscaleCheck`
+    checks_scale: bool
 
 
 class DistributedOptimizer(HoldsMergedStep):
@@ -139,7 +153,9 @@ class DistributedOptimizer(HoldsMergedStep):
         memory: error-feedback memory name or instance; ``None`` = the compressor's default (with
             ``exchange_momentum_after``, ``"residual"`` where that default is none for a lossy
             compressor: ``momentum_exchange.default_memory``).
-        exchange_momentum_after: for ``torch.optim.Adam`` or ``AdamW`` only: after this many
+        exchange_momentum_after: for ``torch.optim.Adam`` or ``AdamW`` only (not given: ``"auto"``
+            where the compressor is lossy with error feedback and has a recipe, with a logged
+            warning; None: the gradients are exchanged): after this many
             updates (the warm-up, gradients exchanged as without it) Adam's variance freezes and
             each rank exchanges its momentum, not its gradient, through the same merged groups
             and compressor; ``p.grad`` then holds the averaged momentum, and the update is
@@ -160,7 +176,10 @@ class DistributedOptimizer(HoldsMergedStep):
             gradient's share; the momentum's common part, the same on every rank, is added
             after the exchange: for PowerSGD, docs/compressors.md).
         grad_scaler: with ``exchange_momentum_after``, the ``torch.amp.GradScaler`` that scales
-            the loss (the momentum is sent in the gradient's loss scale).
+            the loss (the momentum is sent in the gradient's loss scale).  Switched on by default
+            without it, the exchange raises ValueError at the first update where ``p.grad`` was
+            divided before ``step()`` as a scaler's ``unscale_`` divides it
+            (:mod:`frameworks.torch.loss_scale_check`).
         options: mergecomp's options by keyword (:class:`~mergecomp.pipeline.options.StepOptions`):
             ``nonfinite`` (default ``"propagate"``: when any rank's gradient holds NaN/Inf, every
             rank's averaged gradients become NaN, so ``torch.amp.GradScaler`` skips the same
@@ -199,13 +218,16 @@ class DistributedOptimizer(HoldsMergedStep):
         process_set: Any = None,
         *,
         memory: Union[str, Memory, None] = None,
-        exchange_momentum_after: Optional[int] = None,
+        exchange_momentum_after: Union[int, str, None] = BY_DEFAULT,
         variance_refresh_every: Optional[int] = None,
         exchange_momentum_as: Optional[str] = None,
         grad_scaler: Any = None,
         **options,
     ) -> None:
         factor = check_horovod_args(op, gradient_predivide_factor)
+        by_default = exchange_momentum_after is BY_DEFAULT
+        if by_default:
+            exchange_momentum_after = self._momentum_by_default(optimizer, compression, memory, op, grad_scaler)
         compression, options, momentum = settings_of(compression, options, exchange_momentum_after,
                                                      variance_refresh_every, exchange_momentum_as, grad_scaler,
                                                      "DistributedOptimizer")
@@ -223,7 +245,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self.backward_passes_per_step = backward_passes_per_step
         #: what builds the merged step, kept to build it again on another world (:meth:`rebuild`)
         self._construction = _Construction(compression, memory, process_set, dict(options), groups, op, factor,
-                                           momentum, grad_scaler)
+                                           momentum, grad_scaler,
+                                           by_default and momentum is not None and grad_scaler is None)
         self._build()
         self.merged.warn_sparse = not sparse_as_dense  # densified either way; True: silently
         warn_double_momentum(self.memory, any(g.get("momentum", 0) for g in optimizer.param_groups))
@@ -234,10 +257,21 @@ class DistributedOptimizer(HoldsMergedStep):
         self._keeps_views = _inherited(type(optimizer), "zero_grad") is _inherited(torch.optim.Optimizer, "zero_grad")
         self._warned_step = False
         self._should_synchronize = True
-        if momentum is None:
-            exchange = self.merged.exchange
-            warn_adam_gradients(optimizer, exchange.compressor, exchange.memory, "DistributedOptimizer")
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._exchanged]
+
+    @staticmethod
+    def _momentum_by_default(optimizer: torch.optim.Optimizer, compression: Any, memory: Any, op: str,
+                             grad_scaler: Any) -> Optional[str]:
+        """``exchange_momentum_after`` where it was not given: ``"auto"`` or None
+        (:func:`~.momentum_recipes.momentum_by_default`; the gradients, with its warning, under
+        ``op=mc.Sum``, which the exchange refuses)."""
+        who = "DistributedOptimizer"
+        if op != Average:
+            compressor, memory = resolve_compression(compression, memory)
+            warn_adam_gradients(optimizer, compressor, memory, who)
+            return None
+        note = "" if grad_scaler is not None else "; with a torch.amp.GradScaler pass grad_scaler=scaler"
+        return momentum_by_default(compression, memory, [optimizer], {}, who, note).get(MOMENTUM_OPTION)
 
     def _build(self) -> None:
         """The merged step and the momentum phase on the world as it is now, no step begun."""
@@ -261,6 +295,7 @@ class DistributedOptimizer(HoldsMergedStep):
         #: the momentum phase (``exchange_momentum_after``), or None
         self.momentum_exchange = None if momentum is None else MomentumExchange(
             self._given, self._exchanged, momentum, self.merged.exchange, how.grad_scaler)
+        self._unscale_check = UnscaleCheck("DistributedOptimizer", MOMENTUM_OPTION) if how.checks_scale else None
         self._passes = [0] * len(self._exchanged)
         self._final = 0  # parameters whose gradient is final for this step
         self._synchronized = self._step_skipped = self._called_synchronize = False
@@ -389,6 +424,8 @@ class DistributedOptimizer(HoldsMergedStep):
         self._step_skipped = reduced is None
         if self.momentum_exchange is not None:
             self.momentum_exchange.finished(reduced)
+        if self._unscale_check is not None:
+            self._unscale_check.finished(None if reduced is None or reduced.nonfinite else reduced.flats)
         views = None if reduced is None else reduced.tensors(len(self._exchanged))
         if views is not None:  # the results are in place but for the gradients that were moved
             for i in range(len(views)) if reduced.moved is None else reduced.moved:
@@ -427,6 +464,8 @@ class DistributedOptimizer(HoldsMergedStep):
             return loss
         # a fused Adam's step under a GradScaler that found Inf/NaN moves nothing: not counted
         applied = self.momentum_exchange is None or not scaler_skips(self, self.momentum_exchange.grad_scaler)
+        if self._unscale_check is not None and self._unscale_check.verify():
+            self._unscale_check = None
         with self.merged.time_update():
             if self._momentum_phase:
                 applied = applied and self._frozen_variance_step()

@@ -31,7 +31,7 @@ from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
-from mergecomp.torch.momentum_recipes import hook_default
+from mergecomp.torch.momentum_recipes import momentum_by_default
 
 from ._hook import attach, attach_diloco
 from ._ranks import AllRanks, DiLoCoRank
@@ -52,7 +52,7 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
             gradients a lossy compressor with error feedback would send has its momentum
             exchanged instead, by the compressor's recipe (``exchange_momentum_after="auto"``,
             its warm-up following the learning rate, or scaled to ``total_steps=N`` where given;
-            :func:`~mergecomp.torch.momentum_recipes.hook_default`), in the loss scale of the
+            :func:`~mergecomp.torch.momentum_recipes.momentum_by_default`), in the loss scale of the
             accelerator's ``GradScaler`` under fp16; ``exchange_momentum_after=K`` sets the
             warm-up, None sends the gradients).
         checkpoint: also ``accelerator.register_for_checkpointing`` every rank's hook state, so
@@ -67,7 +67,7 @@ def register(accelerator: "accelerate.Accelerator", model: Any, compression: Uni
     who = "mergecomp.torch.integrations.accelerate.register"
     optimizer = options.get("optimizer")
     if optimizer is not None:
-        options = hook_default(compression, memory, [optimizer], options, who)
+        options = momentum_by_default(compression, memory, [optimizer], options, who)
         if options.get(MOMENTUM_OPTION) is None:  # gradients: the hook has no use for it
             options = {name: value for name, value in options.items() if name != "optimizer"}
     if options.get(MOMENTUM_OPTION) is not None and options.get("grad_scaler") is None:

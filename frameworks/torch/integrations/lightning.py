@@ -40,7 +40,7 @@ from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
 from mergecomp.torch.momentum_exchange import OPTIONS as MOMENTUM_OPTIONS
-from mergecomp.torch.momentum_recipes import AUTO, RUN_OPTIONS, TOTAL_OPTION, hook_default
+from mergecomp.torch.momentum_recipes import AUTO, RUN_OPTIONS, TOTAL_OPTION, momentum_by_default
 
 from ._hook import BUCKET_VIEWS, attach, attach_diloco
 from ._ranks import DiLoCoRank, collect, own
@@ -134,13 +134,13 @@ class MergecompDDPStrategy(_RanksInCheckpoint, DDPStrategy):
         before), registered on any device (Lightning's own ``ddp_comm_hook`` argument registers
         hooks on CUDA only).  With ``exchange_momentum_after`` (by default for one Adam or AdamW
         a lossy compressor with error feedback would send the gradients of:
-        :func:`~mergecomp.torch.momentum_recipes.hook_default`) the optimizer and the precision
+        :func:`~mergecomp.torch.momentum_recipes.momentum_by_default`) the optimizer and the precision
         plugin's ``GradScaler`` go to the hook.  Lightning loads the optimizer's state after
         this, when it resumes."""
         super().setup_optimizers(trainer)
         who = type(self).__name__
         compression, memory, options = self._hook_settings
-        options = hook_default(compression, memory, self.optimizers, options, who)
+        options = momentum_by_default(compression, memory, self.optimizers, options, who)
         if options.get(MOMENTUM_OPTION) == AUTO and not any(options.get(name) for name in RUN_OPTIONS):
             options = {**options, TOTAL_OPTION: int(trainer.estimated_stepping_batches)}
         # the state of the checkpoint fit() resumes from, else that of an earlier fit with this strategy

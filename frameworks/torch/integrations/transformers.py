@@ -8,7 +8,7 @@ With AdamW (or Adam) and a lossy compressor with error feedback, ``register(trai
 exchanges the optimizer's momentum instead of its gradients (:mod:`mergecomp.torch.momentum_hook`)
 by the compressor's recipe, ``exchange_momentum_after="auto"``, its warm-up scaled to the run's LR
 warm-up (:func:`run_length`; the default where a recipe serves the optimizer:
-:func:`~mergecomp.torch.momentum_recipes.hook_default`); ``exchange_momentum_after=K`` gives the
+:func:`~mergecomp.torch.momentum_recipes.momentum_by_default`); ``exchange_momentum_after=K`` gives the
 warm-up, ``exchange_momentum_after=None`` exchanges the gradients.  The callback hands the
 Trainer's optimizer (and, under fp16, its ``GradScaler``) to the hook.
 
@@ -50,7 +50,7 @@ from mergecomp.pipeline.resharding import to_fold
 from mergecomp.torch.ddp_hook import DDPHookState, check_settings
 from mergecomp.torch.diloco import DiLoCo
 from mergecomp.torch.momentum_exchange import OPTION as MOMENTUM_OPTION
-from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION, hook_default
+from mergecomp.torch.momentum_recipes import AUTO, TOTAL_OPTION, WARMUP_OPTION, momentum_by_default
 
 from ._hook import BUCKET_VIEWS, attach, attach_diloco
 from ._ranks import AllRanks, DiLoCoRank
@@ -150,7 +150,7 @@ class MergecompCallback(_EveryRankCallback):
         optimizer = kwargs["optimizer"]
         if wrapped is not self._wrapped:  # a second train() on the same DDP keeps its hook
             compression, memory, options = self.settings
-            options = hook_default(compression, memory, [optimizer], options, "MergecompCallback")
+            options = momentum_by_default(compression, memory, [optimizer], options, "MergecompCallback")
             if options.get(MOMENTUM_OPTION) == AUTO:  # the recipe's warm-up scaled to the Trainer's schedule
                 options = {**run_length(args, state.max_steps), **options}
             self.hook_state = attach(wrapped, compression, memory, options, who="MergecompCallback")
