@@ -47,7 +47,7 @@ CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsig
 CONTEXT, BATCH, LR, DECAY, EVAL_EVERY = 64, 8, 1e-3, 0.1, 50
 TARGET = 0.01  # within 1 % of uncompressed AdamW's validation loss
 BASELINE = "none@grad"
-MODELS, CORPORA, FRONTENDS = ("gpt2", "llama", "convnet"), ("stdlib", "prose"), ("optimizer", "trainer")
+MODELS, CORPORA, FRONTENDS = ("gpt2", "llama", "convnet"), ("stdlib", "prose"), ("optimizer", "trainer", "accelerate")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +76,9 @@ parser.add_argument("--frontend", choices=FRONTENDS, default="optimizer",
                     help="optimizer: mc.DistributedOptimizer around AdamW (the loop above); trainer: the transformers "
                          "Trainer's own AdamW (adamw_torch), warm-up and cosine schedule and clipping (max_grad_norm "
                          "1.0 unless --clip), with register(trainer, COMPRESSOR) (its default, 'auto') for "
-                         "@auto configurations and plain DDP for none@grad")
+                         "@auto configurations and plain DDP for none@grad; accelerate: the loop above through "
+                         "Accelerate's prepare, backward and clip_grad_norm_ (--clip), with register(accelerator, "
+                         "model, COMPRESSOR, optimizer=opt) (its default, 'auto') or plain DDP the same way")
 parser.add_argument("--trace", action="store_true",
                     help="record each update's RMS over the parameters of (change / lr) in the record's 'trace'")
 
@@ -355,6 +357,62 @@ def run_trainer(rank, world, config, seed, args, data):
                         "batch": args.batch, "workers": world}}
 
 
+def run_accelerate(rank, world, config, seed, args, data):
+    """One run through Accelerate (``--frontend accelerate``): the model and AdamW through
+    ``accelerator.prepare`` (DDP over gloo), :func:`run_one`'s windows and LR schedule (on the
+    AdamW itself: Accelerate's prepared scheduler would step once per process), its
+    ``backward`` and ``clip_grad_norm_``; ``none@grad`` plain DDP, ``COMPRESSOR@auto`` with
+    ``register(accelerator, model, COMPRESSOR, optimizer=opt)`` (with AdamW ``"auto"`` by default)."""
+    from accelerate import Accelerator
+
+    from mergecomp.torch.integrations.accelerate import register
+
+    spec, mode, *_ = parse_config(config)
+    if (spec, mode) != ("none", "grad") and mode != "auto":
+        raise ValueError(f"--frontend accelerate runs none@grad and COMPRESSOR@auto, not {config!r}")
+    train, held_out = data
+    torch.manual_seed(seed)
+    model = make_model(args.layers, args.model)
+    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=DECAY)
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(adamw, schedule(args.steps))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, as the other front ends run
+    accelerator = Accelerator(cpu=True)
+    torch.set_num_threads(1)
+    ddp, opt = accelerator.prepare(model, adamw)
+    hook = register(accelerator, ddp, spec, optimizer=opt) if mode == "auto" else None
+    if hook is not None and hook.momentum is None:
+        raise ValueError(f"register(accelerator, model, {spec!r}) sent AdamW's gradients (no recipe serves it)")
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    curve, began = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        windows = random_windows(train, gen, args.batch)
+        opt.zero_grad()
+        accelerator.backward(ddp(input_ids=windows, labels=windows).loss)
+        if args.clip is not None:
+            accelerator.clip_grad_norm_(ddp.parameters(), args.clip)
+        opt.step()
+        lr_schedule.step()
+        if step % EVAL_EVERY == 0 or step == args.steps:
+            with torch.no_grad():
+                loss = model(input_ids=held_out, labels=held_out).loss.item()
+            curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
+    shapes = [p.shape for p in model.parameters()]
+    momentum = hook.momentum.exchange if hook else None
+    refresh = momentum.refresh_every if momentum else None
+    return {"config": config, "seed": seed, "steps": args.steps, "after": momentum.after if momentum else None,
+            "compressor": repr(hook.merged.exchange.compressor) if hook else "DDP fp32",
+            "parameters": sum(s.numel() for s in shapes),
+            "warmup_codec": repr(warmup_compressor(hook.merged)) if hook else None, "refresh": refresh,
+            "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, refresh) if hook else 32.0,
+            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
+            "status": "ok",
+            "setting": {"frontend": "accelerate", "model": args.model, "corpus": args.corpus, "layers": args.layers,
+                        "lr": args.lr, "beta2": args.beta2, "clip": args.clip, "batch": args.batch, "workers": world}}
+
+
+RUNS = {"optimizer": run_one, "trainer": run_trainer, "accelerate": run_accelerate}
+
+
 def worker(rank, world, port, jobs, args, queue):
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
@@ -365,7 +423,7 @@ def worker(rank, world, port, jobs, args, queue):
     data = rank_data(rank, world, corpus=args.corpus)
     for config, seed in jobs:
         try:
-            record = (run_trainer if args.frontend == "trainer" else run_one)(rank, world, config, seed, args, data)
+            record = RUNS[args.frontend](rank, world, config, seed, args, data)
         except Exception as err:  # a failing configuration is a result too
             record = {"config": config, "seed": seed, "status": f"failed: {err}"}
         if rank == 0:
