@@ -47,7 +47,7 @@ CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsig
 CONTEXT, BATCH, LR, DECAY, EVAL_EVERY = 64, 8, 1e-3, 0.1, 50
 TARGET = 0.01  # within 1 % of uncompressed AdamW's validation loss
 BASELINE = "none@grad"
-MODELS, CORPORA, FRONTENDS = ("gpt2", "llama", "convnet"), ("stdlib", "prose"), ("optimizer", "trainer", "accelerate")
+MODELS, CORPORA, FRONTENDS = ("gpt2", "llama", "convnet"), ("stdlib", "prose"), ("optimizer", "trainer", "accelerate", "lightning")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,7 +78,9 @@ parser.add_argument("--frontend", choices=FRONTENDS, default="optimizer",
                          "1.0 unless --clip), with register(trainer, COMPRESSOR) (its default, 'auto') for "
                          "@auto configurations and plain DDP for none@grad; accelerate: the loop above through "
                          "Accelerate's prepare, backward and clip_grad_norm_ (--clip), with register(accelerator, "
-                         "model, COMPRESSOR, optimizer=opt) (its default, 'auto') or plain DDP the same way")
+                         "model, COMPRESSOR, optimizer=opt) (its default, 'auto') or plain DDP the same way; "
+                         "lightning: the same loop as a LightningModule, gradient_clip_val=--clip, with "
+                         "MergecompDDPStrategy(COMPRESSOR) (its default, 'auto') or Lightning's DDPStrategy")
 parser.add_argument("--trace", action="store_true",
                     help="record each update's RMS over the parameters of (change / lr) in the record's 'trace'")
 
@@ -410,7 +412,72 @@ def run_accelerate(rank, world, config, seed, args, data):
                         "lr": args.lr, "beta2": args.beta2, "clip": args.clip, "batch": args.batch, "workers": world}}
 
 
-RUNS = {"optimizer": run_one, "trainer": run_trainer, "accelerate": run_accelerate}
+def run_lightning(rank, world, config, seed, args, data):
+    """One run through Lightning (``--frontend lightning``): :func:`run_one`'s model, windows
+    (this rank's, Lightning's distributed sampler off), AdamW and LR schedule (per update) in a
+    ``LightningModule``, ``Trainer(gradient_clip_val=--clip)``; ``none@grad`` Lightning's
+    ``DDPStrategy``, ``COMPRESSOR@auto`` ``MergecompDDPStrategy(COMPRESSOR)`` (with AdamW
+    ``"auto"`` by default, the run's length from fit's ``estimated_stepping_batches``)."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from mergecomp.torch.integrations._hook import BUCKET_VIEWS
+    from mergecomp.torch.integrations.lightning import MergecompDDPStrategy
+
+    spec, mode, *_ = parse_config(config)
+    if (spec, mode) != ("none", "grad") and mode != "auto":
+        raise ValueError(f"--frontend lightning runs none@grad and COMPRESSOR@auto, not {config!r}")
+    train, held_out = data
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    windows = torch.cat([random_windows(train, gen, args.batch) for _ in range(args.steps)])
+    curve, began = [], time.perf_counter()
+    torch.manual_seed(seed)
+    model = make_model(args.layers, args.model)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, index):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def on_train_batch_end(self, outputs, batch, index):
+            step = self.trainer.global_step
+            if step % EVAL_EVERY == 0 or step == args.steps:
+                with torch.no_grad():
+                    loss = self.model(input_ids=held_out, labels=held_out).loss.item()
+                curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
+
+        def configure_optimizers(self):
+            adamw = torch.optim.AdamW(self.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=DECAY)
+            lr_schedule = torch.optim.lr_scheduler.LambdaLR(adamw, schedule(args.steps))
+            return {"optimizer": adamw, "lr_scheduler": {"scheduler": lr_schedule, "interval": "step"}}
+
+    strategy = MergecompDDPStrategy(spec) if mode == "auto" else DDPStrategy(**BUCKET_VIEWS)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
+                        gradient_clip_val=args.clip, use_distributed_sampler=False, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    torch.set_num_threads(1)
+    trainer.fit(Module(), torch.utils.data.DataLoader(windows, batch_size=args.batch))
+    hook = strategy.hook_state if mode == "auto" else None
+    if hook is not None and hook.momentum is None:
+        raise ValueError(f"MergecompDDPStrategy({spec!r}) sent AdamW's gradients (no recipe serves it)")
+    shapes = [p.shape for p in model.parameters()]
+    momentum = hook.momentum.exchange if hook else None
+    refresh = momentum.refresh_every if momentum else None
+    return {"config": config, "seed": seed, "steps": args.steps, "after": momentum.after if momentum else None,
+            "compressor": repr(hook.merged.exchange.compressor) if hook else "DDP fp32",
+            "parameters": sum(s.numel() for s in shapes),
+            "warmup_codec": repr(warmup_compressor(hook.merged)) if hook else None, "refresh": refresh,
+            "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, refresh) if hook else 32.0,
+            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
+            "status": "ok",
+            "setting": {"frontend": "lightning", "model": args.model, "corpus": args.corpus, "layers": args.layers,
+                        "lr": args.lr, "beta2": args.beta2, "clip": args.clip, "batch": args.batch, "workers": world}}
+
+
+RUNS = {"optimizer": run_one, "trainer": run_trainer, "accelerate": run_accelerate, "lightning": run_lightning}
 
 
 def worker(rank, world, port, jobs, args, queue):
