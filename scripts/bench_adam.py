@@ -47,7 +47,8 @@ CONFIGS = ("none@momentum,onebit@grad,onebit@grad+averaged,onebit@momentum,efsig
 CONTEXT, BATCH, LR, DECAY, EVAL_EVERY = 64, 8, 1e-3, 0.1, 50
 TARGET = 0.01  # within 1 % of uncompressed AdamW's validation loss
 BASELINE = "none@grad"
-MODELS, CORPORA, FRONTENDS = ("gpt2", "llama", "convnet"), ("stdlib", "prose"), ("optimizer", "trainer", "accelerate", "lightning")
+MODELS, CORPORA = ("gpt2", "llama", "convnet"), ("stdlib", "prose")
+FRONTENDS = ("optimizer", "trainer", "accelerate", "lightning")
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -290,6 +291,15 @@ def run_one(rank, world, config, seed, args, data):
                         "batch": args.batch, "workers": world}}
 
 
+def framework_config(config, frontend):
+    """``(compressor spec, mode)`` of ``config`` for a framework's run: ``none@grad`` (plain DDP)
+    or ``COMPRESSOR@auto`` (the framework's one line, AdamW's momentum by its default)."""
+    spec, mode, *_ = parse_config(config)
+    if (spec, mode) != ("none", "grad") and mode != "auto":
+        raise ValueError(f"--frontend {frontend} runs none@grad and COMPRESSOR@auto, not {config!r}")
+    return spec, mode
+
+
 def run_trainer(rank, world, config, seed, args, data):
     """One run through the transformers ``Trainer`` (``--frontend trainer``): its AdamW
     (``adamw_torch``, weight decay ``DECAY``), a linear warm-up over :func:`lr_warmup` then a
@@ -304,9 +314,7 @@ def run_trainer(rank, world, config, seed, args, data):
 
     from mergecomp.torch.integrations.transformers import register
 
-    spec, mode, *_ = parse_config(config)
-    if (spec, mode) != ("none", "grad") and mode != "auto":
-        raise ValueError(f"--frontend trainer runs none@grad and COMPRESSOR@auto, not {config!r}")
+    spec, mode = framework_config(config, "trainer")
     hf_logging.set_verbosity_error()
     train, held_out = data
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -339,12 +347,19 @@ def run_trainer(rank, world, config, seed, args, data):
         callback = register(trainer, spec) if mode == "auto" else None  # AdamW: "auto" by default
         torch.set_num_threads(1)
         trainer.train()
-        if callback is not None and callback.hook_state.momentum is None:
-            raise ValueError(f"register(trainer, {spec!r}) sent AdamW's gradients (no recipe serves it): not {config}")
     os.environ.clear()  # the Trainer's accelerate state edits it; the next run needs it back
     os.environ.update(saved)
+    return hook_record(config, seed, args, world, "trainer", clip, model, callback.hook_state if callback else None,
+                       curve, began)
+
+
+def hook_record(config, seed, args, world, frontend, clip, model, hook, curve, began):
+    """The record of a run through a framework's DDP hook (``hook``: its ``DDPHookState``, None
+    for plain DDP) on ``model``, evaluated along ``curve`` since ``began``; ValueError where the
+    hook sent AdamW's gradients (``config`` asks for its momentum by the default)."""
+    if hook is not None and hook.momentum is None:
+        raise ValueError(f"--frontend {frontend}: the hook sent AdamW's gradients (no recipe serves it), not {config}")
     shapes = [p.shape for p in model.parameters()]
-    hook = callback.hook_state if callback else None
     momentum = hook.momentum.exchange if hook else None
     refresh = momentum.refresh_every if momentum else None
     return {"config": config, "seed": seed, "steps": args.steps, "after": momentum.after if momentum else None,
@@ -354,9 +369,8 @@ def run_trainer(rank, world, config, seed, args, data):
             "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, refresh) if hook else 32.0,
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
             "status": "ok",
-            "setting": {"frontend": "trainer", "model": args.model, "corpus": args.corpus, "layers": args.layers,
-                        "lr": args.lr, "beta2": args.beta2, "clip": clip,
-                        "batch": args.batch, "workers": world}}
+            "setting": {"frontend": frontend, "model": args.model, "corpus": args.corpus, "layers": args.layers,
+                        "lr": args.lr, "beta2": args.beta2, "clip": clip, "batch": args.batch, "workers": world}}
 
 
 def run_accelerate(rank, world, config, seed, args, data):
@@ -369,9 +383,7 @@ def run_accelerate(rank, world, config, seed, args, data):
 
     from mergecomp.torch.integrations.accelerate import register
 
-    spec, mode, *_ = parse_config(config)
-    if (spec, mode) != ("none", "grad") and mode != "auto":
-        raise ValueError(f"--frontend accelerate runs none@grad and COMPRESSOR@auto, not {config!r}")
+    spec, mode = framework_config(config, "accelerate")
     train, held_out = data
     torch.manual_seed(seed)
     model = make_model(args.layers, args.model)
@@ -382,8 +394,6 @@ def run_accelerate(rank, world, config, seed, args, data):
     torch.set_num_threads(1)
     ddp, opt = accelerator.prepare(model, adamw)
     hook = register(accelerator, ddp, spec, optimizer=opt) if mode == "auto" else None
-    if hook is not None and hook.momentum is None:
-        raise ValueError(f"register(accelerator, model, {spec!r}) sent AdamW's gradients (no recipe serves it)")
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     curve, began = [], time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -398,18 +408,7 @@ def run_accelerate(rank, world, config, seed, args, data):
             with torch.no_grad():
                 loss = model(input_ids=held_out, labels=held_out).loss.item()
             curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
-    shapes = [p.shape for p in model.parameters()]
-    momentum = hook.momentum.exchange if hook else None
-    refresh = momentum.refresh_every if momentum else None
-    return {"config": config, "seed": seed, "steps": args.steps, "after": momentum.after if momentum else None,
-            "compressor": repr(hook.merged.exchange.compressor) if hook else "DDP fp32",
-            "parameters": sum(s.numel() for s in shapes),
-            "warmup_codec": repr(warmup_compressor(hook.merged)) if hook else None, "refresh": refresh,
-            "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, refresh) if hook else 32.0,
-            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
-            "status": "ok",
-            "setting": {"frontend": "accelerate", "model": args.model, "corpus": args.corpus, "layers": args.layers,
-                        "lr": args.lr, "beta2": args.beta2, "clip": args.clip, "batch": args.batch, "workers": world}}
+    return hook_record(config, seed, args, world, "accelerate", args.clip, model, hook, curve, began)
 
 
 def run_lightning(rank, world, config, seed, args, data):
@@ -424,9 +423,7 @@ def run_lightning(rank, world, config, seed, args, data):
     from mergecomp.torch.integrations._hook import BUCKET_VIEWS
     from mergecomp.torch.integrations.lightning import MergecompDDPStrategy
 
-    spec, mode, *_ = parse_config(config)
-    if (spec, mode) != ("none", "grad") and mode != "auto":
-        raise ValueError(f"--frontend lightning runs none@grad and COMPRESSOR@auto, not {config!r}")
+    spec, mode = framework_config(config, "lightning")
     train, held_out = data
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     windows = torch.cat([random_windows(train, gen, args.batch) for _ in range(args.steps)])
@@ -461,20 +458,7 @@ def run_lightning(rank, world, config, seed, args, data):
     torch.set_num_threads(1)
     trainer.fit(Module(), torch.utils.data.DataLoader(windows, batch_size=args.batch))
     hook = strategy.hook_state if mode == "auto" else None
-    if hook is not None and hook.momentum is None:
-        raise ValueError(f"MergecompDDPStrategy({spec!r}) sent AdamW's gradients (no recipe serves it)")
-    shapes = [p.shape for p in model.parameters()]
-    momentum = hook.momentum.exchange if hook else None
-    refresh = momentum.refresh_every if momentum else None
-    return {"config": config, "seed": seed, "steps": args.steps, "after": momentum.after if momentum else None,
-            "compressor": repr(hook.merged.exchange.compressor) if hook else "DDP fp32",
-            "parameters": sum(s.numel() for s in shapes),
-            "warmup_codec": repr(warmup_compressor(hook.merged)) if hook else None, "refresh": refresh,
-            "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, refresh) if hook else 32.0,
-            "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
-            "status": "ok",
-            "setting": {"frontend": "lightning", "model": args.model, "corpus": args.corpus, "layers": args.layers,
-                        "lr": args.lr, "beta2": args.beta2, "clip": args.clip, "batch": args.batch, "workers": world}}
+    return hook_record(config, seed, args, world, "lightning", args.clip, model, hook, curve, began)
 
 
 RUNS = {"optimizer": run_one, "trainer": run_trainer, "accelerate": run_accelerate, "lightning": run_lightning}
