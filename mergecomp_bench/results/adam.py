@@ -48,6 +48,10 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      "at 1.0, `register(trainer, \"onebit\")` (its default, `\"auto\"`) against plain DDP "
      "(`--frontend trainer --layers 3 --steps 1500`)",
      {"frontend": "trainer", "layers": 3, "clip": 1.0}, 1500, "adam_trainer_gpt2_3x256_2workers.jsonl"),
+    ("the same GPT-2 through Accelerate: `prepare`, `backward`, `clip_grad_norm_(1.0)`, "
+     "`register(accelerator, model, \"onebit\", optimizer=opt)` (its default, `\"auto\"`) against plain DDP, "
+     "this script's windows and schedule (`--frontend accelerate --layers 3 --steps 1500 --clip 1.0`)",
+     {"frontend": "accelerate", "layers": 3, "clip": 1.0}, 1500, "adam_accelerate_gpt2_3x256_2workers.jsonl"),
 )
 
 
