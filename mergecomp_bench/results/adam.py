@@ -52,6 +52,10 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      "`register(accelerator, model, \"onebit\", optimizer=opt)` (its default, `\"auto\"`) against plain DDP, "
      "this script's windows and schedule (`--frontend accelerate --layers 3 --steps 1500 --clip 1.0`)",
      {"frontend": "accelerate", "layers": 3, "clip": 1.0}, 1500, "adam_accelerate_gpt2_3x256_2workers.jsonl"),
+    ("the same through Lightning: a `LightningModule`, `gradient_clip_val=1.0`, "
+     "`strategy=MergecompDDPStrategy(\"onebit\")` (its default, `\"auto\"`) against its `DDPStrategy` "
+     "(`--frontend lightning --layers 3 --steps 1500 --clip 1.0`)",
+     {"frontend": "lightning", "layers": 3, "clip": 1.0}, 1500, "adam_lightning_gpt2_3x256_2workers.jsonl"),
 )
 
 
