@@ -82,6 +82,10 @@ def _lightning_kit():
         def configure_optimizers(self):
             if self.exchange == "hook":  # plain AdamW: the DDP hook exchanges its momentum
                 return torch.optim.AdamW(self.parameters(), lr=0.01, betas=(0.9, self.beta2), weight_decay=0.1)
+            if self.momentum_after == "default":  # AdamW's momentum by DistributedOptimizer's default
+                opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+                return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
+                                               groups=1, total_steps=8)
             if self.momentum_after:  # AdamW with its momentum exchanged after a lossless warm-up
                 opt = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
                 return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
@@ -93,12 +97,12 @@ def _lightning_kit():
             return mc.DistributedOptimizer(opt, named_parameters=self.named_parameters(), compression=self.exchange,
                                            groups=1)
 
-    def fit(strategy, epochs=2, module=None, ckpt=None, save=None, callbacks=None):
+    def fit(strategy, epochs=2, module=None, ckpt=None, save=None, callbacks=None, plugins=None):
         module = module or Tiny()
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
         with kept_environment():
             trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_epochs=epochs, logger=False,
-                                 enable_checkpointing=callbacks is not None, callbacks=callbacks,
+                                 enable_checkpointing=callbacks is not None, callbacks=callbacks, plugins=plugins,
                                  enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(module, loader, ckpt_path=ckpt)
             if save:
@@ -197,6 +201,15 @@ def _lightning(rank, folder, port, saved_by_three):
     path = os.path.join(folder, "adam.ckpt")
     fit(MergecompStrategy(), epochs=1, module=Tiny("onebit", momentum_after=3), save=path)
     out["adam_resumed"] = fit(MergecompStrategy(), module=Tiny("onebit", momentum_after=3), ckpt=path)
+    # the same by DistributedOptimizer's default under "16-mixed": the strategy hands the exchange
+    # the precision plugin's GradScaler (without it the first update raises, naming grad_scaler=)
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = Tiny("onebit", momentum_after="default")
+    out["adam_amp"] = fit(MergecompStrategy(), module=module, plugins=[MixedPrecision("16-mixed", "cpu")])
+    momentum = module.trainer.optimizers[0].momentum_exchange
+    out["adam_amp_exchange"] = (momentum.grad_scaler is module.trainer.precision_plugin.scaler, momentum.active,
+                                momentum.updates)
     # checkpoints of 3 ranks resumed on these 2: every rank's residuals the mean of the 3 saved
     module = Tiny("topk")
     fit(MergecompStrategy(), epochs=1, module=module, ckpt=os.path.join(saved_by_three, "opt.ckpt"))
@@ -368,13 +381,18 @@ def test_lightning_optimizer_strategy_exchanges_once(lightning):
 def test_lightning_optimizer_strategy_exchanges_adams_momentum(lightning):
     """AdamW with exchange_momentum_after and 1-bit SGD under MergecompStrategy: the momentum
     phase runs, the ranks agree, and a run resumed inside the phase ends where the uninterrupted
-    one does."""
+    one does; by DistributedOptimizer's default under "16-mixed" the strategy hands the exchange
+    the precision plugin's GradScaler and the run trains into the momentum phase."""
     start = flat(make_net())
     for out in lightning:
         assert out["adam_phase"]
         assert not torch.equal(out["adam_onebit"], start) and torch.isfinite(out["adam_onebit"]).all()
         assert torch.equal(out["adam_resumed"], out["adam_onebit"])
+        assert not torch.equal(out["adam_amp"], start) and torch.isfinite(out["adam_amp"]).all()
+        handed, active, updates = out["adam_amp_exchange"]
+        assert handed and active and 0 < updates <= 8  # into the momentum phase; a scaler's skip not counted
     assert torch.equal(lightning[0]["adam_onebit"], lightning[1]["adam_onebit"])
+    assert torch.equal(lightning[0]["adam_amp"], lightning[1]["adam_amp"])
 
 
 @requires("lightning")

@@ -273,6 +273,17 @@ class DistributedOptimizer(HoldsMergedStep):
         note = "" if grad_scaler is not None else "; with a torch.amp.GradScaler pass grad_scaler=scaler"
         return momentum_by_default(compression, memory, [optimizer], {}, who, note).get(MOMENTUM_OPTION)
 
+    def set_grad_scaler(self, grad_scaler: Any) -> None:
+        """Give the momentum exchange the ``torch.amp.GradScaler`` that scales the loss after
+        construction (a framework's own, e.g. Lightning's precision plugin's), as ``grad_scaler=``
+        would have, before the first step.  ValueError without the momentum exchange."""
+        if self.momentum_exchange is None:
+            raise ValueError(f"DistributedOptimizer: grad_scaler is for {MOMENTUM_OPTION}; the gradients are "
+                             f"exchanged here and a GradScaler unscales them as they are")
+        self._construction = self._construction._replace(grad_scaler=grad_scaler, checks_scale=False)
+        self.momentum_exchange.grad_scaler = grad_scaler
+        self._unscale_check = None
+
     def _build(self) -> None:
         """The merged step and the momentum phase on the world as it is now, no step begun."""
         how = self._construction

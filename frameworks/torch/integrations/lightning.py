@@ -285,8 +285,16 @@ class MergecompStrategy(_RanksInCheckpoint, DDPStrategy):
         mc.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     def setup_optimizers(self, trainer) -> None:
+        """Lightning's, then each optimizer checked; one exchanging Adam's momentum without a
+        ``GradScaler`` gets the precision plugin's (``"16-mixed"``), which scales the loss."""
         super().setup_optimizers(trainer)
         _check_optimizers(self.optimizers, trainer.accumulate_grad_batches, type(self).__name__)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        for optimizer in self.optimizers:
+            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+            momentum = optimizer.momentum_exchange
+            if scaler is not None and momentum is not None and momentum.grad_scaler is None:
+                optimizer.set_grad_scaler(scaler)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _local_state(self, checkpoint: Dict[str, Any]) -> List[Any]:
