@@ -44,7 +44,10 @@ _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
      {"layers": 3, "lr": 3e-3, "clip": 1.0}, 300, "adam_gpt2_3x256_300_updates_auto_2workers.jsonl"),
     ("the same, twice as long (`--steps 1200`: K = 150)",
      {"layers": 3, "lr": 3e-3, "clip": 1.0}, 1200, "adam_gpt2_3x256_1200_updates_auto_2workers.jsonl"),
-    ("GPT-2 3 x 256, lr 1e-3, 1,500 updates through the transformers `Trainer`: its AdamW, schedule and clipping "
+    ("GPT-2 3 x 256, lr 1e-3, clip 1.0, 1,500 updates through `mc.DistributedOptimizer`, this script's loop "
+     "(`--layers 3 --steps 1500 --clip 1.0`)",
+     {"layers": 3, "clip": 1.0}, 1500, "adam_gpt2_3x256_1500_updates_auto_2workers.jsonl"),
+    ("the same GPT-2 through the transformers `Trainer`: its AdamW, schedule and clipping "
      "at 1.0, `register(trainer, \"onebit\")` (its default, `\"auto\"`) against plain DDP "
      "(`--frontend trainer --layers 3 --steps 1500`)",
      {"frontend": "trainer", "layers": 3, "clip": 1.0}, 1500, "adam_trainer_gpt2_3x256_2workers.jsonl"),
