@@ -225,6 +225,22 @@ def warmup_compressor(merged):
     return merged.route(COMPRESSED, compressing=False).compressor
 
 
+def scheduled_adamw(params, args):
+    """Plain AdamW (``--lr``, betas 0.9 / ``--beta2``, weight decay ``DECAY``) and its LR
+    schedule over ``--steps`` updates (:func:`schedule`), for a framework's run."""
+    adamw = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), weight_decay=DECAY)
+    return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, schedule(args.steps))
+
+
+def evaluate(model, held_out, step, steps, curve, began):
+    """After update ``step`` of ``steps``: every ``EVAL_EVERY`` updates and at the last, the
+    validation loss on ``held_out`` appended to ``curve`` with the seconds since ``began``."""
+    if step % EVAL_EVERY == 0 or step == steps:
+        with torch.no_grad():
+            loss = model(input_ids=held_out, labels=held_out).loss.item()
+        curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
+
+
 def rank_data(rank, world, held_out_windows=64, corpus="stdlib"):
     """This rank's share of the training bytes of ``corpus`` (:data:`CORPORA`) and the held-out
     windows every rank evaluates on: (1-D int64, (held_out_windows, CONTEXT) int64)."""
@@ -269,10 +285,7 @@ def run_one(rank, world, config, seed, args, data):
             after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             trace.append((after - before).div_(lr).square().mean().sqrt().item())
         lr_schedule.step()
-        if step % EVAL_EVERY == 0 or step == args.steps:
-            with torch.no_grad():
-                loss = model(input_ids=held_out, labels=held_out).loss.item()
-            curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
+        evaluate(model, held_out, step, args.steps, curve, began)
     opt.remove_hooks()
     held = lambda holder: sum(t.nbytes for fields in holder.state.values() for t in fields.values())  # noqa: E731
     state_mb = {"adam": sum(t.nbytes for st in opt.state.values() for t in st.values() if torch.is_tensor(t)) / 1e6,
@@ -387,8 +400,7 @@ def run_accelerate(rank, world, config, seed, args, data):
     train, held_out = data
     torch.manual_seed(seed)
     model = make_model(args.layers, args.model)
-    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=DECAY)
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(adamw, schedule(args.steps))
+    adamw, lr_schedule = scheduled_adamw(model.parameters(), args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, as the other front ends run
     accelerator = Accelerator(cpu=True)
     torch.set_num_threads(1)
@@ -404,10 +416,7 @@ def run_accelerate(rank, world, config, seed, args, data):
             accelerator.clip_grad_norm_(ddp.parameters(), args.clip)
         opt.step()
         lr_schedule.step()
-        if step % EVAL_EVERY == 0 or step == args.steps:
-            with torch.no_grad():
-                loss = model(input_ids=held_out, labels=held_out).loss.item()
-            curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
+        evaluate(model, held_out, step, args.steps, curve, began)
     return hook_record(config, seed, args, world, "accelerate", args.clip, model, hook, curve, began)
 
 
@@ -440,15 +449,10 @@ def run_lightning(rank, world, config, seed, args, data):
             return self.model(input_ids=batch, labels=batch).loss
 
         def on_train_batch_end(self, outputs, batch, index):
-            step = self.trainer.global_step
-            if step % EVAL_EVERY == 0 or step == args.steps:
-                with torch.no_grad():
-                    loss = self.model(input_ids=held_out, labels=held_out).loss.item()
-                curve.append({"step": step, "test_loss": loss, "seconds": time.perf_counter() - began})
+            evaluate(self.model, held_out, self.trainer.global_step, args.steps, curve, began)
 
         def configure_optimizers(self):
-            adamw = torch.optim.AdamW(self.parameters(), lr=args.lr, betas=(0.9, args.beta2), weight_decay=DECAY)
-            lr_schedule = torch.optim.lr_scheduler.LambdaLR(adamw, schedule(args.steps))
+            adamw, lr_schedule = scheduled_adamw(self.parameters(), args)
             return {"optimizer": adamw, "lr_scheduler": {"scheduler": lr_schedule, "interval": "step"}}
 
     strategy = MergecompDDPStrategy(spec) if mode == "auto" else DDPStrategy(**BUCKET_VIEWS)

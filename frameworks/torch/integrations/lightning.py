@@ -288,12 +288,11 @@ class MergecompStrategy(_RanksInCheckpoint, DDPStrategy):
         """Lightning's, then each optimizer checked; one exchanging Adam's momentum without a
         ``GradScaler`` gets the precision plugin's (``"16-mixed"``), which scales the loss."""
         super().setup_optimizers(trainer)
-        _check_optimizers(self.optimizers, trainer.accumulate_grad_batches, type(self).__name__)
+        optimizers = _check_optimizers(self.optimizers, trainer.accumulate_grad_batches, type(self).__name__)
         scaler = getattr(self.precision_plugin, "scaler", None)
-        for optimizer in self.optimizers:
-            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        for optimizer in optimizers if scaler is not None else ():
             momentum = optimizer.momentum_exchange
-            if scaler is not None and momentum is not None and momentum.grad_scaler is None:
+            if momentum is not None and momentum.grad_scaler is None:
                 optimizer.set_grad_scaler(scaler)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -326,9 +325,12 @@ def _start_mergecomp(world_size: int, who: str) -> None:
     mc.init(engine="torch")
 
 
-def _check_optimizers(optimizers, accumulate: int, who: str) -> None:
+def _check_optimizers(optimizers, accumulate: int, who: str) -> List[Any]:
+    """The ``mc.DistributedOptimizer`` of each of ``optimizers`` (a ``LightningOptimizer``'s
+    too); TypeError for another optimizer, ValueError for other gradient accumulation."""
     from mergecomp.torch import DistributedOptimizer
 
+    checked = []
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
         if not isinstance(optimizer, DistributedOptimizer):
@@ -339,3 +341,5 @@ def _check_optimizers(optimizers, accumulate: int, who: str) -> None:
             raise ValueError(f"{who}: Trainer(accumulate_grad_batches={accumulate}) needs "
                              f"mc.DistributedOptimizer(..., backward_passes_per_step={accumulate}), got "
                              f"backward_passes_per_step={optimizer.backward_passes_per_step}")
+        checked.append(optimizer)
+    return checked
