@@ -202,16 +202,15 @@ def wrap_adamw(model, config, steps, after, groups=1, warm=None, lr=LR, beta2=0.
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule(steps, warm)), refresh
 
 
-def bits_over_run(merged, shapes, steps, refresh):
-    """Bits per element sent over ``steps`` steps by ``merged`` (a ``DistributedOptimizer``'s
-    ``opt.merged``, or a DDP hook state's ``state.merged``) for tensors of ``shapes``: the
-    warm-up's and the variance refreshes' at their codec's bits (32, 16 as fp16, 8.06 or 4.06 as
+def bits_over_run(merged, shapes, steps, momentum):
+    """Bits per element sent over the ``steps`` steps just run by ``merged`` (a
+    ``DistributedOptimizer``'s ``opt.merged``, or a DDP hook state's ``state.merged``) for tensors
+    of ``shapes``: the warm-up's and the variance refreshes' (those ``momentum``, the run's
+    ``MomentumExchange`` or None, sent) at their codec's bits (32, 16 as fp16, 8.06 or 4.06 as
     QSGD), the compressor's on the other steps."""
     import mergecomp
-    from mergecomp.torch.momentum_exchange import refreshes
 
-    exact = min(merged.warmup_steps, steps)
-    exact += refreshes(steps - exact, refresh)
+    exact = min(merged.warmup_steps, steps) + (momentum.refreshes if momentum is not None else 0)
     numel = sum(s.numel() for s in shapes)
     compressed = mergecomp.bits_per_element(merged.exchange.compressor, numel, shapes=shapes)
     warmup_bits = mergecomp.bits_per_element(warmup_compressor(merged), numel, shapes=shapes)
@@ -297,7 +296,8 @@ def run_one(rank, world, config, seed, args, data):
             "compressor": repr(opt.compressor), "memory": repr(opt.memory), "parameters": numel,
             "warmup_codec": repr(warmup_compressor(opt.merged)),
             "refresh": refresh, "bits_per_element": bits_over_run(
-                opt.merged, [p.shape for group in opt.param_groups for p in group["params"]], args.steps, refresh),
+                opt.merged, [p.shape for group in opt.param_groups for p in group["params"]], args.steps,
+                opt.momentum_exchange),
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "trace": trace,
             "state_mb": state_mb, "wall_s": time.perf_counter() - began, "status": "ok",
             "setting": {"model": args.model, "corpus": args.corpus, "layers": args.layers, "lr": args.lr, "beta2": args.beta2, "clip": args.clip,
@@ -379,7 +379,7 @@ def hook_record(config, seed, args, world, frontend, clip, model, hook, curve, b
             "compressor": repr(hook.merged.exchange.compressor) if hook else "DDP fp32",
             "parameters": sum(s.numel() for s in shapes),
             "warmup_codec": repr(warmup_compressor(hook.merged)) if hook else None, "refresh": refresh,
-            "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, refresh) if hook else 32.0,
+            "bits_per_element": bits_over_run(hook.merged, shapes, args.steps, momentum) if hook else 32.0,
             "final_test_loss": StdlibBytes.final_loss(curve), "curve": curve, "wall_s": time.perf_counter() - began,
             "status": "ok",
             "setting": {"frontend": frontend, "model": args.model, "corpus": args.corpus, "layers": args.layers,

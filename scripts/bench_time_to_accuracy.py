@@ -187,7 +187,7 @@ def worker(args):
     model = make_model()
     alone = StepAlone(model, train, args.batch)
     alone.time(10)
-    bits = hook = diloco = None
+    bits = hook = diloco = wrapped = None  # wrapped: a DistributedOptimizer
     if config.startswith(("ddp", "hook:")):
         import torch.distributed as dist
 
@@ -208,11 +208,10 @@ def worker(args):
     else:
         mc.init(engine="torch")
         groups = int(args.groups) if args.groups.isdigit() else args.groups
-        opt, lr_schedule, refresh = wrap_adamw(model, config, steps, after, groups=groups, warm=warm)
+        opt, lr_schedule, _ = wrap_adamw(model, config, steps, after, groups=groups, warm=warm)
+        wrapped = opt
         mc.broadcast_parameters(model.state_dict(), root_rank=0)
         net = model
-        bits = bits_over_run(opt.merged, [p.shape for group in opt.param_groups for p in group["params"]],
-                             trained_steps, refresh)
 
         def finish():
             opt.remove_hooks()
@@ -236,7 +235,10 @@ def worker(args):
     if hook is not None:  # bound by the first step
         momentum = hook.momentum
         bits = bits_over_run(hook.merged, [p.shape for p in model.parameters()], trained_steps,
-                             None if momentum is None else momentum.exchange.refresh_every)
+                             None if momentum is None else momentum.exchange)
+    elif wrapped is not None:
+        bits = bits_over_run(wrapped.merged, [p.shape for group in wrapped.param_groups for p in group["params"]],
+                             trained_steps, wrapped.momentum_exchange)
     finish()
     if diloco is not None and diloco.fragment_codecs is not None:  # the codecs chosen, from the second round on
         sizes = [sum(diloco.params[i].numel() for i in f.indices) for f in diloco.fragments]

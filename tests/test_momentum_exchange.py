@@ -333,7 +333,7 @@ def test_the_scheduler_searches_the_momentum_phase_on_three_ranks():
         assert not [codecs for codecs in tried if {"fp16", "none"} & set(codecs)], tried
 
 
-def _resume_worker(rank, compression, who_loads, save_at, refresh, send="momentum"):
+def _resume_worker(rank, compression, who_loads, save_at, refresh, send="momentum", grow_at=None):
     import mergecomp.torch as mc
 
     x, y = make_data()
@@ -346,13 +346,20 @@ def _resume_worker(rank, compression, who_loads, save_at, refresh, send="momentu
                                       exchange_momentum_as=send)
         return model, opt
 
+    def train(model, opt, begin, end):  # the loss 10,000 times larger from update grow_at on
+        for t in range(begin, end):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(xs), ys)
+            (loss * (1e4 if grow_at is not None and t >= grow_at else 1.0)).backward()
+            opt.step()
+
     model, opt = fresh()
-    run(model, opt, xs, ys, save_at)
+    train(model, opt, 0, save_at)
     buffer = io.BytesIO()
     torch.save((model.state_dict(), opt.state_dict()), buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
-    run(model, opt, xs, ys, 4)
+    train(model, opt, save_at, save_at + 4)
     uninterrupted = flat_params(model)
 
     model, opt = fresh()
@@ -361,21 +368,24 @@ def _resume_worker(rank, compression, who_loads, save_at, refresh, send="momentu
         opt.load_state_dict(saved[1])
     mc.broadcast_parameters(model.state_dict(), root_rank=0)
     mc.broadcast_optimizer_state(opt, root_rank=0)
-    run(model, opt, xs, ys, 4)
-    return flat_params(model), uninterrupted, opt.momentum_exchange.active
+    interval = opt.momentum_exchange.refresh_interval
+    train(model, opt, save_at, save_at + 4)
+    return flat_params(model), uninterrupted, opt.momentum_exchange.active, interval
 
 
-@pytest.mark.parametrize("compression,who_loads,save_at,refresh,send", [
-    ("topk", "every rank", AFTER + 2, None, "momentum"),  # momentum phase: the residuals of the momentum, per rank
-    ("onebit", "every rank", AFTER - 1, 2, "momentum"),   # saved in the warm-up: the freeze happens after resuming
-    ("none", "rank 0", AFTER + 2, None, "momentum"),      # rank 0's checkpoint, broadcast: phase and coefficients
-    ("efsignsgd", "every rank", AFTER + 1, 3, "momentum"),  # refreshes on both sides of the checkpoint
-    ("powersgd", "every rank", AFTER + 2, 3, "increment"),  # the increments' residuals and PowerSGD's Q
+@pytest.mark.parametrize("compression,who_loads,save_at,refresh,send,grow_at", [
+    ("topk", "every rank", AFTER + 2, None, "momentum", None),  # momentum phase: the residuals of the momentum, per rank
+    ("onebit", "every rank", AFTER - 1, 2, "momentum", None),   # saved in the warm-up: the freeze happens after resuming
+    ("none", "rank 0", AFTER + 2, None, "momentum", None),      # rank 0's checkpoint, broadcast: phase and coefficients
+    ("efsignsgd", "every rank", AFTER + 1, 3, "momentum", None),  # refreshes on both sides of the checkpoint
+    ("powersgd", "every rank", AFTER + 2, 3, "increment", None),  # the increments' residuals and PowerSGD's Q
+    ("onebit", "every rank", AFTER + 5, 4, "momentum", AFTER + 2),  # saved with the interval halved by grown gradients
 ])
-def test_resume_continues_exactly(compression, who_loads, save_at, refresh, send):
-    for resumed, uninterrupted, active in run_workers(_resume_worker, 2, compression, who_loads, save_at, refresh,
-                                                      send):
+def test_resume_continues_exactly(compression, who_loads, save_at, refresh, send, grow_at):
+    for resumed, uninterrupted, active, interval in run_workers(_resume_worker, 2, compression, who_loads, save_at,
+                                                                refresh, send, grow_at):
         assert active
+        assert interval == (refresh if grow_at is None or refresh is None else refresh // 2)
         assert torch.equal(resumed, uninterrupted)
 
 
@@ -619,23 +629,26 @@ def _outgrown_worker(rank, compression):
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     opt = mc.DistributedOptimizer(adamw, model.named_parameters(), compression=compression, groups=2,
                                   exchange_momentum_after=AFTER, variance_refresh_every=4)
-    written = AFTER  # the variance's last write: the freeze, then the refreshes at phase updates 1 and 2
+    written = AFTER  # the variance's last write: the freeze, then the refreshes at phase updates 1, 2, 4 and 6
     largest, lines = [], []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("mergecomp").addHandler(handler)
+    logging.getLogger("mergecomp").setLevel(logging.INFO)
     for t in range(AFTER + 6):
         before = flat_params(model)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(shard(x, rank)), shard(y, rank))
         (loss * (1e4 if t >= AFTER + 2 else 1.0)).backward()  # the gradients outgrow the frozen variance
         opt.step()
-        written = t + 1 if t - AFTER + 1 in (1, 2, 4) else written
+        written = t + 1 if t - AFTER + 1 in (1, 2, 4, 6) else written
         step = float(adamw.state[next(model.parameters())]["step"])
         bound = LR * math.sqrt(1 / inv_bound2(0.9, 0.95)) * math.sqrt(1 - 0.95 ** written) / (1 - 0.9 ** step)
         largest.append(float((flat_params(model) - before).abs().max()) / bound)
     logging.getLogger("mergecomp").removeHandler(handler)
-    return largest, [line for line in lines if "outgrew" in line]
+    logging.getLogger("mergecomp").setLevel(logging.NOTSET)
+    momentum = opt.momentum_exchange
+    return largest, [line for line in lines if "refreshed" in line], (momentum.refreshes, momentum.refresh_interval)
 
 
 @pytest.mark.parametrize("compression", ["none", "onebit"])
@@ -643,14 +656,25 @@ def test_gradients_outgrowing_the_frozen_variance_move_no_element_further_than_a
     """The loss scaled 10,000-fold two updates after the freeze: the frozen variance would turn
     it into steps thousands of times Adam's; the update raises the variance to Adam's own bound
     ``|m| <= B sqrt(v)`` instead, so no element moves further than ``lr * B`` (bias-corrected)
-    in any update, the steps stay of Adam's size (above a tenth of the bound), and the next
-    refresh (phase update 4) logs that the gradients outgrew the variance since update 6."""
-    for largest, lines in run_workers(_outgrown_worker, 2, compression):
+    in any update, the steps stay of Adam's size (above a tenth of the bound); the next refresh
+    (phase update 4) finds that the gradients outgrew the variance since update 6 and halves the
+    interval (the next refresh at phase update 6, not 8), which the refresh of update 6, the
+    variance written from the grown gradients, doubles back where it then holds (the lossless
+    exchange) and halves again to every update where the gradients outgrew it again (1-bit
+    SGD's): each logged."""
+    second, interval = {"none": ("the frozen variance held", 4),
+                        "onebit": ("the gradients outgrew the frozen variance", 1)}[compression]
+    for largest, lines, exchange in run_workers(_outgrown_worker, 2, compression):
         assert max(largest) <= 1 + 1e-4, largest
         assert min(largest[AFTER:]) > 0.1, largest
-        [line] = lines
-        assert line.startswith("exchange_momentum_after: the gradients outgrew the frozen variance between updates "
-                               f"{AFTER + 2} and {AFTER + 4}"), line
+        outgrew, then = lines
+        assert outgrew.startswith("exchange_momentum_after: the gradients outgrew the frozen variance between "
+                                  f"updates {AFTER + 2} and {AFTER + 4}"), outgrew
+        assert outgrew.endswith("refreshed now, and every 2 updates from here (was 4) while they keep outgrowing it")
+        assert then.startswith(f"exchange_momentum_after: {second} between updates {AFTER + 4} and {AFTER + 6}"), then
+        assert then.endswith("refreshed every 4 updates from here (was 2)" if interval == 4 else "every update from here (was 2) while they "
+                             "keep outgrowing it"), then
+        assert exchange == (4, interval)  # refreshes sent: phase updates 1, 2, 4, 6
 
 
 def _default_worker(rank):

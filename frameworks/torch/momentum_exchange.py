@@ -45,7 +45,7 @@
   outgrown breaks (the updates then grow to thousands of times Adam's and the run diverges);
   raised to it, no element moves further in one update than Adam's would.  The optimizer's
   step pre/post hooks run around it as around the class's own step.
-* **Refresh** (``variance_refresh_every=R``): on a growing interval (:func:`last_write`: the
+* **Refresh** (``variance_refresh_every=R``): on a growing interval (:func:`next_write`: the
   momentum phase's updates 1, 2, 4, ... below ``R``, then every ``R``-th) a step sends
   the plain gradient as the warm-up does (exactly, or as fp16, 8-bit or 4-bit QSGD under
   ``compression_warmup_codec="fp16"``, ``"qsgd"`` or ``"qsgd4"``; no coefficient, no error feedback) and
@@ -53,6 +53,10 @@
   sample standing for the ``k`` updates since the last write, so that ``v`` keeps the weights
   Adam's would have (``1 - beta2**t`` in all).  It costs about 32 / R bits per element, and
   32 bits for each of the log2(R) early refreshes (half of that as fp16, a quarter as QSGD).
+  Where the gradients outgrow the frozen variance between two refreshes (Adam's bound below
+  raised its total more than 1.5x), the interval halves, down to every update (each step's
+  gradients then travel as the warm-up's), and doubles back to ``R`` once the variance holds
+  (:meth:`MomentumExchange._watch`; logged).
 
 Beyond Adam's two buffers per parameter this keeps one float per tensor (the coefficients) and
 the compressor's error-feedback memory; ``d`` is computed where it is used, never kept.  The
@@ -109,9 +113,11 @@ _UNSUPPORTED = {"amsgrad": (False,), "capturable": (False,), "differentiable": (
 SEARCH = SchedulerConfig(codecs=tuple(c for c in SEARCHED if c not in ("fp16", "none")))
 
 
-#: :meth:`MomentumExchange._watch`: how far the bound may raise the variance between refreshes
-#: before a log line says so
-STALE = 1.5
+#: :meth:`MomentumExchange._watch`: how far the bound may raise the variance's total between
+#: refreshes before the refresh interval halves, and how little for it to double back (at most to
+#: ``variance_refresh_every``).  On the 3-layer GPT-2 at lr 3e-3, clipped, 600 updates (1-bit SGD,
+#: top-k and PowerSGD by their recipes) it raised it at most 1.0005x between any two refreshes.
+STALE, CALM = 1.5, 1.1
 
 
 #: the longest refresh interval, in time constants of Adam's variance (:func:`refresh_limit`): on
@@ -133,22 +139,28 @@ def refresh_limit(beta2: float) -> int:
     return max(1, math.ceil(REFRESH_SHARE / (1 - beta2))) if beta2 < 1 else 1 << 30
 
 
-def last_write(n: int, every: Optional[int]) -> int:
-    """The momentum-phase update (numbered from 1) that last wrote the variance at or before
-    update ``n``; 0: the freeze.  With a refresh interval ``every`` the variance is refreshed on
-    a growing interval, at updates 1, 2, 4, 8, ... (doubling while below ``every``), then at
-    every multiple of ``every``: densely while the gradients still change fast after the
-    warm-up, at ``every`` after that (0/1 Adam's observation that the variance settles)."""
-    if every is None or n < 1:
-        return 0
-    return every * (n // every) if n >= every else 1 << (n.bit_length() - 1)
+def next_write(written: int, every: Optional[int]) -> Optional[int]:
+    """The momentum-phase update (numbered from 1) that next writes the variance after update
+    ``written`` (0: the freeze), refreshing every ``every`` updates (None: never).  The interval
+    grows: updates 1, 2, 4, 8, ... (doubling while below ``every``), then every ``every``-th:
+    densely while the gradients still change fast after the warm-up, at ``every`` after that
+    (0/1 Adam's observation that the variance settles)."""
+    if every is None:
+        return None
+    return max(1, min(2 * written, every)) if written < every else written + every
 
 
-def refreshes(n: int, every: Optional[int]) -> int:
-    """How many of the momentum phase's first ``n`` updates refresh the variance."""
-    if every is None or n < 1:
-        return 0
-    return (min(n, every - 1).bit_length()) + n // every
+def _every(interval: int) -> str:
+    return "every update" if interval == 1 else f"every {interval} updates"
+
+
+def scheduled_write(n: int, every: Optional[int]) -> int:
+    """The last of :func:`next_write`'s updates at or before ``n`` (0: the freeze), the interval
+    left at ``every`` throughout (a checkpoint that did not record its last write)."""
+    written = 0
+    while every is not None and next_write(written, every) <= n:
+        written = next_write(written, every)
+    return written
 
 
 def default_memory(compression: Any) -> Optional[str]:
@@ -349,7 +361,12 @@ class MomentumExchange:
         #: last update whose lr rose, whether it stopped rising
         self._lrs: Optional[List[float]] = None
         self._rose, self._lr_warmup_over = 0, False
-        self.refresh_every = settings.refresh_every
+        #: ``variance_refresh_every`` as given (None: never refreshed), and the interval now: halved
+        #: while the gradients outgrow the frozen variance, doubled back once they stop (:meth:`_watch`)
+        self.refresh_every = self.refresh_interval = settings.refresh_every
+        #: the momentum-phase update that last wrote the variance (0: the freeze), and the
+        #: refreshes sent so far (each one step's gradients at the refreshes' codec)
+        self.written_at, self.refreshes = 0, 0
         self.grad_scaler = grad_scaler
         send = settings.send
         self.lossless = exchange.compressor.lossless
@@ -384,12 +401,9 @@ class MomentumExchange:
 
     @property
     def refreshing(self) -> bool:
-        """Whether this step refreshes the variance (:func:`last_write`), its gradients
+        """Whether this step refreshes the variance (:func:`next_write`), its gradients
         travelling exactly."""
-        if not self.active:
-            return False
-        n = self._phase_update
-        return n >= 1 and last_write(n, self.refresh_every) == n
+        return self.active and self._phase_update == next_write(self.written_at, self.refresh_interval)
 
     # -- a group about to start: its gradients become this rank's momentum ----------------------
     def _settings(self) -> Dict[str, Any]:
@@ -474,6 +488,7 @@ class MomentumExchange:
         the increments' average, to which ``S * beta1 * m`` is added.  Outside it, nothing."""
         if not self.active:
             return
+        self.refreshes += self.refreshing
         self._result = None
         self._nonfinite = reduced is not None and reduced.nonfinite
         if reduced is not None and not self._nonfinite:
@@ -509,9 +524,9 @@ class MomentumExchange:
             return False
         if reduced is None:
             return False
-        n, every, refreshing = self._phase_update, self.refresh_every, self.refreshing
-        gap = n - last_write(n - 1, every)  # on a refresh: the updates it stands for
-        stale = n - last_write(n, every)  # updates since the variance was last written: 0 on a refresh
+        n, refreshing = self._phase_update, self.refreshing
+        gap = n - self.written_at  # on a refresh: the updates it stands for
+        stale = 0 if refreshing else gap  # updates since the variance was last written
         groups = self.optimizer.param_groups
         views = reduced.tensors(len(self.params))
         replaced = [i for i, (p, view) in enumerate(zip(self.params, views)) if p.grad is not view]
@@ -542,27 +557,35 @@ class MomentumExchange:
                 state.per_step(lambda pg, t: -groups[pg]["lr"] / (1 - groups[pg]["betas"][0] ** t)),
                 state.per_group([frozen_adam.inv_bound2(*g["betas"]) for g in groups]))
         if refreshing:
-            self._written = self._variance_total(), n
+            self._written, self.written_at = (self._variance_total(), n), n
         return True
 
     def _variance_total(self) -> float:
         return sum(float(state.variance.sum(dtype=torch.float64)) for state in self._groups.values())
 
     def _watch(self, n: int) -> None:
-        """Before the refresh of phase update ``n``: a log line when, since the last refresh, the
-        floor of Adam's bound (:func:`~mergecomp.kernels.frozen_adam.inv_bound2`) raised the
-        variance's total by more than :data:`STALE`: the gradients outgrew it between refreshes
-        (a warning the first time, then at info level)."""
+        """Before the refresh of phase update ``n``: where, since the last refresh, the floor of
+        Adam's bound (:func:`~mergecomp.kernels.frozen_adam.inv_bound2`) raised the variance's
+        total by more than :data:`STALE` (the gradients outgrew it between refreshes), the
+        refresh interval halves, down to every update; where by at most :data:`CALM`, a halved
+        one doubles back, up to ``variance_refresh_every``.  Each change is logged, the first
+        halving as a warning.  The same on every rank: the variance is."""
         written, self._written = self._written, None
         if written is None or not written[0]:
             return
-        raised = self._variance_total() / written[0]
-        if raised > STALE:
+        raised, interval = self._variance_total() / written[0], self.refresh_interval
+        between = f"between updates {written[1] + self.after} and {n + self.after}"
+        if raised > STALE and interval > 1:
+            self.refresh_interval = interval // 2
             (logger.info if self._warned_stale else logger.warning)(
-                "%s: the gradients outgrew the frozen variance between updates %d and %d: Adam's bound on the "
-                "update raised it %.1fx; refreshed now (a shorter %s follows them more closely)", OPTION,
-                written[1] + self.after, n + self.after, raised, REFRESH_OPTION)
+                "%s: the gradients outgrew the frozen variance %s: Adam's bound on the update raised it %.1fx; "
+                "refreshed now, and %s from here (was %d) while they keep outgrowing it", OPTION, between, raised,
+                _every(self.refresh_interval), interval)
             self._warned_stale = True
+        elif raised <= CALM and interval < self.refresh_every:
+            self.refresh_interval = min(2 * interval, self.refresh_every)
+            logger.info("%s: the frozen variance held %s: refreshed %s from here (was %d)", OPTION, between,
+                        _every(self.refresh_interval), interval)
 
     def _refresh(self, state: GroupState, segments: Segments, grad: torch.Tensor, gap: int) -> None:
         """``v = beta2**gap v + (1 - beta2**gap) g**2`` and ``m = m + (1 - beta1) (g - m)``, the
@@ -665,9 +688,12 @@ class MomentumExchange:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The same on every rank: the warm-up length (None while undecided), updates so far, the
-        coefficients; with :attr:`follow`, the LR warm-up as seen so far."""
+        coefficients, the refresh interval now, the variance's last write (and its total, which
+        the next refresh compares with) and the refreshes sent; with :attr:`follow`, the LR warm-up as seen so far."""
         state = {OPTION: self.after, REFRESH_OPTION: self.refresh_every, "updates": self.updates,
-                 "coefficients": self.coefficients}
+                 "coefficients": self.coefficients, "refresh_interval": self.refresh_interval,
+                 "variance_written": self.written_at, "refreshes": self.refreshes,
+                 "variance_total_written": None if self._written is None else self._written[0]}
         if self.follow is not None:
             state["lr_warmup"] = {"lrs": self._lrs, "rose": self._rose, "over": self._lr_warmup_over}
         return state
@@ -682,11 +708,20 @@ class MomentumExchange:
             self.after = None if state is None else state[OPTION]
             seen = {} if state is None else state.get("lr_warmup") or {}
             self._lrs, self._rose, self._lr_warmup_over = seen.get("lrs"), seen.get("rose", 0), seen.get("over", False)
+        self.refresh_interval, self.written_at, self.refreshes = self.refresh_every, 0, 0
         if state is None:
             steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
             self.updates, self.coefficients = int(max(steps, default=0)), None
             if self.after is not None and self.updates >= self.after:
                 self._freeze()
+                self.written_at = self.updates - self.after
             return
         self.updates = int(state["updates"])
         self.coefficients = None if state["coefficients"] is None else [float(c) for c in state["coefficients"]]
+        if "variance_written" in state:
+            self.refresh_interval, self.written_at = state["refresh_interval"], int(state["variance_written"])
+            self.refreshes = int(state["refreshes"])
+            total = state["variance_total_written"]
+            self._written = None if total is None else (float(total), self.written_at)
+        elif self.coefficients is not None:  # saved before these were kept: the interval never changed
+            self.written_at = scheduled_write(self.updates - self.after, self.refresh_every)
