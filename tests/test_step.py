@@ -195,6 +195,32 @@ def _overflow_fp16_and_go_on(nonfinite):
 
 
 @pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise"])
+def test_topk_values_overflowing_fp16_are_a_nonfinite_group_and_its_memory_starts_afresh(nonfinite, kernels):
+    """Top-k's values cast to fp16 (``value_dtype="fp16"``): a finite value beyond 65504 is an
+    overflow whether the fused encode (the threshold scan with the residual memory, native)
+    or the plain compress made the payload, where the fused one sent Inf unflagged and kept
+    -Inf in the residual: the policy applies, naming it, the group's memory starts afresh, and
+    the steps after it are finite."""
+    from mergecomp.kernels import native
+    from mergecomp.registry import get_compressor
+
+    with contextlib.nullcontext() if kernels else native.disabled():
+        step = local_step(compression=get_compressor("topk", ratio=0.25, value_dtype="fp16"), nonfinite=nonfinite)
+        g = grads(30)
+        g[1][0] = 1e5
+        for i, t in enumerate(g):
+            step.add(i, t)
+        if nonfinite == "raise":
+            with pytest.raises(FloatingPointError, match="overflowed the 16-bit cast"):
+                step.finish()
+        else:
+            assert all(t.isnan().all() for t in step.finish().tensors(4) if t.numel())
+        assert step.groups[1].name not in step.exchange.memory.state
+        assert _finite_steps(step) == [True, True]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
 def test_an_fp16_bucket_is_checked_by_its_cast_and_tells_nan_from_overflow(kernels):
     """A caller's bucket sent as fp16 with no error feedback is checked for NaN/Inf by the cast's
     own pass (native) or on the fp16 payload (torch), not by a pass of its own over the fp32

@@ -167,12 +167,18 @@ class Encoder:
         return fused_parts(self.compressor, self.memory, like, name, parts)
 
     def take(self, job: Job, encoded: Optional[Fused]) -> bool:
-        """The job's payload from a fused encode's ``(payload, ctx, update)``; None: returns False."""
+        """The job's payload from a fused encode's ``(payload, ctx, update)``; None: returns False.
+        A payload that may overflow is checked as :meth:`encode` checks it (top-k's values cast
+        to fp16: a pass over the k values)."""
         if encoded is None:
             return False
         job.payload, job.ctx, job.update = encoded
         job.encoded = True
         job.count("encode", job.compressor.passes.fused_compress)
+        if job.compressor.may_overflow and self.check_finite:
+            values = job.payload[0]
+            job.overflowed = torch.as_tensor(all_finite(values), device=values.device).logical_not()
+            job.count("check", 1, values.numel())
         return True
 
     def encode(self, job: Job) -> None:
