@@ -374,8 +374,8 @@ def _resume_worker(rank, compression, who_loads, save_at, refresh, send="momentu
 
 
 @pytest.mark.parametrize("compression,who_loads,save_at,refresh,send,grow_at", [
-    ("topk", "every rank", AFTER + 2, None, "momentum", None),  # momentum phase: the residuals of the momentum, per rank
-    ("onebit", "every rank", AFTER - 1, 2, "momentum", None),   # saved in the warm-up: the freeze happens after resuming
+    ("topk", "every rank", AFTER + 2, None, "momentum", None),  # momentum phase: the momentum's residuals, per rank
+    ("onebit", "every rank", AFTER - 1, 2, "momentum", None),  # saved in the warm-up: the freeze comes after resuming
     ("none", "rank 0", AFTER + 2, None, "momentum", None),      # rank 0's checkpoint, broadcast: phase and coefficients
     ("efsignsgd", "every rank", AFTER + 1, 3, "momentum", None),  # refreshes on both sides of the checkpoint
     ("powersgd", "every rank", AFTER + 2, 3, "increment", None),  # the increments' residuals and PowerSGD's Q
@@ -672,8 +672,8 @@ def test_gradients_outgrowing_the_frozen_variance_move_no_element_further_than_a
                                   f"updates {AFTER + 2} and {AFTER + 4}"), outgrew
         assert outgrew.endswith("refreshed now, and every 2 updates from here (was 4) while they keep outgrowing it")
         assert then.startswith(f"exchange_momentum_after: {second} between updates {AFTER + 4} and {AFTER + 6}"), then
-        assert then.endswith("refreshed every 4 updates from here (was 2)" if interval == 4 else "every update from here (was 2) while they "
-                             "keep outgrowing it"), then
+        assert then.endswith("refreshed every 4 updates from here (was 2)" if interval == 4
+                             else "every update from here (was 2) while they keep outgrowing it"), then
         assert exchange == (4, interval)  # refreshes sent: phase updates 1, 2, 4, 6
 
 

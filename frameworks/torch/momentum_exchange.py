@@ -690,7 +690,8 @@ class MomentumExchange:
     def state_dict(self) -> Dict[str, Any]:
         """The same on every rank: the warm-up length (None while undecided), updates so far, the
         coefficients, the refresh interval now, the variance's last write (and its total, which
-        the next refresh compares with) and the refreshes sent; with :attr:`follow`, the LR warm-up as seen so far."""
+        the next refresh compares with) and the refreshes sent; with :attr:`follow`, the LR
+        warm-up as seen so far."""
         state = {OPTION: self.after, REFRESH_OPTION: self.refresh_every, "updates": self.updates,
                  "coefficients": self.coefficients, "refresh_interval": self.refresh_interval,
                  "variance_written": self.written_at, "refreshes": self.refreshes,

@@ -176,10 +176,16 @@ class Encoder:
         job.encoded = True
         job.count("encode", job.compressor.passes.fused_compress)
         if job.compressor.may_overflow and self.check_finite:
-            values = job.payload[0]
-            job.overflowed = torch.as_tensor(all_finite(values), device=values.device).logical_not()
-            job.count("check", 1, values.numel())
+            self._check_payload(job, None, job.payload[0].numel())
         return True
+
+    def _check_payload(self, job: Job, finite: Optional[bool], numel: int) -> None:
+        """:attr:`Job.overflowed` from ``finite`` (whether the payload is, where its encode
+        told), else from a pass over the payload's first tensor, counted over ``numel``."""
+        if finite is None:
+            finite = all_finite(job.payload[0])
+            job.count("check", 1, numel)
+        job.overflowed = torch.as_tensor(finite, device=job.compensated.device).logical_not()
 
     def encode(self, job: Job) -> None:
         """Encode the elements of ``job.span`` as one payload (a part of the group as a shard,
@@ -197,10 +203,7 @@ class Encoder:
             job.payload, job.ctx = encode_shard(compressor, compensated[start:stop], job.group.name, start,
                                                 compensated.numel())
         if job.checked_by_encode or (compressor.may_overflow and self.check_finite):
-            if finite is None:
-                finite = all_finite(job.payload[0])
-                job.count("check", 1, stop - start)
-            job.overflowed = torch.as_tensor(finite, device=compensated.device).logical_not()
+            self._check_payload(job, finite, stop - start)
             if job.checked_by_encode and job.overflowed:  # on the CPU; a NaN/Inf gradient, or one beyond the cast
                 job.finite = all_finite(compensated)
                 job.overflowed &= job.finite
