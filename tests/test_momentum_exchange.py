@@ -13,6 +13,7 @@ from test_optimizer_dist import flat_params, make_data, make_model, shard
 
 import mergecomp
 from mergecomp.kernels.frozen_adam import inv_bound2
+from mergecomp.torch.momentum_exchange import wire_bound
 
 AFTER = 4  # warm-up updates
 STEPS = 10
@@ -545,7 +546,7 @@ def test_ranks_must_agree_on_the_warm_up():
         run_workers(_disagree_worker, 2)
 
 
-def _wire_worker(rank, low_rank, send="momentum"):
+def _wire_worker(rank, low_rank, send="momentum", stale=False):
     import mergecomp.torch as mc
     from mergecomp.compressors.none import NoneCompressor
 
@@ -570,20 +571,28 @@ def _wire_worker(rank, low_rank, send="momentum"):
     group, state = opt.param_groups[0], opt.state[model.weight]
     beta1 = group["betas"][0]
     grad, = torch.autograd.grad(torch.nn.functional.cross_entropy(model(xs), ys), model.weight)
+    if stale:  # one element's variance decayed to nearly nothing: its value would be enormous
+        state["exp_avg_sq"].view(-1)[0] = 1e-30
     before = state["exp_avg"].clone()
     local = (1 - beta1) * grad + (0 if send == "increment" else beta1 * before)
     expected = local if low_rank else local / (state["exp_avg_sq"].sqrt() + group["eps"])
+    limit = wire_bound(*group["betas"], send == "increment")  # one tensor: coefficient 1
+    assert not stale or float(expected.view(-1)[0].abs()) > 1e3 * limit
+    expected = expected if low_rank else expected.clamp(-limit, limit)
     del codec.sent[:]
     run(model, opt, xs, ys, 1)
     averaged = beta1 * before + (1 - beta1) * mc.allgather(grad.unsqueeze(0)).mean(0)
-    return codec.sent[0], expected.flatten(), state["exp_avg"], averaged
+    keep = slice(1 if stale else 0, None)  # the stale element's momentum: what its limit let through
+    return codec.sent[0], expected.flatten(), state["exp_avg"].flatten()[keep], averaged.flatten()[keep]
 
 
-@pytest.mark.parametrize("low_rank", [False, True])
-def test_the_momentum_goes_on_the_wire_divided_by_adams_denominator(low_rank):
+@pytest.mark.parametrize("low_rank,stale", [(False, False), (True, False), (False, True)])
+def test_the_momentum_goes_on_the_wire_divided_by_adams_denominator(low_rank, stale):
     """A lossy codec gets ``m / (sqrt(v) + eps)``, the update's own scale, in which one codec
-    scale fits every element; a low-rank one gets ``m`` (one tensor: coefficient 1)."""
-    for sent, expected, momentum, averaged in run_workers(_wire_worker, 2, low_rank, timeout=120):
+    scale fits every element; a low-rank one gets ``m`` (one tensor: coefficient 1).  A value
+    beyond :func:`wire_bound` (an element whose variance decayed to 1e-30, a thousand times
+    beyond it) goes as the bound, its sign kept; the others as they are."""
+    for sent, expected, momentum, averaged in run_workers(_wire_worker, 2, low_rank, "momentum", stale, timeout=120):
         torch.testing.assert_close(sent, expected, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(momentum, averaged, rtol=1e-5, atol=1e-7)
 
@@ -593,7 +602,8 @@ def test_the_increment_sends_only_the_gradients_share_and_adds_the_rest_after(lo
     """``exchange_momentum_as="increment"``: the wire holds ``(1 - b1) * g`` (over Adam's
     denominator where the momentum would be), and the momentum after the exchange is still
     ``b1 * m + (1 - b1) * mean(g)``."""
-    for sent, expected, momentum, averaged in run_workers(_wire_worker, 2, low_rank, "increment", timeout=120):
+    for sent, expected, momentum, averaged in run_workers(_wire_worker, 2, low_rank, "increment", False,
+                                                          timeout=120):
         torch.testing.assert_close(sent, expected, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(momentum, averaged, rtol=1e-5, atol=1e-7)
 

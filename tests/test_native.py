@@ -1,5 +1,6 @@
 """The native fp32 CPU codec kernels (mergecomp.kernels.native) against the eager torch reference."""
 import contextlib
+import math
 import os
 import shutil
 import subprocess
@@ -903,8 +904,9 @@ def test_frozen_adam_steps_match_their_torch_path(n):
     one pass each: each result within 1e-6 of the size of its terms from the same arithmetic in
     fp64, as the torch path is (the kernel's square root is correctly rounded, torch's is not,
     so the two paths are not bit for bit); the inactive segment sends zeros, keeps its
-    parameter; the update raises the variance to its floor ``g * g * inv_bound2`` where it lies
-    below (the same in both paths) and leaves it elsewhere."""
+    parameter; a value onto the wire beyond its segment's limit becomes the limit, its sign kept,
+    and an Inf beyond it is still reported; the update raises the variance to its floor ``g * g *
+    inv_bound2`` where it lies below (the same in both paths) and leaves it elsewhere."""
     from mergecomp.kernels.frozen_adam import Segments, frozen_update, momentum_from_wire, momentum_to_wire
 
     lengths = [n // 2, n // 4, n - n // 2 - n // 4]
@@ -921,6 +923,8 @@ def test_frozen_adam_steps_match_their_torch_path(n):
     (c, c_e), (keep, keep_e), (correction, correction_e) = each(1.7, 1.0, 0.6), each(1 - 1e-4, 1, 1), each(0.3, 1, 0.5)
     step, step_e = each(-1e-3, 0.0, -2e-3)
     bound, bound_e = each(0.5, 0.3, 0.0)
+    limit, limit_e = each(0.5, 0.1, math.inf)  # the first segment's limit binds, the last has none
+    unlimited = each(math.inf, math.inf, math.inf)[0]
     active = torch.tensor([1, 0, 1], dtype=torch.bool).repeat_interleave(torch.tensor(lengths))
     d = v.double().sqrt() + eps_e
     floor = torch.where(active, (g * g * bound_e.float()).double(), zero := torch.zeros(n, dtype=torch.float64))
@@ -935,9 +939,9 @@ def test_frozen_adam_steps_match_their_torch_path(n):
         variances.append(variance)
         return param
 
-    def to_wire(divide):
+    def to_wire(divide, limit=unlimited):
         wire = g.clone()
-        momentum_to_wire(wire, m, v, segments, mix, weight, eps, c, divide)
+        momentum_to_wire(wire, m, v, segments, mix, weight, eps, c, limit, divide)
         return wire
 
     def from_wire():
@@ -949,6 +953,8 @@ def test_frozen_adam_steps_match_their_torch_path(n):
     expected = [  # (run, exact, size of its terms)
         (lambda: to_wire(True), torch.where(active, mixed / d * c_e, zero), mixed_size / d * c_e),
         (lambda: to_wire(False), torch.where(active, mixed * c_e, zero), mixed_size * c_e),
+        (lambda: to_wire(True, limit), torch.where(active, (mixed / d * c_e).clamp(-limit_e, limit_e), zero),
+         mixed_size / d * c_e),
         (from_wire, torch.where(active, g.double() / c_e * d + m.double() * weight_e, g.double() / c_e),
          g.double().abs() / c_e * d + m.double().abs() * weight_e),
         (update, torch.where(active, p.double() * keep_e + step_e * g.double() / denom, p.double()),
@@ -960,5 +966,14 @@ def test_frozen_adam_steps_match_their_torch_path(n):
                 result = run()
             assert ((result.double() - exact).abs() <= 1e-6 * size).all(), ("fused" if fused else "torch", n)
     assert (floor > v.double()).any() or n < 8  # the floor is met somewhere
+    assert ((mixed / d * c_e).abs() > limit_e)[:lengths[0]].any() or n < 8  # the limit too
+    if lengths[0]:  # an Inf beyond the limit is not hidden by it: the kernel says so, the torch path keeps it
+        wire = g.clone()
+        wire[0] = math.inf
+        assert momentum_to_wire(wire, m, v, segments, mix, weight, eps, c, limit, True) is False
+        wire[0] = math.inf
+        with native.disabled():
+            assert momentum_to_wire(wire, m, v, segments, mix, weight, eps, c, limit, True) is None
+        assert not wire[0].isfinite()
     for variance in variances:  # the same floor in both paths: products rounded alike
         assert torch.equal(variance, raised.float())

@@ -25,7 +25,10 @@
   shared scales (a sign code's mean, top-k's threshold, TernGrad's maximum) and its error
   feedback weigh each element by what it will move the parameter.  A low-rank codec
   (PowerSGD) gets ``d = 1``: the division would break the matrix structure it approximates;
-  a lossless one ``c = d = 1``.  ``x`` goes through the merged groups like any gradient:
+  a lossless one ``c = d = 1``.  Divided by ``d``, a value beyond :func:`wire_bound` (32 x
+  Adam's own bound on ``|m| / sqrt(v)``, in units of ``c * S``) is brought back to it, its sign
+  kept: an element whose variance decayed towards zero would otherwise set its group's codec
+  scale for every other element.  ``x`` goes through the merged groups like any gradient:
   compressed by the chosen compressor with its error feedback, overlapping the backward pass.
   A tensor without a gradient this step sends ``c * beta1 * S * m / d``.  After the exchange
   ``p.grad = S * m_avg`` (``c`` and ``d`` multiplied out), which a ``GradScaler`` unscales and
@@ -120,6 +123,15 @@ SEARCH = SchedulerConfig(codecs=tuple(c for c in SEARCHED if c not in ("fp16", "
 STALE, CALM = 1.5, 1.1
 
 
+#: :func:`wire_bound`: how many times Adam's own bound a value preconditioned for the wire may be.
+#: Per rank it exceeds the bound where this rank's gradient is noisier than the average the
+#: variance follows, or the variance is stale; on the 3-layer GPT-2 at lr 3e-3 (600 updates, 1-bit
+#: SGD and top-k by their recipes) at most 13.3x with beta2 = 0.999, and up to 1e5x with
+#: beta2 = 0.95, where a variance refreshed from gradients that carried next to nothing for an
+#: element (a byte not seen for hundreds of updates) has decayed to 1e-20.
+WIRE_BOUND = 32.0
+
+
 #: the longest refresh interval, in time constants of Adam's variance (:func:`refresh_limit`): on
 #: a 3-layer GPT-2 with beta2 = 0.95 (time constant 20 updates), 1-bit SGD's recipe with K = 150
 #: ended 1.9 % behind AdamW refreshing every 32 updates and 1.2 % every 8 (seed 0; 6.8 % and 2.8 %
@@ -138,6 +150,22 @@ def refresh_limit(beta2: float) -> int:
     """The longest variance refresh interval that follows Adam's variance with ``beta2``:
     :data:`REFRESH_SHARE` of its time constant ``1 / (1 - beta2)`` (8 for 0.95, 400 for 0.999)."""
     return max(1, math.ceil(REFRESH_SHARE / (1 - beta2))) if beta2 < 1 else 1 << 30
+
+
+def wire_bound(beta1: float, beta2: float, increment: bool) -> float:
+    """The largest ``|x| / (c * S)`` a preconditioned wire value keeps (beyond it, it is brought
+    back to it, its sign kept): :data:`WIRE_BOUND` x what Adam's own state never exceeds, ``|m|
+    <= B sqrt(v)`` (:func:`~mergecomp.kernels.frozen_adam.inv_bound2`), or for the increment
+    ``(1 - beta1) |g| <= (1 - beta1) sqrt(v / (1 - beta2))``; +Inf where Adam has no such bound.
+    Beyond it a value would set the shared scale of its group's codec (a sign code's mean,
+    TernGrad's maximum, top-k's fp16 range) for every other element, where the update itself
+    could not use it: Adam's bound caps that element's update at ``B`` either way."""
+    if increment:
+        bound = (1 - beta1) / math.sqrt(1 - beta2) if beta2 < 1 else math.inf
+    else:
+        inverse = frozen_adam.inv_bound2(beta1, beta2)
+        bound = 1 / math.sqrt(inverse) if inverse else math.inf
+    return WIRE_BOUND * bound
 
 
 def next_write(written: int, every: Optional[int]) -> Optional[int]:
@@ -416,7 +444,9 @@ class MomentumExchange:
                           "beta1": [g["betas"][0] for g in groups], "eps": [g["eps"] for g in groups],
                           "sign": [-1.0 if g["maximize"] else 1.0 for g in groups],
                           "decay": [g["weight_decay"] for g in groups],
-                          "l2": [bool(g["weight_decay"]) and not self._decoupled(g) for g in groups]}
+                          "l2": [bool(g["weight_decay"]) and not self._decoupled(g) for g in groups],
+                          "wire_bound": [wire_bound(*g["betas"], self.increment) if self.preconditioned else math.inf
+                                         for g in groups]}
         return self._step
 
     def _state(self, group: Group) -> GroupState:
@@ -456,11 +486,12 @@ class MomentumExchange:
             return frozen_adam.momentum_to_wire(flat, state.momentum, state.variance, state.segments,
                                                 state.per_group(mix), state.per_group([0.0] * len(mix)),
                                                 state.per_group(settings["eps"]), state.per_group([1.0] * len(mix)),
-                                                divide=False)
+                                                state.per_group([math.inf] * len(mix)), divide=False)
         weight = [0.0 if self.increment else beta1 * scale for beta1 in settings["beta1"]]
+        limit = state.coefficient * state.per_group([scale * bound for bound in settings["wire_bound"]])
         return frozen_adam.momentum_to_wire(flat, state.momentum, state.variance, state.segments, state.per_group(mix),
                                             state.per_group(weight), state.per_group(settings["eps"]),
-                                            state.coefficient, divide=self.preconditioned)
+                                            state.coefficient, limit, divide=self.preconditioned)
 
     def _add_l2(self, state: GroupState, flat: torch.Tensor, mix: List[float], scale: float,
                 missing: Sequence[int]) -> None:

@@ -16,6 +16,7 @@ used, never kept.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -55,18 +56,21 @@ def _f32(values: torch.Tensor) -> torch.Tensor:
 
 def momentum_to_wire(grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor, segments: Segments,
                      mix: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, coefficient: torch.Tensor,
-                     divide: bool) -> Optional[bool]:
+                     limit: torch.Tensor, divide: bool) -> Optional[bool]:
     """This rank's momentum as it goes on the wire, written over the flat ``grad``: per active
     segment ``(grad * mix + momentum * weight) / (sqrt(variance) + eps) * coefficient`` (with
-    ``divide``; without it the division is left out), zeros elsewhere.  Returns whether every
-    value written is finite where the same pass tells (the kernel), else None."""
+    ``divide``; without it the division is left out), a value beyond the segment's ``limit``
+    (+Inf: none) brought back to it, its sign kept; zeros elsewhere.  Returns whether every
+    value written is finite where the same pass tells (the kernel), else None (a NaN or Inf
+    stays one)."""
     if native.usable(grad, momentum, variance):
         return native.momentum_to_wire_segments(grad, momentum, variance, segments.offsets, _f32(mix), _f32(weight),
-                                                _f32(eps), _f32(coefficient), segments.active, divide)
+                                                _f32(eps), _f32(coefficient), _f32(limit), segments.active, divide)
     g, m, v = segments.views(grad), segments.views(momentum), segments.views(variance)
     if segments.inactive:
         torch._foreach_zero_([g[s] for s in segments.inactive])
-    mix, weight, eps, coefficient = mix.tolist(), weight.tolist(), eps.tolist(), coefficient.tolist()
+    mix, weight, eps, coefficient, limit = mix.tolist(), weight.tolist(), eps.tolist(), coefficient.tolist(), \
+        limit.tolist()
     for bundle in segments.bundles:
         gs, first = [g[s] for s in bundle], bundle[0]
         torch._foreach_mul_(gs, mix[first])
@@ -76,6 +80,13 @@ def momentum_to_wire(grad: torch.Tensor, momentum: torch.Tensor, variance: torch
             torch._foreach_add_(d, eps[first])
             torch._foreach_div_(gs, d)
         torch._foreach_mul_(gs, [coefficient[s] for s in bundle])
+        limited = [s for s in bundle if math.isfinite(limit[s])]
+        if limited:  # x * min(1, limit / |x|): Inf becomes NaN, NaN stays, for the step's check
+            shrink = torch._foreach_abs([g[s] for s in limited])
+            torch._foreach_reciprocal_(shrink)
+            torch._foreach_mul_(shrink, [limit[s] for s in limited])
+            torch._foreach_clamp_max_(shrink, 1.0)
+            torch._foreach_mul_([g[s] for s in limited], shrink)
     return None
 
 

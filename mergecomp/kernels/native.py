@@ -47,7 +47,7 @@ __all__ = ["usable", "disabled", "stochastic_codes", "qsgd_encode", "scale_level
 _SOURCE = Path(__file__).with_name("csrc") / "codecs.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
           "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread"]
-_ABI_VERSION = 35
+_ABI_VERSION = 36
 #: largest bucket :func:`qsgd_encode` reads from cache the second time (the kernels' BLOCK)
 CACHED_BUCKET = 1 << 15
 #: outputs of at least this many elements are written with non-temporal stores (STREAM_MIN)
@@ -118,7 +118,7 @@ _SIGNATURES = {
     "mc_cast_half_finite": ([_P, _P, _I64, _I32], _I32),
     "mc_zero_fill": ([_P, _I64, _I32], None),
     "mc_low_rank": ([_P, _P, _I64, _I64, _I64, _I32, _P, _P, _I64, _I32, _I32], None),
-    "mc_momentum_to_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I32, _I32], _I32),
+    "mc_momentum_to_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32, _I32], _I32),
     "mc_momentum_from_wire_segments": ([_P, _P, _P, _P, _I64, _P, _P, _P, _P, _I32, _I32], None),
     "mc_frozen_adam_segments": ([_P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _I32], None),
     "mc_use_openmp": ([_P, _P, _P], None),
@@ -717,18 +717,21 @@ def _segments(offsets: torch.Tensor, numel: int, **per_segment: torch.Tensor) ->
 
 def momentum_to_wire_segments(grad: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor,
                               offsets: torch.Tensor, mix: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor,
-                              coefficient: torch.Tensor, active: torch.Tensor, divide: bool) -> bool:
+                              coefficient: torch.Tensor, limit: torch.Tensor, active: torch.Tensor,
+                              divide: bool) -> bool:
     """In place over the flat fp32 ``grad``, segment by segment (``offsets``; per segment ``s``
     the fp32 values ``mix[s]`` ...): ``(grad * mix + momentum * weight) / (sqrt(variance) +
     eps) * coefficient`` with ``divide``, else ``fma(momentum, weight, grad * mix) *
-    coefficient``; zeros where ``active[s]`` is 0.  One pass; returns whether every value
-    written is finite."""
+    coefficient``, a value beyond ``limit[s]`` (+Inf: none) replaced by the limit with its
+    sign; zeros where ``active[s]`` is 0.  One pass; returns whether every value, before the
+    limit, is finite."""
     n = grad.numel()
-    count = _segments(offsets, n, mix=mix, weight=weight, eps=eps, coefficient=coefficient, active=active)
+    count = _segments(offsets, n, mix=mix, weight=weight, eps=eps, coefficient=coefficient, limit=limit,
+                      active=active)
     return bool(_library().mc_momentum_to_wire_segments(
         _buf("grad", grad, torch.float32, n), _buf("momentum", momentum, torch.float32, n),
         _buf("variance", variance, torch.float32, n), offsets.data_ptr(), count, mix.data_ptr(), weight.data_ptr(),
-        eps.data_ptr(), coefficient.data_ptr(), active.data_ptr(), int(divide), _threads()))
+        eps.data_ptr(), coefficient.data_ptr(), limit.data_ptr(), active.data_ptr(), int(divide), _threads()))
 
 
 def momentum_from_wire_segments(wire: torch.Tensor, momentum: torch.Tensor, variance: torch.Tensor,

@@ -943,7 +943,7 @@ void mc_use_openmp(void* parallel, void* thread_num, void* num_threads) {
   omp_threads = reinterpret_cast<OmpIndex>(num_threads);
 }
 
-int mc_abi_version() { return 35; }
+int mc_abi_version() { return 36; }
 
 // Stochastic rounding of scaled, clamped values to small integer codes:
 //   code[i] = floor(clamp(x[i] * scales[i / bucket], lo, hi) + u_i) + shift
@@ -1508,11 +1508,13 @@ float mc_sampled_threshold(const float* x, const float* r, int64_t n, int64_t st
 
 // In place over g = wire, m = momentum, v = variance: g = (((g * mix + m * weight) / (sqrt(v) +
 // eps)) * c) with `divide`, else g = fma(m, weight, g * mix) * c (torch's g.mul_(mix).add_(m,
-// alpha=weight).mul_(c)); zeros where not active.  Returns whether every value written is
-// finite (no NaN or Inf).
+// alpha=weight).mul_(c)); zeros where not active.  A value beyond segment s's limit (+Inf: none)
+// becomes the limit with its sign.  Returns whether every value, before the limit, is finite
+// (no NaN or Inf).
 int mc_momentum_to_wire_segments(float* wire, const float* momentum, const float* variance, const int64_t* offsets,
                                  int64_t segments, const float* mix, const float* weight, const float* eps,
-                                 const float* c, const uint8_t* active, int divide, int threads) {
+                                 const float* c, const float* limit, const uint8_t* active, int divide,
+                                 int threads) {
   std::atomic<int> finite{1};
   std::atomic<int>* const flag = &finite;  // captured by value: the loops keep their pointers in registers
   parallel_segments(offsets, segments, threads, [=](int64_t s, int64_t start, int64_t stop) {
@@ -1523,21 +1525,21 @@ int mc_momentum_to_wire_segments(float* wire, const float* momentum, const float
       std::fill(g + start, g + stop, 0.0f);
       return;
     }
-    const float a = mix[s], b = weight[s], e = eps[s], k = c[s];
+    const float a = mix[s], b = weight[s], e = eps[s], k = c[s], l = limit[s];
     int unfinite = 0;  // set once a value is NaN or Inf
     if (divide) {
 #pragma omp simd reduction(| : unfinite)
       for (int64_t i = start; i < stop; ++i) {
         const float mixed = g[i] * a + m[i] * b;
         const float x = (mixed / (std::sqrt(v[i]) + e)) * k;
-        g[i] = x;
+        g[i] = std::fabs(x) > l ? std::copysign(l, x) : x;
         unfinite |= !(std::fabs(x) <= FLT_MAX);
       }
     } else {
 #pragma omp simd reduction(| : unfinite)
       for (int64_t i = start; i < stop; ++i) {
         const float x = std::fma(m[i], b, g[i] * a) * k;
-        g[i] = x;
+        g[i] = std::fabs(x) > l ? std::copysign(l, x) : x;
         unfinite |= !(std::fabs(x) <= FLT_MAX);
       }
     }
