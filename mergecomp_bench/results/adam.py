@@ -89,10 +89,7 @@ def adam_auto() -> str:
     """``exchange_momentum_after="auto"`` against uncompressed AdamW on each setting of
     :data:`_AUTO_SETTINGS`: the validation loss's difference on the same seed (median over the
     seeds, the worst seed beside it where there are several) and bits per element over the run,
-    from the runs of today's recipe (its K and R) in the setting's record; ``refused`` where
-    ``"auto"`` refuses the compressor at the setting's beta2."""
-    from mergecomp.torch.momentum_recipes import refuses
-
+    from the runs of today's recipe (its K and R) in the setting's record."""
     every = _adam_records()
     rows = []
     for label, differs, steps, record in _AUTO_SETTINGS:
@@ -102,9 +99,8 @@ def adam_auto() -> str:
         if not seeds_of_row:
             raise LookupError(f"{record}: no run of today's recipes")
         baseline = _adamw(every, setting, steps)
-        cells = ["refused" if refuses(compressor, setting["beta2"])
-                 else _auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
-                 for compressor, measured in runs.items()]
+        cells = [_auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
+                 for measured in runs.values()]
         seeds = seed_list(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {seed_list(seeds_of_row)}"
         rows.append([f"{label}, {seeds}", *cells, _noise_cell(setting, steps, record, baseline), f"`{record}`"])
     header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS),
