@@ -59,6 +59,7 @@ class Recipe:
     codec: str
     send: str = "momentum"
 
+
 #: recipes below this beta2 warn (they were measured with 0.999)
 MEASURED_BETA2 = 0.99
 
