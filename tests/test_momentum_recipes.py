@@ -34,6 +34,20 @@ def test_each_recipe_scales_its_warm_up_to_the_runs_lr_warm_up():
         "exchange_momentum_after": 3, "exchange_momentum_as": "momentum", "compression_warmup_codec": "none"}
 
 
+def test_a_short_run_takes_its_recipes_short_run_codec():
+    """A warm-up of more than a tenth of ``total_steps`` in 8-bit QSGD takes 4-bit QSGD instead; a
+    tenth or less, a run of unknown length and the recipes of other codecs keep theirs; a codec the
+    user gives stands."""
+    def codec(name, **given):
+        return choose(name, {"exchange_momentum_after": "auto", **given}, "test")[1]["compression_warmup_codec"]
+
+    assert [codec("onebit", total_steps=n) for n in (300, 600, 1200, 1500, 2000)] == ["qsgd4"] * 3 + ["qsgd"] * 2
+    assert [codec(name, total_steps=600) for name in ("efsignsgd", "topk", "powersgd", "terngrad", "qsgd", "none")] \
+        == ["qsgd4"] * 4 + ["fp16", "none"]
+    assert codec("onebit") == codec("onebit", lr_warmup_steps=30) == "qsgd"
+    assert codec("onebit", total_steps=600, compression_warmup_codec="fp16") == "fp16"
+
+
 def test_what_the_user_gives_stands():
     mine = mergecomp.get_compressor("topk", ratio=0.1)
     compression, options, _ = choose(mine, {"exchange_momentum_after": "auto", "total_steps": 2000,
@@ -138,7 +152,7 @@ def _auto_worker(rank):
     x, y = make_data()
     out = []
     for options in ({"exchange_momentum_after": "auto", "lr_warmup_steps": 4, "total_steps": 24},
-                    {"exchange_momentum_after": 6, "variance_refresh_every": 32, "compression_warmup_codec": "qsgd",
+                    {"exchange_momentum_after": 6, "variance_refresh_every": 32, "compression_warmup_codec": "qsgd4",
                      "compression": mergecomp.get_compressor("topk", ratio=0.025, value_dtype="fp16")}):
         model = make_model()
         options = {"compression": "topk", **options}
@@ -151,7 +165,7 @@ def _auto_worker(rank):
 def test_distributed_optimizer_with_auto_trains_as_the_recipe_spelled_out():
     """``DistributedOptimizer(adamw, compression="topk", exchange_momentum_after="auto",
     lr_warmup_steps=4, total_steps=24)`` gives the same parameters, bit for bit, as top-k's recipe written out
-    (2.5 % in fp16, K = 1.5 x 4, R = 32, the 8-bit QSGD warm-up codec), on every rank."""
+    (2.5 % in fp16, K = 1.5 x 4, R = 32, the 4-bit QSGD warm-up codec of a short run), on every rank."""
     for auto, spelled in run_workers(_auto_worker, 2):
         assert torch.equal(auto, spelled)
 

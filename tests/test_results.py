@@ -206,6 +206,35 @@ def test_the_adam_noise_column_compares_fp16_gradients_with_adamw_on_each_seed_o
     assert adam._noise_cell(full, 600, "none.jsonl", baseline) == "–"
 
 
+def test_an_adam_auto_row_reads_the_runs_of_todays_warm_up_codec_and_names_another(tmp_path, monkeypatch):
+    """Runs of today's K and R in two warm-up codecs: the cell reads those of the codec "auto"
+    gives today (4-bit QSGD for 1-bit SGD's 600-update run); with only another codec's runs, it
+    reads those and the row names their codec."""
+    from mergecomp.registry import get_compressor
+
+    setting = {"layers": 3, "lr": 1.5e-3, "clip": 1.0}
+    eight, four = (repr(get_compressor("qsgd", levels=levels)) for levels in (127, 7))
+
+    def run(config, seed, loss, codec=None, bits=32.0):
+        return {"config": config, "seed": seed, "final_test_loss": loss, "steps": 600, "status": "ok",
+                "after": codec and 150, "refresh": codec and 32, "warmup_codec": codec, "bits_per_element": bits,
+                "setting": setting}
+    old = [run("onebit@auto", seed, 2.2, eight, 3.0) for seed in (0, 1)]
+    new = [run("onebit@auto", seed, 1.98, four, 1.9) for seed in (0, 1)]
+    for name, runs in (("both.jsonl", old + new), ("old.jsonl", old)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in runs))
+    monkeypatch.setattr(data, "DATA", tmp_path)
+    full, baseline = {**adam._ADAM_DEFAULTS, **setting}, {0: 2.0, 1: 2.0}
+    read = []
+    for name in ("both.jsonl", "old.jsonl"):
+        runs = adam._auto_runs(full, 600, name)
+        assert runs["onebit"][1] == "qsgd4"
+        read.append((adam._auto_cell(runs["onebit"][0], baseline, name, {0, 1}), adam._other_codecs(runs)))
+    assert read == [("**−1.00 %** (worst −1.00 %; 1.90 bits)", ""),
+                    ("+10.00 % (worst +10.00 %; 3.00 bits)",
+                     ", measured with the 8-bit QSGD warm-up (`\"auto\"`'s today: 4-bit QSGD)")]
+
+
 # Records older than provenance in every row (mergecomp_bench/records.py) for which neither the docs
 # nor the commit messages give a command (docs/img/data/provenance.json says what they give instead).
 # A gap may be filled; a new record must carry its command.

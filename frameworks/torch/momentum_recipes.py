@@ -43,6 +43,13 @@ LR_WARMUP_SHARE = 0.05
 #: / +3.2 % after 36, -5.7 % / +0.5 % after 120
 SHORTEST_WARMUP = 150
 SHORT_RUN_SHARE = 0.25
+#: a warm-up longer than this share of a run of known length is a short run's: its codec is the
+#: cheaper one of :data:`SHORT_RUN_CODECS` (8-bit QSGD over a tenth of the run is 0.8 bits per element
+#: by itself); on 600 updates at AdamW's best learning rate (docs/compressors.md) 4-bit QSGD moved no
+#: recipe's median of three seeds against AdamW by more than half a point from 8-bit's, at a third
+#: fewer bits
+SHORT_RUN_CODEC_SHARE = 0.1
+SHORT_RUN_CODECS = {"qsgd": "qsgd4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +57,21 @@ class Recipe:
     """One compressor's momentum exchange: ``compressor`` (its settings, applied when the
     compressor is given by name), ``warmup`` (the lossless warm-up in LR warm-ups: K = warmup x
     the run's LR warm-up, at least :data:`SHORTEST_WARMUP`), ``refresh_every``
-    (``variance_refresh_every``), ``codec``
-    (``compression_warmup_codec``), ``send`` (``exchange_momentum_as``)."""
+    (``variance_refresh_every``), ``codec`` (``compression_warmup_codec``; its
+    :data:`SHORT_RUN_CODECS` one where K is more than :data:`SHORT_RUN_CODEC_SHARE` of
+    ``total_steps``), ``send`` (``exchange_momentum_as``)."""
 
     compressor: Dict[str, Any]
     warmup: float
     refresh_every: Optional[int]
     codec: str
     send: str = "momentum"
+
+    def codec_for(self, after: Any, total: Optional[int]) -> str:
+        """The warm-up codec of a warm-up ``after`` (updates, or decided as the run goes) in a
+        run of ``total`` updates (None or 0: not known)."""
+        short = isinstance(after, int) and total and after > SHORT_RUN_CODEC_SHARE * total
+        return SHORT_RUN_CODECS.get(self.codec, self.codec) if short else self.codec
 
 
 #: recipes below this beta2 warn (they were measured with 0.999)
@@ -88,7 +102,8 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
     the run's LR warm-up (``lr_warmup_steps`` where given, else 5 % of ``total_steps``; neither:
     :class:`~.momentum_exchange.LrWarmup`, from the learning rate as it moves) and at
     least :data:`SHORTEST_WARMUP` (a quarter of a shorter ``total_steps``), and the
-    refresh interval, warm-up codec and wire form unless ``options`` gives them; ``chosen``: the
+    refresh interval, warm-up codec (:meth:`Recipe.codec_for`) and wire form unless ``options``
+    gives them; ``chosen``: the
     momentum options the recipe set (for :func:`adapt`); the two run options are taken out of
     ``options``.  Without ``"auto"``, unchanged and nothing chosen (the run options refused).
     ValueError naming the option or the compressor."""
@@ -120,7 +135,7 @@ def choose(compression: Any, options: Dict[str, Any], who: str) -> Tuple[Any, Di
         chosen.append(REFRESH_OPTION)
     if options.get(SEND_OPTION) is None:
         options[SEND_OPTION] = recipe.send
-    options.setdefault("compression_warmup_codec", recipe.codec)
+    options.setdefault("compression_warmup_codec", recipe.codec_for(options[OPTION], total))
     if isinstance(compression, str) and recipe.compressor:
         compression = get_compressor(compression, **recipe.compressor)
     after = options[OPTION]

@@ -20,6 +20,8 @@ _ADAM_DEFAULTS = {"frontend": "optimizer", "model": "gpt2", "corpus": "stdlib", 
 NOISE_CONFIG = "fp16@grad"
 #: the compressors of :func:`adam_auto`'s columns
 _AUTO_COMPRESSORS = ("onebit", "topk", "powersgd", "terngrad")
+#: what a cell calls a warm-up codec (``compression_warmup_codec``) other than today's recipe's
+_CODEC_NAMES = {"none": "lossless", "fp16": "fp16", "qsgd": "8-bit QSGD", "qsgd4": "4-bit QSGD"}
 #: its rows: label, the setting (what differs from the defaults), updates, the record of its runs
 _AUTO_SETTINGS: Tuple[Tuple[str, Dict[str, object], int, str], ...] = (
     ("GPT-2 4 x 256, lr 1e-3, 2,000 updates (the recipes' own)", {}, 2000, "adam_gpt2_4x256_auto_2workers.jsonl"),
@@ -71,10 +73,10 @@ def _adam_records(names: Sequence[str] = ()) -> List[dict]:
     return [r for name in names or named("adam_*.jsonl") for r in records(name) if r.get("status") == "ok"]
 
 
-def _auto_now(compressor: str, setting: Dict[str, object], steps: int) -> Tuple[int, Optional[int]]:
-    """The warm-up K and refresh interval R ``"auto"`` gives ``compressor`` today on a
-    bench_adam.py run of ``steps`` updates with ``setting``: a record made with other ones
-    measured another recipe."""
+def _auto_now(compressor: str, setting: Dict[str, object], steps: int) -> Tuple[int, Optional[int], str]:
+    """The warm-up K, refresh interval R and warm-up codec ``"auto"`` gives ``compressor`` today
+    on a bench_adam.py run of ``steps`` updates with ``setting``: a record made with another K or
+    R measured another recipe."""
     from mergecomp.torch.momentum_exchange import refresh_limit
     from mergecomp.torch.momentum_recipes import RECIPES, choose
 
@@ -82,30 +84,53 @@ def _auto_now(compressor: str, setting: Dict[str, object], steps: int) -> Tuple[
     _, options, _ = choose(compressor, {"exchange_momentum_after": "auto", "lr_warmup_steps": lr_warmup,
                                         "total_steps": steps}, "render")
     refresh = RECIPES[compressor].refresh_every
-    return options["exchange_momentum_after"], None if refresh is None else min(refresh, refresh_limit(setting["beta2"]))
+    return (options["exchange_momentum_after"], None if refresh is None else min(refresh, refresh_limit(setting["beta2"])),
+            options["compression_warmup_codec"])
+
+
+def _codec_of(run: dict) -> str:
+    """The ``compression_warmup_codec`` of a bench_adam.py ``@auto`` run (which records the codec's
+    compressor; runs recorded before it did were made when every recipe's was 8-bit QSGD)."""
+    from mergecomp.exchange.plan import UNFED
+    from mergecomp.pipeline.options import WARMUP_CODECS
+    from mergecomp.registry import get_compressor
+
+    made = {repr(get_compressor(name, **kwargs)): codec
+            for codec, (name, kwargs) in ((codec, UNFED[route]) for codec, route in WARMUP_CODECS.items())}
+    return made[run["warmup_codec"]] if "warmup_codec" in run else "qsgd"
 
 
 def adam_auto() -> str:
     """``exchange_momentum_after="auto"`` against uncompressed AdamW on each setting of
     :data:`_AUTO_SETTINGS`: the validation loss's difference on the same seed (median over the
     seeds, the worst seed beside it where there are several) and bits per element over the run,
-    from the runs of today's recipe (its K and R) in the setting's record."""
+    from the runs of today's recipe (its K and R; a warm-up codec other than today's named) in
+    the setting's record."""
     every = _adam_records()
     rows = []
     for label, differs, steps, record in _AUTO_SETTINGS:
         setting = {**_ADAM_DEFAULTS, **differs}
         runs = _auto_runs(setting, steps, record)
-        seeds_of_row = {r["seed"] for measured in runs.values() for r in measured}
+        seeds_of_row = {r["seed"] for measured, _ in runs.values() for r in measured}
         if not seeds_of_row:
             raise LookupError(f"{record}: no run of today's recipes")
         baseline = _adamw(every, setting, steps)
         cells = [_auto_cell(measured, baseline, record, seeds_of_row) if measured else "–"
-                 for measured in runs.values()]
+                 for measured, _ in runs.values()]
         seeds = seed_list(seeds_of_row) if len(seeds_of_row) == 1 else f"median of {seed_list(seeds_of_row)}"
-        rows.append([f"{label}, {seeds}", *cells, _noise_cell(setting, steps, record, baseline), f"`{record}`"])
+        rows.append([f"{label}, {seeds}{_other_codecs(runs)}", *cells, _noise_cell(setting, steps, record, baseline),
+                     f"`{record}`"])
     header = ["setting (`bench_adam.py` flags)", *(f"`{c}`" for c in _AUTO_COMPRESSORS),
               f"fp16 gradients, no exchange (`{NOISE_CONFIG}`): the noise", "record (`docs/img/data/`)"]
     return table(header, ["---", *["---:"] * (len(_AUTO_COMPRESSORS) + 1), "---"], rows)
+
+
+def _other_codecs(runs: Dict[str, Tuple[List[dict], str]]) -> str:
+    """``", measured with the 8-bit QSGD warm-up ("auto"'s today: 4-bit QSGD)"`` where a row's
+    runs (:func:`_auto_runs`) used a warm-up codec other than the one ``"auto"`` gives today."""
+    other = {(_codec_of(r), codec) for measured, codec in runs.values() for r in measured if _codec_of(r) != codec}
+    return "".join(f", measured with the {_CODEC_NAMES[was]} warm-up (`\"auto\"`'s today: {_CODEC_NAMES[now]})"
+                   for was, now in sorted(other))
 
 
 def _noise_cell(setting: Dict[str, object], steps: int, record: str, baseline: Dict[int, float]) -> str:
@@ -128,7 +153,7 @@ def recipes_on_their_own_run() -> List[Tuple[float, float]]:
     baseline = _adamw(_adam_records(), setting, steps)
     return [(statistics.median(_vs_adamw(measured, baseline, record)),
              statistics.median(r["bits_per_element"] for r in measured))
-            for measured in _auto_runs(setting, steps, record).values() if measured]
+            for measured, _ in _auto_runs(setting, steps, record).values() if measured]
 
 
 def _adamw(every: List[dict], setting: Dict[str, object], steps: int) -> Dict[int, float]:
@@ -141,14 +166,17 @@ def _runs(rows: List[dict], config: str, setting: Dict[str, object], steps: int)
     return [r for r in rows if r["config"] == config and _setting(r) == setting and r["steps"] == steps]
 
 
-def _auto_runs(setting: Dict[str, object], steps: int, record: str) -> Dict[str, List[dict]]:
-    """Each compressor's runs in ``record`` of the recipe ``"auto"`` gives it today."""
+def _auto_runs(setting: Dict[str, object], steps: int, record: str) -> Dict[str, Tuple[List[dict], str]]:
+    """Each compressor's runs in ``record`` of the K and R ``"auto"`` gives it today, and the
+    warm-up codec it gives today: the runs with that codec where there are some, else those with
+    another."""
     measured = records(record)
     runs = {}
     for compressor in _AUTO_COMPRESSORS:
-        after, refresh = _auto_now(compressor, setting, steps)
-        runs[compressor] = [r for r in _runs(measured, f"{compressor}@auto", setting, steps)
-                            if r["after"] == after and r.get("refresh") == refresh]
+        after, refresh, codec = _auto_now(compressor, setting, steps)
+        recipe = [r for r in _runs(measured, f"{compressor}@auto", setting, steps)
+                  if r["after"] == after and r.get("refresh") == refresh]
+        runs[compressor] = [r for r in recipe if _codec_of(r) == codec] or recipe, codec
     return runs
 
 
