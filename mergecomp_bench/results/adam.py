@@ -2,6 +2,7 @@
 ``exchange_momentum_after="auto"`` gives against uncompressed AdamW, and what the exchange needs."""
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -91,16 +92,20 @@ def _auto_now(compressor: str, setting: Dict[str, object], steps: int) -> Tuple[
             options["compression_warmup_codec"])
 
 
-def _codec_of(run: dict) -> str:
-    """The ``compression_warmup_codec`` of a bench_adam.py ``@auto`` run (which records the codec's
-    compressor; runs recorded before it did were made when every recipe's was 8-bit QSGD)."""
+@functools.lru_cache(maxsize=None)
+def _codecs_by_record() -> Dict[str, str]:
+    """Each ``compression_warmup_codec`` by what bench_adam.py records of it (its compressor's repr)."""
     from mergecomp.exchange.plan import UNFED
     from mergecomp.pipeline.options import WARMUP_CODECS
     from mergecomp.registry import get_compressor
 
-    made = {repr(get_compressor(name, **kwargs)): codec
-            for codec, (name, kwargs) in ((codec, UNFED[route]) for codec, route in WARMUP_CODECS.items())}
-    return made[run["warmup_codec"]] if "warmup_codec" in run else "qsgd"
+    return {repr(get_compressor(UNFED[route][0], **UNFED[route][1])): codec for codec, route in WARMUP_CODECS.items()}
+
+
+def _codec_of(run: dict) -> str:
+    """The ``compression_warmup_codec`` of a bench_adam.py ``@auto`` run (which records the codec's
+    compressor; runs recorded before it did were made when every recipe's was 8-bit QSGD)."""
+    return _codecs_by_record()[run["warmup_codec"]] if "warmup_codec" in run else "qsgd"
 
 
 def adam_auto() -> str:
@@ -131,7 +136,8 @@ def adam_auto() -> str:
 def _other_codecs(runs: Dict[str, Tuple[List[dict], str]]) -> str:
     """``", measured with the 8-bit QSGD warm-up ("auto"'s today: 4-bit QSGD)"`` where a row's
     runs (:func:`_auto_runs`) used a warm-up codec other than the one ``"auto"`` gives today."""
-    other = {(_codec_of(r), codec) for measured, codec in runs.values() for r in measured if _codec_of(r) != codec}
+    other = {(_codec_of(r), codec) for measured, codec in runs.values() for r in measured} - {
+        (codec, codec) for _, codec in runs.values()}
     return "".join(f", measured with the {_CODEC_NAMES[was]} warm-up (`\"auto\"`'s today: {_CODEC_NAMES[now]})"
                    for was, now in sorted(other))
 
@@ -179,7 +185,7 @@ def _auto_runs(setting: Dict[str, object], steps: int, record: str) -> Dict[str,
         after, refresh, codec = _auto_now(compressor, setting, steps)
         recipe = [r for r in _runs(measured, f"{compressor}@auto", setting, steps)
                   if r["after"] == after and r.get("refresh") == refresh]
-        runs[compressor] = [r for r in recipe if _codec_of(r) == codec] or recipe, codec
+        runs[compressor] = ([r for r in recipe if _codec_of(r) == codec] or recipe), codec
     return runs
 
 
